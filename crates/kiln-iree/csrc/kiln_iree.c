@@ -1,0 +1,374 @@
+// kiln's C shim over the IREE runtime: see kiln_iree.h.
+//
+// Built by kiln-iree's build script with IREE_ALLOCATOR_SYSTEM_CTL defined, as
+// every translation unit that includes iree/runtime/api.h must be.
+#include "kiln_iree.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "iree/runtime/api.h"
+
+struct kiln_iree_error {
+  uint32_t code;
+  char* message;
+};
+
+struct kiln_iree_instance {
+  iree_runtime_instance_t* instance;
+};
+
+struct kiln_iree_device {
+  iree_hal_device_t* device;
+};
+
+struct kiln_iree_module {
+  iree_runtime_session_t* session;
+  iree_hal_device_t* device;
+};
+
+struct kiln_iree_call {
+  iree_runtime_call_t call;
+  iree_hal_device_t* device;
+};
+
+struct kiln_iree_tensor {
+  iree_hal_buffer_view_t* view;
+  iree_hal_device_t* device;
+};
+
+// An error with a plain message (no IREE status behind it).
+static kiln_iree_error* kiln_iree_error_new(uint32_t code, const char* context,
+                                            const char* detail) {
+  kiln_iree_error* error = calloc(1, sizeof(*error));
+  if (!error) abort();  // Out of memory while reporting an error.
+  size_t length = strlen(context) + strlen(detail) + 3;
+  error->message = malloc(length);
+  if (!error->message) abort();
+  snprintf(error->message, length, "%s: %s", context, detail);
+  error->code = code;
+  return error;
+}
+
+// Converts (and consumes) an IREE status; NULL when it is OK.
+static kiln_iree_error* kiln_iree_error_from_status(iree_status_t status,
+                                                    const char* context) {
+  if (iree_status_is_ok(status)) return NULL;
+  uint32_t code = (uint32_t)iree_status_code(status);
+  iree_allocator_t allocator = iree_allocator_system();
+  char* text = NULL;
+  iree_host_size_t text_length = 0;
+  kiln_iree_error* error;
+  if (iree_status_to_string(status, &allocator, &text, &text_length)) {
+    error = kiln_iree_error_new(code, context, text);
+    iree_allocator_free(allocator, text);
+  } else {
+    error = kiln_iree_error_new(code, context,
+                                iree_status_code_string(iree_status_code(status)));
+  }
+  iree_status_free(status);
+  return error;
+}
+
+uint32_t kiln_iree_error_code(const kiln_iree_error* error) {
+  return error->code;
+}
+
+const char* kiln_iree_error_message(const kiln_iree_error* error) {
+  return error->message;
+}
+
+void kiln_iree_error_free(kiln_iree_error* error) {
+  if (!error) return;
+  free(error->message);
+  free(error);
+}
+
+kiln_iree_error* kiln_iree_instance_create(kiln_iree_instance** out_instance) {
+  *out_instance = NULL;
+  kiln_iree_instance* instance = calloc(1, sizeof(*instance));
+  if (!instance) {
+    return kiln_iree_error_new(IREE_STATUS_RESOURCE_EXHAUSTED,
+                               "creating the IREE instance", "out of memory");
+  }
+  iree_runtime_instance_options_t options;
+  iree_runtime_instance_options_initialize(&options);
+  iree_runtime_instance_options_use_all_available_drivers(&options);
+  iree_status_t status = iree_runtime_instance_create(
+      &options, iree_allocator_system(), &instance->instance);
+  if (!iree_status_is_ok(status)) {
+    free(instance);
+    return kiln_iree_error_from_status(status, "creating the IREE instance");
+  }
+  *out_instance = instance;
+  return NULL;
+}
+
+void kiln_iree_instance_release(kiln_iree_instance* instance) {
+  if (!instance) return;
+  iree_runtime_instance_release(instance->instance);
+  free(instance);
+}
+
+kiln_iree_error* kiln_iree_instance_driver_names(kiln_iree_instance* instance,
+                                                 char* buffer, size_t capacity,
+                                                 size_t* out_length) {
+  *out_length = 0;
+  iree_allocator_t allocator =
+      iree_runtime_instance_host_allocator(instance->instance);
+  iree_host_size_t count = 0;
+  iree_hal_driver_info_t* infos = NULL;
+  iree_status_t status = iree_hal_driver_registry_enumerate(
+      iree_runtime_instance_driver_registry(instance->instance), allocator,
+      &count, &infos);
+  if (!iree_status_is_ok(status)) {
+    return kiln_iree_error_from_status(status, "listing the HAL drivers");
+  }
+  size_t length = 0;
+  for (iree_host_size_t i = 0; i < count; ++i) {
+    iree_string_view_t name = infos[i].driver_name;
+    for (iree_host_size_t j = 0; j <= name.size; ++j) {
+      char c = j < name.size ? name.data[j] : '\n';
+      if (j == name.size && i + 1 == count) break;  // No trailing separator.
+      if (length + 1 < capacity) buffer[length] = c;
+      ++length;
+    }
+  }
+  if (capacity > 0) buffer[length < capacity ? length : capacity - 1] = 0;
+  *out_length = length;
+  iree_allocator_free(allocator, infos);
+  return NULL;
+}
+
+kiln_iree_error* kiln_iree_device_create(kiln_iree_instance* instance,
+                                         const char* uri,
+                                         kiln_iree_device** out_device) {
+  *out_device = NULL;
+  kiln_iree_device* device = calloc(1, sizeof(*device));
+  if (!device) {
+    return kiln_iree_error_new(IREE_STATUS_RESOURCE_EXHAUSTED,
+                               "creating a device", "out of memory");
+  }
+  iree_status_t status = iree_hal_create_device(
+      iree_runtime_instance_driver_registry(instance->instance),
+      iree_make_cstring_view(uri),
+      iree_runtime_instance_host_allocator(instance->instance),
+      &device->device);
+  if (!iree_status_is_ok(status)) {
+    free(device);
+    return kiln_iree_error_from_status(status, "creating a device");
+  }
+  *out_device = device;
+  return NULL;
+}
+
+void kiln_iree_device_release(kiln_iree_device* device) {
+  if (!device) return;
+  iree_hal_device_release(device->device);
+  free(device);
+}
+
+kiln_iree_error* kiln_iree_module_load(kiln_iree_instance* instance,
+                                       kiln_iree_device* device,
+                                       const uint8_t* data, size_t length,
+                                       kiln_iree_module** out_module) {
+  *out_module = NULL;
+  iree_allocator_t allocator =
+      iree_runtime_instance_host_allocator(instance->instance);
+  kiln_iree_module* module = calloc(1, sizeof(*module));
+  if (!module) {
+    return kiln_iree_error_new(IREE_STATUS_RESOURCE_EXHAUSTED,
+                               "loading a module", "out of memory");
+  }
+  iree_runtime_session_options_t options;
+  iree_runtime_session_options_initialize(&options);
+  iree_status_t status = iree_runtime_session_create_with_device(
+      instance->instance, &options, device->device, allocator,
+      &module->session);
+  // The session takes ownership of this aligned copy and frees it with
+  // |allocator|; the caller's bytes need not outlive the call.
+  void* copy = NULL;
+  if (iree_status_is_ok(status)) {
+    status = iree_allocator_malloc(allocator, length, &copy);
+  }
+  if (iree_status_is_ok(status)) {
+    memcpy(copy, data, length);
+    status = iree_runtime_session_append_bytecode_module_from_memory(
+        module->session, iree_make_const_byte_span(copy, length), allocator);
+    if (!iree_status_is_ok(status)) iree_allocator_free(allocator, copy);
+  }
+  if (!iree_status_is_ok(status)) {
+    iree_runtime_session_release(module->session);
+    free(module);
+    return kiln_iree_error_from_status(status, "loading a module");
+  }
+  module->device = device->device;
+  iree_hal_device_retain(module->device);
+  *out_module = module;
+  return NULL;
+}
+
+void kiln_iree_module_release(kiln_iree_module* module) {
+  if (!module) return;
+  iree_runtime_session_release(module->session);
+  iree_hal_device_release(module->device);
+  free(module);
+}
+
+kiln_iree_error* kiln_iree_call_create(kiln_iree_module* module,
+                                       const char* function,
+                                       kiln_iree_call** out_call) {
+  *out_call = NULL;
+  kiln_iree_call* call = calloc(1, sizeof(*call));
+  if (!call) {
+    return kiln_iree_error_new(IREE_STATUS_RESOURCE_EXHAUSTED,
+                               "preparing a call", "out of memory");
+  }
+  // Bare names refer to the module's own functions; bytecode modules compiled
+  // from a plain MLIR file are named "module".
+  char qualified[512];
+  if (strchr(function, '.') == NULL) {
+    snprintf(qualified, sizeof(qualified), "module.%s", function);
+  } else {
+    snprintf(qualified, sizeof(qualified), "%s", function);
+  }
+  iree_status_t status = iree_runtime_call_initialize_by_name(
+      module->session, iree_make_cstring_view(qualified), &call->call);
+  if (!iree_status_is_ok(status)) {
+    free(call);
+    return kiln_iree_error_from_status(status, "looking up the function");
+  }
+  call->device = module->device;
+  iree_hal_device_retain(call->device);
+  *out_call = call;
+  return NULL;
+}
+
+static iree_hal_element_type_t kiln_iree_to_hal_type(kiln_iree_element_type t) {
+  switch (t) {
+    case KILN_IREE_F32: return IREE_HAL_ELEMENT_TYPE_FLOAT_32;
+    case KILN_IREE_F16: return IREE_HAL_ELEMENT_TYPE_FLOAT_16;
+    case KILN_IREE_BF16: return IREE_HAL_ELEMENT_TYPE_BFLOAT_16;
+    // MLIR's i32 is signless; so is the element type the module asserts.
+    case KILN_IREE_I32: return IREE_HAL_ELEMENT_TYPE_INT_32;
+  }
+  return IREE_HAL_ELEMENT_TYPE_NONE;
+}
+
+kiln_iree_error* kiln_iree_call_push_input(kiln_iree_call* call,
+                                           kiln_iree_element_type type,
+                                           const int64_t* shape, size_t rank,
+                                           const void* data, size_t length) {
+  enum { kMaxRank = 16 };
+  if (rank > kMaxRank) {
+    return kiln_iree_error_new(IREE_STATUS_INVALID_ARGUMENT, "an input tensor",
+                               "rank above 16");
+  }
+  iree_hal_dim_t dims[kMaxRank];
+  for (size_t i = 0; i < rank; ++i) {
+    if (shape[i] < 0) {
+      return kiln_iree_error_new(IREE_STATUS_INVALID_ARGUMENT,
+                                 "an input tensor", "negative dimension");
+    }
+    dims[i] = (iree_hal_dim_t)shape[i];
+  }
+  iree_hal_buffer_params_t params = {
+      .type = IREE_HAL_MEMORY_TYPE_DEVICE_LOCAL,
+      .usage = IREE_HAL_BUFFER_USAGE_DEFAULT,
+  };
+  iree_hal_buffer_view_t* view = NULL;
+  iree_status_t status = iree_hal_buffer_view_allocate_buffer_copy(
+      call->device, iree_hal_device_allocator(call->device), rank, dims,
+      kiln_iree_to_hal_type(type), IREE_HAL_ENCODING_TYPE_DENSE_ROW_MAJOR,
+      params, iree_make_const_byte_span(data, length), &view);
+  if (iree_status_is_ok(status)) {
+    status = iree_runtime_call_inputs_push_back_buffer_view(&call->call, view);
+    iree_hal_buffer_view_release(view);
+  }
+  return kiln_iree_error_from_status(status, "uploading an input tensor");
+}
+
+kiln_iree_error* kiln_iree_call_invoke(kiln_iree_call* call) {
+  return kiln_iree_error_from_status(
+      iree_runtime_call_invoke(&call->call, /*flags=*/0), "invoking");
+}
+
+kiln_iree_error* kiln_iree_call_pop_output(kiln_iree_call* call,
+                                           kiln_iree_tensor** out_tensor) {
+  *out_tensor = NULL;
+  kiln_iree_tensor* tensor = calloc(1, sizeof(*tensor));
+  if (!tensor) {
+    return kiln_iree_error_new(IREE_STATUS_RESOURCE_EXHAUSTED,
+                               "reading an output", "out of memory");
+  }
+  iree_status_t status =
+      iree_runtime_call_outputs_pop_front_buffer_view(&call->call, &tensor->view);
+  if (!iree_status_is_ok(status)) {
+    free(tensor);
+    return kiln_iree_error_from_status(status, "reading an output");
+  }
+  tensor->device = call->device;
+  iree_hal_device_retain(tensor->device);
+  *out_tensor = tensor;
+  return NULL;
+}
+
+void kiln_iree_call_release(kiln_iree_call* call) {
+  if (!call) return;
+  iree_runtime_call_deinitialize(&call->call);
+  iree_hal_device_release(call->device);
+  free(call);
+}
+
+size_t kiln_iree_tensor_rank(const kiln_iree_tensor* tensor) {
+  return iree_hal_buffer_view_shape_rank(tensor->view);
+}
+
+int64_t kiln_iree_tensor_dim(const kiln_iree_tensor* tensor, size_t index) {
+  return (int64_t)iree_hal_buffer_view_shape_dim(tensor->view, index);
+}
+
+kiln_iree_error* kiln_iree_tensor_element_type(const kiln_iree_tensor* tensor,
+                                               kiln_iree_element_type* out_type) {
+  switch (iree_hal_buffer_view_element_type(tensor->view)) {
+    case IREE_HAL_ELEMENT_TYPE_FLOAT_32: *out_type = KILN_IREE_F32; return NULL;
+    case IREE_HAL_ELEMENT_TYPE_FLOAT_16: *out_type = KILN_IREE_F16; return NULL;
+    case IREE_HAL_ELEMENT_TYPE_BFLOAT_16: *out_type = KILN_IREE_BF16; return NULL;
+    case IREE_HAL_ELEMENT_TYPE_INT_32:
+    case IREE_HAL_ELEMENT_TYPE_SINT_32:
+    case IREE_HAL_ELEMENT_TYPE_UINT_32: *out_type = KILN_IREE_I32; return NULL;
+    default: {
+      char detail[64];
+      snprintf(detail, sizeof(detail), "unsupported element type 0x%08x",
+               (unsigned)iree_hal_buffer_view_element_type(tensor->view));
+      return kiln_iree_error_new(IREE_STATUS_UNIMPLEMENTED, "an output tensor",
+                                 detail);
+    }
+  }
+}
+
+size_t kiln_iree_tensor_byte_length(const kiln_iree_tensor* tensor) {
+  return (size_t)iree_hal_buffer_view_byte_length(tensor->view);
+}
+
+kiln_iree_error* kiln_iree_tensor_read(kiln_iree_tensor* tensor, void* target,
+                                       size_t length) {
+  if (length != kiln_iree_tensor_byte_length(tensor)) {
+    return kiln_iree_error_new(IREE_STATUS_INVALID_ARGUMENT,
+                               "reading an output tensor",
+                               "target length differs from the tensor's");
+  }
+  return kiln_iree_error_from_status(
+      iree_hal_device_transfer_d2h(
+          tensor->device, iree_hal_buffer_view_buffer(tensor->view), 0, target,
+          length, IREE_HAL_TRANSFER_BUFFER_FLAG_DEFAULT, iree_infinite_timeout()),
+      "reading an output tensor");
+}
+
+void kiln_iree_tensor_release(kiln_iree_tensor* tensor) {
+  if (!tensor) return;
+  iree_hal_buffer_view_release(tensor->view);
+  iree_hal_device_release(tensor->device);
+  free(tensor);
+}

@@ -1,0 +1,92 @@
+// kiln's C shim over the IREE runtime.
+//
+// The shim is the only code that includes IREE headers; Rust binds this header
+// alone (bindgen), so the FFI surface is a dozen functions on opaque handles
+// rather than all of IREE. Every fallible function returns a kiln_iree_error*:
+// NULL on success, otherwise an error the caller frees with
+// kiln_iree_error_free.
+#ifndef KILN_IREE_H_
+#define KILN_IREE_H_
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct kiln_iree_error kiln_iree_error;
+typedef struct kiln_iree_instance kiln_iree_instance;
+typedef struct kiln_iree_device kiln_iree_device;
+typedef struct kiln_iree_module kiln_iree_module;
+typedef struct kiln_iree_call kiln_iree_call;
+typedef struct kiln_iree_tensor kiln_iree_tensor;
+
+// Element types kiln exchanges with modules.
+typedef enum kiln_iree_element_type {
+  KILN_IREE_F32 = 0,
+  KILN_IREE_F16 = 1,
+  KILN_IREE_BF16 = 2,
+  KILN_IREE_I32 = 3,
+} kiln_iree_element_type;
+
+// The IREE status code (iree_status_code_t) of an error.
+uint32_t kiln_iree_error_code(const kiln_iree_error* error);
+// The full message, IREE's annotations included; valid until freed.
+const char* kiln_iree_error_message(const kiln_iree_error* error);
+void kiln_iree_error_free(kiln_iree_error* error);
+
+// An instance with every HAL driver compiled into the runtime registered.
+kiln_iree_error* kiln_iree_instance_create(kiln_iree_instance** out_instance);
+void kiln_iree_instance_release(kiln_iree_instance* instance);
+// The registered driver names, separated by '\n', into |buffer| (always
+// NUL-terminated when |capacity| > 0); |out_length| gets the full length.
+kiln_iree_error* kiln_iree_instance_driver_names(kiln_iree_instance* instance,
+                                                 char* buffer, size_t capacity,
+                                                 size_t* out_length);
+
+// A device by URI: "local-task", "local-sync", "cuda", "cuda://0", ...
+kiln_iree_error* kiln_iree_device_create(kiln_iree_instance* instance,
+                                         const char* uri,
+                                         kiln_iree_device** out_device);
+void kiln_iree_device_release(kiln_iree_device* device);
+
+// A session on |device| holding one bytecode module (.vmfb). The bytes are
+// copied; the caller may free them on return.
+kiln_iree_error* kiln_iree_module_load(kiln_iree_instance* instance,
+                                       kiln_iree_device* device,
+                                       const uint8_t* data, size_t length,
+                                       kiln_iree_module** out_module);
+void kiln_iree_module_release(kiln_iree_module* module);
+
+// A call of |function| ("name" or "module.name").
+kiln_iree_error* kiln_iree_call_create(kiln_iree_module* module,
+                                       const char* function,
+                                       kiln_iree_call** out_call);
+// Copies a dense row-major host tensor to the device as the next input.
+kiln_iree_error* kiln_iree_call_push_input(kiln_iree_call* call,
+                                           kiln_iree_element_type type,
+                                           const int64_t* shape, size_t rank,
+                                           const void* data, size_t length);
+kiln_iree_error* kiln_iree_call_invoke(kiln_iree_call* call);
+// Takes the next output; it must be a tensor (buffer view).
+kiln_iree_error* kiln_iree_call_pop_output(kiln_iree_call* call,
+                                           kiln_iree_tensor** out_tensor);
+void kiln_iree_call_release(kiln_iree_call* call);
+
+// Shape, element type and size of an output tensor.
+size_t kiln_iree_tensor_rank(const kiln_iree_tensor* tensor);
+int64_t kiln_iree_tensor_dim(const kiln_iree_tensor* tensor, size_t index);
+kiln_iree_error* kiln_iree_tensor_element_type(const kiln_iree_tensor* tensor,
+                                               kiln_iree_element_type* out_type);
+size_t kiln_iree_tensor_byte_length(const kiln_iree_tensor* tensor);
+// Copies the tensor to host memory; |length| must equal its byte length.
+kiln_iree_error* kiln_iree_tensor_read(kiln_iree_tensor* tensor, void* target,
+                                       size_t length);
+void kiln_iree_tensor_release(kiln_iree_tensor* tensor);
+
+#ifdef __cplusplus
+}  // extern "C"
+#endif
+
+#endif  // KILN_IREE_H_

@@ -1,0 +1,45 @@
+//! `cargo xtask env`: shell exports that point a build at the IREE prefix and
+//! the compiler — the non-Nix twin of `nix develop`.
+
+use std::path::Path;
+
+use anyhow::{Result, anyhow};
+
+use crate::cache::Cache;
+use crate::compiler::compiler_location;
+use crate::iree::{Variant, prefix_location};
+use crate::pins::Pins;
+
+/// The exports, one `export NAME=VALUE` line each, values shell-quoted.
+pub fn exports(cache: &Cache, pins: &Pins, variant: Variant) -> Result<String> {
+    let (prefix, _) = prefix_location(cache, pins, variant)?;
+    if !prefix.exists() {
+        let flag = if variant == Variant::Cuda { " --cuda" } else { "" };
+        return Err(anyhow!(
+            "no IREE prefix ({}) for the current pins at {}; build it with `cargo xtask iree{flag}`",
+            variant.name(),
+            prefix.display()
+        ));
+    }
+    let compiler = compiler_location(cache, pins)?;
+    if !compiler.exists() {
+        return Err(anyhow!(
+            "no iree-compile for the current pins at {}; install it with `cargo xtask compiler`",
+            compiler.display()
+        ));
+    }
+    Ok(format!(
+        "export KILN_IREE_PREFIX={}\nexport KILN_IREE_COMPILE={}\n",
+        quote(&prefix)?,
+        quote(&compiler)?
+    ))
+}
+
+fn quote(path: &Path) -> Result<String> {
+    let text = path
+        .to_str()
+        .ok_or_else(|| anyhow!("{} is not valid UTF-8", path.display()))?;
+    Ok(shlex::try_quote(text)
+        .map_err(|e| anyhow!("cannot quote {text}: {e}"))?
+        .into_owned())
+}

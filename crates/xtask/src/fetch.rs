@@ -1,0 +1,106 @@
+//! Downloads, each checked against its pinned sha256 before anything uses it.
+
+use std::fs::File;
+use std::io::{BufReader, Read, Write};
+use std::path::{Path, PathBuf};
+
+use anyhow::{Context, Result, anyhow};
+use indicatif::{ProgressBar, ProgressStyle};
+use sha2::{Digest, Sha256};
+
+use crate::cache::Cache;
+use crate::pins::Download;
+
+/// Returns the local path of a pinned download, fetching it if needed. A file
+/// already in the cache is hashed again before it is handed out.
+pub fn fetch(cache: &Cache, pin: &Download) -> Result<PathBuf> {
+    let dir = cache.path("downloads").join(&pin.sha256);
+    let dest = dir.join(&pin.name);
+    if dest.exists() {
+        let actual = sha256_file(&dest)?;
+        if actual == pin.sha256 {
+            return Ok(dest);
+        }
+        eprintln!(
+            "cached {} has sha256 {actual}, not the pinned {}; fetching it again",
+            dest.display(),
+            pin.sha256
+        );
+        std::fs::remove_file(&dest)?;
+    }
+    std::fs::create_dir_all(&dir)?;
+    download_verified(pin, &dir, &dest)?;
+    Ok(dest)
+}
+
+/// Streams `pin.url` into a temporary file beside `dest`, hashing as it goes;
+/// only a file with the pinned hash is renamed to `dest`.
+fn download_verified(pin: &Download, dir: &Path, dest: &Path) -> Result<()> {
+    let agent: ureq::Agent = ureq::Agent::config_builder()
+        .tls_config(
+            ureq::tls::TlsConfig::builder()
+                .root_certs(ureq::tls::RootCerts::PlatformVerifier)
+                .build(),
+        )
+        .build()
+        .into();
+    let response = agent
+        .get(&pin.url)
+        .call()
+        .with_context(|| format!("cannot download {} from {}", pin.name, pin.url))?;
+    let length = response
+        .headers()
+        .get("content-length")
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    let bar = match length {
+        Some(len) => ProgressBar::new(len).with_style(
+            ProgressStyle::with_template(
+                "{msg:40!} {bar:30} {bytes:>10}/{total_bytes:10} {bytes_per_sec:>12}",
+            )
+            .expect("valid template"),
+        ),
+        None => ProgressBar::new_spinner(),
+    };
+    bar.set_message(pin.name.clone());
+    let mut reader = response.into_body().into_reader();
+    let mut tmp = tempfile::NamedTempFile::new_in(dir)?;
+    let mut hasher = Sha256::new();
+    let mut buf = vec![0u8; 1 << 16];
+    loop {
+        let n = reader
+            .read(&mut buf)
+            .with_context(|| format!("download of {} broke off", pin.url))?;
+        if n == 0 {
+            break;
+        }
+        hasher.update(&buf[..n]);
+        tmp.write_all(&buf[..n])?;
+        bar.inc(n as u64);
+    }
+    bar.finish_and_clear();
+    let actual = hex::encode(hasher.finalize());
+    if actual != pin.sha256 {
+        return Err(anyhow!(
+            "sha256 mismatch for {}\n  url:      {}\n  pinned:   {}\n  received: {actual}\n\
+             The file was not used and nothing was kept. If the upstream file really changed, \
+             review it and update the pin in nix/pins.json.",
+            pin.name,
+            pin.url,
+            pin.sha256
+        ));
+    }
+    tmp.persist(dest)
+        .with_context(|| format!("cannot store {}", dest.display()))?;
+    eprintln!("fetched {} (sha256 verified)", pin.name);
+    Ok(())
+}
+
+/// Hex sha256 of a file's bytes.
+pub fn sha256_file(path: &Path) -> Result<String> {
+    let file = File::open(path).with_context(|| format!("cannot open {}", path.display()))?;
+    let mut reader = BufReader::new(file);
+    let mut hasher = Sha256::new();
+    std::io::copy(&mut reader, &mut hasher)?;
+    Ok(hex::encode(hasher.finalize()))
+}

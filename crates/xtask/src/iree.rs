@@ -1,0 +1,293 @@
+//! `cargo xtask iree [--cuda]`: the IREE runtime built from the pinned source
+//! into a prefix in the cache, keyed by everything that went into it.
+
+use std::collections::VecDeque;
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::Instant;
+
+use anyhow::{Context, Result, anyhow};
+use indicatif::{ProgressBar, ProgressStyle};
+use serde_json::json;
+
+use crate::cache::{Cache, content_key};
+use crate::fetch::fetch;
+use crate::pins::{Pins, for_system, host_system, repo_root};
+use crate::prefix::{self, Identity};
+use crate::tools::{host_c_toolchain, pinned_tool};
+use crate::unpack;
+
+/// Which runtime to build: CPU drivers only, or with the CUDA HAL driver.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub enum Variant {
+    Cpu,
+    Cuda,
+}
+
+impl Variant {
+    pub fn name(self) -> &'static str {
+        match self {
+            Variant::Cpu => "cpu",
+            Variant::Cuda => "cuda",
+        }
+    }
+}
+
+/// The CMake project that links the probe (shared with the Nix derivation).
+fn cmake_project() -> PathBuf {
+    repo_root().join("nix").join("iree-prefix")
+}
+
+/// The prefix's folder for the current pins, and the inputs its name hashes.
+pub fn prefix_location(
+    cache: &Cache,
+    pins: &Pins,
+    variant: Variant,
+) -> Result<(PathBuf, serde_json::Value)> {
+    let system = host_system()?;
+    let project_files: Vec<(String, String)> = ["CMakeLists.txt", "link_probe.c"]
+        .iter()
+        .map(|name| {
+            let text = std::fs::read_to_string(cmake_project().join(name))
+                .with_context(|| format!("cannot read nix/iree-prefix/{name}"))?;
+            Ok((name.to_string(), text))
+        })
+        .collect::<Result<_>>()?;
+    let cuda_wheels = match variant {
+        Variant::Cpu => json!(null),
+        Variant::Cuda => json!(pins.cuda.wheels),
+    };
+    let inputs = json!({
+        "variant": variant.name(),
+        "system": system,
+        "iree": { "version": pins.iree.version, "revision": pins.iree.revision, "source": pins.iree.source },
+        "cmake_options": pins.cmake_options(variant == Variant::Cuda),
+        "cuda_wheels": cuda_wheels,
+        "tools": { "cmake": pins.tools.cmake, "ninja": pins.tools.ninja },
+        "cmake_project": project_files,
+        // The installer decides the layout; a change to it is a new prefix.
+        "installer": include_str!("prefix.rs"),
+        "host_c_toolchain": host_c_toolchain()?,
+    });
+    let key = content_key(&inputs);
+    let dir = cache
+        .path("iree-runtime")
+        .join(format!("{}-{}", variant.name(), &key[..16]));
+    Ok((dir, inputs))
+}
+
+/// Builds (or finds) the prefix; returns its path.
+pub fn build(cache: &Cache, pins: &Pins, variant: Variant) -> Result<PathBuf> {
+    let (dest, inputs) = prefix_location(cache, pins, variant)?;
+    if dest.exists() {
+        eprintln!("IREE prefix ({}) is up to date: {}", variant.name(), dest.display());
+        return Ok(dest);
+    }
+    let started = Instant::now();
+    let system = host_system()?;
+    let source = iree_source(cache, pins)?;
+    let cmake = pinned_tool(cache, &pins.tools.cmake, "cmake", &system)?;
+    let ninja = pinned_tool(cache, &pins.tools.ninja, "ninja", &system)?;
+    let cuda_deps = match variant {
+        Variant::Cpu => None,
+        Variant::Cuda => Some(cuda_deps_dir(cache, pins, &system)?),
+    };
+
+    let build_dir = cache
+        .path("build")
+        .join(dest.file_name().expect("prefix folder has a name"));
+    if build_dir.exists() {
+        // A build dir left by an interrupted run may hold a stale configuration.
+        std::fs::remove_dir_all(&build_dir)?;
+    }
+    // Ask CMake's file API for the code model: the installer reads the
+    // probe's link line from it (see nix/iree-prefix/CMakeLists.txt).
+    let query = build_dir.join(".cmake/api/v1/query");
+    std::fs::create_dir_all(&query)?;
+    std::fs::write(query.join("codemodel-v2"), "")?;
+
+    let mut configure = Command::new(&cmake);
+    configure
+        .arg("-G")
+        .arg("Ninja")
+        .arg("-S")
+        .arg(cmake_project())
+        .arg("-B")
+        .arg(&build_dir)
+        .arg(format!("-DCMAKE_MAKE_PROGRAM={}", ninja.display()))
+        .arg(format!("-DKILN_IREE_SOURCE_DIR={}", source.display()));
+    for (name, value) in pins.cmake_options(variant == Variant::Cuda) {
+        configure.arg(format!("-D{name}={value}"));
+    }
+    if let Some(deps) = &cuda_deps {
+        configure.env("IREE_CUDA_DEPS_DIR", deps);
+    }
+    run_logged(configure, &build_dir.join("kiln-configure.log"), "configuring IREE", None)?;
+
+    let mut ninja_cmd = Command::new(&ninja);
+    ninja_cmd
+        .arg("-C")
+        .arg(&build_dir)
+        .arg("kiln_iree_link_probe")
+        .env("NINJA_STATUS", "[%f/%t] ");
+    run_logged(
+        ninja_cmd,
+        &build_dir.join("kiln-build.log"),
+        "building the IREE runtime",
+        Some(parse_ninja_status),
+    )?;
+
+    smoke_test_probe(&build_dir)?;
+
+    let dest = cache.publish(&dest, |staging| {
+        let id = Identity {
+            version: &pins.iree.version,
+            revision: &pins.iree.revision,
+        };
+        prefix::install(&build_dir, &source, staging, &id)?;
+        let share = staging.join("share").join("kiln");
+        std::fs::create_dir_all(&share)?;
+        // What went into this prefix, for whoever wonders why it was rebuilt.
+        std::fs::write(share.join("inputs.json"), serde_json::to_string_pretty(&inputs)?)?;
+        Ok(())
+    })?;
+    std::fs::remove_dir_all(&build_dir).ok();
+    eprintln!(
+        "built the IREE prefix ({}) in {:.1}s: {}",
+        variant.name(),
+        started.elapsed().as_secs_f64(),
+        dest.display()
+    );
+    Ok(dest)
+}
+
+/// The unpacked IREE source tree (the pinned tarball's `subdir`).
+pub fn iree_source(cache: &Cache, pins: &Pins) -> Result<PathBuf> {
+    let pin = &pins.iree.source.download;
+    let dir = cache.path("src").join(&pin.sha256[..16]);
+    let dir = cache.publish(&dir, |staging| {
+        let tarball = fetch(cache, pin)?;
+        eprintln!("unpacking {}", pin.name);
+        unpack::tar_gz(&tarball, staging)
+    })?;
+    let source = dir.join(&pins.iree.source.subdir);
+    if !source.join("CMakeLists.txt").exists() {
+        return Err(anyhow!(
+            "{} has no CMakeLists.txt: is `subdir` in nix/pins.json right?",
+            source.display()
+        ));
+    }
+    Ok(source)
+}
+
+/// `IREE_CUDA_DEPS_DIR`: `include/cuda.h`, nvcc's `include/crt`, CCCL's
+/// `include/nv` and `nvvm/libdevice`, assembled from the pinned CUDA wheels
+/// by the `layout` of each.
+fn cuda_deps_dir(cache: &Cache, pins: &Pins, system: &str) -> Result<PathBuf> {
+    let key = content_key(&json!({ "system": system, "wheels": pins.cuda.wheels }));
+    let dir = cache.path("cuda-deps").join(&key[..16]);
+    cache.publish(&dir, |staging| {
+        for (name, wheel) in &pins.cuda.wheels {
+            let pin = for_system(&wheel.systems, system, &format!("CUDA {name} wheel"))?;
+            let archive = fetch(cache, pin)?;
+            let unpacked = tempfile::tempdir_in(cache.path("staging"))?;
+            unpack::wheel(&archive, unpacked.path())?;
+            for (from, to) in &wheel.layout {
+                copy_tree(&unpacked.path().join(from), &staging.join(to))
+                    .with_context(|| format!("CUDA {name} wheel: cannot copy {from} to {to}"))?;
+            }
+        }
+        Ok(())
+    })
+}
+
+fn copy_tree(from: &Path, to: &Path) -> Result<()> {
+    if !from.is_dir() {
+        return Err(anyhow!("{} is not a folder", from.display()));
+    }
+    for entry in walkdir::WalkDir::new(from) {
+        let entry = entry?;
+        let target = to.join(entry.path().strip_prefix(from)?);
+        if entry.file_type().is_dir() {
+            std::fs::create_dir_all(&target)?;
+        } else {
+            std::fs::copy(entry.path(), &target)?;
+        }
+    }
+    Ok(())
+}
+
+/// Runs the freshly linked probe on `local-sync`: the runtime must create a
+/// device and a session before it becomes a prefix.
+fn smoke_test_probe(build_dir: &Path) -> Result<()> {
+    let probe = build_dir.join("kiln_iree_link_probe");
+    let output = Command::new(&probe).arg("local-sync").output()?;
+    if !output.status.success() {
+        return Err(anyhow!(
+            "the IREE link probe built but failed to run on local-sync:\n{}",
+            String::from_utf8_lossy(&output.stderr)
+        ));
+    }
+    Ok(())
+}
+
+/// `[12/253] …` from ninja's status line.
+fn parse_ninja_status(line: &str) -> Option<(u64, u64)> {
+    let rest = line.strip_prefix('[')?;
+    let (done, rest) = rest.split_once('/')?;
+    let (total, _) = rest.split_once(']')?;
+    Some((done.parse().ok()?, total.parse().ok()?))
+}
+
+/// Runs a long command with a spinner or progress bar, its output going to
+/// `log`; on failure prints the output's tail and names the log.
+fn run_logged(
+    mut command: Command,
+    log: &Path,
+    what: &str,
+    progress: Option<fn(&str) -> Option<(u64, u64)>>,
+) -> Result<()> {
+    let bar = ProgressBar::new_spinner().with_style(
+        ProgressStyle::with_template("{spinner} {msg} {wide_bar} {pos}/{len} [{elapsed}]")
+            .expect("valid template"),
+    );
+    bar.set_message(what.to_string());
+    bar.enable_steady_tick(std::time::Duration::from_millis(200));
+    // stdout and stderr share one pipe so the log keeps their interleaving.
+    let (reader, writer) = std::io::pipe()?;
+    command.stdout(writer.try_clone()?).stderr(writer);
+    let mut child = command
+        .spawn()
+        .with_context(|| format!("{what}: cannot start {:?}", command.get_program()))?;
+    // The Command holds the pipe's write ends; drop it so the read sees EOF.
+    drop(command);
+    let mut log_text = String::new();
+    let mut tail: VecDeque<String> = VecDeque::new();
+    for line in BufReader::new(reader).lines() {
+        let line = line?;
+        if let Some((done, total)) = progress.and_then(|parse| parse(&line)) {
+            bar.set_length(total);
+            bar.set_position(done);
+        }
+        log_text.push_str(&line);
+        log_text.push('\n');
+        tail.push_back(line);
+        if tail.len() > 40 {
+            tail.pop_front();
+        }
+    }
+    let status = child.wait()?;
+    bar.finish_and_clear();
+    std::fs::write(log, &log_text)?;
+    if !status.success() {
+        let tail: Vec<String> = tail.into();
+        return Err(anyhow!(
+            "{what} failed ({status}); last lines:\n{}\nfull log: {}",
+            tail.join("\n"),
+            log.display()
+        ));
+    }
+    eprintln!("{what}: done");
+    Ok(())
+}

@@ -1,0 +1,115 @@
+//! `cargo xtask`: kiln's build tasks for machines without Nix. They read the
+//! same pin file as the flake (`nix/pins.json`) and produce the same IREE
+//! prefix layout.
+
+mod cache;
+mod compiler;
+mod env;
+mod fetch;
+mod iree;
+mod pins;
+mod prefix;
+mod test;
+mod tools;
+mod unpack;
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use anyhow::Result;
+use clap::{Parser, Subcommand};
+
+use crate::cache::Cache;
+use crate::iree::Variant;
+use crate::pins::{Pins, default_pin_file};
+
+#[derive(Parser)]
+#[command(name = "cargo xtask", about = "kiln's build tasks (the portable twin of the Nix flake)")]
+struct Cli {
+    #[command(subcommand)]
+    task: Task,
+}
+
+#[derive(Subcommand)]
+enum Task {
+    /// Build the IREE runtime from the pinned source into a cached prefix.
+    Iree {
+        /// Include the CUDA HAL driver (built against the pinned CUDA 12.9 headers).
+        #[arg(long)]
+        cuda: bool,
+    },
+    /// Install the pinned iree-compile from its wheel and check its revision.
+    Compiler,
+    /// Print shell exports for `eval "$(cargo xtask env)"` (CUDA prefix unless --cpu).
+    Env {
+        /// Point at the CPU-only prefix instead of the CUDA-enabled one.
+        #[arg(long)]
+        cpu: bool,
+    },
+    /// Download every pinned input, for every system, and check its sha256.
+    VerifyPins,
+    /// Run the whole test suite: lint, both IREE variants, the tests.
+    Test,
+    /// Install a prefix from a finished build of nix/iree-prefix (used by the Nix derivation).
+    #[command(hide = true)]
+    IreePrefixInstall {
+        #[arg(long)]
+        build: PathBuf,
+        #[arg(long)]
+        source: PathBuf,
+        #[arg(long)]
+        out: PathBuf,
+        #[arg(long)]
+        pins: Option<PathBuf>,
+    },
+}
+
+fn main() -> ExitCode {
+    match run(Cli::parse()) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(error) => {
+            eprintln!("error: {error:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn run(cli: Cli) -> Result<()> {
+    match cli.task {
+        Task::Iree { cuda } => {
+            let variant = if cuda { Variant::Cuda } else { Variant::Cpu };
+            let prefix = iree::build(&Cache::open()?, &load_pins()?, variant)?;
+            println!("{}", prefix.display());
+        }
+        Task::Compiler => {
+            let pins = load_pins()?;
+            let binary = compiler::install(&Cache::open()?, &pins)?;
+            eprintln!("iree-compile {} (revision matches the pin)", pins.iree.compiler.version_line);
+            println!("{}", binary.display());
+        }
+        Task::Env { cpu } => {
+            let variant = if cpu { Variant::Cpu } else { Variant::Cuda };
+            print!("{}", env::exports(&Cache::open()?, &load_pins()?, variant)?);
+        }
+        Task::VerifyPins => test::verify_pins(&Cache::open()?, &load_pins()?)?,
+        Task::Test => test::run(&Cache::open()?, &load_pins()?)?,
+        Task::IreePrefixInstall {
+            build,
+            source,
+            out,
+            pins,
+        } => {
+            let pins = Pins::load(&pins.unwrap_or_else(default_pin_file))?;
+            let id = prefix::Identity {
+                version: &pins.iree.version,
+                revision: &pins.iree.revision,
+            };
+            prefix::install(&build, &source, &out, &id)?;
+        }
+    }
+    Ok(())
+}
+
+fn load_pins() -> Result<Pins> {
+    Pins::load(&default_pin_file())
+}

@@ -1,0 +1,261 @@
+//! Installs a self-describing IREE prefix from a finished build of
+//! `nix/iree-prefix` — the one installer both `cargo xtask iree` and the Nix
+//! derivation run, so both produce the same layout:
+//!
+//! ```text
+//! include/iree/...            the runtime's public headers (runtime/src/**/*.h)
+//! lib/lib*.a                  the archives the link needs, and no others
+//! lib/pkgconfig/iree-runtime.pc   how to link them, in order
+//! ```
+//!
+//! The archive list comes from the build, never from a list typed here: the
+//! order is the link probe's link line as CMake computed it (read through
+//! CMake's file API), and the set is the archives the linker actually took
+//! members from (read from the probe's link map). IREE's per-library archives
+//! repeat what `libiree_runtime_unified.a` holds, so the linker never opens
+//! them and they are left out.
+
+use std::collections::BTreeSet;
+use std::fmt::Write as _;
+use std::path::{Path, PathBuf};
+
+use anyhow::{Context, Result, anyhow};
+use serde::Deserialize;
+
+/// The pkg-config package the prefix describes; kiln-iree's build script asks
+/// for the same name.
+pub const PKG_CONFIG_NAME: &str = "iree-runtime";
+/// The CMake target whose link line is the recipe (see nix/iree-prefix).
+const PROBE: &str = "kiln_iree_link_probe";
+
+/// Everything the installer needs to know that the build does not record.
+pub struct Identity<'a> {
+    pub version: &'a str,
+    pub revision: &'a str,
+}
+
+pub fn install(build: &Path, iree_source: &Path, out: &Path, id: &Identity) -> Result<()> {
+    let fragments = probe_link_fragments(build)?;
+    let used = archives_in_link_map(build, &build.join(format!("{PROBE}.map")))?;
+    let drivers = enabled_hal_drivers(&build.join("CMakeCache.txt"))?;
+
+    let libdir = out.join("lib");
+    std::fs::create_dir_all(libdir.join("pkgconfig"))?;
+    let mut libs: Vec<String> = Vec::new();
+    for fragment in fragments {
+        let flag = if fragment.ends_with(".a") {
+            let archive = absolute(build, &fragment);
+            if !used.contains(&archive) {
+                continue;
+            }
+            let file_name = archive
+                .file_name()
+                .and_then(|n| n.to_str())
+                .ok_or_else(|| anyhow!("odd archive path {fragment}"))?;
+            let name = file_name
+                .strip_prefix("lib")
+                .and_then(|n| n.strip_suffix(".a"))
+                .ok_or_else(|| anyhow!("archive {file_name} is not named lib*.a"))?;
+            std::fs::copy(&archive, libdir.join(file_name))
+                .with_context(|| format!("cannot copy {}", archive.display()))?;
+            format!("-l{name}")
+        } else {
+            // System libraries (-lm, -ldl) and flags such as -pthread.
+            fragment
+        };
+        if !libs.contains(&flag) {
+            libs.push(flag);
+        }
+    }
+    if !libs.iter().any(|l| l.starts_with("-liree_")) {
+        return Err(anyhow!(
+            "the link map of {PROBE} names no IREE archive; is {} from a finished build?",
+            build.display()
+        ));
+    }
+
+    let headers = copy_headers(&iree_source.join("runtime").join("src"), &out.join("include"))?;
+    let pc = pkg_config_file(id, &drivers, &libs);
+    std::fs::write(libdir.join("pkgconfig").join(format!("{PKG_CONFIG_NAME}.pc")), pc)?;
+    eprintln!(
+        "installed the IREE prefix: {} headers, link: {}, drivers: {}",
+        headers,
+        libs.join(" "),
+        drivers.join(" ")
+    );
+    Ok(())
+}
+
+/// The `.pc` text. `${pcfiledir}` keeps the prefix relocatable: the gate
+/// mutates copies of it.
+fn pkg_config_file(id: &Identity, drivers: &[String], libs: &[String]) -> String {
+    let mut pc = String::new();
+    let _ = writeln!(pc, "prefix=${{pcfiledir}}/../..");
+    let _ = writeln!(pc, "libdir=${{prefix}}/lib");
+    let _ = writeln!(pc, "includedir=${{prefix}}/include");
+    let _ = writeln!(pc, "iree_version={}", id.version);
+    let _ = writeln!(pc, "iree_revision={}", id.revision);
+    let _ = writeln!(pc, "hal_drivers={}", drivers.join(" "));
+    let _ = writeln!(pc);
+    let _ = writeln!(pc, "Name: {PKG_CONFIG_NAME}");
+    let _ = writeln!(
+        pc,
+        "Description: IREE runtime {} built from source for kiln",
+        id.version
+    );
+    let _ = writeln!(pc, "Version: {}", id.version);
+    let _ = writeln!(pc, "Cflags: -I${{includedir}}");
+    let _ = writeln!(pc, "Libs: -L${{libdir}} {}", libs.join(" "));
+    pc
+}
+
+#[derive(Deserialize)]
+struct FileApiIndex {
+    reply: serde_json::Value,
+}
+
+#[derive(Deserialize)]
+struct Codemodel {
+    configurations: Vec<Configuration>,
+}
+
+#[derive(Deserialize)]
+struct Configuration {
+    targets: Vec<TargetRef>,
+}
+
+#[derive(Deserialize)]
+struct TargetRef {
+    name: String,
+    #[serde(rename = "jsonFile")]
+    json_file: String,
+}
+
+#[derive(Deserialize)]
+struct Target {
+    link: Option<Link>,
+}
+
+#[derive(Deserialize)]
+struct Link {
+    #[serde(rename = "commandFragments", default)]
+    fragments: Vec<Fragment>,
+}
+
+#[derive(Deserialize)]
+struct Fragment {
+    fragment: String,
+    role: String,
+}
+
+/// The probe's link libraries, in link order, from CMake's file API
+/// (codemodel v2), which nix/iree-prefix/CMakeLists.txt asks for.
+fn probe_link_fragments(build: &Path) -> Result<Vec<String>> {
+    let reply = build.join(".cmake/api/v1/reply");
+    let index_path = std::fs::read_dir(&reply)
+        .with_context(|| format!("no CMake file-API reply in {}", reply.display()))?
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| {
+            p.file_name()
+                .and_then(|n| n.to_str())
+                .is_some_and(|n| n.starts_with("index-"))
+        })
+        .max()
+        .ok_or_else(|| anyhow!("no index-*.json in {}", reply.display()))?;
+    let index: FileApiIndex = read_json(&index_path)?;
+    let codemodel_file = index
+        .reply
+        .pointer("/codemodel-v2/jsonFile")
+        .and_then(|v| v.as_str())
+        .ok_or_else(|| anyhow!("the CMake file-API reply has no codemodel-v2"))?;
+    let codemodel: Codemodel = read_json(&reply.join(codemodel_file))?;
+    let target_file = codemodel
+        .configurations
+        .iter()
+        .flat_map(|c| &c.targets)
+        .find(|t| t.name == PROBE)
+        .map(|t| t.json_file.clone())
+        .ok_or_else(|| anyhow!("the CMake code model has no target {PROBE}"))?;
+    let target: Target = read_json(&reply.join(target_file))?;
+    let link = target
+        .link
+        .ok_or_else(|| anyhow!("{PROBE} has no link step in the code model"))?;
+    Ok(link
+        .fragments
+        .into_iter()
+        .filter(|f| f.role == "libraries")
+        .flat_map(|f| {
+            f.fragment
+                .split_whitespace()
+                .map(str::to_string)
+                .collect::<Vec<_>>()
+        })
+        .collect())
+}
+
+/// The archives the linker took at least one member from, as named in a GNU
+/// ld or lld map file (`path/libfoo.a(member.o)`).
+fn archives_in_link_map(build: &Path, map: &Path) -> Result<BTreeSet<PathBuf>> {
+    let text = std::fs::read_to_string(map).with_context(|| {
+        format!(
+            "cannot read the link map {} (the probe links with -Map)",
+            map.display()
+        )
+    })?;
+    Ok(text
+        .split_whitespace()
+        .filter_map(|token| token.find(".a(").map(|i| &token[..i + 2]))
+        .map(|path| absolute(build, path))
+        .collect())
+}
+
+/// The HAL drivers the build enabled (`IREE_HAL_DRIVER_CUDA:BOOL=ON` → `cuda`).
+fn enabled_hal_drivers(cache: &Path) -> Result<Vec<String>> {
+    let text = std::fs::read_to_string(cache)
+        .with_context(|| format!("cannot read {}", cache.display()))?;
+    let mut drivers: Vec<String> = text
+        .lines()
+        .filter_map(|line| line.strip_prefix("IREE_HAL_DRIVER_"))
+        .filter_map(|rest| rest.split_once(":BOOL=ON"))
+        .map(|(name, _)| name)
+        .filter(|name| *name != "DEFAULTS")
+        .map(|name| name.to_lowercase().replace('_', "-"))
+        .collect();
+    drivers.sort();
+    if drivers.is_empty() {
+        return Err(anyhow!("{} enables no IREE HAL driver", cache.display()));
+    }
+    Ok(drivers)
+}
+
+/// Copies every `*.h` under `src` to the same relative path under `dest`.
+fn copy_headers(src: &Path, dest: &Path) -> Result<usize> {
+    let mut count = 0;
+    for entry in walkdir::WalkDir::new(src) {
+        let entry = entry?;
+        if entry.file_type().is_file() && entry.path().extension().is_some_and(|e| e == "h") {
+            let relative = entry.path().strip_prefix(src)?;
+            let target = dest.join(relative);
+            std::fs::create_dir_all(target.parent().expect("a file has a parent"))?;
+            std::fs::copy(entry.path(), &target)?;
+            count += 1;
+        }
+    }
+    Ok(count)
+}
+
+fn absolute(base: &Path, path: &str) -> PathBuf {
+    let path = Path::new(path);
+    let joined = if path.is_absolute() {
+        path.to_path_buf()
+    } else {
+        base.join(path)
+    };
+    joined.canonicalize().unwrap_or(joined)
+}
+
+fn read_json<T: serde::de::DeserializeOwned>(path: &Path) -> Result<T> {
+    let text =
+        std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))?;
+    serde_json::from_str(&text).with_context(|| format!("{} is malformed", path.display()))
+}
