@@ -1,1 +1,170 @@
-fn main(){}
+//! Build script of kiln-iree: compiles the C shim, binds its header, and turns
+//! the IREE prefix's link description into rustc link directives. It is the
+//! one place in kiln where the IREE link recipe is read; no archive name is
+//! written here, only the pkg-config package name of the prefix.
+//!
+//! # Environment
+//!
+//! - `KILN_IREE_PREFIX` (required): an IREE runtime prefix, as built by
+//!   `cargo xtask iree [--cuda]` or the flake's `iree-runtime[-cuda]` package:
+//!   `include/`, `lib/*.a` and `lib/pkgconfig/iree-runtime.pc`. Unset, the
+//!   build stops with the commands that make one (`cargo xtask iree --cuda`
+//!   with `eval "$(cargo xtask env)"`, or `nix develop`).
+//! - `CARGO_FEATURE_CUDA`: with the `cuda` feature the prefix must list `cuda`
+//!   in its `hal_drivers` variable.
+//! - `PKG_CONFIG`: the pkg-config program to run (default `pkg-config`).
+//! - `LIBCLANG_PATH`: where bindgen finds libclang, if not in the usual places.
+//!
+//! # Outputs
+//!
+//! - the static library `kiln_iree_shim` (the shim), then every library of the
+//!   prefix's `Libs:` line in order: archives found in the prefix's `lib/` as
+//!   static libraries, the rest (`m`, `dl`, …) as system libraries;
+//! - `$OUT_DIR/bindings.rs`, the bindings of `csrc/kiln_iree.h` only;
+//! - `KILN_IREE_RUNTIME_REVISION` and `KILN_IREE_HAL_DRIVERS` for the crate.
+
+use std::path::PathBuf;
+
+/// The package the prefix's pkg-config file describes.
+const PKG_CONFIG_NAME: &str = "iree-runtime";
+
+fn main() {
+    if let Err(lines) = build() {
+        for line in lines {
+            println!("cargo::error={line}");
+        }
+    }
+}
+
+fn build() -> Result<(), Vec<String>> {
+    println!("cargo::rerun-if-env-changed=KILN_IREE_PREFIX");
+    println!("cargo::rerun-if-env-changed=PKG_CONFIG");
+    println!("cargo::rerun-if-env-changed=LIBCLANG_PATH");
+    println!("cargo::rerun-if-changed=csrc/kiln_iree.h");
+    println!("cargo::rerun-if-changed=csrc/kiln_iree.c");
+
+    let prefix = iree_prefix()?;
+    let pc_file = prefix.join("lib/pkgconfig").join(format!("{PKG_CONFIG_NAME}.pc"));
+    if !pc_file.is_file() {
+        return Err(vec![
+            format!(
+                "KILN_IREE_PREFIX={} has no lib/pkgconfig/{PKG_CONFIG_NAME}.pc, so it is not an IREE prefix built for kiln.",
+                prefix.display()
+            ),
+            "Build one with `cargo xtask iree --cuda` and `eval \"$(cargo xtask env)\"`, or use `nix develop`.".into(),
+        ]);
+    }
+    println!("cargo::rerun-if-changed={}", pc_file.display());
+
+    // pkg-config accepts the path of a .pc file in place of a package name, so
+    // the prefix is used as given, with no search path to set up.
+    let pc_arg = pc_file.to_str().ok_or_else(|| {
+        vec![format!("the prefix path {} is not valid UTF-8", prefix.display())]
+    })?;
+    let library = pkg_config::Config::new()
+        .statik(true)
+        .cargo_metadata(false)
+        .env_metadata(false)
+        .probe(pc_arg)
+        .map_err(|e| vec![format!("pkg-config could not read {}: {e}", pc_file.display())])?;
+    let variable = |name: &str| {
+        pkg_config::get_variable(pc_arg, name).map_err(|e| {
+            vec![format!("{} has no `{name}` variable: {e}", pc_file.display())]
+        })
+    };
+    let drivers = variable("hal_drivers")?;
+    let revision = variable("iree_revision")?;
+    if std::env::var_os("CARGO_FEATURE_CUDA").is_some()
+        && !drivers.split_whitespace().any(|d| d == "cuda")
+    {
+        return Err(vec![
+            format!(
+                "the `cuda` feature needs an IREE prefix with the CUDA HAL driver, but {} has only: {drivers}.",
+                prefix.display()
+            ),
+            "Build one with `cargo xtask iree --cuda` and point KILN_IREE_PREFIX at it (`eval \"$(cargo xtask env)\"`), or use `nix develop`.".into(),
+        ]);
+    }
+    println!("cargo::rustc-env=KILN_IREE_RUNTIME_REVISION={revision}");
+    println!("cargo::rustc-env=KILN_IREE_HAL_DRIVERS={drivers}");
+
+    compile_shim(&library.include_paths);
+    generate_bindings()?;
+    emit_link_directives(&library)
+}
+
+fn iree_prefix() -> Result<PathBuf, Vec<String>> {
+    match std::env::var_os("KILN_IREE_PREFIX") {
+        Some(dir) if !dir.is_empty() => Ok(PathBuf::from(dir)),
+        _ => Err(vec![
+            "kiln-iree links the IREE runtime from a prefix, and KILN_IREE_PREFIX is unset.".into(),
+            "Without Nix: `cargo xtask iree --cuda && eval \"$(cargo xtask env)\"` builds one from the pinned source and sets it.".into(),
+            "With Nix: `nix develop` sets it.".into(),
+        ]),
+    }
+}
+
+/// The shim is the only C that includes IREE headers. cc emits its link
+/// directive first, so the shim precedes the IREE archives on the link line.
+fn compile_shim(include_paths: &[PathBuf]) {
+    let mut build = cc::Build::new();
+    for dir in include_paths {
+        // IREE's headers as system headers: their warnings are not ours.
+        build.flag("-isystem").flag(dir);
+    }
+    build
+        .file("csrc/kiln_iree.c")
+        .std("c11")
+        // Needed by IREE's headers under -std=c11 (POSIX declarations).
+        .define("_GNU_SOURCE", None)
+        // Every unit including iree/runtime/api.h must pick the system
+        // allocator implementation, else `iree_allocator_system` is undefined
+        // at link time.
+        .define("IREE_ALLOCATOR_SYSTEM_CTL", "iree_allocator_libc_ctl")
+        .warnings(true)
+        .compile("kiln_iree_shim");
+}
+
+fn generate_bindings() -> Result<(), Vec<String>> {
+    let out = PathBuf::from(std::env::var_os("OUT_DIR").expect("cargo sets OUT_DIR"));
+    bindgen::Builder::default()
+        .header("csrc/kiln_iree.h")
+        .allowlist_function("kiln_iree_.*")
+        .allowlist_type("kiln_iree_.*")
+        .default_enum_style(bindgen::EnumVariation::ModuleConsts)
+        .generate()
+        .map_err(|e| {
+            vec![format!(
+                "bindgen failed on csrc/kiln_iree.h: {e} (bindgen needs libclang: apt-get install -y libclang-dev, or set LIBCLANG_PATH)"
+            )]
+        })?
+        .write_to_file(out.join("bindings.rs"))
+        .map_err(|e| vec![format!("cannot write bindings.rs: {e}")])
+}
+
+/// Every `-l` of the `Libs:` line, in order. An archive that the prefix holds
+/// is linked statically and *not bundled* into kiln-iree's rlib: it stays a
+/// separate input of the final link, in the prefix's order, so the final link
+/// sees the same recipe the prefix was verified with.
+fn emit_link_directives(library: &pkg_config::Library) -> Result<(), Vec<String>> {
+    for dir in &library.link_paths {
+        println!("cargo::rustc-link-search=native={}", dir.display());
+    }
+    for name in &library.libs {
+        let archive = format!("lib{name}.a");
+        let in_prefix = library.link_paths.iter().map(|d| d.join(&archive)).find(|p| p.is_file());
+        match in_prefix {
+            Some(path) => {
+                println!("cargo::rerun-if-changed={}", path.display());
+                println!("cargo::rustc-link-lib=static:-bundle={name}");
+            }
+            None => println!("cargo::rustc-link-lib=dylib={name}"),
+        }
+    }
+    // Flags that are not libraries (e.g. -pthread) can only be passed to the
+    // linker driver as they are.
+    for args in &library.ld_args {
+        println!("cargo::rustc-link-arg=-Wl,{}", args.join(","));
+    }
+    Ok(())
+}

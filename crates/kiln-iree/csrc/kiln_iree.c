@@ -187,7 +187,8 @@ kiln_iree_error* kiln_iree_module_load(kiln_iree_instance* instance,
       instance->instance, &options, device->device, allocator,
       &module->session);
   // The session takes ownership of this aligned copy and frees it with
-  // |allocator|; the caller's bytes need not outlive the call.
+  // |allocator| — also when loading fails — so the caller's bytes need not
+  // outlive the call.
   void* copy = NULL;
   if (iree_status_is_ok(status)) {
     status = iree_allocator_malloc(allocator, length, &copy);
@@ -196,7 +197,6 @@ kiln_iree_error* kiln_iree_module_load(kiln_iree_instance* instance,
     memcpy(copy, data, length);
     status = iree_runtime_session_append_bytecode_module_from_memory(
         module->session, iree_make_const_byte_span(copy, length), allocator);
-    if (!iree_status_is_ok(status)) iree_allocator_free(allocator, copy);
   }
   if (!iree_status_is_ok(status)) {
     iree_runtime_session_release(module->session);
@@ -292,6 +292,10 @@ kiln_iree_error* kiln_iree_call_push_input(kiln_iree_call* call,
 kiln_iree_error* kiln_iree_call_invoke(kiln_iree_call* call) {
   return kiln_iree_error_from_status(
       iree_runtime_call_invoke(&call->call, /*flags=*/0), "invoking");
+}
+
+size_t kiln_iree_call_output_count(kiln_iree_call* call) {
+  return iree_vm_list_size(iree_runtime_call_outputs(&call->call));
 }
 
 kiln_iree_error* kiln_iree_call_pop_output(kiln_iree_call* call,

@@ -69,6 +69,8 @@ kiln_iree_error* kiln_iree_call_push_input(kiln_iree_call* call,
                                            const int64_t* shape, size_t rank,
                                            const void* data, size_t length);
 kiln_iree_error* kiln_iree_call_invoke(kiln_iree_call* call);
+// How many outputs the invoked call has left to pop.
+size_t kiln_iree_call_output_count(kiln_iree_call* call);
 // Takes the next output; it must be a tensor (buffer view).
 kiln_iree_error* kiln_iree_call_pop_output(kiln_iree_call* call,
                                            kiln_iree_tensor** out_tensor);

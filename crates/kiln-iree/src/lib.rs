@@ -1,1 +1,32 @@
+//! kiln-iree: a small safe binding of the IREE runtime, built from the pinned
+//! source into a prefix (`cargo xtask iree`, or the flake's packages).
+//!
+//! ```no_run
+//! use kiln_iree::{Instance, Tensor};
+//! let instance = Instance::new()?;
+//! let device = instance.device("local-task")?;
+//! let module = device.load_module_file("add.vmfb".as_ref())?;
+//! let a = Tensor::f32(&[4], vec![1.0, 2.0, 3.0, 4.0])?;
+//! let out = module.call("add", &[a.clone(), a])?;
+//! assert_eq!(out[0].as_f32()?, &[2.0, 4.0, 6.0, 8.0]);
+//! # Ok::<(), kiln_iree::Error>(())
+//! ```
+//!
+//! `unsafe` lives in [`runtime`]'s calls into the shim (`csrc/`) only.
 
+mod error;
+mod ffi;
+mod runtime;
+mod tensor;
+
+pub use error::{Error, Result, StatusCode};
+pub use runtime::{Device, Instance, Module};
+pub use tensor::{ElementType, Tensor, TensorData};
+
+/// The IREE revision of the runtime this crate was linked against (from the
+/// prefix's link description). Modules must come from a compiler of the same
+/// revision.
+pub const RUNTIME_REVISION: &str = env!("KILN_IREE_RUNTIME_REVISION");
+
+/// The HAL drivers of the prefix this crate was linked against.
+pub const PREFIX_HAL_DRIVERS: &str = env!("KILN_IREE_HAL_DRIVERS");

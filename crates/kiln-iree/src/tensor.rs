@@ -1,0 +1,201 @@
+//! Host tensors: a shape and dense row-major data of one element type.
+
+use half::{bf16, f16};
+
+use crate::error::{Error, Result};
+use crate::ffi;
+
+/// The element types kiln exchanges with IREE modules.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ElementType {
+    F32,
+    F16,
+    BF16,
+    I32,
+}
+
+impl ElementType {
+    pub(crate) fn to_raw(self) -> ffi::kiln_iree_element_type::Type {
+        match self {
+            ElementType::F32 => ffi::kiln_iree_element_type::KILN_IREE_F32,
+            ElementType::F16 => ffi::kiln_iree_element_type::KILN_IREE_F16,
+            ElementType::BF16 => ffi::kiln_iree_element_type::KILN_IREE_BF16,
+            ElementType::I32 => ffi::kiln_iree_element_type::KILN_IREE_I32,
+        }
+    }
+
+    pub(crate) fn from_raw(raw: ffi::kiln_iree_element_type::Type) -> Result<ElementType> {
+        match raw {
+            ffi::kiln_iree_element_type::KILN_IREE_F32 => Ok(ElementType::F32),
+            ffi::kiln_iree_element_type::KILN_IREE_F16 => Ok(ElementType::F16),
+            ffi::kiln_iree_element_type::KILN_IREE_BF16 => Ok(ElementType::BF16),
+            ffi::kiln_iree_element_type::KILN_IREE_I32 => Ok(ElementType::I32),
+            other => Err(Error::Tensor(format!("unknown element type {other}"))),
+        }
+    }
+
+    /// Bytes per element.
+    pub fn size(self) -> usize {
+        match self {
+            ElementType::F32 | ElementType::I32 => 4,
+            ElementType::F16 | ElementType::BF16 => 2,
+        }
+    }
+}
+
+/// The data of a tensor, typed.
+#[derive(Clone, Debug, PartialEq)]
+pub enum TensorData {
+    F32(Vec<f32>),
+    F16(Vec<f16>),
+    BF16(Vec<bf16>),
+    I32(Vec<i32>),
+}
+
+/// A dense row-major host tensor.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Tensor {
+    shape: Vec<i64>,
+    data: TensorData,
+}
+
+impl Tensor {
+    /// A tensor of `shape` holding `data`; the element count must match.
+    pub fn new(shape: &[i64], data: TensorData) -> Result<Tensor> {
+        let expected = element_count(shape)?;
+        let actual = match &data {
+            TensorData::F32(v) => v.len(),
+            TensorData::F16(v) => v.len(),
+            TensorData::BF16(v) => v.len(),
+            TensorData::I32(v) => v.len(),
+        };
+        if expected != actual {
+            return Err(Error::Tensor(format!(
+                "shape {shape:?} has {expected} elements but {actual} were given"
+            )));
+        }
+        Ok(Tensor {
+            shape: shape.to_vec(),
+            data,
+        })
+    }
+
+    pub fn f32(shape: &[i64], data: Vec<f32>) -> Result<Tensor> {
+        Tensor::new(shape, TensorData::F32(data))
+    }
+
+    pub fn f16(shape: &[i64], data: Vec<f16>) -> Result<Tensor> {
+        Tensor::new(shape, TensorData::F16(data))
+    }
+
+    pub fn bf16(shape: &[i64], data: Vec<bf16>) -> Result<Tensor> {
+        Tensor::new(shape, TensorData::BF16(data))
+    }
+
+    pub fn i32(shape: &[i64], data: Vec<i32>) -> Result<Tensor> {
+        Tensor::new(shape, TensorData::I32(data))
+    }
+
+    pub fn shape(&self) -> &[i64] {
+        &self.shape
+    }
+
+    pub fn data(&self) -> &TensorData {
+        &self.data
+    }
+
+    pub fn element_type(&self) -> ElementType {
+        match self.data {
+            TensorData::F32(_) => ElementType::F32,
+            TensorData::F16(_) => ElementType::F16,
+            TensorData::BF16(_) => ElementType::BF16,
+            TensorData::I32(_) => ElementType::I32,
+        }
+    }
+
+    /// The f32 data, or an error naming the actual type.
+    pub fn as_f32(&self) -> Result<&[f32]> {
+        match &self.data {
+            TensorData::F32(v) => Ok(v),
+            _ => Err(self.wrong_type("f32")),
+        }
+    }
+
+    pub fn as_f16(&self) -> Result<&[f16]> {
+        match &self.data {
+            TensorData::F16(v) => Ok(v),
+            _ => Err(self.wrong_type("f16")),
+        }
+    }
+
+    pub fn as_bf16(&self) -> Result<&[bf16]> {
+        match &self.data {
+            TensorData::BF16(v) => Ok(v),
+            _ => Err(self.wrong_type("bf16")),
+        }
+    }
+
+    pub fn as_i32(&self) -> Result<&[i32]> {
+        match &self.data {
+            TensorData::I32(v) => Ok(v),
+            _ => Err(self.wrong_type("i32")),
+        }
+    }
+
+    fn wrong_type(&self, wanted: &str) -> Error {
+        Error::Tensor(format!(
+            "wanted {wanted} data, the tensor holds {:?}",
+            self.element_type()
+        ))
+    }
+
+    /// The raw little-endian bytes, as IREE takes them.
+    pub(crate) fn bytes(&self) -> Vec<u8> {
+        match &self.data {
+            TensorData::F32(v) => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
+            TensorData::F16(v) => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
+            TensorData::BF16(v) => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
+            TensorData::I32(v) => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
+        }
+    }
+
+    /// Rebuilds a tensor from raw little-endian bytes.
+    pub(crate) fn from_bytes(shape: Vec<i64>, ty: ElementType, bytes: &[u8]) -> Result<Tensor> {
+        let data = match ty {
+            ElementType::F32 => TensorData::F32(
+                bytes
+                    .chunks_exact(4)
+                    .map(|c| f32::from_le_bytes(c.try_into().expect("4 bytes")))
+                    .collect(),
+            ),
+            ElementType::I32 => TensorData::I32(
+                bytes
+                    .chunks_exact(4)
+                    .map(|c| i32::from_le_bytes(c.try_into().expect("4 bytes")))
+                    .collect(),
+            ),
+            ElementType::F16 => TensorData::F16(
+                bytes
+                    .chunks_exact(2)
+                    .map(|c| f16::from_le_bytes(c.try_into().expect("2 bytes")))
+                    .collect(),
+            ),
+            ElementType::BF16 => TensorData::BF16(
+                bytes
+                    .chunks_exact(2)
+                    .map(|c| bf16::from_le_bytes(c.try_into().expect("2 bytes")))
+                    .collect(),
+            ),
+        };
+        Tensor::new(&shape, data)
+    }
+}
+
+fn element_count(shape: &[i64]) -> Result<usize> {
+    shape.iter().try_fold(1usize, |acc, &d| {
+        usize::try_from(d)
+            .ok()
+            .and_then(|d| acc.checked_mul(d))
+            .ok_or_else(|| Error::Tensor(format!("invalid shape {shape:?}")))
+    })
+}

@@ -1,0 +1,42 @@
+//! Errors of kiln-xla.
+
+use std::path::PathBuf;
+
+use crate::compiler::Target;
+
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error(
+        "KILN_IREE_COMPILE is unset: it names the pinned iree-compile. \
+         Run `cargo xtask compiler` and `eval \"$(cargo xtask env)\"`, or use `nix develop`."
+    )]
+    CompilerUnset,
+
+    #[error("cannot run iree-compile at {path}: {source}")]
+    CompilerRun {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+
+    #[error("{path} --version printed no `VERSION @ REVISION` line:\n{output}")]
+    CompilerVersion { path: PathBuf, output: String },
+
+    #[error(
+        "iree-compile at {path} is revision {compiler}, but the IREE runtime kiln was built with \
+         is revision {runtime}; modules must come from the same revision. Use the pinned compiler \
+         (`cargo xtask compiler`, or `nix develop`)."
+    )]
+    RevisionMismatch {
+        compiler: String,
+        runtime: String,
+        path: PathBuf,
+    },
+
+    #[error("iree-compile failed for {target:?}:\n{stderr}")]
+    Compile { target: Target, stderr: String },
+
+    #[error("temporary file: {0}")]
+    Temp(std::io::Error),
+}
+
+pub type Result<T> = std::result::Result<T, Error>;

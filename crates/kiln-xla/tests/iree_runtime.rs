@@ -1,0 +1,207 @@
+//! kiln-iree end to end: a small StableHLO module compiled at test time by the
+//! pinned iree-compile runs on `local-task` and `local-sync` with exact
+//! results, and every way of misusing the runtime is a clear error.
+//!
+//! Needs `KILN_IREE_PREFIX` (to build) and `KILN_IREE_COMPILE` (to run), as
+//! `cargo xtask test` and `nix develop` provide.
+
+use std::sync::OnceLock;
+
+use half::{bf16, f16};
+use kiln_iree::{Error, Instance, Tensor};
+use kiln_xla::{Compiler, Target};
+
+const MODULE: &str = r#"
+module {
+  func.func @add(%a: tensor<4xf32>, %b: tensor<4xf32>) -> tensor<4xf32> {
+    %0 = stablehlo.add %a, %b : tensor<4xf32>
+    return %0 : tensor<4xf32>
+  }
+  func.func @matmul(%a: tensor<2x3xf32>, %b: tensor<3x2xf32>) -> tensor<2x2xf32> {
+    %0 = stablehlo.dot_general %a, %b, contracting_dims = [1] x [0]
+        : (tensor<2x3xf32>, tensor<3x2xf32>) -> tensor<2x2xf32>
+    return %0 : tensor<2x2xf32>
+  }
+  func.func @mul_f16(%a: tensor<3xf16>, %b: tensor<3xf16>) -> tensor<3xf16> {
+    %0 = stablehlo.multiply %a, %b : tensor<3xf16>
+    return %0 : tensor<3xf16>
+  }
+  func.func @add_bf16(%a: tensor<3xbf16>, %b: tensor<3xbf16>) -> tensor<3xbf16> {
+    %0 = stablehlo.add %a, %b : tensor<3xbf16>
+    return %0 : tensor<3xbf16>
+  }
+  func.func @add_i32(%a: tensor<2x2xi32>, %b: tensor<2x2xi32>) -> tensor<2x2xi32> {
+    %0 = stablehlo.add %a, %b : tensor<2x2xi32>
+    return %0 : tensor<2x2xi32>
+  }
+  func.func @negate_and_truncate(%a: tensor<3xf32>) -> (tensor<3xf32>, tensor<3xi32>) {
+    %0 = stablehlo.negate %a : tensor<3xf32>
+    %1 = stablehlo.convert %a : (tensor<3xf32>) -> tensor<3xi32>
+    return %0, %1 : tensor<3xf32>, tensor<3xi32>
+  }
+}
+"#;
+
+/// The module, compiled once for the whole test binary.
+fn vmfb() -> &'static [u8] {
+    static VMFB: OnceLock<Vec<u8>> = OnceLock::new();
+    VMFB.get_or_init(|| {
+        let compiler = Compiler::from_env().unwrap_or_else(|e| panic!("{e}"));
+        compiler
+            .compile(MODULE, Target::LlvmCpu)
+            .unwrap_or_else(|e| panic!("{e}"))
+    })
+}
+
+fn exact_results_on(uri: &str) {
+    let instance = Instance::new().unwrap();
+    let device = instance.device(uri).unwrap();
+    assert_eq!(device.uri(), uri);
+    let module = device.load_module(vmfb()).unwrap();
+
+    let a = Tensor::f32(&[4], vec![1.5, -2.0, 3.25, 1e6]).unwrap();
+    let b = Tensor::f32(&[4], vec![0.5, 2.0, -0.25, 1.0]).unwrap();
+    let out = module.call("add", &[a, b]).unwrap();
+    assert_eq!(out.len(), 1);
+    assert_eq!(out[0].shape(), &[4]);
+    assert_eq!(out[0].as_f32().unwrap(), &[2.0, 0.0, 3.0, 1_000_001.0]);
+
+    let a = Tensor::f32(&[2, 3], vec![1.0, 2.0, 3.0, 4.0, 5.0, 6.0]).unwrap();
+    let b = Tensor::f32(&[3, 2], vec![7.0, 8.0, 9.0, 10.0, 11.0, 12.0]).unwrap();
+    let out = module.call("matmul", &[a, b]).unwrap();
+    assert_eq!(out[0].shape(), &[2, 2]);
+    assert_eq!(out[0].as_f32().unwrap(), &[58.0, 64.0, 139.0, 154.0]);
+
+    let h = |v: &[f32]| v.iter().copied().map(f16::from_f32).collect::<Vec<_>>();
+    let a = Tensor::f16(&[3], h(&[1.5, -2.0, 0.25])).unwrap();
+    let b = Tensor::f16(&[3], h(&[2.0, 3.0, 4.0])).unwrap();
+    let out = module.call("mul_f16", &[a, b]).unwrap();
+    assert_eq!(out[0].as_f16().unwrap(), h(&[3.0, -6.0, 1.0]).as_slice());
+
+    let bh = |v: &[f32]| v.iter().copied().map(bf16::from_f32).collect::<Vec<_>>();
+    let a = Tensor::bf16(&[3], bh(&[1.0, 256.0, -0.5])).unwrap();
+    let b = Tensor::bf16(&[3], bh(&[2.0, 1.0, 0.25])).unwrap();
+    let out = module.call("add_bf16", &[a, b]).unwrap();
+    // 256 + 1 rounds to 256 in bf16 (8 bits of mantissa): real bf16 arithmetic.
+    assert_eq!(out[0].as_bf16().unwrap(), bh(&[3.0, 256.0, -0.25]).as_slice());
+
+    let a = Tensor::i32(&[2, 2], vec![1, -2, i32::MAX, 40]).unwrap();
+    let b = Tensor::i32(&[2, 2], vec![10, 20, 0, 2]).unwrap();
+    let out = module.call("add_i32", &[a, b]).unwrap();
+    assert_eq!(out[0].as_i32().unwrap(), &[11, 18, i32::MAX, 42]);
+
+    let a = Tensor::f32(&[3], vec![1.75, -2.5, 3.0]).unwrap();
+    let out = module.call("negate_and_truncate", &[a]).unwrap();
+    assert_eq!(out.len(), 2);
+    assert_eq!(out[0].as_f32().unwrap(), &[-1.75, 2.5, -3.0]);
+    assert_eq!(out[1].as_i32().unwrap(), &[1, -2, 3]);
+}
+
+#[test]
+fn exact_results_on_local_task() {
+    exact_results_on("local-task");
+}
+
+#[test]
+fn exact_results_on_local_sync() {
+    exact_results_on("local-sync");
+}
+
+#[test]
+fn cpu_drivers_are_registered() {
+    let drivers = Instance::new().unwrap().drivers().unwrap();
+    assert!(drivers.contains(&"local-task".to_string()), "{drivers:?}");
+    assert!(drivers.contains(&"local-sync".to_string()), "{drivers:?}");
+    assert_eq!(
+        drivers.contains(&"cuda".to_string()),
+        cfg!(feature = "cuda"),
+        "the cuda driver is registered exactly when the cuda feature is on: {drivers:?}"
+    );
+}
+
+#[test]
+fn compiler_revision_matches_the_runtime() {
+    let compiler = Compiler::from_env().unwrap();
+    assert_eq!(compiler.revision(), kiln_iree::RUNTIME_REVISION);
+    assert_eq!(compiler.revision().len(), 40);
+}
+
+#[test]
+fn truncated_and_garbage_modules_are_errors() {
+    let device = Instance::new().unwrap().device("local-sync").unwrap();
+    let whole = vmfb();
+    for (what, bytes) in [
+        ("empty", &[][..]),
+        ("first half", &whole[..whole.len() / 2]),
+        ("first 64 bytes", &whole[..64]),
+        ("garbage", &[0x5a_u8; 4096][..]),
+    ] {
+        match device.load_module(bytes) {
+            Err(Error::Iree { message, .. }) => {
+                assert!(!message.is_empty(), "{what}: empty message")
+            }
+            Err(other) => panic!("{what}: unexpected error kind: {other}"),
+            Ok(_) => panic!("{what}: a broken module loaded"),
+        }
+    }
+    // The intact module still loads on the same device afterwards.
+    device.load_module(whole).unwrap();
+}
+
+#[test]
+fn missing_function_is_named() {
+    let device = Instance::new().unwrap().device("local-task").unwrap();
+    let module = device.load_module(vmfb()).unwrap();
+    let a = Tensor::f32(&[4], vec![0.0; 4]).unwrap();
+    let error = module.call("no_such_function", &[a]).err().unwrap();
+    assert!(
+        matches!(&error, Error::FunctionNotFound { function, .. } if function == "no_such_function"),
+        "{error}"
+    );
+    assert!(error.to_string().contains("no_such_function"), "{error}");
+}
+
+#[test]
+fn mistyped_and_misshaped_inputs_are_errors() {
+    let device = Instance::new().unwrap().device("local-task").unwrap();
+    let module = device.load_module(vmfb()).unwrap();
+    let ints = Tensor::i32(&[4], vec![1, 2, 3, 4]).unwrap();
+    let error = module.call("add", &[ints.clone(), ints]).err().unwrap();
+    assert!(matches!(error, Error::Iree { .. }), "{error}");
+    let short = Tensor::f32(&[3], vec![1.0, 2.0, 3.0]).unwrap();
+    let error = module.call("add", &[short.clone(), short]).err().unwrap();
+    assert!(matches!(error, Error::Iree { .. }), "{error}");
+    let error = module.call("add", &[]).err().unwrap();
+    assert!(matches!(error, Error::Iree { .. }), "{error}");
+}
+
+#[test]
+fn cuda_device_without_its_driver_or_libcuda_is_a_clear_error() {
+    let instance = Instance::new().unwrap();
+    match instance.device("cuda") {
+        Ok(_) => {
+            assert!(cfg!(feature = "cuda"), "a cuda device opened without the cuda feature");
+            println!("skipped the libcuda.so assertion: this machine has a CUDA driver and GPU");
+        }
+        Err(error @ Error::DeviceUnavailable { .. }) => {
+            assert!(cfg!(feature = "cuda"), "{error}");
+            let text = error.to_string();
+            assert!(text.contains("libcuda.so"), "the error must name libcuda.so: {text}");
+            assert!(text.contains("LD_LIBRARY_PATH"), "the error must say what to do: {text}");
+        }
+        Err(error @ Error::DriverMissing { .. }) => {
+            assert!(!cfg!(feature = "cuda"), "{error}");
+            assert!(error.to_string().contains("--features cuda"), "{error}");
+        }
+        Err(other) => panic!("unexpected error kind: {other}"),
+    }
+}
+
+#[test]
+fn unknown_driver_is_a_clear_error() {
+    let error = Instance::new().unwrap().device("vulkan").err().unwrap();
+    assert!(
+        matches!(&error, Error::DriverMissing { driver, .. } if driver == "vulkan"),
+        "{error}"
+    );
+}
