@@ -44,7 +44,9 @@ fn build() -> Result<(), Vec<String>> {
     println!("cargo::rerun-if-changed=csrc/kiln_iree.c");
 
     let prefix = iree_prefix()?;
-    let pc_file = prefix.join("lib/pkgconfig").join(format!("{PKG_CONFIG_NAME}.pc"));
+    let pc_file = prefix
+        .join("lib/pkgconfig")
+        .join(format!("{PKG_CONFIG_NAME}.pc"));
     if !pc_file.is_file() {
         return Err(vec![
             format!(
@@ -59,17 +61,28 @@ fn build() -> Result<(), Vec<String>> {
     // pkg-config accepts the path of a .pc file in place of a package name, so
     // the prefix is used as given, with no search path to set up.
     let pc_arg = pc_file.to_str().ok_or_else(|| {
-        vec![format!("the prefix path {} is not valid UTF-8", prefix.display())]
+        vec![format!(
+            "the prefix path {} is not valid UTF-8",
+            prefix.display()
+        )]
     })?;
     let library = pkg_config::Config::new()
         .statik(true)
         .cargo_metadata(false)
         .env_metadata(false)
         .probe(pc_arg)
-        .map_err(|e| vec![format!("pkg-config could not read {}: {e}", pc_file.display())])?;
+        .map_err(|e| {
+            vec![format!(
+                "pkg-config could not read {}: {e}",
+                pc_file.display()
+            )]
+        })?;
     let variable = |name: &str| {
         pkg_config::get_variable(pc_arg, name).map_err(|e| {
-            vec![format!("{} has no `{name}` variable: {e}", pc_file.display())]
+            vec![format!(
+                "{} has no `{name}` variable: {e}",
+                pc_file.display()
+            )]
         })
     };
     let drivers = variable("hal_drivers")?;
@@ -152,7 +165,11 @@ fn emit_link_directives(library: &pkg_config::Library) -> Result<(), Vec<String>
     }
     for name in &library.libs {
         let archive = format!("lib{name}.a");
-        let in_prefix = library.link_paths.iter().map(|d| d.join(&archive)).find(|p| p.is_file());
+        let in_prefix = library
+            .link_paths
+            .iter()
+            .map(|d| d.join(&archive))
+            .find(|p| p.is_file());
         match in_prefix {
             Some(path) => {
                 println!("cargo::rerun-if-changed={}", path.display());

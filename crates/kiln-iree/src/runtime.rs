@@ -306,7 +306,9 @@ fn read_output(call: &Call) -> Result<Tensor> {
     unsafe {
         check(ffi::kiln_iree_tensor_element_type(tensor, &mut raw_type)).map_err(iree_error)?;
         let rank = ffi::kiln_iree_tensor_rank(tensor);
-        let shape: Vec<i64> = (0..rank).map(|i| ffi::kiln_iree_tensor_dim(tensor, i)).collect();
+        let shape: Vec<i64> = (0..rank)
+            .map(|i| ffi::kiln_iree_tensor_dim(tensor, i))
+            .collect();
         let mut bytes = vec![0u8; ffi::kiln_iree_tensor_byte_length(tensor)];
         check(ffi::kiln_iree_tensor_read(
             tensor,

@@ -58,13 +58,13 @@ impl Compiler {
                 source,
             })?;
         let text = String::from_utf8_lossy(&output.stdout).into_owned();
-        let line = text
-            .lines()
-            .find(|l| l.contains(" @ "))
-            .ok_or_else(|| Error::CompilerVersion {
-                path: path.to_path_buf(),
-                output: text.clone(),
-            })?;
+        let line =
+            text.lines()
+                .find(|l| l.contains(" @ "))
+                .ok_or_else(|| Error::CompilerVersion {
+                    path: path.to_path_buf(),
+                    output: text.clone(),
+                })?;
         let revision = line
             .rsplit_once(" @ ")
             .map(|(_, rev)| rev.trim().to_string())

@@ -51,9 +51,8 @@ impl Cache {
             std::fs::create_dir_all(parent)?;
         }
         let staged = staging.keep();
-        std::fs::rename(&staged, dest).with_context(|| {
-            format!("cannot move {} to {}", staged.display(), dest.display())
-        })?;
+        std::fs::rename(&staged, dest)
+            .with_context(|| format!("cannot move {} to {}", staged.display(), dest.display()))?;
         Ok(dest.to_path_buf())
     }
 }

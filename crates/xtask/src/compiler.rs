@@ -14,7 +14,11 @@ use crate::unpack;
 /// Where the compiler of the current pins lives (it may not exist yet).
 pub fn compiler_location(cache: &Cache, pins: &Pins) -> Result<PathBuf> {
     let system = host_system()?;
-    let wheel = for_system(&pins.iree.compiler.wheels, &system, "iree-base-compiler wheel")?;
+    let wheel = for_system(
+        &pins.iree.compiler.wheels,
+        &system,
+        "iree-base-compiler wheel",
+    )?;
     Ok(cache
         .path("iree-compiler")
         .join(&wheel.sha256[..16])
@@ -24,7 +28,11 @@ pub fn compiler_location(cache: &Cache, pins: &Pins) -> Result<PathBuf> {
 /// Fetches and unpacks the compiler if needed, then checks its revision.
 pub fn install(cache: &Cache, pins: &Pins) -> Result<PathBuf> {
     let system = host_system()?;
-    let wheel = for_system(&pins.iree.compiler.wheels, &system, "iree-base-compiler wheel")?;
+    let wheel = for_system(
+        &pins.iree.compiler.wheels,
+        &system,
+        "iree-base-compiler wheel",
+    )?;
     let binary = compiler_location(cache, pins)?;
     let dir = cache.path("iree-compiler").join(&wheel.sha256[..16]);
     cache.publish(&dir, |staging| {
@@ -55,8 +63,13 @@ pub fn check_revision(binary: &PathBuf, pins: &Pins) -> Result<String> {
     }
     let found = text
         .lines()
-        .find_map(|line| line.split_once(" @ ").map(|(_, rev)| rev.trim().to_string()))
-        .ok_or_else(|| anyhow!("`iree-compile --version` printed no `VERSION @ REVISION`:\n{text}"))?;
+        .find_map(|line| {
+            line.split_once(" @ ")
+                .map(|(_, rev)| rev.trim().to_string())
+        })
+        .ok_or_else(|| {
+            anyhow!("`iree-compile --version` printed no `VERSION @ REVISION`:\n{text}")
+        })?;
     if found != pins.iree.revision {
         return Err(anyhow!(
             "iree-compile revision mismatch\n  pinned (nix/pins.json): {}\n  found ({}): {found}\n\

@@ -14,7 +14,11 @@ use crate::pins::Pins;
 pub fn exports(cache: &Cache, pins: &Pins, variant: Variant) -> Result<String> {
     let (prefix, _) = prefix_location(cache, pins, variant)?;
     if !prefix.exists() {
-        let flag = if variant == Variant::Cuda { " --cuda" } else { "" };
+        let flag = if variant == Variant::Cuda {
+            " --cuda"
+        } else {
+            ""
+        };
         return Err(anyhow!(
             "no IREE prefix ({}) for the current pins at {}; build it with `cargo xtask iree{flag}`",
             variant.name(),

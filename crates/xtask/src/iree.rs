@@ -81,7 +81,11 @@ pub fn prefix_location(
 pub fn build(cache: &Cache, pins: &Pins, variant: Variant) -> Result<PathBuf> {
     let (dest, inputs) = prefix_location(cache, pins, variant)?;
     if dest.exists() {
-        eprintln!("IREE prefix ({}) is up to date: {}", variant.name(), dest.display());
+        eprintln!(
+            "IREE prefix ({}) is up to date: {}",
+            variant.name(),
+            dest.display()
+        );
         return Ok(dest);
     }
     let started = Instant::now();
@@ -123,7 +127,12 @@ pub fn build(cache: &Cache, pins: &Pins, variant: Variant) -> Result<PathBuf> {
     if let Some(deps) = &cuda_deps {
         configure.env("IREE_CUDA_DEPS_DIR", deps);
     }
-    run_logged(configure, &build_dir.join("kiln-configure.log"), "configuring IREE", None)?;
+    run_logged(
+        configure,
+        &build_dir.join("kiln-configure.log"),
+        "configuring IREE",
+        None,
+    )?;
 
     let mut ninja_cmd = Command::new(&ninja);
     ninja_cmd
@@ -149,7 +158,10 @@ pub fn build(cache: &Cache, pins: &Pins, variant: Variant) -> Result<PathBuf> {
         let share = staging.join("share").join("kiln");
         std::fs::create_dir_all(&share)?;
         // What went into this prefix, for whoever wonders why it was rebuilt.
-        std::fs::write(share.join("inputs.json"), serde_json::to_string_pretty(&inputs)?)?;
+        std::fs::write(
+            share.join("inputs.json"),
+            serde_json::to_string_pretty(&inputs)?,
+        )?;
         Ok(())
     })?;
     std::fs::remove_dir_all(&build_dir).ok();
@@ -240,13 +252,16 @@ fn parse_ninja_status(line: &str) -> Option<(u64, u64)> {
     Some((done.parse().ok()?, total.parse().ok()?))
 }
 
+/// Reads `(done, total)` from a line of a tool's output, if it has one.
+type ProgressParser = fn(&str) -> Option<(u64, u64)>;
+
 /// Runs a long command with a spinner or progress bar, its output going to
 /// `log`; on failure prints the output's tail and names the log.
 fn run_logged(
     mut command: Command,
     log: &Path,
     what: &str,
-    progress: Option<fn(&str) -> Option<(u64, u64)>>,
+    progress: Option<ProgressParser>,
 ) -> Result<()> {
     let bar = ProgressBar::new_spinner().with_style(
         ProgressStyle::with_template("{spinner} {msg} {wide_bar} {pos}/{len} [{elapsed}]")

@@ -24,7 +24,10 @@ use crate::iree::Variant;
 use crate::pins::{Pins, default_pin_file};
 
 #[derive(Parser)]
-#[command(name = "cargo xtask", about = "kiln's build tasks (the portable twin of the Nix flake)")]
+#[command(
+    name = "cargo xtask",
+    about = "kiln's build tasks (the portable twin of the Nix flake)"
+)]
 struct Cli {
     #[command(subcommand)]
     task: Task,
@@ -84,7 +87,10 @@ fn run(cli: Cli) -> Result<()> {
         Task::Compiler => {
             let pins = load_pins()?;
             let binary = compiler::install(&Cache::open()?, &pins)?;
-            eprintln!("iree-compile {} (revision matches the pin)", pins.iree.compiler.version_line);
+            eprintln!(
+                "iree-compile {} (revision matches the pin)",
+                pins.iree.compiler.version_line
+            );
             println!("{}", binary.display());
         }
         Task::Env { cpu } => {

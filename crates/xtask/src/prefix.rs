@@ -74,9 +74,17 @@ pub fn install(build: &Path, iree_source: &Path, out: &Path, id: &Identity) -> R
         ));
     }
 
-    let headers = copy_headers(&iree_source.join("runtime").join("src"), &out.join("include"))?;
+    let headers = copy_headers(
+        &iree_source.join("runtime").join("src"),
+        &out.join("include"),
+    )?;
     let pc = pkg_config_file(id, &drivers, &libs);
-    std::fs::write(libdir.join("pkgconfig").join(format!("{PKG_CONFIG_NAME}.pc")), pc)?;
+    std::fs::write(
+        libdir
+            .join("pkgconfig")
+            .join(format!("{PKG_CONFIG_NAME}.pc")),
+        pc,
+    )?;
     eprintln!(
         "installed the IREE prefix: {} headers, link: {}, drivers: {}",
         headers,

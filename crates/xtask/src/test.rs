@@ -20,9 +20,12 @@ pub fn run(cache: &Cache, pins: &Pins) -> Result<()> {
         "kiln-iree's build script reads the prefix's link description with it",
         "Debian/Ubuntu: apt-get install -y pkg-config",
     )?;
-    let cpu_prefix = step("IREE prefix, CPU drivers", || iree::build(cache, pins, Variant::Cpu))?;
-    let cuda_prefix =
-        step("IREE prefix, CUDA driver", || iree::build(cache, pins, Variant::Cuda))?;
+    let cpu_prefix = step("IREE prefix, CPU drivers", || {
+        iree::build(cache, pins, Variant::Cpu)
+    })?;
+    let cuda_prefix = step("IREE prefix, CUDA driver", || {
+        iree::build(cache, pins, Variant::Cuda)
+    })?;
     let compiler = step("iree-compile", || compiler::install(cache, pins))?;
 
     let env = |prefix: &Path| -> Vec<(&'static str, OsString)> {
@@ -35,8 +38,15 @@ pub fn run(cache: &Cache, pins: &Pins) -> Result<()> {
     step("clippy (cuda,xla-iree, all targets)", || {
         cargo(
             &[
-                "clippy", "--workspace", "--all-targets", "--locked", "--features",
-                "cuda,xla-iree", "--", "-D", "warnings",
+                "clippy",
+                "--workspace",
+                "--all-targets",
+                "--locked",
+                "--features",
+                "cuda,xla-iree",
+                "--",
+                "-D",
+                "warnings",
             ],
             &env(&cuda_prefix),
         )
@@ -46,7 +56,13 @@ pub fn run(cache: &Cache, pins: &Pins) -> Result<()> {
     })?;
     step("tests with --features cuda,xla-iree", || {
         cargo(
-            &["test", "--workspace", "--locked", "--features", "cuda,xla-iree"],
+            &[
+                "test",
+                "--workspace",
+                "--locked",
+                "--features",
+                "cuda,xla-iree",
+            ],
             &env(&cuda_prefix),
         )
     })?;

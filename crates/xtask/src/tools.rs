@@ -33,9 +33,12 @@ pub fn pinned_tool(cache: &Cache, tool: &Tool, what: &str, system: &str) -> Resu
 /// Runs `program --version` and returns its first line, or an error that says
 /// what the program is for and how to install it.
 pub fn require_host_program(program: &str, purpose: &str, install: &str) -> Result<String> {
-    let output = Command::new(program).arg("--version").output().map_err(|e| {
-        anyhow!("`{program}` ({purpose}) was not found on PATH ({e}); install it: {install}")
-    })?;
+    let output = Command::new(program)
+        .arg("--version")
+        .output()
+        .map_err(|e| {
+            anyhow!("`{program}` ({purpose}) was not found on PATH ({e}); install it: {install}")
+        })?;
     if !output.status.success() {
         return Err(anyhow!(
             "`{program} --version` failed ({}); {purpose} is needed: {install}",
