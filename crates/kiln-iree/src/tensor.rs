@@ -199,3 +199,44 @@ fn element_count(shape: &[i64]) -> Result<usize> {
             .ok_or_else(|| Error::Tensor(format!("invalid shape {shape:?}")))
     })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn data_must_match_the_shape() {
+        let error = Tensor::f32(&[2, 3], vec![0.0; 5]).unwrap_err();
+        assert!(error.to_string().contains("6 elements but 5"), "{error}");
+        assert!(Tensor::i32(&[-1], vec![]).is_err());
+        assert!(Tensor::f32(&[i64::MAX, i64::MAX], vec![]).is_err());
+        assert!(Tensor::f32(&[0, 7], vec![]).is_ok());
+    }
+
+    #[test]
+    fn bytes_round_trip_every_type() {
+        let tensors = [
+            Tensor::f32(&[2], vec![1.5, -0.0]).unwrap(),
+            Tensor::f16(&[2], vec![f16::from_f32(0.5), f16::NEG_INFINITY]).unwrap(),
+            Tensor::bf16(&[1, 2], vec![bf16::from_f32(3.0), bf16::MIN_POSITIVE]).unwrap(),
+            Tensor::i32(&[3], vec![i32::MIN, 0, i32::MAX]).unwrap(),
+        ];
+        for tensor in tensors {
+            let bytes = tensor.bytes();
+            assert_eq!(
+                bytes.len(),
+                element_count(tensor.shape()).unwrap() * tensor.element_type().size()
+            );
+            let back =
+                Tensor::from_bytes(tensor.shape().to_vec(), tensor.element_type(), &bytes).unwrap();
+            assert_eq!(back, tensor);
+        }
+    }
+
+    #[test]
+    fn typed_access_names_the_actual_type() {
+        let tensor = Tensor::i32(&[1], vec![7]).unwrap();
+        let error = tensor.as_f32().unwrap_err();
+        assert!(error.to_string().contains("I32"), "{error}");
+    }
+}

@@ -6,6 +6,7 @@ mod cache;
 mod compiler;
 mod env;
 mod fetch;
+mod gate;
 mod iree;
 mod pins;
 mod prefix;
@@ -51,8 +52,18 @@ enum Task {
     },
     /// Download every pinned input, for every system, and check its sha256.
     VerifyPins,
-    /// Run the whole test suite: lint, both IREE variants, the tests.
+    /// Run the whole test suite: lint, both IREE variants, the tests, the gate.
     Test,
+    /// The link gate: link every release cuda,xla-iree target, then prove with
+    /// the mutation suite that link-only regressions fail it.
+    Gate {
+        /// Only the link check, no mutation suite.
+        #[arg(long)]
+        link_only: bool,
+        /// Run only the named mutation.
+        #[arg(long)]
+        mutation: Option<String>,
+    },
     /// Install a prefix from a finished build of nix/iree-prefix (used by the Nix derivation).
     #[command(hide = true)]
     IreePrefixInstall {
@@ -99,6 +110,14 @@ fn run(cli: Cli) -> Result<()> {
         }
         Task::VerifyPins => test::verify_pins(&Cache::open()?, &load_pins()?)?,
         Task::Test => test::run(&Cache::open()?, &load_pins()?)?,
+        Task::Gate {
+            link_only,
+            mutation,
+        } => {
+            let cache = Cache::open()?;
+            let prefix = iree::build(&cache, &load_pins()?, Variant::Cuda)?;
+            gate::run(&prefix, link_only, mutation.as_deref())?;
+        }
         Task::IreePrefixInstall {
             build,
             source,

@@ -66,6 +66,9 @@ pub fn run(cache: &Cache, pins: &Pins) -> Result<()> {
             &env(&cuda_prefix),
         )
     })?;
+    step("the gate: link check and mutation suite", || {
+        crate::gate::run(&cuda_prefix, false, None)
+    })?;
     eprintln!("xtask test: every step succeeded");
     Ok(())
 }

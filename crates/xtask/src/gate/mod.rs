@@ -1,0 +1,316 @@
+//! `cargo xtask gate`: the link check and its self-test, the mutation suite.
+//!
+//! The link check links every target of the workspace (binaries, tests,
+//! benches, examples) in the release profile with `cuda,xla-iree`, running
+//! none. The mutation suite proves the check would catch link-only
+//! regressions: for each mutation, on a copy of the tree (and of the prefix),
+//! `cargo check` must still pass and the link check must fail with the
+//! expected text. Every run shares one target folder, so mutants reuse the
+//! baseline's compiled dependencies.
+
+mod mutations;
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::Instant;
+
+use anyhow::{Context, Result, anyhow};
+use serde::Serialize;
+
+use crate::pins::repo_root;
+use mutations::{Edit, MUTATIONS, Mutation};
+
+const FEATURES: &str = "cuda,xla-iree";
+
+#[derive(Serialize)]
+struct Line {
+    name: String,
+    /// What the line checks (for a mutation: the regression it models).
+    models: String,
+    verdict: &'static str,
+    seconds: f64,
+    detail: String,
+}
+
+/// Runs the link check and, unless `link_only`, the mutation suite; prints the
+/// report and writes it as JSON. Fails if any line failed.
+pub fn run(prefix: &Path, link_only: bool, only: Option<&str>) -> Result<()> {
+    let root = repo_root();
+    let work = root.join("target").join("gate");
+    let target_dir = work.join("target");
+    std::fs::create_dir_all(&work)?;
+    let mut report: Vec<Line> = Vec::new();
+
+    let started = Instant::now();
+    let link = link_check(&root, prefix, &target_dir)?;
+    let ok = link.success;
+    report.push(Line {
+        name: "link-check".into(),
+        models: "every release cuda,xla-iree target links".into(),
+        verdict: if ok { "PASS" } else { "FAIL" },
+        seconds: started.elapsed().as_secs_f64(),
+        detail: if ok {
+            "every target linked".into()
+        } else {
+            first_error_line(&link.output)
+        },
+    });
+    print_line(report.last().expect("just pushed"));
+    if !ok {
+        eprintln!("{}", tail(&link.output, 40));
+    }
+
+    if ok && !link_only {
+        for mutation in MUTATIONS
+            .iter()
+            .filter(|m| only.is_none_or(|o| o == m.name))
+        {
+            let line = run_mutation(mutation, &root, prefix, &work, &target_dir)?;
+            print_line(&line);
+            report.push(line);
+        }
+    }
+
+    let failed = report
+        .iter()
+        .filter(|l| !matches!(l.verdict, "PASS" | "CAUGHT" | "SKIPPED"))
+        .count();
+    let passed = report.iter().filter(|l| l.verdict != "SKIPPED").count() - failed;
+    let json = work.join("report.json");
+    std::fs::write(&json, serde_json::to_string_pretty(&report)?)?;
+    println!(
+        "gate: {passed} passed, {failed} failed (report: {})",
+        json.display()
+    );
+    if failed > 0 {
+        return Err(anyhow!(
+            "the gate failed: {failed} line(s) above are not PASS/CAUGHT"
+        ));
+    }
+    Ok(())
+}
+
+struct Outcome {
+    success: bool,
+    output: String,
+}
+
+/// `cargo test --release --features cuda,xla-iree --workspace --all-targets
+/// --no-run --locked`, RUSTFLAGS untouched.
+fn link_check(tree: &Path, prefix: &Path, target_dir: &Path) -> Result<Outcome> {
+    cargo(
+        tree,
+        prefix,
+        target_dir,
+        &[
+            "test",
+            "--release",
+            "--features",
+            FEATURES,
+            "--workspace",
+            "--all-targets",
+            "--no-run",
+            "--locked",
+        ],
+    )
+}
+
+fn check(tree: &Path, prefix: &Path, target_dir: &Path) -> Result<Outcome> {
+    cargo(
+        tree,
+        prefix,
+        target_dir,
+        &[
+            "check",
+            "--features",
+            FEATURES,
+            "--workspace",
+            "--all-targets",
+            "--locked",
+        ],
+    )
+}
+
+fn cargo(tree: &Path, prefix: &Path, target_dir: &Path, args: &[&str]) -> Result<Outcome> {
+    let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
+    let output = Command::new(cargo)
+        .args(args)
+        .current_dir(tree)
+        .env("KILN_IREE_PREFIX", prefix)
+        .env("CARGO_TARGET_DIR", target_dir)
+        .env("CARGO_TERM_COLOR", "never")
+        .output()
+        .context("cannot run cargo")?;
+    Ok(Outcome {
+        success: output.status.success(),
+        output: String::from_utf8_lossy(&output.stdout).into_owned()
+            + &String::from_utf8_lossy(&output.stderr),
+    })
+}
+
+fn run_mutation(
+    mutation: &Mutation,
+    root: &Path,
+    prefix: &Path,
+    work: &Path,
+    target_dir: &Path,
+) -> Result<Line> {
+    let line = |verdict, seconds, detail: String| Line {
+        name: mutation.name.into(),
+        models: mutation.models.into(),
+        verdict,
+        seconds,
+        detail,
+    };
+    if let Some(arch) = mutation.only_arch
+        && arch != std::env::consts::ARCH
+    {
+        return Ok(line("SKIPPED", 0.0, format!("{arch} only")));
+    }
+    let started = Instant::now();
+    // The same paths every time: cargo's fingerprints of the workspace crates
+    // then differ only where the mutation edits.
+    let tree = work.join("tree");
+    let mutant_prefix = work.join("prefix");
+    copy_tree(root, &tree)?;
+    copy_dir(prefix, &mutant_prefix)?;
+    if let Err(error) = apply(mutation.edits, &tree, &mutant_prefix) {
+        return Ok(line(
+            "BROKEN",
+            started.elapsed().as_secs_f64(),
+            format!("{error:#}"),
+        ));
+    }
+    let checked = check(&tree, &mutant_prefix, target_dir)?;
+    let verdict = if !checked.success {
+        line("NOT LINK-ONLY", 0.0, first_error_line(&checked.output))
+    } else {
+        let linked = link_check(&tree, &mutant_prefix, target_dir)?;
+        let logs = work.join("logs");
+        std::fs::create_dir_all(&logs)?;
+        std::fs::write(logs.join(format!("{}.log", mutation.name)), &linked.output)?;
+        if linked.success {
+            line(
+                "SURVIVED",
+                0.0,
+                "the link check passed on the mutant".into(),
+            )
+        } else if let Some(hit) = linked
+            .output
+            .lines()
+            .find(|l| l.contains("undefined") && l.contains(mutation.expect))
+        {
+            line("CAUGHT", 0.0, hit.trim().to_string())
+        } else {
+            line(
+                "WRONG FAILURE",
+                0.0,
+                format!(
+                    "expected `{}` undefined; got: {}",
+                    mutation.expect,
+                    first_error_line(&linked.output)
+                ),
+            )
+        }
+    };
+    std::fs::remove_dir_all(&tree).ok();
+    std::fs::remove_dir_all(&mutant_prefix).ok();
+    Ok(Line {
+        seconds: started.elapsed().as_secs_f64(),
+        ..verdict
+    })
+}
+
+fn apply(edits: &[Edit], tree: &Path, prefix: &Path) -> Result<()> {
+    for edit in edits {
+        let (file, from, to) = match edit {
+            Edit::Tree { file, from, to } => (tree.join(file), *from, *to),
+            Edit::LinkDescription { from, to } => {
+                (prefix.join("lib/pkgconfig/iree-runtime.pc"), *from, *to)
+            }
+        };
+        let text = std::fs::read_to_string(&file)
+            .with_context(|| format!("cannot read {}", file.display()))?;
+        if !text.contains(from) {
+            return Err(anyhow!(
+                "{} no longer contains the text this mutation edits: {from:?}; update the mutation",
+                file.display()
+            ));
+        }
+        std::fs::write(&file, text.replacen(from, to, 1))?;
+    }
+    Ok(())
+}
+
+/// Copies the files git tracks (and untracked, unignored ones) to `dest`.
+fn copy_tree(root: &Path, dest: &Path) -> Result<()> {
+    let listing = Command::new("git")
+        .args([
+            "ls-files",
+            "-z",
+            "--cached",
+            "--others",
+            "--exclude-standard",
+        ])
+        .current_dir(root)
+        .output()
+        .context("cannot run git ls-files (the gate copies the git checkout)")?;
+    if !listing.status.success() {
+        return Err(anyhow!("git ls-files failed in {}", root.display()));
+    }
+    if dest.exists() {
+        std::fs::remove_dir_all(dest)?;
+    }
+    for name in listing.stdout.split(|b| *b == 0).filter(|n| !n.is_empty()) {
+        let relative = PathBuf::from(String::from_utf8_lossy(name).into_owned());
+        let from = root.join(&relative);
+        if !from.is_file() {
+            continue; // Deleted in the working tree but still in the index.
+        }
+        let to = dest.join(&relative);
+        std::fs::create_dir_all(to.parent().expect("a file has a parent"))?;
+        std::fs::copy(&from, &to)?;
+    }
+    Ok(())
+}
+
+fn copy_dir(from: &Path, to: &Path) -> Result<()> {
+    if to.exists() {
+        std::fs::remove_dir_all(to)?;
+    }
+    for entry in walkdir::WalkDir::new(from) {
+        let entry = entry?;
+        let target = to.join(entry.path().strip_prefix(from)?);
+        if entry.file_type().is_dir() {
+            std::fs::create_dir_all(&target)?;
+        } else {
+            std::fs::copy(entry.path(), &target)?;
+        }
+    }
+    Ok(())
+}
+
+/// The line that says why: an undefined symbol if there is one, else the
+/// first error.
+fn first_error_line(output: &str) -> String {
+    let mut lines = output.lines();
+    output
+        .lines()
+        .find(|l| l.contains("undefined reference") || l.contains("undefined symbol"))
+        .or_else(|| lines.find(|l| l.trim_start().starts_with("error")))
+        .unwrap_or("no error line found")
+        .trim()
+        .to_string()
+}
+
+fn tail(text: &str, lines: usize) -> String {
+    let all: Vec<&str> = text.lines().collect();
+    all[all.len().saturating_sub(lines)..].join("\n")
+}
+
+fn print_line(line: &Line) {
+    println!(
+        "{:<14} {:<36} {:>7.1}s  {}",
+        line.verdict, line.name, line.seconds, line.detail
+    );
+}

@@ -1,0 +1,141 @@
+//! The mutation suite: link-only regressions the gate must catch. Each one is
+//! a small edit to a copy of the tree or of the IREE prefix, and the text its
+//! link failure must print. `docs/gate.md` explains what each models.
+
+/// Where a mutation applies.
+pub enum Edit {
+    /// Replace `from` by `to` in a file of the tree copy (path from the root).
+    Tree {
+        file: &'static str,
+        from: &'static str,
+        to: &'static str,
+    },
+    /// Replace `from` by `to` in the copy of the prefix's pkg-config file.
+    LinkDescription {
+        from: &'static str,
+        to: &'static str,
+    },
+}
+
+pub struct Mutation {
+    pub name: &'static str,
+    pub models: &'static str,
+    pub edits: &'static [Edit],
+    /// The symbol the failing link must report as undefined (GNU ld says
+    /// "undefined reference to `SYMBOL'", lld "undefined symbol: SYMBOL").
+    pub expect: &'static str,
+    /// Only on this architecture (`std::env::consts::ARCH`), if set.
+    pub only_arch: Option<&'static str>,
+}
+
+const SHIM_C: &str = "crates/kiln-iree/csrc/kiln_iree.c";
+const BUILD_RS: &str = "crates/kiln-iree/build.rs";
+
+pub const MUTATIONS: &[Mutation] = &[
+    Mutation {
+        name: "archive-dropped",
+        models: "an archive dropped from the prefix's link description",
+        edits: &[Edit::LinkDescription {
+            from: " -lflatcc_parsing",
+            to: "",
+        }],
+        expect: "flatcc_verify",
+        only_arch: None,
+    },
+    Mutation {
+        name: "archives-out-of-order",
+        models: "two archives swapped out of dependency order",
+        edits: &[Edit::LinkDescription {
+            from: "-liree_runtime_unified -ldl -lflatcc_parsing",
+            to: "-lflatcc_parsing -ldl -liree_runtime_unified",
+        }],
+        expect: "flatcc_verify",
+        only_arch: None,
+    },
+    Mutation {
+        name: "printf-archive-dropped",
+        models: "the printf archive IREE formats its status messages with left out",
+        edits: &[Edit::LinkDescription {
+            from: " -lprintf_printf",
+            to: "",
+        }],
+        expect: "vsnprintf_",
+        only_arch: None,
+    },
+    Mutation {
+        name: "shim-calls-unlinked-driver",
+        models: "the shim calling into a driver archive that is not linked (Vulkan is not built)",
+        edits: &[Edit::Tree {
+            file: SHIM_C,
+            from: "kiln_iree_error* kiln_iree_instance_create(kiln_iree_instance** out_instance) {\n",
+            to: "iree_status_t iree_hal_vulkan_driver_module_register(\n    iree_hal_driver_registry_t* registry);\nkiln_iree_error* kiln_iree_instance_create(kiln_iree_instance** out_instance) {\n  (void)iree_hal_vulkan_driver_module_register(NULL);\n",
+        }],
+        expect: "iree_hal_vulkan_driver_module_register",
+        only_arch: None,
+    },
+    Mutation {
+        // Leaving the define out entirely is not link-only for kiln: without
+        // it iree/base/allocator.h declares no iree_allocator_system(), and
+        // C11 rejects the shim at compile time (cargo check catches it).
+        name: "allocator-define-unlinked-impl",
+        models: "IREE_ALLOCATOR_SYSTEM_CTL naming an allocator the prefix does not provide",
+        edits: &[Edit::Tree {
+            file: BUILD_RS,
+            from: ".define(\"IREE_ALLOCATOR_SYSTEM_CTL\", \"iree_allocator_libc_ctl\")",
+            to: ".define(\"IREE_ALLOCATOR_SYSTEM_CTL\", \"iree_allocator_mimalloc_ctl\")",
+        }],
+        expect: "iree_allocator_mimalloc_ctl",
+        only_arch: None,
+    },
+    Mutation {
+        name: "shim-not-linked",
+        models: "the shim's static library compiled but not linked",
+        edits: &[Edit::Tree {
+            file: BUILD_RS,
+            from: ".compile(\"kiln_iree_shim\")",
+            to: ".cargo_metadata(false).compile(\"kiln_iree_shim\")",
+        }],
+        expect: "kiln_iree_",
+        only_arch: None,
+    },
+    Mutation {
+        name: "shim-symbol-renamed-in-c",
+        models: "a shim function renamed on the C side only",
+        edits: &[Edit::Tree {
+            file: SHIM_C,
+            from: "kiln_iree_error* kiln_iree_call_invoke(kiln_iree_call* call) {",
+            to: "kiln_iree_error* kiln_iree_call_run(kiln_iree_call* call) {",
+        }],
+        expect: "kiln_iree_call_invoke",
+        only_arch: None,
+    },
+    Mutation {
+        name: "rust-extern-undefined",
+        models: "a Rust extern declaration naming a symbol nobody defines",
+        edits: &[
+            Edit::Tree {
+                file: "crates/kiln-iree/src/ffi.rs",
+                from: "include!(concat!(env!(\"OUT_DIR\"), \"/bindings.rs\"));",
+                to: "include!(concat!(env!(\"OUT_DIR\"), \"/bindings.rs\"));\nunsafe extern \"C\" {\n    pub fn kiln_iree_instance_reset(instance: *mut kiln_iree_instance);\n}",
+            },
+            Edit::Tree {
+                file: "crates/kiln-iree/src/runtime.rs",
+                from: "        unsafe { ffi::kiln_iree_instance_release(self.0.as_ptr()) }",
+                to: "        unsafe { ffi::kiln_iree_instance_reset(self.0.as_ptr()) }",
+            },
+        ],
+        expect: "kiln_iree_instance_reset",
+        only_arch: None,
+    },
+    Mutation {
+        name: "aarch64-libc-after-stack-protector",
+        models: "aarch64 only: -lc ahead of the objects that need __stack_chk_guard",
+        edits: &[Edit::Tree {
+            file: BUILD_RS,
+            from: "        .define(\"_GNU_SOURCE\", None)",
+            to: "        .define(\"_GNU_SOURCE\", None)\n        .flag(\"-fstack-protector-all\")",
+        }],
+        expect: "__stack_chk_guard",
+        only_arch: Some("aarch64"),
+    },
+];
