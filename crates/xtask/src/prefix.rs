@@ -12,7 +12,7 @@
 //! order is the link probe's link line as CMake computed it (read through
 //! CMake's file API), and the set is the archives the linker actually took
 //! members from (read from the probe's link map). IREE's per-library archives
-//! repeat what `libiree_runtime_unified.a` holds, so the linker never opens
+//! repeat what the unified runtime archive holds, so the linker never opens
 //! them and they are left out.
 
 use std::collections::BTreeSet;

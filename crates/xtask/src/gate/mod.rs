@@ -18,7 +18,7 @@ use anyhow::{Context, Result, anyhow};
 use serde::Serialize;
 
 use crate::pins::repo_root;
-use mutations::{Edit, MUTATIONS, Mutation};
+use mutations::{Edit, LibsEdit, MUTATIONS, Mutation};
 
 const FEATURES: &str = "cuda,xla-iree";
 
@@ -223,22 +223,67 @@ fn run_mutation(
 
 fn apply(edits: &[Edit], tree: &Path, prefix: &Path) -> Result<()> {
     for edit in edits {
-        let (file, from, to) = match edit {
-            Edit::Tree { file, from, to } => (tree.join(file), *from, *to),
-            Edit::LinkDescription { from, to } => {
-                (prefix.join("lib/pkgconfig/iree-runtime.pc"), *from, *to)
+        match edit {
+            Edit::Tree { file, from, to } => {
+                let file = tree.join(file);
+                let text = std::fs::read_to_string(&file)
+                    .with_context(|| format!("cannot read {}", file.display()))?;
+                if !text.contains(from) {
+                    return Err(anyhow!(
+                        "{} no longer contains the text this mutation edits: {from:?}; update the mutation",
+                        file.display()
+                    ));
+                }
+                std::fs::write(&file, text.replacen(from, to, 1))?;
             }
-        };
-        let text = std::fs::read_to_string(&file)
-            .with_context(|| format!("cannot read {}", file.display()))?;
-        if !text.contains(from) {
-            return Err(anyhow!(
-                "{} no longer contains the text this mutation edits: {from:?}; update the mutation",
-                file.display()
-            ));
+            Edit::Libs(libs_edit) => edit_libs(prefix, libs_edit)?,
         }
-        std::fs::write(&file, text.replacen(from, to, 1))?;
     }
+    Ok(())
+}
+
+/// Applies a `LibsEdit` to the `Libs:` line of the prefix copy's `.pc` file.
+fn edit_libs(prefix: &Path, edit: &LibsEdit) -> Result<()> {
+    let pc = prefix
+        .join("lib/pkgconfig")
+        .join(format!("{}.pc", crate::prefix::PKG_CONFIG_NAME));
+    let text =
+        std::fs::read_to_string(&pc).with_context(|| format!("cannot read {}", pc.display()))?;
+    let mut out = String::new();
+    for line in text.lines() {
+        if let Some(libs) = line.strip_prefix("Libs:") {
+            let mut flags: Vec<&str> = libs.split_whitespace().collect();
+            // Positions of the static archives: -lNAME with lib/libNAME.a present.
+            let archives: Vec<usize> = flags
+                .iter()
+                .enumerate()
+                .filter(|(_, f)| {
+                    f.strip_prefix("-l")
+                        .is_some_and(|n| prefix.join("lib").join(format!("lib{n}.a")).is_file())
+                })
+                .map(|(i, _)| i)
+                .collect();
+            let at = |n: usize| {
+                archives.get(n).copied().ok_or_else(|| {
+                    anyhow!(
+                        "the link description has {} archives; this mutation needs #{n}",
+                        archives.len()
+                    )
+                })
+            };
+            match edit {
+                LibsEdit::Drop(n) => {
+                    flags.remove(at(*n)?);
+                }
+                LibsEdit::Swap(a, b) => flags.swap(at(*a)?, at(*b)?),
+            }
+            out.push_str(&format!("Libs: {}\n", flags.join(" ")));
+        } else {
+            out.push_str(line);
+            out.push('\n');
+        }
+    }
+    std::fs::write(&pc, out)?;
     Ok(())
 }
 

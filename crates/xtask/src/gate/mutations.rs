@@ -10,11 +10,17 @@ pub enum Edit {
         from: &'static str,
         to: &'static str,
     },
-    /// Replace `from` by `to` in the copy of the prefix's pkg-config file.
-    LinkDescription {
-        from: &'static str,
-        to: &'static str,
-    },
+    /// Edit the `Libs:` line of the prefix copy's pkg-config file. Archives
+    /// are named by position among the line's static archives (those the
+    /// prefix's `lib/` holds), so no archive name is written here.
+    Libs(LibsEdit),
+}
+
+pub enum LibsEdit {
+    /// Remove the archive at this position.
+    Drop(usize),
+    /// Exchange the archives at these positions.
+    Swap(usize, usize),
 }
 
 pub struct Mutation {
@@ -34,31 +40,22 @@ const BUILD_RS: &str = "crates/kiln-iree/build.rs";
 pub const MUTATIONS: &[Mutation] = &[
     Mutation {
         name: "archive-dropped",
-        models: "an archive dropped from the prefix's link description",
-        edits: &[Edit::LinkDescription {
-            from: " -lflatcc_parsing",
-            to: "",
-        }],
+        models: "an archive dropped from the prefix's link description (the second: flatcc's parser)",
+        edits: &[Edit::Libs(LibsEdit::Drop(1))],
         expect: "flatcc_verify",
         only_arch: None,
     },
     Mutation {
         name: "archives-out-of-order",
-        models: "two archives swapped out of dependency order",
-        edits: &[Edit::LinkDescription {
-            from: "-liree_runtime_unified -ldl -lflatcc_parsing",
-            to: "-lflatcc_parsing -ldl -liree_runtime_unified",
-        }],
+        models: "two archives swapped out of dependency order (flatcc before the unified runtime)",
+        edits: &[Edit::Libs(LibsEdit::Swap(0, 1))],
         expect: "flatcc_verify",
         only_arch: None,
     },
     Mutation {
         name: "printf-archive-dropped",
-        models: "the printf archive IREE formats its status messages with left out",
-        edits: &[Edit::LinkDescription {
-            from: " -lprintf_printf",
-            to: "",
-        }],
+        models: "the last archive (printf, which IREE formats messages with) left out",
+        edits: &[Edit::Libs(LibsEdit::Drop(2))],
         expect: "vsnprintf_",
         only_arch: None,
     },
