@@ -11,18 +11,20 @@ use crate::fetch::fetch;
 use crate::pins::{Pins, for_system, host_system};
 use crate::unpack;
 
-/// Where the compiler of the current pins lives (it may not exist yet).
-pub fn compiler_location(cache: &Cache, pins: &Pins) -> Result<PathBuf> {
+/// The folder the pinned compiler wheel unpacks to (it may not exist yet).
+fn compiler_dir(cache: &Cache, pins: &Pins) -> Result<PathBuf> {
     let system = host_system()?;
     let wheel = for_system(
         &pins.iree.compiler.wheels,
         &system,
         "iree-base-compiler wheel",
     )?;
-    Ok(cache
-        .path("iree-compiler")
-        .join(&wheel.sha256[..16])
-        .join(&pins.iree.compiler.binary))
+    Ok(cache.path("iree-compiler").join(&wheel.sha256[..16]))
+}
+
+/// Where the compiler of the current pins lives (it may not exist yet).
+pub fn compiler_location(cache: &Cache, pins: &Pins) -> Result<PathBuf> {
+    Ok(compiler_dir(cache, pins)?.join(&pins.iree.compiler.binary))
 }
 
 /// Fetches and unpacks the compiler if needed, then checks its revision.
@@ -33,13 +35,12 @@ pub fn install(cache: &Cache, pins: &Pins) -> Result<PathBuf> {
         &system,
         "iree-base-compiler wheel",
     )?;
-    let binary = compiler_location(cache, pins)?;
-    let dir = cache.path("iree-compiler").join(&wheel.sha256[..16]);
-    cache.publish(&dir, |staging| {
+    cache.publish(&compiler_dir(cache, pins)?, |staging| {
         let archive = fetch(cache, wheel)?;
         eprintln!("unpacking {}", wheel.name);
         unpack::wheel(&archive, staging)
     })?;
+    let binary = compiler_location(cache, pins)?;
     check_revision(&binary, pins)?;
     Ok(binary)
 }

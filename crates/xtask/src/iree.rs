@@ -214,7 +214,8 @@ fn cuda_deps_dir(cache: &Cache, pins: &Pins, system: &str) -> Result<PathBuf> {
     })
 }
 
-fn copy_tree(from: &Path, to: &Path) -> Result<()> {
+/// Copies the folder `from` to `to`, recursively.
+pub fn copy_tree(from: &Path, to: &Path) -> Result<()> {
     if !from.is_dir() {
         return Err(anyhow!("{} is not a folder", from.display()));
     }

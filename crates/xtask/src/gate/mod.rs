@@ -323,16 +323,7 @@ fn copy_dir(from: &Path, to: &Path) -> Result<()> {
     if to.exists() {
         std::fs::remove_dir_all(to)?;
     }
-    for entry in walkdir::WalkDir::new(from) {
-        let entry = entry?;
-        let target = to.join(entry.path().strip_prefix(from)?);
-        if entry.file_type().is_dir() {
-            std::fs::create_dir_all(&target)?;
-        } else {
-            std::fs::copy(entry.path(), &target)?;
-        }
-    }
-    Ok(())
+    crate::iree::copy_tree(from, to)
 }
 
 /// The line that says why: an undefined symbol if there is one, else the
