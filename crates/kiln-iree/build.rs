@@ -103,7 +103,8 @@ fn build() -> Result<(), Vec<String>> {
 
     compile_shim(&library.include_paths);
     generate_bindings()?;
-    emit_link_directives(&library)
+    emit_link_directives(&library);
+    Ok(())
 }
 
 fn iree_prefix() -> Result<PathBuf, Vec<String>> {
@@ -159,7 +160,7 @@ fn generate_bindings() -> Result<(), Vec<String>> {
 /// is linked statically and *not bundled* into kiln-iree's rlib: it stays a
 /// separate input of the final link, in the prefix's order, so the final link
 /// sees the same recipe the prefix was verified with.
-fn emit_link_directives(library: &pkg_config::Library) -> Result<(), Vec<String>> {
+fn emit_link_directives(library: &pkg_config::Library) {
     for dir in &library.link_paths {
         println!("cargo::rustc-link-search=native={}", dir.display());
     }
@@ -183,5 +184,4 @@ fn emit_link_directives(library: &pkg_config::Library) -> Result<(), Vec<String>
     for args in &library.ld_args {
         println!("cargo::rustc-link-arg=-Wl,{}", args.join(","));
     }
-    Ok(())
 }

@@ -162,33 +162,21 @@ impl Tensor {
     /// Rebuilds a tensor from raw little-endian bytes.
     pub(crate) fn from_bytes(shape: Vec<i64>, ty: ElementType, bytes: &[u8]) -> Result<Tensor> {
         let data = match ty {
-            ElementType::F32 => TensorData::F32(
-                bytes
-                    .chunks_exact(4)
-                    .map(|c| f32::from_le_bytes(c.try_into().expect("4 bytes")))
-                    .collect(),
-            ),
-            ElementType::I32 => TensorData::I32(
-                bytes
-                    .chunks_exact(4)
-                    .map(|c| i32::from_le_bytes(c.try_into().expect("4 bytes")))
-                    .collect(),
-            ),
-            ElementType::F16 => TensorData::F16(
-                bytes
-                    .chunks_exact(2)
-                    .map(|c| f16::from_le_bytes(c.try_into().expect("2 bytes")))
-                    .collect(),
-            ),
-            ElementType::BF16 => TensorData::BF16(
-                bytes
-                    .chunks_exact(2)
-                    .map(|c| bf16::from_le_bytes(c.try_into().expect("2 bytes")))
-                    .collect(),
-            ),
+            ElementType::F32 => TensorData::F32(decode(bytes, f32::from_le_bytes)),
+            ElementType::I32 => TensorData::I32(decode(bytes, i32::from_le_bytes)),
+            ElementType::F16 => TensorData::F16(decode(bytes, f16::from_le_bytes)),
+            ElementType::BF16 => TensorData::BF16(decode(bytes, bf16::from_le_bytes)),
         };
         Tensor::new(&shape, data)
     }
+}
+
+/// Decodes consecutive `N`-byte little-endian values.
+fn decode<T, const N: usize>(bytes: &[u8], from_le: fn([u8; N]) -> T) -> Vec<T> {
+    bytes
+        .chunks_exact(N)
+        .map(|chunk| from_le(chunk.try_into().expect("chunks_exact yields N bytes")))
+        .collect()
 }
 
 fn element_count(shape: &[i64]) -> Result<usize> {

@@ -1,25 +1,30 @@
 //! `cargo xtask compiler`: the pinned `iree-compile`, unpacked from its wheel
 //! (no pip, no Python) and checked against the pinned revision.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use anyhow::{Context, Result, anyhow};
 
 use crate::cache::Cache;
 use crate::fetch::fetch;
-use crate::pins::{Pins, for_system, host_system};
+use crate::pins::{Download, Pins, for_system, host_system};
 use crate::unpack;
+
+/// The pinned compiler wheel of this machine.
+fn pinned_wheel(pins: &Pins) -> Result<&Download> {
+    for_system(
+        &pins.iree.compiler.wheels,
+        &host_system()?,
+        "iree-base-compiler wheel",
+    )
+}
 
 /// The folder the pinned compiler wheel unpacks to (it may not exist yet).
 fn compiler_dir(cache: &Cache, pins: &Pins) -> Result<PathBuf> {
-    let system = host_system()?;
-    let wheel = for_system(
-        &pins.iree.compiler.wheels,
-        &system,
-        "iree-base-compiler wheel",
-    )?;
-    Ok(cache.path("iree-compiler").join(&wheel.sha256[..16]))
+    Ok(cache
+        .path("iree-compiler")
+        .join(&pinned_wheel(pins)?.sha256[..16]))
 }
 
 /// Where the compiler of the current pins lives (it may not exist yet).
@@ -27,28 +32,24 @@ pub fn compiler_location(cache: &Cache, pins: &Pins) -> Result<PathBuf> {
     Ok(compiler_dir(cache, pins)?.join(&pins.iree.compiler.binary))
 }
 
-/// Fetches and unpacks the compiler if needed, then checks its revision.
-pub fn install(cache: &Cache, pins: &Pins) -> Result<PathBuf> {
-    let system = host_system()?;
-    let wheel = for_system(
-        &pins.iree.compiler.wheels,
-        &system,
-        "iree-base-compiler wheel",
-    )?;
+/// Fetches and unpacks the compiler if needed, then checks its revision;
+/// returns its path and the version line it printed.
+pub fn install(cache: &Cache, pins: &Pins) -> Result<(PathBuf, String)> {
+    let wheel = pinned_wheel(pins)?;
     cache.publish(&compiler_dir(cache, pins)?, |staging| {
         let archive = fetch(cache, wheel)?;
         eprintln!("unpacking {}", wheel.name);
         unpack::wheel(&archive, staging)
     })?;
     let binary = compiler_location(cache, pins)?;
-    check_revision(&binary, pins)?;
-    Ok(binary)
+    let version = check_revision(&binary, pins)?;
+    Ok((binary, version))
 }
 
 /// Runs `iree-compile --version` and compares the revision after `@` with
-/// the pinned one: a compiler from another revision builds modules the
-/// runtime may reject, or worse, misread.
-pub fn check_revision(binary: &PathBuf, pins: &Pins) -> Result<String> {
+/// the pinned one (a compiler from another revision builds modules the
+/// runtime may reject, or worse, misread), then the whole version line.
+fn check_revision(binary: &Path, pins: &Pins) -> Result<String> {
     let output = Command::new(binary)
         .arg("--version")
         .output()
@@ -79,5 +80,67 @@ pub fn check_revision(binary: &PathBuf, pins: &Pins) -> Result<String> {
             binary.display()
         ));
     }
-    Ok(text.lines().next().unwrap_or_default().trim().to_string())
+    let expected = &pins.iree.compiler.version_line;
+    let line = text
+        .lines()
+        .find(|line| line.contains(" @ "))
+        .unwrap_or_default()
+        .trim();
+    if !line.ends_with(expected.as_str()) {
+        return Err(anyhow!(
+            "iree-compile version mismatch\n  pinned (nix/pins.json): {expected}\n  found ({}): {line}",
+            binary.display()
+        ));
+    }
+    Ok(line.to_string())
+}
+
+#[cfg(test)]
+mod tests {
+    use std::os::unix::fs::PermissionsExt;
+
+    use super::*;
+    use crate::pins::default_pin_file;
+
+    /// A stand-in `iree-compile` that prints `version_output`.
+    fn fake_compiler(dir: &Path, version_output: &str) -> PathBuf {
+        let path = dir.join("iree-compile");
+        std::fs::write(&path, format!("#!/bin/sh\necho '{version_output}'\n")).unwrap();
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755)).unwrap();
+        path
+    }
+
+    #[test]
+    fn another_revision_is_refused_with_both_revisions_printed() {
+        let pins = Pins::load(&default_pin_file()).unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let other = "0123456789abcdef0123456789abcdef01234567";
+        let binary = fake_compiler(
+            dir.path(),
+            &format!("IREE compiler version 3.11.0 @ {other}"),
+        );
+        let error = check_revision(&binary, &pins).unwrap_err().to_string();
+        assert!(error.contains("revision mismatch"), "{error}");
+        assert!(error.contains(other), "{error}");
+        assert!(error.contains(&pins.iree.revision), "{error}");
+    }
+
+    #[test]
+    fn the_pinned_version_line_is_accepted() {
+        let pins = Pins::load(&default_pin_file()).unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let line = format!("IREE compiler version {}", pins.iree.compiler.version_line);
+        let binary = fake_compiler(dir.path(), &line);
+        assert_eq!(check_revision(&binary, &pins).unwrap(), line);
+    }
+
+    #[test]
+    fn the_same_revision_with_another_version_is_refused() {
+        let pins = Pins::load(&default_pin_file()).unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let line = format!("IREE compiler version 9.9.9 @ {}", pins.iree.revision);
+        let binary = fake_compiler(dir.path(), &line);
+        let error = check_revision(&binary, &pins).unwrap_err().to_string();
+        assert!(error.contains("version mismatch"), "{error}");
+    }
 }

@@ -13,6 +13,7 @@ mod prefix;
 mod test;
 mod tools;
 mod unpack;
+mod verify_pins;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -96,19 +97,15 @@ fn run(cli: Cli) -> Result<()> {
             println!("{}", prefix.display());
         }
         Task::Compiler => {
-            let pins = load_pins()?;
-            let binary = compiler::install(&Cache::open()?, &pins)?;
-            eprintln!(
-                "iree-compile {} (revision matches the pin)",
-                pins.iree.compiler.version_line
-            );
+            let (binary, version) = compiler::install(&Cache::open()?, &load_pins()?)?;
+            eprintln!("{version} (matches the pin)");
             println!("{}", binary.display());
         }
         Task::Env { cpu } => {
             let variant = if cpu { Variant::Cpu } else { Variant::Cuda };
             print!("{}", env::exports(&Cache::open()?, &load_pins()?, variant)?);
         }
-        Task::VerifyPins => test::verify_pins(&Cache::open()?, &load_pins()?)?,
+        Task::VerifyPins => verify_pins::run(&Cache::open()?, &load_pins()?)?,
         Task::Test => test::run(&Cache::open()?, &load_pins()?)?,
         Task::Gate {
             link_only,

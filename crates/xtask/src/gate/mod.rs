@@ -329,11 +329,11 @@ fn copy_dir(from: &Path, to: &Path) -> Result<()> {
 /// The line that says why: an undefined symbol if there is one, else the
 /// first error.
 fn first_error_line(output: &str) -> String {
-    let mut lines = output.lines();
+    let undefined = |l: &&str| l.contains("undefined reference") || l.contains("undefined symbol");
     output
         .lines()
-        .find(|l| l.contains("undefined reference") || l.contains("undefined symbol"))
-        .or_else(|| lines.find(|l| l.trim_start().starts_with("error")))
+        .find(undefined)
+        .or_else(|| output.lines().find(|l| l.trim_start().starts_with("error")))
         .unwrap_or("no error line found")
         .trim()
         .to_string()
