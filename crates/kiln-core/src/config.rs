@@ -1,0 +1,356 @@
+//! The model configuration: the fields of a Hugging Face Llama `config.json`
+//! that kiln uses, checked for consistency.
+
+use std::path::Path;
+
+use serde::Deserialize;
+
+use crate::error::{Error, Result};
+
+/// RoPE frequency scaling, as `config.json`'s `rope_scaling` describes it.
+#[derive(Clone, Debug, PartialEq)]
+pub enum RopeScaling {
+    /// Positions divided by `factor` (`"rope_type": "linear"`).
+    Linear { factor: f64 },
+    /// Llama 3's frequency-dependent scaling (`"rope_type": "llama3"`).
+    Llama3 {
+        factor: f64,
+        low_freq_factor: f64,
+        high_freq_factor: f64,
+        original_max_position_embeddings: f64,
+    },
+}
+
+/// A Llama-architecture decoder's shape and constants.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ModelConfig {
+    pub hidden_size: usize,
+    pub intermediate_size: usize,
+    pub num_layers: usize,
+    pub num_heads: usize,
+    pub num_kv_heads: usize,
+    pub head_dim: usize,
+    pub vocab_size: usize,
+    pub rms_norm_eps: f32,
+    pub rope_theta: f64,
+    pub rope_scaling: Option<RopeScaling>,
+    pub tie_word_embeddings: bool,
+    pub max_position_embeddings: usize,
+    pub bos_token_id: Option<u32>,
+    pub eos_token_ids: Vec<u32>,
+}
+
+#[derive(Deserialize)]
+struct RawConfig {
+    model_type: Option<String>,
+    hidden_size: usize,
+    intermediate_size: usize,
+    num_hidden_layers: usize,
+    num_attention_heads: usize,
+    num_key_value_heads: Option<usize>,
+    head_dim: Option<usize>,
+    vocab_size: usize,
+    rms_norm_eps: f32,
+    rope_theta: Option<f64>,
+    rope_scaling: Option<serde_json::Value>,
+    /// transformers 5 writes `rope_theta` and the scaling here instead.
+    rope_parameters: Option<serde_json::Value>,
+    #[serde(default)]
+    tie_word_embeddings: bool,
+    max_position_embeddings: Option<usize>,
+    bos_token_id: Option<u32>,
+    eos_token_id: Option<serde_json::Value>,
+    #[serde(default)]
+    attention_bias: bool,
+    #[serde(default)]
+    mlp_bias: bool,
+    hidden_act: Option<String>,
+}
+
+impl ModelConfig {
+    /// Reads `config.json`.
+    pub fn from_file(path: &Path) -> Result<ModelConfig> {
+        let text = std::fs::read_to_string(path).map_err(|source| Error::Io {
+            path: path.to_path_buf(),
+            source,
+        })?;
+        ModelConfig::from_json(&text).map_err(|message| Error::Config {
+            path: path.to_path_buf(),
+            message,
+        })
+    }
+
+    /// Parses and checks config JSON; the error says which field is wrong.
+    pub fn from_json(text: &str) -> std::result::Result<ModelConfig, String> {
+        let raw: RawConfig = serde_json::from_str(text).map_err(|e| e.to_string())?;
+        if let Some(kind) = &raw.model_type
+            && kind != "llama"
+        {
+            return Err(format!(
+                "model_type is {kind:?}; kiln runs Llama-architecture models (\"llama\")"
+            ));
+        }
+        if raw.attention_bias || raw.mlp_bias {
+            return Err("attention_bias/mlp_bias are set; kiln's Llama has no biases".into());
+        }
+        if let Some(act) = &raw.hidden_act
+            && act != "silu"
+        {
+            return Err(format!(
+                "hidden_act is {act:?}; the Llama MLP uses \"silu\""
+            ));
+        }
+        let num_kv_heads = raw.num_key_value_heads.unwrap_or(raw.num_attention_heads);
+        let head_dim = match raw.head_dim {
+            Some(d) => d,
+            None if raw.num_attention_heads > 0 => raw.hidden_size / raw.num_attention_heads,
+            None => 0,
+        };
+        let config = ModelConfig {
+            hidden_size: raw.hidden_size,
+            intermediate_size: raw.intermediate_size,
+            num_layers: raw.num_hidden_layers,
+            num_heads: raw.num_attention_heads,
+            num_kv_heads,
+            head_dim,
+            vocab_size: raw.vocab_size,
+            rms_norm_eps: raw.rms_norm_eps,
+            rope_theta: raw
+                .rope_theta
+                .or_else(|| {
+                    raw.rope_parameters
+                        .as_ref()
+                        .and_then(|p| p.get("rope_theta"))
+                        .and_then(|v| v.as_f64())
+                })
+                .unwrap_or(10_000.0),
+            rope_scaling: parse_rope_scaling(
+                raw.rope_scaling.as_ref().or(raw.rope_parameters.as_ref()),
+            )?,
+            tie_word_embeddings: raw.tie_word_embeddings,
+            max_position_embeddings: raw.max_position_embeddings.unwrap_or(2048),
+            bos_token_id: raw.bos_token_id,
+            eos_token_ids: parse_eos(raw.eos_token_id.as_ref())?,
+        };
+        config.validate()?;
+        Ok(config)
+    }
+
+    /// Checks the relations between the sizes.
+    pub fn validate(&self) -> std::result::Result<(), String> {
+        let positive = [
+            ("hidden_size", self.hidden_size),
+            ("intermediate_size", self.intermediate_size),
+            ("num_hidden_layers", self.num_layers),
+            ("num_attention_heads", self.num_heads),
+            ("num_key_value_heads", self.num_kv_heads),
+            ("head_dim", self.head_dim),
+            ("vocab_size", self.vocab_size),
+            ("max_position_embeddings", self.max_position_embeddings),
+        ];
+        for (name, value) in positive {
+            if value == 0 {
+                return Err(format!("{name} must be positive"));
+            }
+        }
+        if self.num_heads % self.num_kv_heads != 0 {
+            return Err(format!(
+                "num_attention_heads ({}) is not a multiple of num_key_value_heads ({})",
+                self.num_heads, self.num_kv_heads
+            ));
+        }
+        if self.head_dim % 2 != 0 {
+            return Err(format!(
+                "head_dim ({}) must be even for RoPE",
+                self.head_dim
+            ));
+        }
+        if !(self.rms_norm_eps > 0.0) {
+            return Err("rms_norm_eps must be positive".into());
+        }
+        if !(self.rope_theta > 0.0) {
+            return Err("rope_theta must be positive".into());
+        }
+        if let Some(bad) = self
+            .eos_token_ids
+            .iter()
+            .chain(self.bos_token_id.iter())
+            .find(|&&id| id as usize >= self.vocab_size)
+        {
+            return Err(format!("special token id {bad} is outside the vocabulary"));
+        }
+        Ok(())
+    }
+
+    /// Query heads per key/value head.
+    pub fn group_size(&self) -> usize {
+        self.num_heads / self.num_kv_heads
+    }
+
+    /// The RoPE inverse frequencies (`head_dim / 2` of them), scaling applied,
+    /// computed as Hugging Face does: in f64 here, rounded to f32 once.
+    pub fn rope_inv_freq(&self) -> Vec<f32> {
+        let dim = self.head_dim as f64;
+        (0..self.head_dim / 2)
+            .map(|i| {
+                let freq = 1.0 / self.rope_theta.powf((2 * i) as f64 / dim);
+                let scaled = match &self.rope_scaling {
+                    None => freq,
+                    Some(RopeScaling::Linear { factor }) => freq / factor,
+                    Some(RopeScaling::Llama3 {
+                        factor,
+                        low_freq_factor,
+                        high_freq_factor,
+                        original_max_position_embeddings: original,
+                    }) => {
+                        let wavelen = 2.0 * std::f64::consts::PI / freq;
+                        let low_freq_wavelen = original / low_freq_factor;
+                        let high_freq_wavelen = original / high_freq_factor;
+                        if wavelen < high_freq_wavelen {
+                            freq
+                        } else if wavelen > low_freq_wavelen {
+                            freq / factor
+                        } else {
+                            let smooth = (original / wavelen - low_freq_factor)
+                                / (high_freq_factor - low_freq_factor);
+                            (1.0 - smooth) * freq / factor + smooth * freq
+                        }
+                    }
+                };
+                scaled as f32
+            })
+            .collect()
+    }
+
+    /// cos and sin tables for positions `0..positions`, `[positions, head_dim/2]`
+    /// each, row-major; the angle is computed in f32 as Hugging Face does.
+    pub fn rope_tables(&self, positions: usize) -> (Vec<f32>, Vec<f32>) {
+        let inv_freq = self.rope_inv_freq();
+        let mut cos = Vec::with_capacity(positions * inv_freq.len());
+        let mut sin = Vec::with_capacity(positions * inv_freq.len());
+        for p in 0..positions {
+            for f in &inv_freq {
+                let angle = p as f32 * f;
+                cos.push(angle.cos());
+                sin.push(angle.sin());
+            }
+        }
+        (cos, sin)
+    }
+}
+
+fn parse_rope_scaling(
+    value: Option<&serde_json::Value>,
+) -> std::result::Result<Option<RopeScaling>, String> {
+    let Some(value) = value.filter(|v| !v.is_null()) else {
+        return Ok(None);
+    };
+    let kind = value
+        .get("rope_type")
+        .or_else(|| value.get("type"))
+        .and_then(|v| v.as_str())
+        .ok_or("rope_scaling has no rope_type")?;
+    let number = |name: &str| {
+        value
+            .get(name)
+            .and_then(|v| v.as_f64())
+            .ok_or(format!("rope_scaling ({kind}) needs a number {name}"))
+    };
+    match kind {
+        "default" => Ok(None),
+        "linear" => Ok(Some(RopeScaling::Linear {
+            factor: number("factor")?,
+        })),
+        "llama3" => Ok(Some(RopeScaling::Llama3 {
+            factor: number("factor")?,
+            low_freq_factor: number("low_freq_factor")?,
+            high_freq_factor: number("high_freq_factor")?,
+            original_max_position_embeddings: number("original_max_position_embeddings")?,
+        })),
+        other => Err(format!(
+            "rope_scaling type {other:?} is not supported (kiln knows linear and llama3)"
+        )),
+    }
+}
+
+fn parse_eos(value: Option<&serde_json::Value>) -> std::result::Result<Vec<u32>, String> {
+    let as_id = |v: &serde_json::Value| {
+        v.as_u64()
+            .and_then(|id| u32::try_from(id).ok())
+            .ok_or(format!("eos_token_id {v} is not a token id"))
+    };
+    match value {
+        None | Some(serde_json::Value::Null) => Ok(Vec::new()),
+        Some(serde_json::Value::Array(ids)) => ids.iter().map(as_id).collect(),
+        Some(v) => Ok(vec![as_id(v)?]),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const BASE: &str = r#"{"model_type": "llama", "hidden_size": 64, "intermediate_size": 100,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "vocab_size": 50, "rms_norm_eps": 1e-5, "eos_token_id": [2, 3]}"#;
+
+    fn with(field: &str, value: &str) -> std::result::Result<ModelConfig, String> {
+        let mut json: serde_json::Value = serde_json::from_str(BASE).unwrap();
+        json[field] = serde_json::from_str(value).unwrap();
+        ModelConfig::from_json(&json.to_string())
+    }
+
+    #[test]
+    fn defaults_are_filled_in() {
+        let c = ModelConfig::from_json(BASE).unwrap();
+        assert_eq!(c.head_dim, 16);
+        assert_eq!(c.rope_theta, 10_000.0);
+        assert_eq!(c.eos_token_ids, vec![2, 3]);
+        assert!(!c.tie_word_embeddings);
+    }
+
+    #[test]
+    fn malformed_configs_name_the_problem() {
+        let cases = [
+            (
+                "num_key_value_heads",
+                "3",
+                "multiple of num_key_value_heads",
+            ),
+            ("model_type", "\"gpt2\"", "model_type"),
+            ("head_dim", "15", "even"),
+            ("hidden_size", "\"wide\"", "hidden_size"),
+            (
+                "rope_scaling",
+                r#"{"rope_type": "yarn", "factor": 4.0}"#,
+                "yarn",
+            ),
+            ("eos_token_id", "99", "outside the vocabulary"),
+            ("attention_bias", "true", "bias"),
+        ];
+        for (field, value, expected) in cases {
+            let error = with(field, value).unwrap_err();
+            assert!(error.contains(expected), "{field}={value}: {error}");
+        }
+        assert!(ModelConfig::from_json("{").unwrap_err().contains("EOF"));
+    }
+
+    #[test]
+    fn both_rope_layouts_are_read() {
+        let v4 = with("rope_scaling", r#"{"type": "linear", "factor": 2.0}"#).unwrap();
+        assert_eq!(v4.rope_scaling, Some(RopeScaling::Linear { factor: 2.0 }));
+        let v5 = with(
+            "rope_parameters",
+            r#"{"rope_type": "linear", "factor": 4.0, "rope_theta": 500000.0}"#,
+        )
+        .unwrap();
+        assert_eq!(v5.rope_scaling, Some(RopeScaling::Linear { factor: 4.0 }));
+        assert_eq!(v5.rope_theta, 500_000.0);
+        let inv = v5.rope_inv_freq();
+        assert_eq!(inv.len(), 8);
+        assert!(
+            (inv[0] - 0.25).abs() < 1e-7,
+            "linear scaling divides by the factor"
+        );
+    }
+}

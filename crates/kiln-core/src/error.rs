@@ -1,0 +1,39 @@
+//! Errors of kiln-core: each names what is wrong and, where there is one, the fix.
+
+use std::path::PathBuf;
+
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("cannot read {path}: {source}")]
+    Io {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+
+    #[error("{path} is not a valid Llama config.json: {message}")]
+    Config { path: PathBuf, message: String },
+
+    #[error("the weights in {path} do not fit the model: {message}")]
+    Weights { path: PathBuf, message: String },
+
+    #[error("{path} is not a usable tokenizer: {message}")]
+    Tokenizer { path: PathBuf, message: String },
+
+    #[error("cannot encode the prompt: {0}")]
+    Encode(String),
+
+    #[error(
+        "the prompt and generation need {needed} positions but the model's context holds {limit}; \
+         shorten the prompt or lower --max-tokens"
+    )]
+    ContextFull { needed: usize, limit: usize },
+
+    #[error("{0}")]
+    Invalid(String),
+
+    /// A failure inside a backend (IREE and others), with its own message.
+    #[error("{0}")]
+    Backend(String),
+}
+
+pub type Result<T> = std::result::Result<T, Error>;

@@ -1,0 +1,122 @@
+//! A model: its configuration, weights and tokenizer — from a Hugging Face
+//! folder, or the embedded default model.
+
+use std::path::Path;
+
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+
+use crate::config::ModelConfig;
+use crate::error::{Error, Result};
+use crate::tokenizer::{ByteTokenizer, Tokenizer};
+use crate::weights::{self, LayerWeights, Matrix, Weights};
+
+pub struct Model {
+    pub name: String,
+    pub config: ModelConfig,
+    pub weights: Weights,
+    pub tokenizer: Tokenizer,
+}
+
+/// The seed the embedded model's weights are drawn from: the bytes "kiln".
+pub const EMBEDDED_SEED: u64 = 0x6b69_6c6e;
+
+impl Model {
+    /// Loads `config.json`, `*.safetensors` and `tokenizer.json` from `dir`.
+    pub fn load(dir: &Path) -> Result<Model> {
+        if !dir.is_dir() {
+            return Err(Error::Invalid(format!(
+                "model folder {} does not exist (expected config.json, *.safetensors, tokenizer.json)",
+                dir.display()
+            )));
+        }
+        let config = ModelConfig::from_file(&dir.join("config.json"))?;
+        let weights = weights::load_dir(dir, &config)?;
+        let tokenizer = Tokenizer::from_file(&dir.join("tokenizer.json"))?;
+        Ok(Model {
+            name: dir.display().to_string(),
+            config,
+            weights,
+            tokenizer,
+        })
+    }
+
+    /// The embedded default model: a tiny Llama (2 layers, hidden 64, grouped
+    /// query attention 4:2) over the byte tokenizer, with weights drawn
+    /// uniformly from ±1/sqrt(fan_in) by ChaCha8 seeded with [`EMBEDDED_SEED`]
+    /// in a fixed order (embedding, then each layer's q, k, v, o, gate, up,
+    /// down; norms are ones). It needs no download and says nothing sensible.
+    pub fn embedded() -> Model {
+        let config = ModelConfig {
+            hidden_size: 64,
+            intermediate_size: 160,
+            num_layers: 2,
+            num_heads: 4,
+            num_kv_heads: 2,
+            head_dim: 16,
+            vocab_size: ByteTokenizer::VOCAB_SIZE,
+            rms_norm_eps: 1e-5,
+            rope_theta: 10_000.0,
+            rope_scaling: None,
+            tie_word_embeddings: true,
+            max_position_embeddings: 256,
+            bos_token_id: Some(ByteTokenizer::BOS),
+            eos_token_ids: vec![ByteTokenizer::EOS],
+        };
+        let weights = random_weights(&config, EMBEDDED_SEED);
+        Model {
+            name: "embedded".into(),
+            config,
+            weights,
+            tokenizer: Tokenizer::Bytes(ByteTokenizer),
+        }
+    }
+
+    /// A model from `dir`, or the embedded one when `dir` is `None`.
+    pub fn load_or_embedded(dir: Option<&Path>) -> Result<Model> {
+        match dir {
+            Some(dir) => Model::load(dir),
+            None => Ok(Model::embedded()),
+        }
+    }
+}
+
+/// Weights for `config` drawn deterministically from `seed` (see
+/// [`Model::embedded`]). Benchmarks use it for larger random models.
+pub fn random_weights(config: &ModelConfig, seed: u64) -> Weights {
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    let mut matrix = |rows: usize, cols: usize| {
+        let bound = 1.0 / (cols as f32).sqrt();
+        Matrix {
+            rows,
+            cols,
+            data: (0..rows * cols)
+                .map(|_| rng.random_range(-bound..bound))
+                .collect(),
+        }
+    };
+    let (h, i) = (config.hidden_size, config.intermediate_size);
+    let q = config.num_heads * config.head_dim;
+    let kv = config.num_kv_heads * config.head_dim;
+    let embed = matrix(config.vocab_size, h);
+    let layers = (0..config.num_layers)
+        .map(|_| LayerWeights {
+            attn_norm: vec![1.0; h],
+            wq: matrix(q, h),
+            wk: matrix(kv, h),
+            wv: matrix(kv, h),
+            wo: matrix(h, q),
+            mlp_norm: vec![1.0; h],
+            w_gate: matrix(i, h),
+            w_up: matrix(i, h),
+            w_down: matrix(h, i),
+        })
+        .collect();
+    let lm_head = (!config.tie_word_embeddings).then(|| matrix(config.vocab_size, h));
+    Weights {
+        embed,
+        layers,
+        final_norm: vec![1.0; h],
+        lm_head,
+    }
+}

@@ -1,0 +1,111 @@
+//! Tokenizers: a model's `tokenizer.json` (through the `tokenizers` crate), or
+//! the embedded model's byte-level one.
+
+use std::path::Path;
+
+use crate::error::{Error, Result};
+
+/// The embedded model's tokenizer: one token per printable ASCII byte and
+/// newline, plus BOS and EOS.
+#[derive(Clone, Debug)]
+pub struct ByteTokenizer;
+
+impl ByteTokenizer {
+    /// Printable ASCII (0x20..=0x7e) and `\n`.
+    const FIRST: u8 = 0x20;
+    const LAST: u8 = 0x7e;
+    pub const NEWLINE: u32 = (Self::LAST - Self::FIRST + 1) as u32;
+    pub const BOS: u32 = Self::NEWLINE + 1;
+    pub const EOS: u32 = Self::NEWLINE + 2;
+    pub const VOCAB_SIZE: usize = Self::EOS as usize + 1;
+
+    fn encode(&self, text: &str) -> Result<Vec<u32>> {
+        text.bytes()
+            .map(|b| match b {
+                b'\n' => Ok(Self::NEWLINE),
+                Self::FIRST..=Self::LAST => Ok(u32::from(b - Self::FIRST)),
+                other => Err(Error::Encode(format!(
+                    "byte 0x{other:02x} is not in the embedded model's vocabulary \
+                     (printable ASCII and newline); pass --model for other text"
+                ))),
+            })
+            .collect()
+    }
+
+    fn decode(&self, tokens: &[u32]) -> String {
+        tokens
+            .iter()
+            .filter_map(|&t| match t {
+                Self::NEWLINE => Some('\n'),
+                t if t < Self::NEWLINE => Some(char::from(Self::FIRST + t as u8)),
+                _ => None, // BOS and EOS print nothing.
+            })
+            .collect()
+    }
+}
+
+pub enum Tokenizer {
+    Bytes(ByteTokenizer),
+    HuggingFace(Box<tokenizers::Tokenizer>),
+}
+
+impl Tokenizer {
+    /// Reads a Hugging Face `tokenizer.json`.
+    pub fn from_file(path: &Path) -> Result<Tokenizer> {
+        let tokenizer = tokenizers::Tokenizer::from_file(path).map_err(|e| Error::Tokenizer {
+            path: path.to_path_buf(),
+            message: e.to_string(),
+        })?;
+        Ok(Tokenizer::HuggingFace(Box::new(tokenizer)))
+    }
+
+    /// Token ids of `text`, with the special tokens the tokenizer adds.
+    pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
+        match self {
+            Tokenizer::Bytes(t) => t.encode(text),
+            Tokenizer::HuggingFace(t) => t
+                .encode(text, true)
+                .map(|e| e.get_ids().to_vec())
+                .map_err(|e| Error::Encode(e.to_string())),
+        }
+    }
+
+    /// Text of `tokens`, special tokens left out.
+    pub fn decode(&self, tokens: &[u32]) -> Result<String> {
+        match self {
+            Tokenizer::Bytes(t) => Ok(t.decode(tokens)),
+            Tokenizer::HuggingFace(t) => t
+                .decode(tokens, true)
+                .map_err(|e| Error::Encode(e.to_string())),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bytes_round_trip_printable_text() {
+        let t = Tokenizer::Bytes(ByteTokenizer);
+        let text = "Hello, kiln!\n~ {x}";
+        let ids = t.encode(text).unwrap();
+        assert_eq!(ids.len(), text.len());
+        assert!(
+            ids.iter()
+                .all(|&i| (i as usize) < ByteTokenizer::VOCAB_SIZE)
+        );
+        assert_eq!(t.decode(&ids).unwrap(), text);
+        assert_eq!(
+            t.decode(&[ByteTokenizer::BOS, 0, ByteTokenizer::EOS])
+                .unwrap(),
+            " "
+        );
+    }
+
+    #[test]
+    fn bytes_outside_the_vocabulary_are_named() {
+        let error = Tokenizer::Bytes(ByteTokenizer).encode("naïve").unwrap_err();
+        assert!(error.to_string().contains("0xc3"), "{error}");
+    }
+}
