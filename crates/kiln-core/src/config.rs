@@ -82,7 +82,13 @@ impl ModelConfig {
 
     /// Parses and checks config JSON; the error says which field is wrong.
     pub fn from_json(text: &str) -> std::result::Result<ModelConfig, String> {
-        let raw: RawConfig = serde_json::from_str(text).map_err(|e| e.to_string())?;
+        let mut deserializer = serde_json::Deserializer::from_str(text);
+        let raw: RawConfig = serde_path_to_error::deserialize(&mut deserializer).map_err(|e| {
+            match e.path().to_string().as_str() {
+                "." => e.inner().to_string(),
+                path => format!("field {path}: {}", e.inner()),
+            }
+        })?;
         if let Some(kind) = &raw.model_type
             && kind != "llama"
         {
