@@ -40,7 +40,7 @@ impl<'m> CpuBackend<'m> {
 
     fn run(&mut self, embeddings: &[f32]) -> Result<Vec<f32>> {
         let hidden = self.model.config.hidden_size;
-        if embeddings.is_empty() || embeddings.len() % hidden != 0 {
+        if embeddings.is_empty() || !embeddings.len().is_multiple_of(hidden) {
             return Err(Error::Invalid(format!(
                 "embeddings must be a positive number of rows of {hidden} values, got {}",
                 embeddings.len()
