@@ -256,37 +256,53 @@ static iree_hal_element_type_t kiln_iree_to_hal_type(kiln_iree_element_type t) {
   return IREE_HAL_ELEMENT_TYPE_NONE;
 }
 
-kiln_iree_error* kiln_iree_call_push_input(kiln_iree_call* call,
-                                           kiln_iree_element_type type,
-                                           const int64_t* shape, size_t rank,
-                                           const void* data, size_t length) {
+kiln_iree_error* kiln_iree_call_push_tensor(kiln_iree_call* call,
+                                            kiln_iree_tensor* tensor) {
+  return kiln_iree_error_from_status(
+      iree_runtime_call_inputs_push_back_buffer_view(&call->call, tensor->view),
+      "passing an input tensor");
+}
+
+kiln_iree_error* kiln_iree_tensor_upload(kiln_iree_device* device,
+                                         kiln_iree_element_type type,
+                                         const int64_t* shape, size_t rank,
+                                         const void* data, size_t length,
+                                         kiln_iree_tensor** out_tensor) {
+  *out_tensor = NULL;
   enum { kMaxRank = 16 };
   if (rank > kMaxRank) {
-    return kiln_iree_error_new(IREE_STATUS_INVALID_ARGUMENT, "an input tensor",
+    return kiln_iree_error_new(IREE_STATUS_INVALID_ARGUMENT, "a tensor",
                                "rank above 16");
   }
   iree_hal_dim_t dims[kMaxRank];
   for (size_t i = 0; i < rank; ++i) {
     if (shape[i] < 0) {
-      return kiln_iree_error_new(IREE_STATUS_INVALID_ARGUMENT,
-                                 "an input tensor", "negative dimension");
+      return kiln_iree_error_new(IREE_STATUS_INVALID_ARGUMENT, "a tensor",
+                                 "negative dimension");
     }
     dims[i] = (iree_hal_dim_t)shape[i];
+  }
+  kiln_iree_tensor* tensor = calloc(1, sizeof(*tensor));
+  if (!tensor) {
+    return kiln_iree_error_new(IREE_STATUS_RESOURCE_EXHAUSTED,
+                               "uploading a tensor", "out of memory");
   }
   iree_hal_buffer_params_t params = {
       .type = IREE_HAL_MEMORY_TYPE_DEVICE_LOCAL,
       .usage = IREE_HAL_BUFFER_USAGE_DEFAULT,
   };
-  iree_hal_buffer_view_t* view = NULL;
   iree_status_t status = iree_hal_buffer_view_allocate_buffer_copy(
-      call->device, iree_hal_device_allocator(call->device), rank, dims,
+      device->device, iree_hal_device_allocator(device->device), rank, dims,
       kiln_iree_to_hal_type(type), IREE_HAL_ENCODING_TYPE_DENSE_ROW_MAJOR,
-      params, iree_make_const_byte_span(data, length), &view);
-  if (iree_status_is_ok(status)) {
-    status = iree_runtime_call_inputs_push_back_buffer_view(&call->call, view);
-    iree_hal_buffer_view_release(view);
+      params, iree_make_const_byte_span(data, length), &tensor->view);
+  if (!iree_status_is_ok(status)) {
+    free(tensor);
+    return kiln_iree_error_from_status(status, "uploading a tensor");
   }
-  return kiln_iree_error_from_status(status, "uploading an input tensor");
+  tensor->device = device->device;
+  iree_hal_device_retain(tensor->device);
+  *out_tensor = tensor;
+  return NULL;
 }
 
 kiln_iree_error* kiln_iree_call_invoke(kiln_iree_call* call) {

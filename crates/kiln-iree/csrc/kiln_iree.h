@@ -63,11 +63,10 @@ void kiln_iree_module_release(kiln_iree_module* module);
 kiln_iree_error* kiln_iree_call_create(kiln_iree_module* module,
                                        const char* function,
                                        kiln_iree_call** out_call);
-// Copies a dense row-major host tensor to the device as the next input.
-kiln_iree_error* kiln_iree_call_push_input(kiln_iree_call* call,
-                                           kiln_iree_element_type type,
-                                           const int64_t* shape, size_t rank,
-                                           const void* data, size_t length);
+// Appends a device tensor to the call's inputs (the call holds a reference;
+// nothing is copied).
+kiln_iree_error* kiln_iree_call_push_tensor(kiln_iree_call* call,
+                                            kiln_iree_tensor* tensor);
 kiln_iree_error* kiln_iree_call_invoke(kiln_iree_call* call);
 // How many outputs the invoked call has left to pop.
 size_t kiln_iree_call_output_count(kiln_iree_call* call);
@@ -76,7 +75,14 @@ kiln_iree_error* kiln_iree_call_pop_output(kiln_iree_call* call,
                                            kiln_iree_tensor** out_tensor);
 void kiln_iree_call_release(kiln_iree_call* call);
 
-// Shape, element type and size of an output tensor.
+// Copies a dense row-major host tensor into a new tensor on |device|.
+kiln_iree_error* kiln_iree_tensor_upload(kiln_iree_device* device,
+                                         kiln_iree_element_type type,
+                                         const int64_t* shape, size_t rank,
+                                         const void* data, size_t length,
+                                         kiln_iree_tensor** out_tensor);
+
+// Shape, element type and size of a tensor.
 size_t kiln_iree_tensor_rank(const kiln_iree_tensor* tensor);
 int64_t kiln_iree_tensor_dim(const kiln_iree_tensor* tensor, size_t index);
 kiln_iree_error* kiln_iree_tensor_element_type(const kiln_iree_tensor* tensor,

@@ -193,7 +193,31 @@ impl Device {
         let raw = NonNull::new(raw).expect("the shim returns a handle on success");
         Ok(Module {
             raw,
-            _device: self.clone(),
+            device: self.clone(),
+        })
+    }
+
+    /// Copies a host tensor into device memory.
+    pub fn upload(&self, tensor: &Tensor) -> Result<DeviceTensor> {
+        let bytes = tensor.bytes();
+        let mut raw = std::ptr::null_mut();
+        // SAFETY: the device is live; shape and bytes are valid for their
+        // lengths and copied before the call returns; `raw` is a valid
+        // out-pointer.
+        check(unsafe {
+            ffi::kiln_iree_tensor_upload(
+                self.raw.0.as_ptr(),
+                tensor.element_type().to_raw(),
+                tensor.shape().as_ptr(),
+                tensor.shape().len(),
+                bytes.as_ptr().cast(),
+                bytes.len(),
+                &mut raw,
+            )
+        })
+        .map_err(iree_error)?;
+        Ok(DeviceTensor {
+            raw: NonNull::new(raw).expect("the shim returns a handle on success"),
         })
     }
 
@@ -211,7 +235,7 @@ impl Device {
 /// module can move between threads but not be shared by them.
 pub struct Module {
     raw: NonNull<ffi::kiln_iree_module>,
-    _device: Device,
+    device: Device,
 }
 
 // SAFETY: a session may be used from any thread, one at a time; `Module` is
@@ -235,19 +259,80 @@ impl Drop for Call {
     }
 }
 
-/// Releases an output tensor on every exit path.
-struct Output(NonNull<ffi::kiln_iree_tensor>);
+/// A tensor in device memory: a module's output, or an upload. Passing it to
+/// a call copies nothing, so weights and caches stay on the device.
+pub struct DeviceTensor {
+    raw: NonNull<ffi::kiln_iree_tensor>,
+}
 
-impl Drop for Output {
+// SAFETY: IREE buffer views are reference-counted and immutable in shape;
+// reading and passing them is safe from any thread.
+unsafe impl Send for DeviceTensor {}
+// SAFETY: as above; every method takes `&self` and only reads.
+unsafe impl Sync for DeviceTensor {}
+
+impl Drop for DeviceTensor {
     fn drop(&mut self) {
-        // SAFETY: the handle came from kiln_iree_call_pop_output and is released once.
-        unsafe { ffi::kiln_iree_tensor_release(self.0.as_ptr()) }
+        // SAFETY: the handle came from the shim and is released once.
+        unsafe { ffi::kiln_iree_tensor_release(self.raw.as_ptr()) }
+    }
+}
+
+impl DeviceTensor {
+    pub fn shape(&self) -> Vec<i64> {
+        // SAFETY: the handle is live; indices stay below the rank.
+        unsafe {
+            let rank = ffi::kiln_iree_tensor_rank(self.raw.as_ptr());
+            (0..rank)
+                .map(|i| ffi::kiln_iree_tensor_dim(self.raw.as_ptr(), i))
+                .collect()
+        }
+    }
+
+    pub fn element_type(&self) -> Result<ElementType> {
+        let mut raw_type = 0;
+        // SAFETY: the handle is live and the out-pointer valid.
+        check(unsafe { ffi::kiln_iree_tensor_element_type(self.raw.as_ptr(), &mut raw_type) })
+            .map_err(iree_error)?;
+        ElementType::from_raw(raw_type)
+    }
+
+    /// Copies the tensor to the host.
+    pub fn read(&self) -> Result<Tensor> {
+        let ty = self.element_type()?;
+        // SAFETY: the handle is live; the target has exactly the byte length
+        // the tensor reports.
+        let bytes = unsafe {
+            let mut bytes = vec![0u8; ffi::kiln_iree_tensor_byte_length(self.raw.as_ptr())];
+            check(ffi::kiln_iree_tensor_read(
+                self.raw.as_ptr(),
+                bytes.as_mut_ptr().cast(),
+                bytes.len(),
+            ))
+            .map_err(iree_error)?;
+            bytes
+        };
+        Tensor::from_bytes(self.shape(), ty, &bytes)
     }
 }
 
 impl Module {
-    /// Calls `function` with `inputs` and returns its outputs, copied to host.
+    /// Calls `function` with host tensors and returns its outputs on the host.
     pub fn call(&self, function: &str, inputs: &[Tensor]) -> Result<Vec<Tensor>> {
+        let uploaded = inputs
+            .iter()
+            .map(|t| self.device.upload(t))
+            .collect::<Result<Vec<_>>>()?;
+        let refs: Vec<&DeviceTensor> = uploaded.iter().collect();
+        self.invoke(function, &refs)?
+            .iter()
+            .map(DeviceTensor::read)
+            .collect()
+    }
+
+    /// Calls `function` with tensors already on the device (of this module's
+    /// device); the outputs stay there.
+    pub fn invoke(&self, function: &str, inputs: &[&DeviceTensor]) -> Result<Vec<DeviceTensor>> {
         let c_function = c_string("function name", function)?;
         let mut raw = std::ptr::null_mut();
         // SAFETY: the module handle is live, the name is NUL-terminated and
@@ -266,56 +351,25 @@ impl Module {
             }
         })?;
         let call = Call(NonNull::new(raw).expect("the shim returns a handle on success"));
-
         for input in inputs {
-            let bytes = input.bytes();
-            // SAFETY: the call is live; shape and bytes are valid for their
-            // lengths and are copied to the device before the call returns.
-            check(unsafe {
-                ffi::kiln_iree_call_push_input(
-                    call.0.as_ptr(),
-                    input.element_type().to_raw(),
-                    input.shape().as_ptr(),
-                    input.shape().len(),
-                    bytes.as_ptr().cast(),
-                    bytes.len(),
-                )
-            })
-            .map_err(iree_error)?;
+            // SAFETY: both handles are live; the call takes its own reference.
+            check(unsafe { ffi::kiln_iree_call_push_tensor(call.0.as_ptr(), input.raw.as_ptr()) })
+                .map_err(iree_error)?;
         }
         // SAFETY: the call is live and holds its inputs.
         check(unsafe { ffi::kiln_iree_call_invoke(call.0.as_ptr()) }).map_err(iree_error)?;
-
         // SAFETY: the call is live.
         let count = unsafe { ffi::kiln_iree_call_output_count(call.0.as_ptr()) };
-        (0..count).map(|_| read_output(&call)).collect()
-    }
-}
-
-fn read_output(call: &Call) -> Result<Tensor> {
-    let mut raw = std::ptr::null_mut();
-    // SAFETY: the call is live and has outputs left (counted by the caller).
-    check(unsafe { ffi::kiln_iree_call_pop_output(call.0.as_ptr(), &mut raw) })
-        .map_err(iree_error)?;
-    let output = Output(NonNull::new(raw).expect("the shim returns a handle on success"));
-    let tensor = output.0.as_ptr();
-    let mut raw_type = 0;
-    // SAFETY (this block): `tensor` is live until `output` drops; every
-    // out-pointer is valid, and the read target has exactly the byte length
-    // the tensor reports.
-    unsafe {
-        check(ffi::kiln_iree_tensor_element_type(tensor, &mut raw_type)).map_err(iree_error)?;
-        let rank = ffi::kiln_iree_tensor_rank(tensor);
-        let shape: Vec<i64> = (0..rank)
-            .map(|i| ffi::kiln_iree_tensor_dim(tensor, i))
-            .collect();
-        let mut bytes = vec![0u8; ffi::kiln_iree_tensor_byte_length(tensor)];
-        check(ffi::kiln_iree_tensor_read(
-            tensor,
-            bytes.as_mut_ptr().cast(),
-            bytes.len(),
-        ))
-        .map_err(iree_error)?;
-        Tensor::from_bytes(shape, ElementType::from_raw(raw_type)?, &bytes)
+        (0..count)
+            .map(|_| {
+                let mut raw = std::ptr::null_mut();
+                // SAFETY: the call is live and has outputs left (counted above).
+                check(unsafe { ffi::kiln_iree_call_pop_output(call.0.as_ptr(), &mut raw) })
+                    .map_err(iree_error)?;
+                Ok(DeviceTensor {
+                    raw: NonNull::new(raw).expect("the shim returns a handle on success"),
+                })
+            })
+            .collect()
     }
 }

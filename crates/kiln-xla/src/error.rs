@@ -37,6 +37,9 @@ pub enum Error {
 
     #[error("temporary file: {0}")]
     Temp(std::io::Error),
+
+    #[error("module cache: {0}")]
+    Cache(String),
 }
 
 pub type Result<T> = std::result::Result<T, Error>;

@@ -1,8 +1,14 @@
 //! kiln-xla: kiln's OpenXLA path. StableHLO modules are compiled ahead of time
 //! by the pinned `iree-compile` and run through [`kiln_iree`].
 
+mod backend;
 mod compiler;
 mod error;
+pub mod llama;
+mod module_cache;
+mod stablehlo;
 
+pub use backend::{Buckets, IreeBackend, ModuleKind};
 pub use compiler::{Compiler, Target};
 pub use error::{Error, Result};
+pub use module_cache::{ModuleCache, Origin};

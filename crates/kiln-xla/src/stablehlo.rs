@@ -1,0 +1,389 @@
+//! A small builder of StableHLO text: SSA values with static shapes, one
+//! method per op kiln uses. It writes the MLIR assembly iree-compile reads.
+
+use std::fmt::Write as _;
+
+/// Element types of the values kiln's graphs use.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Ty {
+    F32,
+    I32,
+    I1,
+}
+
+impl Ty {
+    fn mlir(self) -> &'static str {
+        match self {
+            Ty::F32 => "f32",
+            Ty::I32 => "i32",
+            Ty::I1 => "i1",
+        }
+    }
+}
+
+/// An SSA value and its tensor type.
+#[derive(Clone, Debug)]
+pub struct Val {
+    name: String,
+    pub shape: Vec<usize>,
+    pub ty: Ty,
+}
+
+impl Val {
+    /// `tensor<2x3xf32>`, or `tensor<f32>` for a scalar.
+    pub fn mlir_type(&self) -> String {
+        tensor_type(&self.shape, self.ty)
+    }
+}
+
+pub fn tensor_type(shape: &[usize], ty: Ty) -> String {
+    let mut text = String::from("tensor<");
+    for d in shape {
+        let _ = write!(text, "{d}x");
+    }
+    text.push_str(ty.mlir());
+    text.push('>');
+    text
+}
+
+fn list(values: &[usize]) -> String {
+    values
+        .iter()
+        .map(|v| v.to_string())
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+/// An f32 literal MLIR reads back exactly (hex bit pattern).
+fn f32_literal(value: f32) -> String {
+    format!("0x{:08X}", value.to_bits())
+}
+
+/// One function under construction.
+pub struct Function {
+    name: String,
+    params: Vec<Val>,
+    body: String,
+    next: usize,
+}
+
+impl Function {
+    pub fn new(name: &str) -> Function {
+        Function {
+            name: name.to_string(),
+            params: Vec::new(),
+            body: String::new(),
+            next: 0,
+        }
+    }
+
+    pub fn param(&mut self, shape: &[usize], ty: Ty) -> Val {
+        let val = Val {
+            name: format!("%arg{}", self.params.len()),
+            shape: shape.to_vec(),
+            ty,
+        };
+        self.params.push(val.clone());
+        val
+    }
+
+    /// Emits `%vN = <rhs>` and returns the value.
+    fn emit(&mut self, shape: &[usize], ty: Ty, rhs: String) -> Val {
+        let name = format!("%v{}", self.next);
+        self.next += 1;
+        let _ = writeln!(self.body, "    {name} = {rhs}");
+        Val {
+            name,
+            shape: shape.to_vec(),
+            ty,
+        }
+    }
+
+    /// Closes the function with `return`; returns its MLIR text.
+    pub fn finish(mut self, results: &[&Val]) -> String {
+        let params: Vec<String> = self
+            .params
+            .iter()
+            .map(|p| format!("{}: {}", p.name, p.mlir_type()))
+            .collect();
+        let types: Vec<String> = results.iter().map(|r| r.mlir_type()).collect();
+        let names: Vec<&str> = results.iter().map(|r| r.name.as_str()).collect();
+        let _ = writeln!(
+            self.body,
+            "    return {} : {}",
+            names.join(", "),
+            types.join(", ")
+        );
+        format!(
+            "  func.func @{}({}) -> ({}) {{\n{}  }}\n",
+            self.name,
+            params.join(", "),
+            types.join(", "),
+            self.body
+        )
+    }
+
+    pub fn constant_f32(&mut self, value: f32, shape: &[usize]) -> Val {
+        let ty = tensor_type(shape, Ty::F32);
+        self.emit(
+            shape,
+            Ty::F32,
+            format!("stablehlo.constant dense<{}> : {ty}", f32_literal(value)),
+        )
+    }
+
+    pub fn constant_i32(&mut self, value: i32, shape: &[usize]) -> Val {
+        let ty = tensor_type(shape, Ty::I32);
+        self.emit(
+            shape,
+            Ty::I32,
+            format!("stablehlo.constant dense<{value}> : {ty}"),
+        )
+    }
+
+    /// An elementwise op on operands of one shape (`add`, `multiply`, …).
+    pub fn binary(&mut self, op: &str, a: &Val, b: &Val) -> Val {
+        assert_eq!(a.shape, b.shape, "{op}: operand shapes differ");
+        let rhs = format!("stablehlo.{op} {}, {} : {}", a.name, b.name, a.mlir_type());
+        self.emit(&a.shape, a.ty, rhs)
+    }
+
+    /// A one-operand elementwise op (`exponential`, `rsqrt`, `logistic`, …).
+    pub fn unary(&mut self, op: &str, a: &Val) -> Val {
+        let rhs = format!("stablehlo.{op} {} : {}", a.name, a.mlir_type());
+        self.emit(&a.shape, a.ty, rhs)
+    }
+
+    pub fn broadcast(&mut self, a: &Val, shape: &[usize], dims: &[usize]) -> Val {
+        let out = tensor_type(shape, a.ty);
+        let rhs = format!(
+            "stablehlo.broadcast_in_dim {}, dims = [{}] : ({}) -> {out}",
+            a.name,
+            list(dims),
+            a.mlir_type()
+        );
+        self.emit(shape, a.ty, rhs)
+    }
+
+    pub fn reshape(&mut self, a: &Val, shape: &[usize]) -> Val {
+        assert_eq!(
+            a.shape.iter().product::<usize>(),
+            shape.iter().product::<usize>(),
+            "reshape changes the element count"
+        );
+        let out = tensor_type(shape, a.ty);
+        let rhs = format!(
+            "stablehlo.reshape {} : ({}) -> {out}",
+            a.name,
+            a.mlir_type()
+        );
+        self.emit(shape, a.ty, rhs)
+    }
+
+    pub fn transpose(&mut self, a: &Val, perm: &[usize]) -> Val {
+        let shape: Vec<usize> = perm.iter().map(|&p| a.shape[p]).collect();
+        let out = tensor_type(&shape, a.ty);
+        let rhs = format!(
+            "stablehlo.transpose {}, dims = [{}] : ({}) -> {out}",
+            a.name,
+            list(perm),
+            a.mlir_type()
+        );
+        self.emit(&shape, a.ty, rhs)
+    }
+
+    /// `dot_general`; the result is batch dims, then `a`'s free dims, then
+    /// `b`'s free dims.
+    pub fn dot(
+        &mut self,
+        a: &Val,
+        b: &Val,
+        batch: (&[usize], &[usize]),
+        contract: (&[usize], &[usize]),
+    ) -> Val {
+        let mut shape: Vec<usize> = batch.0.iter().map(|&d| a.shape[d]).collect();
+        let free = |v: &Val, used: &[usize], out: &mut Vec<usize>| {
+            for (d, &n) in v.shape.iter().enumerate() {
+                if !used.contains(&d) {
+                    out.push(n);
+                }
+            }
+        };
+        free(a, &[batch.0, contract.0].concat(), &mut shape);
+        free(b, &[batch.1, contract.1].concat(), &mut shape);
+        let batching = if batch.0.is_empty() {
+            String::new()
+        } else {
+            format!(
+                "batching_dims = [{}] x [{}], ",
+                list(batch.0),
+                list(batch.1)
+            )
+        };
+        let out = tensor_type(&shape, a.ty);
+        let rhs = format!(
+            "stablehlo.dot_general {}, {}, {batching}contracting_dims = [{}] x [{}] : ({}, {}) -> {out}",
+            a.name,
+            b.name,
+            list(contract.0),
+            list(contract.1),
+            a.mlir_type(),
+            b.mlir_type()
+        );
+        self.emit(&shape, a.ty, rhs)
+    }
+
+    /// Reduces `dims` away with `add` or `maximum` from `init`.
+    pub fn reduce(&mut self, op: &str, a: &Val, dims: &[usize], init: f32) -> Val {
+        let init = self.constant_f32(init, &[]);
+        let shape: Vec<usize> = (0..a.shape.len())
+            .filter(|d| !dims.contains(d))
+            .map(|d| a.shape[d])
+            .collect();
+        let out = tensor_type(&shape, a.ty);
+        let rhs = format!(
+            "stablehlo.reduce({} init: {}) applies stablehlo.{op} across dimensions = [{}] : ({}, {}) -> {out}",
+            a.name,
+            init.name,
+            list(dims),
+            a.mlir_type(),
+            init.mlir_type()
+        );
+        self.emit(&shape, a.ty, rhs)
+    }
+
+    pub fn slice(&mut self, a: &Val, start: &[usize], limit: &[usize]) -> Val {
+        let shape: Vec<usize> = start.iter().zip(limit).map(|(s, l)| l - s).collect();
+        let ones = vec![1; start.len()];
+        let out = tensor_type(&shape, a.ty);
+        let rhs = format!(
+            "\"stablehlo.slice\"({}) {{start_indices = array<i64: {}>, limit_indices = array<i64: {}>, strides = array<i64: {}>}} : ({}) -> {out}",
+            a.name,
+            list(start),
+            list(limit),
+            list(&ones),
+            a.mlir_type()
+        );
+        self.emit(&shape, a.ty, rhs)
+    }
+
+    /// A slice of `sizes` starting at run-time indices (scalar i32 values).
+    pub fn dynamic_slice(&mut self, a: &Val, indices: &[&Val], sizes: &[usize]) -> Val {
+        let names: Vec<&str> = indices.iter().map(|v| v.name.as_str()).collect();
+        let types: Vec<String> = indices.iter().map(|v| v.mlir_type()).collect();
+        let out = tensor_type(sizes, a.ty);
+        let rhs = format!(
+            "stablehlo.dynamic_slice {}, {}, sizes = [{}] : ({}, {}) -> {out}",
+            a.name,
+            names.join(", "),
+            list(sizes),
+            a.mlir_type(),
+            types.join(", ")
+        );
+        self.emit(sizes, a.ty, rhs)
+    }
+
+    pub fn dynamic_update_slice(&mut self, a: &Val, update: &Val, indices: &[&Val]) -> Val {
+        let names: Vec<&str> = indices.iter().map(|v| v.name.as_str()).collect();
+        let types: Vec<String> = indices.iter().map(|v| v.mlir_type()).collect();
+        let rhs = format!(
+            "stablehlo.dynamic_update_slice {}, {}, {} : ({}, {}, {}) -> {}",
+            a.name,
+            update.name,
+            names.join(", "),
+            a.mlir_type(),
+            update.mlir_type(),
+            types.join(", "),
+            a.mlir_type()
+        );
+        self.emit(&a.shape.clone(), a.ty, rhs)
+    }
+
+    pub fn concatenate(&mut self, values: &[&Val], dim: usize) -> Val {
+        let mut shape = values[0].shape.clone();
+        shape[dim] = values.iter().map(|v| v.shape[dim]).sum();
+        let names: Vec<&str> = values.iter().map(|v| v.name.as_str()).collect();
+        let types: Vec<String> = values.iter().map(|v| v.mlir_type()).collect();
+        let out = tensor_type(&shape, values[0].ty);
+        let rhs = format!(
+            "stablehlo.concatenate {}, dim = {dim} : ({}) -> {out}",
+            names.join(", "),
+            types.join(", ")
+        );
+        self.emit(&shape, values[0].ty, rhs)
+    }
+
+    /// Pads with `value` after the end of each dimension (`high`).
+    pub fn pad_high(&mut self, a: &Val, value: f32, high: &[usize]) -> Val {
+        let pad = self.constant_f32(value, &[]);
+        let shape: Vec<usize> = a.shape.iter().zip(high).map(|(d, h)| d + h).collect();
+        let zeros = vec![0; high.len()];
+        let out = tensor_type(&shape, a.ty);
+        let rhs = format!(
+            "stablehlo.pad {}, {}, low = [{}], high = [{}], interior = [{}] : ({}, {}) -> {out}",
+            a.name,
+            pad.name,
+            list(&zeros),
+            list(high),
+            list(&zeros),
+            a.mlir_type(),
+            pad.mlir_type()
+        );
+        self.emit(&shape, a.ty, rhs)
+    }
+
+    /// 0, 1, 2, … along `dim` of an i32 tensor of `shape`.
+    pub fn iota(&mut self, shape: &[usize], dim: usize) -> Val {
+        let ty = tensor_type(shape, Ty::I32);
+        self.emit(shape, Ty::I32, format!("stablehlo.iota dim = {dim} : {ty}"))
+    }
+
+    /// Elementwise comparison of i32 tensors (`LE`, `LT`, …), giving i1.
+    pub fn compare_i32(&mut self, direction: &str, a: &Val, b: &Val) -> Val {
+        let out = tensor_type(&a.shape, Ty::I1);
+        let rhs = format!(
+            "stablehlo.compare {direction}, {}, {}, SIGNED : ({}, {}) -> {out}",
+            a.name,
+            b.name,
+            a.mlir_type(),
+            b.mlir_type()
+        );
+        self.emit(&a.shape, Ty::I1, rhs)
+    }
+
+    pub fn select(&mut self, pred: &Val, on_true: &Val, on_false: &Val) -> Val {
+        let rhs = format!(
+            "stablehlo.select {}, {}, {} : ({}, {}, {}) -> {}",
+            pred.name,
+            on_true.name,
+            on_false.name,
+            pred.mlir_type(),
+            on_true.mlir_type(),
+            on_false.mlir_type(),
+            on_true.mlir_type()
+        );
+        self.emit(&on_true.shape.clone(), on_true.ty, rhs)
+    }
+
+    /// Rows of `table` (`[rows, width]`) picked by `indices` (`[n]` i32).
+    pub fn take_rows(&mut self, table: &Val, indices: &Val) -> Val {
+        let n = indices.shape[0];
+        let width = table.shape[1];
+        let column = self.reshape(indices, &[n, 1]);
+        let shape = [n, width];
+        let out = tensor_type(&shape, table.ty);
+        let rhs = format!(
+            "\"stablehlo.gather\"({}, {}) {{dimension_numbers = #stablehlo.gather<offset_dims = [1], collapsed_slice_dims = [0], start_index_map = [0], index_vector_dim = 1>, slice_sizes = array<i64: 1, {width}>, indices_are_sorted = false}} : ({}, {}) -> {out}",
+            table.name,
+            column.name,
+            table.mlir_type(),
+            column.mlir_type()
+        );
+        self.emit(&shape, table.ty, rhs)
+    }
+}
+
+/// Wraps functions into a module.
+pub fn module(functions: &[String]) -> String {
+    format!("module {{\n{}}}\n", functions.concat())
+}

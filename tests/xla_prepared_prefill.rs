@@ -1,0 +1,154 @@
+//! Prepared prefill and decode through IREE (`local-task`) against the CPU
+//! reference, for the embedded model and the transformers fixtures.
+//!
+//! Needs the `xla-iree` feature, `KILN_IREE_PREFIX` and `KILN_IREE_COMPILE`
+//! (`cargo xtask test` sets them up).
+
+use std::path::PathBuf;
+
+use kiln_core::{Backend, CpuBackend, Model, SamplingParams, generate};
+use kiln_xla::{Buckets, Compiler, IreeBackend, ModuleCache, ModuleKind, Origin, Target};
+
+fn fixture(name: &str) -> Model {
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures")
+        .join(name);
+    Model::load(&dir).unwrap()
+}
+
+fn iree(model: &Model, cache: ModuleCache) -> IreeBackend<'_> {
+    let compiler = Compiler::from_env().unwrap_or_else(|e| panic!("{e}"));
+    IreeBackend::new(
+        model,
+        "local-task",
+        Target::LlvmCpu,
+        compiler,
+        cache,
+        Buckets::for_model(model, 64),
+    )
+    .unwrap_or_else(|e| panic!("{e}"))
+}
+
+fn default_cache() -> ModuleCache {
+    ModuleCache::default_location().unwrap()
+}
+
+fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f32::max)
+}
+
+/// Prompts of several lengths, within the vocabulary.
+fn prompts(model: &Model) -> Vec<Vec<u32>> {
+    let v = model.config.vocab_size as u32;
+    vec![
+        vec![1 % v],
+        (0..7).map(|i| (i * 13 + 5) % v).collect(),
+        (0..40).map(|i| (i * 29 + 3) % v).collect(),
+    ]
+}
+
+fn agrees_with_the_cpu_reference(model: &Model) {
+    let mut cpu = CpuBackend::new(model);
+    let mut xla = iree(model, default_cache());
+    for prompt in prompts(model) {
+        let expected = cpu.prefill(&prompt).unwrap();
+        let actual = xla.prefill(&prompt).unwrap();
+        let diff = max_abs_diff(&expected, &actual);
+        println!("{} tokens: max |iree - cpu| = {diff:e}", prompt.len());
+        assert!(
+            diff <= 1e-4,
+            "prefill of {} tokens: max abs diff {diff}",
+            prompt.len()
+        );
+
+        // Prepared prefill: the same tokens' embedding rows give the same logits.
+        let rows = kiln_core::forward::embed(&model.weights, &prompt);
+        let from_rows = xla.prefill_embeddings(&rows).unwrap();
+        let diff = max_abs_diff(&actual, &from_rows);
+        assert!(diff <= 1e-5, "embeddings vs ids: max abs diff {diff}");
+    }
+    // 16 greedy steps through the device-resident KV cache.
+    let prompt = &prompts(model)[1];
+    let greedy = SamplingParams::default();
+    let want = generate(&mut cpu, prompt, 16, greedy.clone(), &[], |_| Ok(())).unwrap();
+    let got = generate(&mut xla, prompt, 16, greedy, &[], |_| Ok(())).unwrap();
+    assert_eq!(got, want);
+}
+
+#[test]
+fn embedded_model_matches_the_cpu_reference() {
+    agrees_with_the_cpu_reference(&Model::embedded());
+}
+
+#[test]
+fn untied_gqa_fixture_matches_the_cpu_reference() {
+    agrees_with_the_cpu_reference(&fixture("llama-gqa-untied"));
+}
+
+#[test]
+fn tied_mqa_fixture_matches_the_cpu_reference() {
+    agrees_with_the_cpu_reference(&fixture("llama-mqa-tied"));
+}
+
+#[test]
+fn a_prompt_longer_than_the_largest_bucket_is_a_clear_error() {
+    let model = Model::embedded();
+    let mut xla = iree(&model, default_cache());
+    let largest = *xla.buckets().prefill.last().unwrap();
+    let error = xla.prefill(&vec![3; largest + 1]).unwrap_err().to_string();
+    assert!(error.contains("largest prefill bucket"), "{error}");
+    assert!(error.contains(&largest.to_string()), "{error}");
+}
+
+#[test]
+fn a_mismatched_cached_module_is_not_used() {
+    let model = Model::embedded();
+    let dir = tempfile::tempdir().unwrap();
+    let entries = || -> Vec<PathBuf> {
+        let mut v: Vec<PathBuf> = std::fs::read_dir(dir.path())
+            .unwrap()
+            .map(|e| e.unwrap().path())
+            .collect();
+        v.sort();
+        v
+    };
+    let mut first = iree(&model, ModuleCache::at(dir.path()));
+    assert_eq!(
+        first.load(ModuleKind::Prefill(16)).unwrap(),
+        Origin::Compiled
+    );
+    assert_eq!(first.load(ModuleKind::Decode).unwrap(), Origin::Compiled);
+    let files = entries();
+    assert_eq!(files.len(), 2);
+    // Put the decode module where the prefill module belongs.
+    let prefill_entry = files
+        .iter()
+        .find(|p| {
+            std::fs::read(p)
+                .unwrap()
+                .windows(b"prefill_ids".len())
+                .any(|w| w == b"prefill_ids")
+        })
+        .unwrap()
+        .clone();
+    let decode_entry = files.iter().find(|p| **p != prefill_entry).unwrap();
+    std::fs::copy(decode_entry, &prefill_entry).unwrap();
+
+    let mut second = iree(&model, ModuleCache::at(dir.path()));
+    assert_eq!(second.load(ModuleKind::Decode).unwrap(), Origin::Cached);
+    assert_eq!(
+        second.load(ModuleKind::Prefill(16)).unwrap(),
+        Origin::Rebuilt
+    );
+    let mut cpu = CpuBackend::new(&model);
+    let prompt = [5, 6, 7];
+    let diff = max_abs_diff(
+        &cpu.prefill(&prompt).unwrap(),
+        &second.prefill(&prompt).unwrap(),
+    );
+    assert!(diff <= 1e-4, "{diff}");
+}
