@@ -1,8 +1,15 @@
 //! `kiln`: the command line of the kiln inference engine.
 
+use std::io::Write;
+use std::path::PathBuf;
 use std::process::ExitCode;
+use std::time::Instant;
 
+use anyhow::Result;
 use clap::{Parser, Subcommand};
+use kiln_core::{Model, SamplingParams};
+
+use kiln::backends::{self, BackendKind, IreeOptions};
 
 #[derive(Parser)]
 #[command(
@@ -15,18 +22,66 @@ struct Cli {
     command: Command,
 }
 
+#[derive(clap::Args)]
+struct ModelArgs {
+    /// A Hugging Face Llama folder (config.json, *.safetensors, tokenizer.json);
+    /// the embedded default model when left out.
+    #[arg(long)]
+    model: Option<PathBuf>,
+    #[arg(long, value_enum, default_value_t = BackendKind::Cpu)]
+    backend: BackendKind,
+    #[command(flatten)]
+    iree: IreeOptions,
+}
+
 #[derive(Subcommand)]
 enum Command {
-    /// Report the IREE runtime this binary was built with, the compiler, and the devices found.
-    Inspect,
+    /// Generate text after a prompt, streaming it to stdout.
+    Generate {
+        #[command(flatten)]
+        model: ModelArgs,
+        /// The prompt.
+        #[arg(default_value = "Once upon a time")]
+        prompt: String,
+        #[arg(long, default_value_t = 32)]
+        max_tokens: usize,
+        /// 0 for greedy decoding.
+        #[arg(long, default_value_t = 0.0)]
+        temperature: f32,
+        /// Sample from the k most likely tokens only (0: all).
+        #[arg(long, default_value_t = 0)]
+        top_k: usize,
+        /// Sample from the smallest set of tokens whose probability reaches p.
+        #[arg(long, default_value_t = 1.0)]
+        top_p: f32,
+        #[arg(long, default_value_t = 0)]
+        seed: u64,
+    },
+    /// Run the prompt once and print the most likely next tokens and their logits.
+    Prefill {
+        #[command(flatten)]
+        model: ModelArgs,
+        #[arg(default_value = "Once upon a time")]
+        prompt: String,
+        /// How many candidates to print.
+        #[arg(long, default_value_t = 5)]
+        top: usize,
+    },
+    /// Compile and cache the IREE modules of a model for a backend ahead of time.
+    Prepare {
+        #[command(flatten)]
+        model: ModelArgs,
+    },
+    /// Report the model, the IREE runtime and compiler, and the devices found.
+    Inspect {
+        /// A model folder; the embedded model when left out.
+        #[arg(long)]
+        model: Option<PathBuf>,
+    },
 }
 
 fn main() -> ExitCode {
-    let cli = Cli::parse();
-    let result = match cli.command {
-        Command::Inspect => inspect::run(),
-    };
-    match result {
+    match run(Cli::parse()) {
         Ok(()) => ExitCode::SUCCESS,
         Err(error) => {
             eprintln!("error: {error:#}");
@@ -35,40 +90,205 @@ fn main() -> ExitCode {
     }
 }
 
-#[cfg(feature = "xla-iree")]
-mod inspect {
-    use anyhow::Result;
-    use kiln_iree::Instance;
-    use kiln_xla::Compiler;
+fn load(path: Option<&PathBuf>) -> Result<Model> {
+    Ok(Model::load_or_embedded(path.map(PathBuf::as_path))?)
+}
 
-    pub fn run() -> Result<()> {
-        println!("IREE runtime revision: {}", kiln_iree::RUNTIME_REVISION);
-        println!("IREE prefix drivers:   {}", kiln_iree::PREFIX_HAL_DRIVERS);
-        match Compiler::from_env() {
-            Ok(compiler) => println!(
-                "iree-compile:          {} ({})",
-                compiler.version_line(),
-                compiler.path().display()
-            ),
-            Err(error) => println!("iree-compile:          unavailable: {error}"),
+fn run(cli: Cli) -> Result<()> {
+    match cli.command {
+        Command::Generate {
+            model,
+            prompt,
+            max_tokens,
+            temperature,
+            top_k,
+            top_p,
+            seed,
+        } => {
+            let sampling = SamplingParams {
+                temperature,
+                top_k,
+                top_p,
+                seed,
+            };
+            generate(&model, &prompt, max_tokens, sampling)
         }
-        let instance = Instance::new()?;
-        for driver in instance.drivers()? {
-            match instance.device(&driver) {
-                Ok(_) => println!("device {driver:<12} available"),
-                Err(error) => println!("device {driver:<12} unavailable: {error}"),
-            }
-        }
-        Ok(())
+        Command::Prefill { model, prompt, top } => prefill(&model, &prompt, top),
+        Command::Prepare { model } => prepare(&model),
+        Command::Inspect { model } => inspect(model.as_ref()),
     }
 }
 
-#[cfg(not(feature = "xla-iree"))]
-mod inspect {
-    use anyhow::Result;
+fn generate(
+    args: &ModelArgs,
+    prompt: &str,
+    max_tokens: usize,
+    sampling: SamplingParams,
+) -> Result<()> {
+    let model = load(args.model.as_ref())?;
+    let prompt_ids = model.tokenizer.encode(prompt)?;
+    let mut backend = backends::open(&model, args.backend, &args.iree)?;
+    let started = Instant::now();
+    let mut first_token_at = None;
+    let mut generated = Vec::new();
+    let mut printed = 0;
+    let mut stdout = std::io::stdout().lock();
+    let tokens = kiln_core::generate(
+        backend.as_mut(),
+        &prompt_ids,
+        max_tokens,
+        sampling,
+        &model.config.eos_token_ids,
+        |token| {
+            first_token_at.get_or_insert_with(Instant::now);
+            generated.push(token);
+            // Decode everything so far and print what is new: a token may
+            // complete a multi-byte character begun by an earlier one.
+            let text = model.tokenizer.decode(&generated)?;
+            if text.len() > printed && text.is_char_boundary(printed) {
+                let io = |error| kiln_core::Error::Write {
+                    what: "stdout",
+                    error,
+                };
+                stdout.write_all(&text.as_bytes()[printed..]).map_err(io)?;
+                stdout.flush().map_err(io)?;
+                printed = text.len();
+            }
+            Ok(())
+        },
+    )?;
+    writeln!(stdout)?;
+    let total = started.elapsed().as_secs_f64();
+    let prefill = first_token_at.map_or(total, |t| (t - started).as_secs_f64());
+    eprintln!(
+        "[{}: {} prompt tokens, {} generated in {:.3}s; prefill {:.3}s, decode {:.1} tok/s]",
+        backend.name(),
+        prompt_ids.len(),
+        tokens.len(),
+        total,
+        prefill,
+        (tokens.len().saturating_sub(1)) as f64 / (total - prefill).max(1e-9)
+    );
+    Ok(())
+}
 
-    pub fn run() -> Result<()> {
-        println!("IREE backend: not compiled in (build with --features xla-iree or cuda,xla-iree)");
-        Ok(())
+fn prefill(args: &ModelArgs, prompt: &str, top: usize) -> Result<()> {
+    let model = load(args.model.as_ref())?;
+    let ids = model.tokenizer.encode(prompt)?;
+    let mut backend = backends::open(&model, args.backend, &args.iree)?;
+    let logits = backend.prefill(&ids)?;
+    let mut order: Vec<usize> = (0..logits.len()).collect();
+    order.sort_by(|&a, &b| logits[b].total_cmp(&logits[a]).then(a.cmp(&b)));
+    println!(
+        "{} prompt tokens on {}; next-token candidates:",
+        ids.len(),
+        backend.name()
+    );
+    for &i in order.iter().take(top) {
+        let text = model.tokenizer.decode(&[i as u32])?;
+        println!("{i:>8}  {:>12.6}  {text:?}", logits[i]);
     }
+    Ok(())
+}
+
+#[cfg(feature = "xla-iree")]
+fn prepare(args: &ModelArgs) -> Result<()> {
+    use anyhow::Context;
+    use indicatif::{ProgressBar, ProgressStyle};
+    if args.backend == BackendKind::Cpu {
+        anyhow::bail!(
+            "the cpu backend has nothing to prepare; pass --backend iree-cpu or iree-cuda"
+        );
+    }
+    let model = load(args.model.as_ref())?;
+    let started = Instant::now();
+    let mut backend = backends::open_iree(&model, args.backend, &args.iree)?;
+    let kinds = backend.module_kinds();
+    let bar = ProgressBar::new(kinds.len() as u64).with_style(
+        ProgressStyle::with_template("{spinner} {msg:30} {bar:30} {pos}/{len} [{elapsed}]")
+            .context("progress template")?,
+    );
+    bar.enable_steady_tick(std::time::Duration::from_millis(200));
+    for kind in kinds {
+        bar.set_message(format!("{kind:?}"));
+        let module_started = Instant::now();
+        let origin = backend.load(kind)?;
+        bar.println(format!(
+            "{kind:?}: {origin:?} in {:.2}s",
+            module_started.elapsed().as_secs_f64()
+        ));
+        bar.inc(1);
+    }
+    bar.finish_and_clear();
+    println!(
+        "prepared {} for {:?} (context {}, prefill buckets {:?}) in {:.2}s",
+        model.name,
+        args.backend,
+        backend.buckets().context,
+        backend.buckets().prefill,
+        started.elapsed().as_secs_f64()
+    );
+    Ok(())
+}
+
+#[cfg(not(feature = "xla-iree"))]
+fn prepare(args: &ModelArgs) -> Result<()> {
+    // Opening the backend reports what is not compiled in.
+    let model = load(args.model.as_ref())?;
+    backends::open(&model, args.backend, &args.iree)?;
+    anyhow::bail!("the cpu backend has nothing to prepare; pass --backend iree-cpu or iree-cuda")
+}
+
+fn inspect(model: Option<&PathBuf>) -> Result<()> {
+    let model = load(model)?;
+    let c = &model.config;
+    let parameters = model.parameter_count();
+    println!(
+        "model:                 {} ({parameters} parameters)",
+        model.name
+    );
+    println!(
+        "  layers {}, hidden {}, intermediate {}, heads {}/{} (q/kv), head dim {}, vocab {}, context {}",
+        c.num_layers,
+        c.hidden_size,
+        c.intermediate_size,
+        c.num_heads,
+        c.num_kv_heads,
+        c.head_dim,
+        c.vocab_size,
+        c.max_position_embeddings
+    );
+    iree_report()
+}
+
+#[cfg(feature = "xla-iree")]
+fn iree_report() -> Result<()> {
+    use kiln_iree::Instance;
+    use kiln_xla::Compiler;
+    println!("IREE runtime revision: {}", kiln_iree::RUNTIME_REVISION);
+    println!("IREE prefix drivers:   {}", kiln_iree::PREFIX_HAL_DRIVERS);
+    match Compiler::from_env() {
+        Ok(compiler) => println!(
+            "iree-compile:          {} ({})",
+            compiler.version_line(),
+            compiler.path().display()
+        ),
+        Err(error) => println!("iree-compile:          unavailable: {error}"),
+    }
+    let instance = Instance::new()?;
+    for driver in instance.drivers()? {
+        match instance.device(&driver) {
+            Ok(_) => println!("device {driver:<12} available"),
+            Err(error) => println!("device {driver:<12} unavailable: {error}"),
+        }
+    }
+    Ok(())
+}
+
+#[cfg(not(feature = "xla-iree"))]
+fn iree_report() -> Result<()> {
+    println!(
+        "IREE backend:          not compiled in (build with --features xla-iree or cuda,xla-iree)"
+    );
+    Ok(())
 }

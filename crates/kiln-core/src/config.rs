@@ -70,9 +70,9 @@ struct RawConfig {
 impl ModelConfig {
     /// Reads `config.json`.
     pub fn from_file(path: &Path) -> Result<ModelConfig> {
-        let text = std::fs::read_to_string(path).map_err(|source| Error::Io {
+        let text = std::fs::read_to_string(path).map_err(|error| Error::Io {
             path: path.to_path_buf(),
-            source,
+            error,
         })?;
         ModelConfig::from_json(&text).map_err(|message| Error::Config {
             path: path.to_path_buf(),

@@ -4,10 +4,16 @@ use std::path::PathBuf;
 
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
-    #[error("cannot read {path}: {source}")]
+    #[error("cannot read {path}: {error}")]
     Io {
         path: PathBuf,
-        source: std::io::Error,
+        error: std::io::Error,
+    },
+
+    #[error("cannot write to {what}: {error}")]
+    Write {
+        what: &'static str,
+        error: std::io::Error,
     },
 
     #[error("{path} is not a valid Llama config.json: {message}")]

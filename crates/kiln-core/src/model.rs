@@ -72,6 +72,39 @@ impl Model {
         }
     }
 
+    /// A model of `config` with weights from [`random_weights`], for
+    /// benchmarks; its tokenizer is the byte one, so feed it token ids.
+    pub fn random(name: &str, config: ModelConfig, seed: u64) -> Model {
+        let weights = random_weights(&config, seed);
+        Model {
+            name: name.to_string(),
+            config,
+            weights,
+            tokenizer: Tokenizer::Bytes(ByteTokenizer),
+        }
+    }
+
+    /// The number of weights.
+    pub fn parameter_count(&self) -> usize {
+        let w = &self.weights;
+        let layers: usize = w
+            .layers
+            .iter()
+            .map(|l| {
+                l.attn_norm.len()
+                    + l.mlp_norm.len()
+                    + [&l.wq, &l.wk, &l.wv, &l.wo, &l.w_gate, &l.w_up, &l.w_down]
+                        .iter()
+                        .map(|m| m.data.len())
+                        .sum::<usize>()
+            })
+            .sum();
+        w.embed.data.len()
+            + layers
+            + w.final_norm.len()
+            + w.lm_head.as_ref().map_or(0, |m| m.data.len())
+    }
+
     /// A model from `dir`, or the embedded one when `dir` is `None`.
     pub fn load_or_embedded(dir: Option<&Path>) -> Result<Model> {
         match dir {

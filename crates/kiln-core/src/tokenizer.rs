@@ -19,17 +19,17 @@ impl ByteTokenizer {
     pub const EOS: u32 = Self::NEWLINE + 2;
     pub const VOCAB_SIZE: usize = Self::EOS as usize + 1;
 
+    /// BOS, then one token per byte.
     fn encode(&self, text: &str) -> Result<Vec<u32>> {
-        text.bytes()
-            .map(|b| match b {
-                b'\n' => Ok(Self::NEWLINE),
-                Self::FIRST..=Self::LAST => Ok(u32::from(b - Self::FIRST)),
-                other => Err(Error::Encode(format!(
-                    "byte 0x{other:02x} is not in the embedded model's vocabulary \
+        let bytes = text.bytes().map(|b| match b {
+            b'\n' => Ok(Self::NEWLINE),
+            Self::FIRST..=Self::LAST => Ok(u32::from(b - Self::FIRST)),
+            other => Err(Error::Encode(format!(
+                "byte 0x{other:02x} is not in the embedded model's vocabulary \
                      (printable ASCII and newline); pass --model for other text"
-                ))),
-            })
-            .collect()
+            ))),
+        });
+        std::iter::once(Ok(Self::BOS)).chain(bytes).collect()
     }
 
     fn decode(&self, tokens: &[u32]) -> String {
@@ -90,7 +90,8 @@ mod tests {
         let t = Tokenizer::Bytes(ByteTokenizer);
         let text = "Hello, kiln!\n~ {x}";
         let ids = t.encode(text).unwrap();
-        assert_eq!(ids.len(), text.len());
+        assert_eq!(ids[0], ByteTokenizer::BOS);
+        assert_eq!(ids.len(), text.len() + 1);
         assert!(
             ids.iter()
                 .all(|&i| (i as usize) < ByteTokenizer::VOCAB_SIZE)

@@ -88,9 +88,9 @@ impl TensorTable {
 /// Loads every `*.safetensors` file of `dir` and checks it against `config`.
 pub fn load_dir(dir: &Path, config: &ModelConfig) -> Result<Weights> {
     let mut files: Vec<PathBuf> = std::fs::read_dir(dir)
-        .map_err(|source| Error::Io {
+        .map_err(|error| Error::Io {
             path: dir.to_path_buf(),
-            source,
+            error,
         })?
         .filter_map(|e| e.ok().map(|e| e.path()))
         .filter(|p| p.extension().is_some_and(|e| e == "safetensors"))
@@ -113,9 +113,9 @@ pub fn load_dir(dir: &Path, config: &ModelConfig) -> Result<Weights> {
 }
 
 fn read_file(path: &Path, out: &mut HashMap<String, (Vec<usize>, Vec<f32>)>) -> Result<()> {
-    let bytes = std::fs::read(path).map_err(|source| Error::Io {
+    let bytes = std::fs::read(path).map_err(|error| Error::Io {
         path: path.to_path_buf(),
-        source,
+        error,
     })?;
     let bad = |message: String| Error::Weights {
         path: path.to_path_buf(),

@@ -49,10 +49,10 @@ pub enum Error {
     #[error("{what} contains a NUL byte: {value:?}")]
     Nul { what: &'static str, value: String },
 
-    #[error("cannot read the module {path}: {source}")]
+    #[error("cannot read the module {path}: {error}")]
     ReadModule {
         path: PathBuf,
-        source: std::io::Error,
+        error: std::io::Error,
     },
 }
 

@@ -223,9 +223,9 @@ impl Device {
 
     /// Loads a `.vmfb` file.
     pub fn load_module_file(&self, path: &Path) -> Result<Module> {
-        let bytes = std::fs::read(path).map_err(|source| Error::ReadModule {
+        let bytes = std::fs::read(path).map_err(|error| Error::ReadModule {
             path: path.to_path_buf(),
-            source,
+            error,
         })?;
         self.load_module(&bytes)
     }

@@ -53,9 +53,9 @@ impl Compiler {
         let output = Command::new(path)
             .arg("--version")
             .output()
-            .map_err(|source| Error::CompilerRun {
+            .map_err(|error| Error::CompilerRun {
                 path: path.to_path_buf(),
-                source,
+                error,
             })?;
         let text = String::from_utf8_lossy(&output.stdout).into_owned();
         let line =
@@ -108,9 +108,9 @@ impl Compiler {
             .arg("-o")
             .arg(&output)
             .output()
-            .map_err(|source| Error::CompilerRun {
+            .map_err(|error| Error::CompilerRun {
                 path: self.path.clone(),
-                source,
+                error,
             })?;
         if !result.status.success() {
             return Err(Error::Compile {

@@ -12,10 +12,10 @@ pub enum Error {
     )]
     CompilerUnset,
 
-    #[error("cannot run iree-compile at {path}: {source}")]
+    #[error("cannot run iree-compile at {path}: {error}")]
     CompilerRun {
         path: PathBuf,
-        source: std::io::Error,
+        error: std::io::Error,
     },
 
     #[error("{path} --version printed no `VERSION @ REVISION` line:\n{output}")]
