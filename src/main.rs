@@ -213,10 +213,13 @@ fn prepare(args: &ModelArgs) -> Result<()> {
         bar.set_message(format!("{kind:?}"));
         let module_started = Instant::now();
         let origin = backend.load(kind)?;
-        bar.println(format!(
-            "{kind:?}: {origin:?} in {:.2}s",
-            module_started.elapsed().as_secs_f64()
-        ));
+        // Printed beside the bar, and also when stderr is not a terminal.
+        bar.suspend(|| {
+            eprintln!(
+                "{kind:?}: {origin:?} in {:.2}s",
+                module_started.elapsed().as_secs_f64()
+            )
+        });
         bar.inc(1);
     }
     bar.finish_and_clear();
