@@ -22,6 +22,17 @@ impl Matrix {
     pub fn row(&self, i: usize) -> &[f32] {
         &self.data[i * self.cols..(i + 1) * self.cols]
     }
+
+    /// The data of the transpose, `[cols, rows]` row-major.
+    pub fn transposed(&self) -> Vec<f32> {
+        let mut out = vec![0.0; self.data.len()];
+        for r in 0..self.rows {
+            for (c, value) in self.row(r).iter().enumerate() {
+                out[c * self.rows + r] = *value;
+            }
+        }
+        out
+    }
 }
 
 #[derive(Clone, Debug)]

@@ -16,9 +16,10 @@ use kiln_core::ModelConfig;
 
 use crate::stablehlo::{Function, Ty, Val, module};
 
-/// The shapes of the weight arguments, in order: embedding; per layer the
-/// attention norm, q, k, v, o, the MLP norm, gate, up, down; the final norm;
-/// the output projection (the embedding again when tied).
+/// The shapes of the weight arguments, in order: embedding `[V, H]`; per
+/// layer the attention norm, q, k, v, o, the MLP norm, gate, up, down; the
+/// final norm; the output projection. Matrices are `[in, out]` (the transpose
+/// of a Hugging Face Linear weight).
 pub fn weight_shapes(c: &ModelConfig) -> Vec<Vec<usize>> {
     let (h, i, v) = (c.hidden_size, c.intermediate_size, c.vocab_size);
     let q = c.num_heads * c.head_dim;
@@ -27,18 +28,18 @@ pub fn weight_shapes(c: &ModelConfig) -> Vec<Vec<usize>> {
     for _ in 0..c.num_layers {
         shapes.extend([
             vec![h],
-            vec![q, h],
-            vec![kv, h],
-            vec![kv, h],
             vec![h, q],
+            vec![h, kv],
+            vec![h, kv],
+            vec![q, h],
             vec![h],
-            vec![i, h],
-            vec![i, h],
             vec![h, i],
+            vec![h, i],
+            vec![i, h],
         ]);
     }
     shapes.push(vec![h]);
-    shapes.push(vec![v, h]);
+    shapes.push(vec![h, v]);
     shapes
 }
 
@@ -103,9 +104,9 @@ fn rms_norm(f: &mut Function, x: &Val, weight: &Val, eps: f32) -> Val {
     f.binary("multiply", &normed, &weight)
 }
 
-/// `x · wᵀ` for a `[out, in]` weight.
+/// `x · w` for an `[in, out]` weight.
 fn linear(f: &mut Function, x: &Val, w: &Val) -> Val {
-    f.dot(x, w, (&[], &[]), (&[1], &[1]))
+    f.dot(x, w, (&[], &[]), (&[1], &[0]))
 }
 
 /// Rotate-half RoPE on `[n, heads, d]` with `[n, d/2]` cos and sin rows.
