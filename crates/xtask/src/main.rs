@@ -10,8 +10,10 @@ mod gate;
 mod iree;
 mod pins;
 mod prefix;
+mod repro;
 mod test;
 mod tools;
+mod tree;
 mod unpack;
 mod verify_pins;
 
@@ -65,6 +67,9 @@ enum Task {
         #[arg(long)]
         mutation: Option<String>,
     },
+    /// Build the release cuda,xla-iree binaries twice (two checkout paths, two
+    /// target folders) and compare them.
+    Repro,
     /// Install a prefix from a finished build of nix/iree-prefix (used by the Nix derivation).
     #[command(hide = true)]
     IreePrefixInstall {
@@ -111,10 +116,10 @@ fn run(cli: Cli) -> Result<()> {
             link_only,
             mutation,
         } => {
-            let cache = Cache::open()?;
-            let prefix = iree::build(&cache, &load_pins()?, Variant::Cuda)?;
+            let prefix = prefix_for_gate()?;
             gate::run(&prefix, link_only, mutation.as_deref())?;
         }
+        Task::Repro => repro::run(&prefix_for_gate()?)?,
         Task::IreePrefixInstall {
             build,
             source,
@@ -130,6 +135,16 @@ fn run(cli: Cli) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// The CUDA prefix the gate links against: `KILN_IREE_PREFIX` when the
+/// environment provides one (`nix develop`, the flake's checks), else the one
+/// `cargo xtask iree --cuda` builds for the current pins.
+fn prefix_for_gate() -> Result<PathBuf> {
+    match std::env::var_os("KILN_IREE_PREFIX") {
+        Some(prefix) if !prefix.is_empty() => Ok(PathBuf::from(prefix)),
+        _ => iree::build(&Cache::open()?, &load_pins()?, Variant::Cuda),
+    }
 }
 
 fn load_pins() -> Result<Pins> {

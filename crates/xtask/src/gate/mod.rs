@@ -10,7 +10,7 @@
 
 mod mutations;
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::Command;
 use std::time::Instant;
 
@@ -172,7 +172,7 @@ fn run_mutation(
     // then differ only where the mutation edits.
     let tree = work.join("tree");
     let mutant_prefix = work.join("prefix");
-    copy_tree(root, &tree)?;
+    crate::tree::copy_checkout(root, &tree)?;
     copy_dir(prefix, &mutant_prefix)?;
     if let Err(error) = apply(mutation.edits, &tree, &mutant_prefix) {
         return Ok(line(
@@ -284,38 +284,6 @@ fn edit_libs(prefix: &Path, edit: &LibsEdit) -> Result<()> {
         }
     }
     std::fs::write(&pc, out)?;
-    Ok(())
-}
-
-/// Copies the files git tracks (and untracked, unignored ones) to `dest`.
-fn copy_tree(root: &Path, dest: &Path) -> Result<()> {
-    let listing = Command::new("git")
-        .args([
-            "ls-files",
-            "-z",
-            "--cached",
-            "--others",
-            "--exclude-standard",
-        ])
-        .current_dir(root)
-        .output()
-        .context("cannot run git ls-files (the gate copies the git checkout)")?;
-    if !listing.status.success() {
-        return Err(anyhow!("git ls-files failed in {}", root.display()));
-    }
-    if dest.exists() {
-        std::fs::remove_dir_all(dest)?;
-    }
-    for name in listing.stdout.split(|b| *b == 0).filter(|n| !n.is_empty()) {
-        let relative = PathBuf::from(String::from_utf8_lossy(name).into_owned());
-        let from = root.join(&relative);
-        if !from.is_file() {
-            continue; // Deleted in the working tree but still in the index.
-        }
-        let to = dest.join(&relative);
-        std::fs::create_dir_all(to.parent().expect("a file has a parent"))?;
-        std::fs::copy(&from, &to)?;
-    }
     Ok(())
 }
 

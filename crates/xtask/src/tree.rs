@@ -1,0 +1,63 @@
+//! Copies of the source tree: the gate mutates one, `repro` builds two.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use anyhow::{Context, Result, anyhow};
+
+/// The files of the checkout at `root`, relative to it: what git tracks plus
+/// untracked files it does not ignore, or, outside a git checkout (a Nix
+/// build's source), every file but `target/` and hidden folders.
+pub fn source_files(root: &Path) -> Result<Vec<PathBuf>> {
+    if root.join(".git").exists() {
+        let listing = Command::new("git")
+            .args([
+                "ls-files",
+                "-z",
+                "--cached",
+                "--others",
+                "--exclude-standard",
+            ])
+            .current_dir(root)
+            .output()
+            .context("cannot run git ls-files in the checkout")?;
+        if !listing.status.success() {
+            return Err(anyhow!("git ls-files failed in {}", root.display()));
+        }
+        return Ok(listing
+            .stdout
+            .split(|b| *b == 0)
+            .filter(|n| !n.is_empty())
+            .map(|n| PathBuf::from(String::from_utf8_lossy(n).into_owned()))
+            // Deleted in the working tree but still in the index.
+            .filter(|p| root.join(p).is_file())
+            .collect());
+    }
+    let mut files = Vec::new();
+    let walk = walkdir::WalkDir::new(root).into_iter().filter_entry(|e| {
+        let name = e.file_name().to_string_lossy();
+        e.depth() == 0 || !(name.starts_with('.') || (e.depth() == 1 && name == "target"))
+    });
+    for entry in walk {
+        let entry = entry?;
+        if entry.file_type().is_file() {
+            files.push(entry.path().strip_prefix(root)?.to_path_buf());
+        }
+    }
+    Ok(files)
+}
+
+/// Replaces `dest` with a copy of the checkout at `root`.
+pub fn copy_checkout(root: &Path, dest: &Path) -> Result<()> {
+    let files = source_files(root)?;
+    if dest.exists() {
+        std::fs::remove_dir_all(dest)?;
+    }
+    for relative in files {
+        let to = dest.join(&relative);
+        std::fs::create_dir_all(to.parent().expect("a file has a parent"))?;
+        std::fs::copy(root.join(&relative), &to)
+            .with_context(|| format!("cannot copy {}", relative.display()))?;
+    }
+    Ok(())
+}
