@@ -1,0 +1,44 @@
+# Everything the flake exposes for one system.
+{
+  pkgs,
+  crane,
+  kilnLib,
+}:
+let
+  inherit (pkgs) lib;
+  craneLib = import ./toolchain.nix { inherit pkgs crane; };
+  src = import ./source.nix { inherit lib craneLib; };
+
+  # The IREE derivations run xtask's prefix installer.
+  xtask = import ./xtask.nix { inherit lib craneLib src; };
+
+  ireeRuntime =
+    cuda:
+    pkgs.callPackage ./iree-runtime.nix {
+      inherit kilnLib xtask cuda;
+    };
+  iree-runtime = ireeRuntime false;
+  iree-runtime-cuda = ireeRuntime true;
+  iree-compiler = pkgs.callPackage ./iree-compiler.nix { inherit kilnLib; };
+
+  packages = import ./packages.nix {
+    inherit lib pkgs craneLib src iree-runtime-cuda;
+  };
+in
+{
+  packages = {
+    default = packages.kiln;
+    inherit (packages) kiln;
+    inherit iree-runtime iree-runtime-cuda iree-compiler;
+  };
+
+  checks = import ./checks.nix {
+    inherit lib pkgs craneLib src packages iree-compiler;
+  };
+
+  formatter = pkgs.nixpkgs-fmt;
+
+  devShell = import ./dev-shell.nix {
+    inherit lib pkgs craneLib iree-runtime-cuda iree-compiler;
+  };
+}

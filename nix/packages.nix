@@ -1,0 +1,46 @@
+# crane's builds of kiln: the dependency artifacts every check reuses, and
+# the release binaries.
+{
+  lib,
+  pkgs,
+  craneLib,
+  src,
+  iree-runtime-cuda,
+}:
+let
+  version = (lib.importTOML ../Cargo.toml).workspace.package.version;
+
+  # What every cuda,xla-iree build shares.
+  common = {
+    inherit src version;
+    pname = "kiln";
+    strictDeps = true;
+    nativeBuildInputs = [
+      pkgs.pkg-config
+      pkgs.rustPlatform.bindgenHook
+    ];
+    KILN_IREE_PREFIX = "${iree-runtime-cuda}";
+    cargoExtraArgs = "--locked --features cuda,xla-iree";
+    # bindgenHook passes clang a seed taken from the output path unless this
+    # is fixed; fixed, the final builds reuse the dependency artifacts.
+    NIX_OUTPATH_USED_AS_RANDOM_SEED = "kilnkilnki";
+  };
+
+  cargoArtifacts = craneLib.buildDepsOnly common;
+in
+{
+  inherit common cargoArtifacts;
+
+  # kiln's release binaries. The driver's library folder goes into their
+  # runpath, so the CUDA driver's dlopen("libcuda.so") works on NixOS.
+  kiln = craneLib.buildPackage (
+    common
+    // {
+      inherit cargoArtifacts;
+      cargoExtraArgs = "${common.cargoExtraArgs} --package kiln";
+      doCheck = false;
+      nativeBuildInputs = common.nativeBuildInputs ++ [ pkgs.autoAddDriverRunpath ];
+      meta.mainProgram = "kiln";
+    }
+  );
+}
