@@ -11,11 +11,11 @@
   };
 
   outputs =
-    {
-      self,
-      nixpkgs,
-      crane,
-      rust-overlay,
+    { self
+    , nixpkgs
+    , crane
+    , rust-overlay
+    ,
     }:
     let
       inherit (nixpkgs) lib;

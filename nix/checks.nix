@@ -1,12 +1,12 @@
 # `nix flake check`: each check a thin wrapper around a command that also runs
 # without Nix (see the README's table).
-{
-  lib,
-  pkgs,
-  craneLib,
-  src,
-  packages,
-  iree-compiler,
+{ lib
+, pkgs
+, craneLib
+, src
+, packages
+, iree-compiler
+,
 }:
 let
   inherit (packages) common cargoArtifacts kiln;

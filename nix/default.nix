@@ -1,8 +1,8 @@
 # Everything the flake exposes for one system.
-{
-  pkgs,
-  crane,
-  kilnLib,
+{ pkgs
+, crane
+, kilnLib
+,
 }:
 let
   inherit (pkgs) lib;

@@ -2,12 +2,12 @@
 # ninja, with the environment `cargo xtask env` prints, so that
 # `cargo build --release --features cuda,xla-iree` and `cargo xtask gate` work
 # unchanged.
-{
-  lib,
-  pkgs,
-  craneLib,
-  iree-runtime-cuda,
-  iree-compiler,
+{ lib
+, pkgs
+, craneLib
+, iree-runtime-cuda
+, iree-compiler
+,
 }:
 craneLib.devShell {
   packages = [

@@ -1,14 +1,14 @@
 # The pinned iree-compile, unpacked from its wheel (the native binary and
 # libIREECompiler.so; no Python), patched for the Nix store, and checked to
 # be the pinned revision.
-{
-  lib,
-  stdenv,
-  fetchurl,
-  unzip,
-  autoPatchelfHook,
-  zlib,
-  kilnLib,
+{ lib
+, stdenv
+, fetchurl
+, unzip
+, autoPatchelfHook
+, zlib
+, kilnLib
+,
 }:
 let
   inherit (kilnLib) pins;

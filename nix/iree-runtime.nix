@@ -3,17 +3,17 @@
 # (nix/iree-prefix), the same options (nix/pins.json) and the same installer
 # (`xtask iree-prefix-install`), so both give the same layout and link
 # description.
-{
-  lib,
-  stdenv,
-  fetchurl,
-  runCommand,
-  cmake,
-  ninja,
-  cudaPackages,
-  kilnLib,
-  xtask,
-  cuda ? false,
+{ lib
+, stdenv
+, fetchurl
+, runCommand
+, cmake
+, ninja
+, cudaPackages
+, kilnLib
+, xtask
+, cuda ? false
+,
 }:
 let
   inherit (kilnLib) pins;
@@ -93,7 +93,7 @@ stdenv.mkDerivation (
       ];
     };
   }
-  // lib.optionalAttrs cuda {
+    // lib.optionalAttrs cuda {
     env.IREE_CUDA_DEPS_DIR = "${cudaDeps}";
     passthru = { inherit cudaDeps; };
   }

@@ -13,7 +13,7 @@ rec {
   # that names what is missing.
   forSystem =
     what: table: system:
-    table.${system} or (throw "nix/pins.json pins no ${what} for ${system}; add one to build there");
+      table.${system} or (throw "nix/pins.json pins no ${what} for ${system}; add one to build there");
 
   # A pinned download as fetchurl arguments; `name` is overridable because
   # unpackPhase recognises archives by their name.
@@ -37,10 +37,12 @@ rec {
   checkCapabilities =
     version: capabilities:
     let
-      unsupported = lib.filter (
-        capability:
-        !(minimumCudaFor ? ${capability}) || lib.versionOlder version minimumCudaFor.${capability}
-      ) capabilities;
+      unsupported = lib.filter
+        (
+          capability:
+          !(minimumCudaFor ? ${capability}) || lib.versionOlder version minimumCudaFor.${capability}
+        )
+        capabilities;
       explain =
         capability:
         if minimumCudaFor ? ${capability} then
@@ -63,13 +65,15 @@ rec {
   # Accepts free licences and NVIDIA's CUDA licences, nothing else unfree.
   allowCudaLicences =
     pkg:
-    lib.all (
-      license:
-      (license.free or false)
-      || lib.elem (license.shortName or "") [
-        "CUDA EULA"
-        "cuDNN EULA"
-        "cuTENSOR EULA"
-      ]
-    ) (lib.toList (pkg.meta.license or [ ]));
+    lib.all
+      (
+        license:
+        (license.free or false)
+        || lib.elem (license.shortName or "") [
+          "CUDA EULA"
+          "cuDNN EULA"
+          "cuTENSOR EULA"
+        ]
+      )
+      (lib.toList (pkg.meta.license or [ ]));
 }

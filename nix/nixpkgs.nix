@@ -1,10 +1,10 @@
 # nixpkgs for one system, configured for CUDA on the pinned capabilities with
 # the pinned CUDA release, and with rust-overlay for the toolchain.
-{
-  nixpkgs,
-  rust-overlay,
-  system,
-  kilnLib,
+{ nixpkgs
+, rust-overlay
+, system
+, kilnLib
+,
 }:
 import nixpkgs {
   inherit system;

@@ -1,11 +1,11 @@
 # crane's builds of kiln: the dependency artifacts every check reuses, and
 # the release binaries.
-{
-  lib,
-  pkgs,
-  craneLib,
-  src,
-  iree-runtime-cuda,
+{ lib
+, pkgs
+, craneLib
+, src
+, iree-runtime-cuda
+,
 }:
 let
   version = (lib.importTOML ../Cargo.toml).workspace.package.version;

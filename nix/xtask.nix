@@ -1,9 +1,9 @@
 # xtask alone (it needs no IREE): the IREE derivations run its prefix
 # installer, the same code `cargo xtask iree` runs.
-{
-  lib,
-  craneLib,
-  src,
+{ lib
+, craneLib
+, src
+,
 }:
 craneLib.buildPackage {
   inherit src;

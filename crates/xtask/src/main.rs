@@ -8,6 +8,7 @@ mod env;
 mod fetch;
 mod gate;
 mod iree;
+mod lint_nix;
 mod pins;
 mod prefix;
 mod repro;
@@ -67,6 +68,8 @@ enum Task {
         #[arg(long)]
         mutation: Option<String>,
     },
+    /// Check every Nix file: parse, nixpkgs-fmt, deadnix.
+    LintNix,
     /// Build the release cuda,xla-iree binaries twice (two checkout paths, two
     /// target folders) and compare them.
     Repro,
@@ -120,6 +123,7 @@ fn run(cli: Cli) -> Result<()> {
             gate::run(&prefix, link_only, mutation.as_deref())?;
         }
         Task::Repro => repro::run(&prefix_for_gate()?)?,
+        Task::LintNix => lint_nix::run()?,
         Task::IreePrefixInstall {
             build,
             source,

@@ -34,6 +34,11 @@ pub fn run(cache: &Cache, pins: &Pins) -> Result<()> {
         ]
     };
     step("rustfmt", || cargo(&["fmt", "--all", "--check"], &[]))?;
+    step("Nix files: parse, format, dead code", crate::lint_nix::run)?;
+    step(
+        "every pinned input, every system: download and sha256",
+        || crate::verify_pins::run(cache, pins),
+    )?;
     step("clippy (cuda,xla-iree, all targets)", || {
         cargo(
             &[
@@ -67,6 +72,9 @@ pub fn run(cache: &Cache, pins: &Pins) -> Result<()> {
     })?;
     step("the gate: link check and mutation suite", || {
         crate::gate::run(&cuda_prefix, false, None)
+    })?;
+    step("reproducible release binaries", || {
+        crate::repro::run(&cuda_prefix)
     })?;
     eprintln!("xtask test: every step succeeded");
     Ok(())

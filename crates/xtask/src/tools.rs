@@ -36,9 +36,7 @@ pub fn require_host_program(program: &str, purpose: &str, install: &str) -> Resu
     let output = Command::new(program)
         .arg("--version")
         .output()
-        .map_err(|e| {
-            anyhow!("`{program}` ({purpose}) was not found on PATH ({e}); install it: {install}")
-        })?;
+        .map_err(|e| not_found(program, purpose, install, e))?;
     if !output.status.success() {
         return Err(anyhow!(
             "`{program} --version` failed ({}); {purpose} is needed: {install}",
@@ -47,6 +45,20 @@ pub fn require_host_program(program: &str, purpose: &str, install: &str) -> Resu
     }
     let text = String::from_utf8_lossy(&output.stdout);
     Ok(text.lines().next().unwrap_or_default().to_string())
+}
+
+/// Checks only that `program` can be started (for programs whose `--version`
+/// exits with an error, as nixpkgs-fmt 1.3.0's does).
+pub fn require_on_path(program: &str, purpose: &str, install: &str) -> Result<()> {
+    Command::new(program)
+        .arg("--version")
+        .output()
+        .map(|_| ())
+        .map_err(|e| not_found(program, purpose, install, e))
+}
+
+fn not_found(program: &str, purpose: &str, install: &str, e: std::io::Error) -> anyhow::Error {
+    anyhow!("`{program}` ({purpose}) was not found on PATH ({e}); install it: {install}")
 }
 
 /// The host C and C++ compilers that build IREE, with their identities (part
