@@ -9,6 +9,7 @@ mod fetch;
 mod gate;
 mod iree;
 mod lint_nix;
+mod lint_workflows;
 mod pins;
 mod prefix;
 mod repro;
@@ -70,6 +71,8 @@ enum Task {
     },
     /// Check every Nix file: parse, nixpkgs-fmt, deadnix.
     LintNix,
+    /// Lint the GitHub workflows with actionlint and zizmor.
+    LintWorkflows,
     /// Build the release cuda,xla-iree binaries twice (two checkout paths, two
     /// target folders) and compare them.
     Repro,
@@ -124,6 +127,7 @@ fn run(cli: Cli) -> Result<()> {
         }
         Task::Repro => repro::run(&prefix_for_gate()?)?,
         Task::LintNix => lint_nix::run()?,
+        Task::LintWorkflows => lint_workflows::run()?,
         Task::IreePrefixInstall {
             build,
             source,

@@ -36,6 +36,10 @@ pub fn run(cache: &Cache, pins: &Pins) -> Result<()> {
     step("rustfmt", || cargo(&["fmt", "--all", "--check"], &[]))?;
     step("Nix files: parse, format, dead code", crate::lint_nix::run)?;
     step(
+        "GitHub workflows: actionlint, zizmor",
+        crate::lint_workflows::run,
+    )?;
+    step(
         "every pinned input, every system: download and sha256",
         || crate::verify_pins::run(cache, pins),
     )?;
