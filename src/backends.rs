@@ -50,28 +50,55 @@ pub fn open_iree<'m>(
     kind: BackendKind,
     options: &IreeOptions,
 ) -> Result<kiln_xla::IreeBackend<'m>> {
-    use kiln_xla::{Buckets, Compiler, IreeBackend, ModuleCache, Target};
-    let (uri, target) = match kind {
-        BackendKind::IreeCuda if !cfg!(feature = "cuda") => bail!(
-            "the iree-cuda backend is not compiled into this kiln; rebuild with `--features cuda,xla-iree`"
-        ),
-        BackendKind::IreeCuda => ("cuda", Target::Cuda),
-        BackendKind::IreeCpu => ("local-task", Target::LlvmCpu),
-        BackendKind::Cpu => bail!("the cpu backend is not an IREE backend"),
+    use kiln_xla::{IreeBackend, ModuleCache, Target};
+    let target = target(kind)?;
+    let uri = if target == Target::Cuda {
+        "cuda"
+    } else {
+        "local-task"
     };
-    if options.max_context == 0 {
-        bail!("--max-context must be positive");
-    }
-    let buckets = Buckets::for_model(model, options.max_context);
     let backend = IreeBackend::new(
         model,
         uri,
         target,
-        Compiler::from_env()?,
+        compiler()?,
         ModuleCache::default_location()?,
-        buckets,
+        buckets(model, options)?,
     )?;
     Ok(backend)
+}
+
+/// The IREE target of an IREE backend kind.
+#[cfg(feature = "xla-iree")]
+pub fn target(kind: BackendKind) -> Result<kiln_xla::Target> {
+    match kind {
+        BackendKind::IreeCuda if !cfg!(feature = "cuda") => bail!(
+            "the iree-cuda backend is not compiled into this kiln; rebuild with `--features cuda,xla-iree`"
+        ),
+        BackendKind::IreeCuda => Ok(kiln_xla::Target::Cuda),
+        BackendKind::IreeCpu => Ok(kiln_xla::Target::LlvmCpu),
+        BackendKind::Cpu => bail!("the cpu backend is not an IREE backend"),
+    }
+}
+
+/// The sequence buckets and context the IREE modules are compiled for.
+#[cfg(feature = "xla-iree")]
+pub fn buckets(model: &Model, options: &IreeOptions) -> Result<kiln_xla::Buckets> {
+    if options.max_context == 0 {
+        bail!("--max-context must be positive");
+    }
+    Ok(kiln_xla::Buckets::for_model(model, options.max_context))
+}
+
+/// The pinned compiler, or `None` where `KILN_IREE_COMPILE` is unset (a GPU
+/// machine running prepared modules); any other problem is an error.
+#[cfg(feature = "xla-iree")]
+pub fn compiler() -> Result<Option<kiln_xla::Compiler>> {
+    match kiln_xla::Compiler::from_env() {
+        Ok(compiler) => Ok(Some(compiler)),
+        Err(kiln_xla::Error::CompilerUnset) => Ok(None),
+        Err(error) => Err(error.into()),
+    }
 }
 
 #[cfg(not(feature = "xla-iree"))]

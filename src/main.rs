@@ -191,6 +191,9 @@ fn prefill(args: &ModelArgs, prompt: &str, top: usize) -> Result<()> {
     Ok(())
 }
 
+/// Compiles every module of the model for the backend's target into the
+/// module cache. Needs the compiler, not the device: modules for a GPU can be
+/// prepared here and the cache carried to the GPU machine.
 #[cfg(feature = "xla-iree")]
 fn prepare(args: &ModelArgs) -> Result<()> {
     use anyhow::Context;
@@ -201,35 +204,40 @@ fn prepare(args: &ModelArgs) -> Result<()> {
         );
     }
     let model = load(args.model.as_ref())?;
+    let target = backends::target(args.backend)?;
+    let buckets = backends::buckets(&model, &args.iree)?;
+    let compiler = kiln_xla::Compiler::from_env()?;
+    let cache = kiln_xla::ModuleCache::default_location()?;
     let started = Instant::now();
-    let mut backend = backends::open_iree(&model, args.backend, &args.iree)?;
-    let kinds = backend.module_kinds();
+    let kinds = kiln_xla::prepared::module_kinds(&buckets);
     let bar = ProgressBar::new(kinds.len() as u64).with_style(
-        ProgressStyle::with_template("{spinner} {msg:30} {bar:30} {pos}/{len} [{elapsed}]")
-            .context("progress template")?,
+        ProgressStyle::with_template(
+            "{spinner} preparing modules {bar:30} {pos}/{len} [{elapsed}]",
+        )
+        .context("progress template")?,
     );
     bar.enable_steady_tick(std::time::Duration::from_millis(200));
-    for kind in kinds {
-        bar.set_message(format!("{kind:?}"));
-        let module_started = Instant::now();
-        let origin = backend.load(kind)?;
-        // Printed beside the bar, and also when stderr is not a terminal.
-        bar.suspend(|| {
-            eprintln!(
-                "{kind:?}: {origin:?} in {:.2}s",
-                module_started.elapsed().as_secs_f64()
-            )
-        });
-        bar.inc(1);
-    }
+    kiln_xla::prepared::prepare(
+        &model.config,
+        &buckets,
+        target,
+        &compiler,
+        &cache,
+        |kind, origin, took| {
+            // Printed beside the bar, and also when stderr is not a terminal.
+            bar.suspend(|| eprintln!("{kind:?}: {origin:?} in {:.2}s", took.as_secs_f64()));
+            bar.inc(1);
+        },
+    )?;
     bar.finish_and_clear();
     println!(
-        "prepared {} for {:?} (context {}, prefill buckets {:?}) in {:.2}s",
+        "prepared {} for {:?} (context {}, prefill buckets {:?}) in {:.2}s; cache: {}",
         model.name,
-        args.backend,
-        backend.buckets().context,
-        backend.buckets().prefill,
-        started.elapsed().as_secs_f64()
+        target,
+        buckets.context,
+        buckets.prefill,
+        started.elapsed().as_secs_f64(),
+        cache.dir().display()
     );
     Ok(())
 }

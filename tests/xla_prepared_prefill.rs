@@ -17,16 +17,30 @@ fn fixture(name: &str) -> Model {
 }
 
 fn iree(model: &Model, cache: ModuleCache) -> IreeBackend<'_> {
-    let compiler = Compiler::from_env().unwrap_or_else(|e| panic!("{e}"));
+    open(model, "local-task", Target::LlvmCpu, cache).unwrap_or_else(|e| panic!("{e}"))
+}
+
+/// An IREE backend with context 64. The compiler is optional: a GPU machine
+/// runs modules prepared elsewhere (`kiln prepare`) from the carried cache.
+fn open<'m>(
+    model: &'m Model,
+    uri: &str,
+    target: Target,
+    cache: ModuleCache,
+) -> kiln_core::Result<IreeBackend<'m>> {
+    let compiler = match Compiler::from_env() {
+        Ok(compiler) => Some(compiler),
+        Err(kiln_xla::Error::CompilerUnset) => None,
+        Err(e) => panic!("{e}"),
+    };
     IreeBackend::new(
         model,
-        "local-task",
-        Target::LlvmCpu,
+        uri,
+        target,
         compiler,
         cache,
         Buckets::for_model(model, 64),
     )
-    .unwrap_or_else(|e| panic!("{e}"))
 }
 
 fn default_cache() -> ModuleCache {
@@ -52,8 +66,15 @@ fn prompts(model: &Model) -> Vec<Vec<u32>> {
 }
 
 fn agrees_with_the_cpu_reference(model: &Model) {
-    let mut cpu = CpuBackend::new(model);
     let mut xla = iree(model, default_cache());
+    agrees(model, &mut xla, 1e-4, 16);
+}
+
+/// IREE logits within `tolerance` of the CPU reference for prompts of several
+/// lengths; prefill from embeddings equal to prefill from ids; `steps` greedy
+/// decode steps giving the CPU reference's tokens.
+fn agrees(model: &Model, xla: &mut IreeBackend<'_>, tolerance: f32, steps: usize) {
+    let mut cpu = CpuBackend::new(model);
     for prompt in prompts(model) {
         let expected = cpu.prefill(&prompt).unwrap();
         let actual = xla.prefill(&prompt).unwrap();
@@ -71,12 +92,12 @@ fn agrees_with_the_cpu_reference(model: &Model) {
         let diff = max_abs_diff(&actual, &from_rows);
         assert!(diff <= 1e-5, "embeddings vs ids: max abs diff {diff}");
     }
-    // 16 greedy steps through the device-resident KV cache.
+    // Greedy steps through the device-resident KV cache.
     let prompt = &prompts(model)[1];
     let greedy = SamplingParams::default();
-    let want = generate(&mut cpu, prompt, 16, greedy.clone(), &[], |_| Ok(())).unwrap();
-    let got = generate(&mut xla, prompt, 16, greedy, &[], |_| Ok(())).unwrap();
-    assert_eq!(got, want);
+    let want = generate(&mut cpu, prompt, steps, greedy.clone(), &[], |_| Ok(())).unwrap();
+    let got = generate(xla, prompt, steps, greedy, &[], |_| Ok(())).unwrap();
+    assert_eq!(got, want, "{} greedy tokens on {}", steps, xla.name());
 }
 
 #[test]
@@ -151,4 +172,41 @@ fn a_mismatched_cached_module_is_not_used() {
         &second.prefill(&prompt).unwrap(),
     );
     assert!(diff <= 1e-4, "{diff}");
+}
+
+/// The same checks on a CUDA device (f32: 1e-4; 32 greedy steps). Where no
+/// GPU or no libcuda.so is present they are skipped, saying why; on a GPU
+/// machine they run. Modules come from the compiler here, or from a module
+/// cache prepared elsewhere (`kiln prepare --backend iree-cuda --max-context 64`).
+#[cfg(feature = "cuda")]
+mod cuda {
+    use super::*;
+
+    fn on_gpu(model: &Model) {
+        match open(model, "cuda", Target::Cuda, default_cache()) {
+            Ok(mut xla) => agrees(model, &mut xla, 1e-4, 32),
+            Err(error) if error.to_string().contains("is not available") => {
+                println!(
+                    "skipped: no CUDA device here ({})",
+                    error.to_string().lines().next().unwrap_or("")
+                );
+            }
+            Err(error) => panic!("{error}"),
+        }
+    }
+
+    #[test]
+    fn embedded_model_on_the_gpu_matches_the_cpu_reference() {
+        on_gpu(&Model::embedded());
+    }
+
+    #[test]
+    fn untied_gqa_fixture_on_the_gpu_matches_the_cpu_reference() {
+        on_gpu(&fixture("llama-gqa-untied"));
+    }
+
+    #[test]
+    fn tied_mqa_fixture_on_the_gpu_matches_the_cpu_reference() {
+        on_gpu(&fixture("llama-mqa-tied"));
+    }
 }

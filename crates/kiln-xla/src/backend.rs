@@ -11,6 +11,7 @@ use kiln_iree::{Device, DeviceTensor, Instance, Module, Tensor};
 use crate::compiler::{Compiler, Target};
 use crate::llama;
 use crate::module_cache::{ModuleCache, Origin};
+use crate::prepared;
 
 /// Sequence lengths prefill is compiled for, and the context (KV cache)
 /// length every module shares.
@@ -74,7 +75,8 @@ pub struct IreeBackend<'m> {
     name: String,
     target: Target,
     device: Device,
-    compiler: Compiler,
+    /// `None` on a machine without the compiler: modules must be prepared.
+    compiler: Option<Compiler>,
     cache: ModuleCache,
     buckets: Buckets,
     modules: BTreeMap<ModuleKind, Module>,
@@ -95,7 +97,7 @@ impl<'m> IreeBackend<'m> {
         model: &'m Model,
         device_uri: &str,
         target: Target,
-        compiler: Compiler,
+        compiler: Option<Compiler>,
         cache: ModuleCache,
         buckets: Buckets,
     ) -> kiln_core::Result<IreeBackend<'m>> {
@@ -147,52 +149,26 @@ impl<'m> IreeBackend<'m> {
 
     /// Every module this backend can use.
     pub fn module_kinds(&self) -> Vec<ModuleKind> {
-        let mut kinds: Vec<ModuleKind> = self
-            .buckets
-            .prefill
-            .iter()
-            .map(|&s| ModuleKind::Prefill(s))
-            .collect();
-        kinds.push(ModuleKind::Decode);
-        kinds
+        prepared::module_kinds(&self.buckets)
     }
 
-    /// Compiles (or finds in the cache) and loads one module.
+    /// Finds (or compiles) and loads one module.
     pub fn load(&mut self, kind: ModuleKind) -> kiln_core::Result<Origin> {
         if self.modules.contains_key(&kind) {
             return Ok(Origin::Cached);
         }
-        let (mlir, bucket) = match kind {
-            ModuleKind::Prefill(seq) => (
-                llama::prefill_module(&self.model.config, seq, self.buckets.context),
-                format!("prefill:{seq}:{}", self.buckets.context),
-            ),
-            ModuleKind::Decode => (
-                llama::decode_module(&self.model.config, self.buckets.context),
-                format!("decode:{}", self.buckets.context),
-            ),
-        };
-        let flags = self.target.flags().join(" ");
-        let key = ModuleCache::key(&[&mlir, &flags, self.compiler.version_line(), &bucket]);
-        let (vmfb, origin) = self
-            .cache
-            .get_or_compile(&key, || self.compiler.compile(&mlir, self.target))
-            .map_err(to_core)?;
+        let (vmfb, origin) = prepared::obtain(
+            &self.model.config,
+            kind,
+            &self.buckets,
+            self.target,
+            self.compiler.as_ref(),
+            &self.cache,
+        )
+        .map_err(to_core)?;
         let module = self.device.load_module(&vmfb).map_err(to_core)?;
         self.modules.insert(kind, module);
         Ok(origin)
-    }
-
-    /// Loads every module, reporting each as it is ready.
-    pub fn prepare(
-        &mut self,
-        mut on_ready: impl FnMut(ModuleKind, Origin),
-    ) -> kiln_core::Result<()> {
-        for kind in self.module_kinds() {
-            let origin = self.load(kind)?;
-            on_ready(kind, origin);
-        }
-        Ok(())
     }
 
     fn call(

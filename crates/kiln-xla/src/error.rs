@@ -40,6 +40,13 @@ pub enum Error {
 
     #[error("module cache: {0}")]
     Cache(String),
+
+    #[error(
+        "the {module} module is not in the module cache {cache} and no compiler is available \
+         (KILN_IREE_COMPILE is unset); run `kiln prepare` where the pinned compiler is, and \
+         carry the cache (KILN_CACHE_DIR) here"
+    )]
+    NotPrepared { module: String, cache: PathBuf },
 }
 
 pub type Result<T> = std::result::Result<T, Error>;

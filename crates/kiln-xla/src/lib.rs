@@ -6,6 +6,7 @@ mod compiler;
 mod error;
 pub mod llama;
 mod module_cache;
+pub mod prepared;
 mod stablehlo;
 
 pub use backend::{Buckets, IreeBackend, ModuleKind};
