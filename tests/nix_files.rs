@@ -10,6 +10,18 @@ fn root() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
 }
 
+/// The flake's Nix sources are outside the source the flake builds from (so
+/// that editing them rebuilds nothing); there, these tests have nothing to read.
+fn nix_sources_present() -> bool {
+    let present = root().join("flake.nix").is_file() && root().join("flake.lock").is_file();
+    if !present {
+        println!(
+            "skipped: flake.nix/flake.lock are not in this source tree (the Nix build's filtered source)"
+        );
+    }
+    present
+}
+
 fn json(path: &str) -> Value {
     serde_json::from_str(&std::fs::read_to_string(root().join(path)).unwrap()).unwrap()
 }
@@ -62,6 +74,9 @@ const LOCKS: &[(&str, &str, &str, u64)] = &[
 
 #[test]
 fn flake_lock_locks_every_input_by_revision_and_nar_hash() {
+    if !nix_sources_present() {
+        return;
+    }
     let lock = json("flake.lock");
     assert_eq!(lock["version"], 7);
     let nodes = &lock["nodes"];
@@ -124,6 +139,9 @@ fn pinned_strings(value: &Value, key: &str, out: &mut Vec<String>) {
 
 #[test]
 fn nix_files_take_every_url_hash_version_and_option_from_the_pin_file() {
+    if !nix_sources_present() {
+        return;
+    }
     let mut pinned = Vec::new();
     pinned_strings(&json("nix/pins.json"), "", &mut pinned);
     assert!(pinned.len() > 40, "the walk found the pins: {pinned:?}");
@@ -156,6 +174,9 @@ fn nix_files_take_every_url_hash_version_and_option_from_the_pin_file() {
 
 #[test]
 fn the_nix_files_read_the_pin_file_and_the_toolchain_file() {
+    if !nix_sources_present() {
+        return;
+    }
     let all: String = nix_files().into_iter().map(|(_, t)| t).collect();
     assert!(all.contains("importJSON ./pins.json"));
     assert!(all.contains("fromRustupToolchainFile ../rust-toolchain.toml"));
