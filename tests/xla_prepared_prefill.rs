@@ -81,7 +81,7 @@ fn agrees(model: &Model, xla: &mut IreeBackend<'_>, tolerance: f32, steps: usize
         let diff = max_abs_diff(&expected, &actual);
         println!("{} tokens: max |iree - cpu| = {diff:e}", prompt.len());
         assert!(
-            diff <= 1e-4,
+            diff <= tolerance,
             "prefill of {} tokens: max abs diff {diff}",
             prompt.len()
         );
