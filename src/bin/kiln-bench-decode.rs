@@ -21,8 +21,8 @@ struct Args {
     /// Backends to measure (repeat the flag); each runs the same work.
     #[arg(long, value_enum, default_values_t = [BackendKind::Cpu])]
     backend: Vec<BackendKind>,
-    /// `embedded`, `random-100m` (a ~100M-parameter random Llama made on the
-    /// fly), or a model folder. Repeat for several.
+    /// `embedded`, `random-100m` or `tinyllama-1.1b` (random-weight Llamas of
+    /// those sizes, made on the fly), or a model folder. Repeat for several.
     #[arg(long, default_values_t = ["embedded".to_string()])]
     model: Vec<String>,
     /// Prompt length for the prefill measurement.
@@ -34,6 +34,10 @@ struct Args {
     /// Timed repetitions of the prefill (after one untimed warm-up).
     #[arg(long, default_value_t = 3)]
     repeat: usize,
+    /// Only compile the IREE modules the run would need into the module cache
+    /// (needs the compiler, not the device), then stop.
+    #[arg(long)]
+    prepare: bool,
     /// Also write the results as JSON to this file.
     #[arg(long)]
     json: Option<PathBuf>,
@@ -53,33 +57,82 @@ struct Row {
     setup_s: f64,
 }
 
-/// ~100M parameters: 12 layers, hidden 768, GQA 12:4, vocab 32000, tied.
-fn random_100m() -> Model {
+/// A random-weight Llama of a named shape: `random-100m` (~100M parameters:
+/// 12 layers, hidden 768, GQA 12:4, vocab 32000, tied) or `tinyllama-1.1b`
+/// (TinyLlama-1.1B's shape: 22 layers, hidden 2048, intermediate 5632, GQA
+/// 32:4, vocab 32000, untied).
+fn preset(spec: &str) -> Option<(ModelConfig, u64)> {
+    let (hidden, intermediate, layers, heads, kv_heads, tied, seed) = match spec {
+        "random-100m" => (768, 2048, 12, 12, 4, true, 100),
+        "tinyllama-1.1b" => (2048, 5632, 22, 32, 4, false, 1100),
+        _ => return None,
+    };
     let config = ModelConfig {
-        hidden_size: 768,
-        intermediate_size: 2048,
-        num_layers: 12,
-        num_heads: 12,
-        num_kv_heads: 4,
-        head_dim: 64,
+        hidden_size: hidden,
+        intermediate_size: intermediate,
+        num_layers: layers,
+        num_heads: heads,
+        num_kv_heads: kv_heads,
+        head_dim: hidden / heads,
         vocab_size: 32_000,
         rms_norm_eps: 1e-5,
         rope_theta: 10_000.0,
         rope_scaling: None,
-        tie_word_embeddings: true,
+        tie_word_embeddings: tied,
         max_position_embeddings: 2048,
         bos_token_id: None,
         eos_token_ids: Vec::new(),
     };
-    Model::random("random-100m", config, 100)
+    Some((config, seed))
 }
 
 fn model(spec: &str) -> Result<Model> {
-    Ok(match spec {
-        "embedded" => Model::embedded(),
-        "random-100m" => random_100m(),
-        dir => Model::load(&PathBuf::from(dir))?,
+    Ok(match (spec, preset(spec)) {
+        ("embedded", _) => Model::embedded(),
+        (_, Some((config, seed))) => Model::random(spec, config, seed),
+        (dir, None) => Model::load(&PathBuf::from(dir))?,
     })
+}
+
+/// Compiles the IREE modules of each model for each IREE backend into the
+/// module cache, from the configuration alone (no weights, no device), so
+/// that a GPU machine without the compiler can run the benchmark.
+#[cfg(feature = "xla-iree")]
+fn prepare(args: &Args) -> Result<()> {
+    use kiln_xla::{Buckets, Compiler, ModuleCache, prepared};
+    let compiler = Compiler::from_env()?;
+    let cache = ModuleCache::default_location()?;
+    for spec in &args.model {
+        let config = match (spec.as_str(), preset(spec)) {
+            ("embedded", _) => Model::embedded().config,
+            (_, Some((config, _))) => config,
+            (dir, None) => ModelConfig::from_file(&PathBuf::from(dir).join("config.json"))?,
+        };
+        let context = config.max_position_embeddings.min(args.iree.max_context);
+        for &kind in args.backend.iter().filter(|k| **k != BackendKind::Cpu) {
+            let target = backends::target(kind)?;
+            let buckets = Buckets::for_context(context);
+            prepared::prepare(
+                &config,
+                &buckets,
+                target,
+                &compiler,
+                &cache,
+                |m, origin, took| {
+                    eprintln!(
+                        "{spec} {target:?} {m:?}: {origin:?} in {:.1}s",
+                        took.as_secs_f64()
+                    )
+                },
+            )?;
+        }
+    }
+    Ok(())
+}
+
+#[cfg(not(feature = "xla-iree"))]
+fn prepare(_args: &Args) -> Result<()> {
+    bail!("--prepare needs the IREE backends: rebuild with `--features xla-iree`")
 }
 
 fn measure(model: &Model, kind: BackendKind, args: &Args) -> Result<Row> {
@@ -129,6 +182,9 @@ fn main() -> std::process::ExitCode {
 
 fn run() -> Result<()> {
     let args = Args::parse();
+    if args.prepare {
+        return prepare(&args);
+    }
     if args.repeat == 0 || args.prompt_tokens == 0 {
         bail!("--repeat and --prompt-tokens must be positive");
     }

@@ -22,11 +22,16 @@ pub struct Buckets {
 }
 
 impl Buckets {
-    /// Prefill buckets 16, 64, 256, 1024 up to the context, which is the
-    /// model's `max_position_embeddings` capped at `max_context`.
+    /// The buckets of [`Buckets::for_context`] for the model's
+    /// `max_position_embeddings` capped at `max_context`.
     pub fn for_model(model: &Model, max_context: usize) -> Buckets {
-        let context = model.config.max_position_embeddings.min(max_context);
-        let mut prefill: Vec<usize> = [16, 64, 256, 1024]
+        Buckets::for_context(model.config.max_position_embeddings.min(max_context))
+    }
+
+    /// Prefill buckets 16, 64, 128, 256, 512, 1024, 2048 below `context`, and
+    /// `context` itself.
+    pub fn for_context(context: usize) -> Buckets {
+        let mut prefill: Vec<usize> = [16, 64, 128, 256, 512, 1024, 2048]
             .into_iter()
             .filter(|&b| b < context)
             .collect();
