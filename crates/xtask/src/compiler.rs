@@ -102,6 +102,11 @@ mod tests {
     use super::*;
     use crate::pins::default_pin_file;
 
+    /// Serialises the tests that write and run a script: a fork by another
+    /// test thread while a script is still open for writing would hold its
+    /// descriptor and make the exec fail with ETXTBSY.
+    static EXEC: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
     /// A stand-in `iree-compile` that prints `version_output`.
     fn fake_compiler(dir: &Path, version_output: &str) -> PathBuf {
         let path = dir.join("iree-compile");
@@ -112,6 +117,7 @@ mod tests {
 
     #[test]
     fn another_revision_is_refused_with_both_revisions_printed() {
+        let _serial = EXEC.lock().unwrap_or_else(|e| e.into_inner());
         let pins = Pins::load(&default_pin_file()).unwrap();
         let dir = tempfile::tempdir().unwrap();
         let other = "0123456789abcdef0123456789abcdef01234567";
@@ -127,6 +133,7 @@ mod tests {
 
     #[test]
     fn the_pinned_version_line_is_accepted() {
+        let _serial = EXEC.lock().unwrap_or_else(|e| e.into_inner());
         let pins = Pins::load(&default_pin_file()).unwrap();
         let dir = tempfile::tempdir().unwrap();
         let line = format!("IREE compiler version {}", pins.iree.compiler.version_line);
@@ -136,6 +143,7 @@ mod tests {
 
     #[test]
     fn the_same_revision_with_another_version_is_refused() {
+        let _serial = EXEC.lock().unwrap_or_else(|e| e.into_inner());
         let pins = Pins::load(&default_pin_file()).unwrap();
         let dir = tempfile::tempdir().unwrap();
         let line = format!("IREE compiler version 9.9.9 @ {}", pins.iree.revision);
