@@ -7,7 +7,9 @@ use anyhow::{Context, Result, anyhow};
 
 /// The files of the checkout at `root`, relative to it: what git tracks plus
 /// untracked files it does not ignore, or, outside a git checkout (a Nix
-/// build's source), every file but `target/` and hidden folders.
+/// build's source), every file but build output: `target/`, crane's
+/// `.cargo-home/` and Nix's `result*` links. (`.cargo/config.toml` must come
+/// along: it chooses the linker.)
 pub fn source_files(root: &Path) -> Result<Vec<PathBuf>> {
     if root.join(".git").exists() {
         let listing = Command::new("git")
@@ -36,7 +38,11 @@ pub fn source_files(root: &Path) -> Result<Vec<PathBuf>> {
     let mut files = Vec::new();
     let walk = walkdir::WalkDir::new(root).into_iter().filter_entry(|e| {
         let name = e.file_name().to_string_lossy();
-        e.depth() == 0 || !(name.starts_with('.') || (e.depth() == 1 && name == "target"))
+        e.depth() != 1
+            || !(name == "target"
+                || name == ".git"
+                || name == ".cargo-home"
+                || name.starts_with("result"))
     });
     for entry in walk {
         let entry = entry?;
@@ -60,4 +66,37 @@ pub fn copy_checkout(root: &Path, dest: &Path) -> Result<()> {
             .with_context(|| format!("cannot copy {}", relative.display()))?;
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn outside_git_build_output_is_left_out_and_cargo_config_kept() {
+        let dir = tempfile::tempdir().unwrap();
+        for file in [
+            ".cargo/config.toml",
+            "src/main.rs",
+            "target/release/kiln",
+            ".cargo-home/config.toml",
+            "result/bin/kiln",
+            "crates/a/target/kept.rs",
+        ] {
+            let path = dir.path().join(file);
+            std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+            std::fs::write(path, "x").unwrap();
+        }
+        let mut files = source_files(dir.path()).unwrap();
+        files.sort();
+        let expected: Vec<PathBuf> = [
+            ".cargo/config.toml",
+            "crates/a/target/kept.rs",
+            "src/main.rs",
+        ]
+        .iter()
+        .map(PathBuf::from)
+        .collect();
+        assert_eq!(files, expected);
+    }
 }
