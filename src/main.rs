@@ -206,6 +206,7 @@ fn prepare(args: &ModelArgs) -> Result<()> {
     let model = load(args.model.as_ref())?;
     let target = backends::target(args.backend)?;
     let buckets = backends::buckets(&model, &args.iree)?;
+    let graph = backends::graph(target, &args.iree)?;
     let compiler = kiln_xla::Compiler::from_env()?;
     let cache = kiln_xla::ModuleCache::default_location()?;
     let started = Instant::now();
@@ -219,6 +220,7 @@ fn prepare(args: &ModelArgs) -> Result<()> {
     bar.enable_steady_tick(std::time::Duration::from_millis(200));
     kiln_xla::prepared::prepare(
         &model.config,
+        &graph,
         &buckets,
         target,
         &compiler,
@@ -231,9 +233,11 @@ fn prepare(args: &ModelArgs) -> Result<()> {
     )?;
     bar.finish_and_clear();
     println!(
-        "prepared {} for {:?} (context {}, prefill buckets {:?}) in {:.2}s; cache: {}",
+        "prepared {} for {:?} at {} with {} weights (context {}, prefill buckets {:?}) in {:.2}s; cache: {}",
         model.name,
         target,
+        graph.precision,
+        graph.layout,
         buckets.context,
         buckets.prefill,
         started.elapsed().as_secs_f64(),

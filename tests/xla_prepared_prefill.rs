@@ -7,7 +7,10 @@
 use std::path::PathBuf;
 
 use kiln_core::{Backend, CpuBackend, Model, SamplingParams, generate};
-use kiln_xla::{Buckets, Compiler, IreeBackend, ModuleCache, ModuleKind, Origin, Target};
+use kiln_xla::{
+    Buckets, Compiler, GraphOptions, IreeBackend, ModuleCache, ModuleKind, Origin, Precision,
+    Target, WeightLayout,
+};
 
 fn fixture(name: &str) -> Model {
     let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
@@ -16,8 +19,23 @@ fn fixture(name: &str) -> Model {
     Model::load(&dir).unwrap()
 }
 
+/// The model with every weight rounded to f16 and back: the reference a
+/// half-precision graph is compared with, so that what is measured is the
+/// graph's own rounding (activations, KV cache), not the weights'.
+fn rounded_to_f16(model: &Model) -> Model {
+    let dir = tempfile::tempdir().unwrap();
+    kiln_core::save::save_f16(dir.path(), &model.config, &model.weights).unwrap();
+    Model {
+        name: format!("{} (f16 weights)", model.name),
+        config: model.config.clone(),
+        weights: kiln_core::weights::load_dir(dir.path(), &model.config).unwrap(),
+        tokenizer: kiln_core::Tokenizer::Bytes(kiln_core::tokenizer::ByteTokenizer),
+    }
+}
+
 fn iree(model: &Model, cache: ModuleCache) -> IreeBackend<'_> {
-    open(model, "local-task", Target::LlvmCpu, cache).unwrap_or_else(|e| panic!("{e}"))
+    let graph = GraphOptions::for_target(Target::LlvmCpu, None, None);
+    open(model, "local-task", Target::LlvmCpu, graph, cache).unwrap_or_else(|e| panic!("{e}"))
 }
 
 /// An IREE backend with context 64. The compiler is optional: a GPU machine
@@ -26,6 +44,7 @@ fn open<'m>(
     model: &'m Model,
     uri: &str,
     target: Target,
+    graph: GraphOptions,
     cache: ModuleCache,
 ) -> kiln_core::Result<IreeBackend<'m>> {
     let compiler = match Compiler::from_env() {
@@ -37,6 +56,7 @@ fn open<'m>(
         model,
         uri,
         target,
+        graph,
         compiler,
         cache,
         Buckets::for_model(model, 64),
@@ -71,19 +91,29 @@ fn agrees_with_the_cpu_reference(model: &Model) {
 }
 
 /// IREE logits within `tolerance` of the CPU reference for prompts of several
-/// lengths; prefill from embeddings equal to prefill from ids; `steps` greedy
-/// decode steps giving the CPU reference's tokens.
-fn agrees(model: &Model, xla: &mut IreeBackend<'_>, tolerance: f32, steps: usize) {
+/// lengths and for decode steps (the logits path, which uploads each token);
+/// prefill from embeddings equal to prefill from ids; `steps` greedy decode
+/// steps (the device-argmax path) giving the CPU reference's tokens. Returns
+/// the largest logit difference seen.
+fn agrees(model: &Model, xla: &mut IreeBackend<'_>, tolerance: f32, steps: usize) -> f32 {
     let mut cpu = CpuBackend::new(model);
+    let mut worst = 0.0f32;
+    let mut check = |what: String, expected: &[f32], actual: &[f32]| {
+        let diff = max_abs_diff(expected, actual);
+        println!("{what}: max |iree - cpu| = {diff:e}");
+        assert!(
+            diff <= tolerance,
+            "{what}: max abs diff {diff} > {tolerance}"
+        );
+        worst = worst.max(diff);
+    };
     for prompt in prompts(model) {
         let expected = cpu.prefill(&prompt).unwrap();
         let actual = xla.prefill(&prompt).unwrap();
-        let diff = max_abs_diff(&expected, &actual);
-        println!("{} tokens: max |iree - cpu| = {diff:e}", prompt.len());
-        assert!(
-            diff <= tolerance,
-            "prefill of {} tokens: max abs diff {diff}",
-            prompt.len()
+        check(
+            format!("prefill of {} tokens", prompt.len()),
+            &expected,
+            &actual,
         );
 
         // Prepared prefill: the same tokens' embedding rows give the same logits.
@@ -92,12 +122,22 @@ fn agrees(model: &Model, xla: &mut IreeBackend<'_>, tolerance: f32, steps: usize
         let diff = max_abs_diff(&actual, &from_rows);
         assert!(diff <= 1e-5, "embeddings vs ids: max abs diff {diff}");
     }
-    // Greedy steps through the device-resident KV cache.
+    // Decode logits, feeding tokens that are not the greedy choice.
     let prompt = &prompts(model)[1];
+    cpu.prefill(prompt).unwrap();
+    xla.prefill(prompt).unwrap();
+    for step in 0..4u32 {
+        let token = (step * 31 + 2) % model.config.vocab_size as u32;
+        let expected = cpu.decode(token).unwrap();
+        let actual = xla.decode(token).unwrap();
+        check(format!("decode step {step}"), &expected, &actual);
+    }
+    // Greedy steps through the device-resident KV cache.
     let greedy = SamplingParams::default();
     let want = generate(&mut cpu, prompt, steps, greedy.clone(), &[], |_| Ok(())).unwrap();
     let got = generate(xla, prompt, steps, greedy, &[], |_| Ok(())).unwrap();
     assert_eq!(got, want, "{} greedy tokens on {}", steps, xla.name());
+    worst
 }
 
 #[test]
@@ -114,6 +154,45 @@ fn untied_gqa_fixture_matches_the_cpu_reference() {
 fn tied_mqa_fixture_matches_the_cpu_reference() {
     agrees_with_the_cpu_reference(&fixture("llama-mqa-tied"));
 }
+
+#[test]
+fn both_weight_layouts_give_the_same_model() {
+    let model = fixture("llama-gqa-untied");
+    for layout in WeightLayout::ALL {
+        let graph = GraphOptions::for_target(Target::LlvmCpu, Some(Precision::F32), Some(layout));
+        let mut xla = open(
+            &model,
+            "local-task",
+            Target::LlvmCpu,
+            graph,
+            default_cache(),
+        )
+        .unwrap();
+        agrees(&model, &mut xla, 1e-4, 8);
+    }
+}
+
+/// f16 and bf16 weights and KV cache, against the CPU reference run on the
+/// same rounded weights. The bounds are the measured worst case with margin
+/// (see docs/gpu.md); greedy tokens must still match.
+#[test]
+fn half_precisions_stay_within_their_bounds_on_the_cpu() {
+    let model = rounded_to_f16(&fixture("llama-gqa-untied"));
+    let graph = GraphOptions::for_target(Target::LlvmCpu, Some(Precision::F16), None);
+    let mut xla = open(
+        &model,
+        "local-task",
+        Target::LlvmCpu,
+        graph,
+        default_cache(),
+    )
+    .unwrap();
+    let worst = agrees(&model, &mut xla, F16_BOUND, 16);
+    println!("f16 worst |iree - cpu| = {worst:e}");
+}
+
+/// The measured bound for the f16 graph (see docs/gpu.md).
+const F16_BOUND: f32 = 1e-2;
 
 #[test]
 fn a_prompt_longer_than_the_largest_bucket_is_a_clear_error() {

@@ -1,18 +1,25 @@
-//! `kiln-bench-decode`: prefill and decode throughput of backends on a model,
-//! side by side in one run, as a table and as JSON.
+//! `kiln-bench-decode`: prefill and greedy-decode throughput of backends on a
+//! model, side by side in one run, as a table and as JSON.
 //!
 //! ```sh
 //! kiln-bench-decode --backend cpu --backend iree-cpu --model embedded --model random-100m
+//! kiln-bench-decode --backend iree-cuda --model tinyllama-1.1b --precision f32 --precision f16 \
+//!     --prompt-tokens 128 --prompt-tokens 512 --decode-tokens 64 --max-context 640
 //! ```
+//!
+//! `--write-model DIR` saves a named random model as a Hugging Face folder
+//! (f16 safetensors), so another engine can be measured on the same weights
+//! (`scripts/bench_gpu.py` does that with transformers).
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::Instant;
 
-use anyhow::{Result, bail};
+use anyhow::{Context, Result, bail};
 use clap::Parser;
 use kiln::backends::{self, BackendKind, IreeOptions};
 use kiln_core::sampling::argmax;
-use kiln_core::{Model, ModelConfig};
+use kiln_core::tokenizer::ByteTokenizer;
+use kiln_core::{Model, ModelConfig, Tokenizer};
 use serde::Serialize;
 
 #[derive(Parser)]
@@ -22,27 +29,74 @@ struct Args {
     #[arg(long, value_enum, default_values_t = [BackendKind::Cpu])]
     backend: Vec<BackendKind>,
     /// `embedded`, `random-100m` or `tinyllama-1.1b` (random-weight Llamas of
-    /// those sizes, made on the fly), or a model folder. Repeat for several.
+    /// those sizes, made on the fly), or a model folder (config.json and
+    /// safetensors; no tokenizer needed). Repeat for several.
     #[arg(long, default_values_t = ["embedded".to_string()])]
     model: Vec<String>,
-    /// Prompt length for the prefill measurement.
-    #[arg(long, default_value_t = 64)]
-    prompt_tokens: usize,
+    /// Prompt lengths for the prefill measurement (repeat for several); the
+    /// decode is measured after each.
+    #[arg(long, default_values_t = [64])]
+    prompt_tokens: Vec<usize>,
     /// Greedy decode steps after the prompt.
     #[arg(long, default_value_t = 32)]
     decode_tokens: usize,
     /// Timed repetitions of the prefill (after one untimed warm-up).
     #[arg(long, default_value_t = 3)]
     repeat: usize,
+    /// Longest sequence the IREE modules hold.
+    #[arg(long, default_value_t = 256)]
+    max_context: usize,
+    /// IREE precisions to measure (repeat for several); default: each
+    /// backend's own.
+    #[arg(long)]
+    precision: Vec<String>,
+    /// IREE weight layouts to measure (repeat for several); default: each
+    /// backend's own.
+    #[arg(long)]
+    weight_layout: Vec<String>,
     /// Only compile the IREE modules the run would need into the module cache
     /// (needs the compiler, not the device), then stop.
     #[arg(long)]
     prepare: bool,
+    /// Write the (single) model as a Hugging Face folder with f16 weights to
+    /// this directory, then stop.
+    #[arg(long)]
+    write_model: Option<PathBuf>,
     /// Also write the results as JSON to this file.
     #[arg(long)]
     json: Option<PathBuf>,
-    #[command(flatten)]
-    iree: IreeOptions,
+}
+
+impl Args {
+    /// The IREE options of each variant to measure for `kind`: one for the
+    /// CPU reference, every precision × layout asked for otherwise.
+    fn variants(&self, kind: BackendKind) -> Vec<IreeOptions> {
+        let some_or_default = |v: &[String]| -> Vec<Option<String>> {
+            if v.is_empty() {
+                vec![None]
+            } else {
+                v.iter().cloned().map(Some).collect()
+            }
+        };
+        if kind == BackendKind::Cpu {
+            return vec![self.iree(None, None)];
+        }
+        let mut out = Vec::new();
+        for precision in some_or_default(&self.precision) {
+            for layout in some_or_default(&self.weight_layout) {
+                out.push(self.iree(precision.clone(), layout));
+            }
+        }
+        out
+    }
+
+    fn iree(&self, precision: Option<String>, weight_layout: Option<String>) -> IreeOptions {
+        IreeOptions {
+            max_context: self.max_context,
+            precision,
+            weight_layout,
+        }
+    }
 }
 
 #[derive(Serialize)]
@@ -50,6 +104,12 @@ struct Row {
     model: String,
     parameters: usize,
     backend: String,
+    /// Weight and KV-cache precision, and weight layout (IREE backends).
+    precision: String,
+    layout: String,
+    /// Bytes of weights a decode step must read at this precision (every
+    /// matrix once, one embedding row), the numerator of the bandwidth bound.
+    decode_weight_bytes: u64,
     prompt_tokens: usize,
     prefill_tokens_per_s: f64,
     decode_tokens: usize,
@@ -90,8 +150,58 @@ fn model(spec: &str) -> Result<Model> {
     Ok(match (spec, preset(spec)) {
         ("embedded", _) => Model::embedded(),
         (_, Some((config, seed))) => Model::random(spec, config, seed),
-        (dir, None) => Model::load(&PathBuf::from(dir))?,
+        (dir, None) => load_folder(Path::new(dir))?,
     })
+}
+
+/// A model folder's config and weights, with the byte tokenizer (the
+/// benchmark feeds token ids, so `--write-model` folders carry none).
+fn load_folder(dir: &Path) -> Result<Model> {
+    let config = ModelConfig::from_file(&dir.join("config.json"))?;
+    let weights = kiln_core::weights::load_dir(dir, &config)?;
+    Ok(Model {
+        name: dir.display().to_string(),
+        config,
+        weights,
+        tokenizer: Tokenizer::Bytes(ByteTokenizer),
+    })
+}
+
+/// The configuration of a model spec, without making its weights.
+fn config(spec: &str) -> Result<ModelConfig> {
+    Ok(match (spec, preset(spec)) {
+        ("embedded", _) => Model::embedded().config,
+        (_, Some((config, _))) => config,
+        (dir, None) => ModelConfig::from_file(&PathBuf::from(dir).join("config.json"))?,
+    })
+}
+
+/// Bytes a decode step reads from the weights at `bytes_per_weight`: all but
+/// the embedding table, of which one row.
+fn decode_weight_bytes(model: &Model, bytes_per_weight: u64) -> u64 {
+    let c = &model.config;
+    let mut weights =
+        (model.parameter_count() - c.vocab_size * c.hidden_size + c.hidden_size) as u64;
+    if c.tie_word_embeddings {
+        // The tied table is read whole as the output projection.
+        weights += (c.vocab_size * c.hidden_size) as u64;
+    }
+    weights * bytes_per_weight
+}
+
+fn write_model(args: &Args, dir: &Path) -> Result<()> {
+    let [spec] = args.model.as_slice() else {
+        bail!("--write-model writes one model: pass exactly one --model");
+    };
+    let model = model(spec)?;
+    kiln_core::save::save_f16(dir, &model.config, &model.weights)
+        .with_context(|| format!("writing {spec} to {}", dir.display()))?;
+    println!(
+        "wrote {spec} ({} parameters, f16) to {}",
+        model.parameter_count(),
+        dir.display()
+    );
+    Ok(())
 }
 
 /// Compiles the IREE modules of each model for each IREE backend into the
@@ -103,28 +213,30 @@ fn prepare(args: &Args) -> Result<()> {
     let compiler = Compiler::from_env()?;
     let cache = ModuleCache::default_location()?;
     for spec in &args.model {
-        let config = match (spec.as_str(), preset(spec)) {
-            ("embedded", _) => Model::embedded().config,
-            (_, Some((config, _))) => config,
-            (dir, None) => ModelConfig::from_file(&PathBuf::from(dir).join("config.json"))?,
-        };
-        let context = config.max_position_embeddings.min(args.iree.max_context);
+        let config = config(spec)?;
+        let context = config.max_position_embeddings.min(args.max_context);
         for &kind in args.backend.iter().filter(|k| **k != BackendKind::Cpu) {
             let target = backends::target(kind)?;
             let buckets = Buckets::for_context(context);
-            prepared::prepare(
-                &config,
-                &buckets,
-                target,
-                &compiler,
-                &cache,
-                |m, origin, took| {
-                    eprintln!(
-                        "{spec} {target:?} {m:?}: {origin:?} in {:.1}s",
-                        took.as_secs_f64()
-                    )
-                },
-            )?;
+            for options in args.variants(kind) {
+                let graph = backends::graph(target, &options)?;
+                prepared::prepare(
+                    &config,
+                    &graph,
+                    &buckets,
+                    target,
+                    &compiler,
+                    &cache,
+                    |m, origin, took| {
+                        eprintln!(
+                            "{spec} {target:?} {} {} {m:?}: {origin:?} in {:.1}s",
+                            graph.precision,
+                            graph.layout,
+                            took.as_secs_f64()
+                        )
+                    },
+                )?;
+            }
         }
     }
     Ok(())
@@ -135,39 +247,81 @@ fn prepare(_args: &Args) -> Result<()> {
     bail!("--prepare needs the IREE backends: rebuild with `--features xla-iree`")
 }
 
-fn measure(model: &Model, kind: BackendKind, args: &Args) -> Result<Row> {
+/// Opens `kind` with `options`, then for each prompt length: the prefill
+/// (warm-up, then `repeat` timed runs) and `decode_tokens` greedy steps.
+fn measure(
+    model: &Model,
+    kind: BackendKind,
+    options: &IreeOptions,
+    args: &Args,
+) -> Result<Vec<Row>> {
     let v = model.config.vocab_size as u32;
-    let prompt: Vec<u32> = (0..args.prompt_tokens as u32)
-        .map(|i| (i * 7919 + 11) % v)
-        .collect();
     let setup = Instant::now();
-    let mut backend = backends::open(model, kind, &args.iree)?;
-    // Warm-up: compiles (or loads) the modules this work needs.
-    let mut logits = backend.prefill(&prompt)?;
-    backend.decode(argmax(&logits))?;
-    let setup_s = setup.elapsed().as_secs_f64();
+    let mut backend = backends::open(model, kind, options)?;
+    let (precision, layout, bytes_per_weight) = describe(kind, options)?;
+    let mut rows = Vec::new();
+    for &prompt_tokens in &args.prompt_tokens {
+        let prompt: Vec<u32> = (0..prompt_tokens as u32)
+            .map(|i| (i * 7919 + 11) % v)
+            .collect();
+        // Warm-up: compiles (or loads) the modules this work needs.
+        let logits = backend.prefill(&prompt)?;
+        backend.decode_greedy(argmax(&logits))?;
+        let setup_s = setup.elapsed().as_secs_f64();
 
-    let started = Instant::now();
-    for _ in 0..args.repeat {
-        logits = backend.prefill(&prompt)?;
-    }
-    let prefill_s = started.elapsed().as_secs_f64() / args.repeat as f64;
+        let started = Instant::now();
+        let mut logits = Vec::new();
+        for _ in 0..args.repeat {
+            logits = backend.prefill(&prompt)?;
+        }
+        let prefill_s = started.elapsed().as_secs_f64() / args.repeat as f64;
 
-    let started = Instant::now();
-    for _ in 0..args.decode_tokens {
-        logits = backend.decode(argmax(&logits))?;
+        let started = Instant::now();
+        let mut token = argmax(&logits);
+        for _ in 0..args.decode_tokens {
+            token = backend.decode_greedy(token)?;
+        }
+        let decode_s = started.elapsed().as_secs_f64();
+        rows.push(Row {
+            model: model.name.clone(),
+            parameters: model.parameter_count(),
+            backend: backend.name().to_string(),
+            precision: precision.clone(),
+            layout: layout.clone(),
+            decode_weight_bytes: decode_weight_bytes(model, bytes_per_weight),
+            prompt_tokens,
+            prefill_tokens_per_s: prompt_tokens as f64 / prefill_s,
+            decode_tokens: args.decode_tokens,
+            decode_tokens_per_s: args.decode_tokens as f64 / decode_s,
+            setup_s,
+        });
     }
-    let decode_s = started.elapsed().as_secs_f64();
-    Ok(Row {
-        model: model.name.clone(),
-        parameters: model.parameter_count(),
-        backend: backend.name().to_string(),
-        prompt_tokens: args.prompt_tokens,
-        prefill_tokens_per_s: args.prompt_tokens as f64 / prefill_s,
-        decode_tokens: args.decode_tokens,
-        decode_tokens_per_s: args.decode_tokens as f64 / decode_s,
-        setup_s,
-    })
+    Ok(rows)
+}
+
+/// Precision and layout names of a variant, and its bytes per weight.
+fn describe(kind: BackendKind, options: &IreeOptions) -> Result<(String, String, u64)> {
+    if kind == BackendKind::Cpu {
+        return Ok(("f32".into(), "out-in".into(), 4));
+    }
+    iree_graph(kind, options)
+}
+
+#[cfg(feature = "xla-iree")]
+fn iree_graph(kind: BackendKind, options: &IreeOptions) -> Result<(String, String, u64)> {
+    let graph = backends::graph(backends::target(kind)?, options)?;
+    let bytes = match graph.precision {
+        kiln_xla::Precision::F32 => 4,
+        kiln_xla::Precision::F16 | kiln_xla::Precision::Bf16 => 2,
+    };
+    Ok((graph.precision.to_string(), graph.layout.to_string(), bytes))
+}
+
+#[cfg(not(feature = "xla-iree"))]
+fn iree_graph(kind: BackendKind, options: &IreeOptions) -> Result<(String, String, u64)> {
+    // Opening reports that the backend is not compiled in.
+    let _ = (kind, options);
+    bail!("IREE backends need `--features xla-iree`")
 }
 
 fn main() -> std::process::ExitCode {
@@ -182,18 +336,23 @@ fn main() -> std::process::ExitCode {
 
 fn run() -> Result<()> {
     let args = Args::parse();
+    if let Some(dir) = &args.write_model {
+        return write_model(&args, dir);
+    }
     if args.prepare {
         return prepare(&args);
     }
-    if args.repeat == 0 || args.prompt_tokens == 0 {
+    if args.repeat == 0 || args.prompt_tokens.contains(&0) {
         bail!("--repeat and --prompt-tokens must be positive");
     }
     let mut rows = Vec::new();
     println!(
-        "{:<14} {:>12} {:<10} {:>7} {:>14} {:>7} {:>13} {:>8}",
+        "{:<14} {:>12} {:<10} {:<5} {:<7} {:>7} {:>14} {:>7} {:>13} {:>8}",
         "model",
         "parameters",
         "backend",
+        "prec",
+        "layout",
         "prompt",
         "prefill tok/s",
         "decode",
@@ -203,19 +362,24 @@ fn run() -> Result<()> {
     for spec in &args.model {
         let model = model(spec)?;
         for &kind in &args.backend {
-            let row = measure(&model, kind, &args)?;
-            println!(
-                "{:<14} {:>12} {:<10} {:>7} {:>14.1} {:>7} {:>13.1} {:>8.2}",
-                row.model,
-                row.parameters,
-                row.backend,
-                row.prompt_tokens,
-                row.prefill_tokens_per_s,
-                row.decode_tokens,
-                row.decode_tokens_per_s,
-                row.setup_s
-            );
-            rows.push(row);
+            for options in args.variants(kind) {
+                for row in measure(&model, kind, &options, &args)? {
+                    println!(
+                        "{:<14} {:>12} {:<10} {:<5} {:<7} {:>7} {:>14.1} {:>7} {:>13.1} {:>8.2}",
+                        row.model,
+                        row.parameters,
+                        row.backend,
+                        row.precision,
+                        row.layout,
+                        row.prompt_tokens,
+                        row.prefill_tokens_per_s,
+                        row.decode_tokens,
+                        row.decode_tokens_per_s,
+                        row.setup_s
+                    );
+                    rows.push(row);
+                }
+            }
         }
     }
     let json = serde_json::to_string_pretty(&rows)?;

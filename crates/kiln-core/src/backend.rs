@@ -22,6 +22,13 @@ pub trait Backend {
 
     /// Appends one token to the sequence.
     fn decode(&mut self, token: u32) -> Result<Vec<f32>>;
+
+    /// Appends one token and returns the greedy choice of the next one (the
+    /// first largest logit). A device backend overrides this to pick the
+    /// token where the logits are, so that only the token comes back.
+    fn decode_greedy(&mut self, token: u32) -> Result<u32> {
+        Ok(crate::sampling::argmax(&self.decode(token)?))
+    }
 }
 
 /// The CPU reference, behind the same trait as every other backend.

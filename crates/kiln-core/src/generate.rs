@@ -26,14 +26,18 @@ pub fn generate(
     if max_tokens == 0 {
         return Ok(generated);
     }
-    let mut logits = backend.prefill(prompt)?;
+    let mut token = sampler.sample(&backend.prefill(prompt)?);
     loop {
-        let token = sampler.sample(&logits);
         generated.push(token);
         on_token(token)?;
         if stop_tokens.contains(&token) || generated.len() == max_tokens {
             return Ok(generated);
         }
-        logits = backend.decode(token)?;
+        // Greedy decoding lets the backend choose where the logits are.
+        token = if sampler.is_greedy() {
+            backend.decode_greedy(token)?
+        } else {
+            sampler.sample(&backend.decode(token)?)
+        };
     }
 }

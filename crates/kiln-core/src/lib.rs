@@ -9,6 +9,7 @@ pub mod forward;
 pub mod generate;
 pub mod model;
 pub mod sampling;
+pub mod save;
 pub mod tokenizer;
 pub mod weights;
 

@@ -64,6 +64,11 @@ impl Sampler {
         })
     }
 
+    /// Whether this sampler always takes the first largest logit.
+    pub fn is_greedy(&self) -> bool {
+        self.params.temperature == 0.0
+    }
+
     pub fn sample(&mut self, logits: &[f32]) -> u32 {
         if self.params.temperature == 0.0 {
             return argmax(logits);

@@ -1,14 +1,19 @@
 //! The IREE backend: kiln-core's [`Backend`] on prepared StableHLO modules.
 //! Weights and RoPE tables are uploaded once; the KV cache lives on the
-//! device between steps and only logits come back to the host.
+//! device between steps, updated in place. Greedy decoding reads back only
+//! the chosen token, and feeds the device's own token and position tensors
+//! to the next step, so a step uploads nothing.
 
+use std::borrow::Cow;
 use std::collections::BTreeMap;
 
-use kiln_core::weights::Weights;
+use half::{bf16, f16};
+use kiln_core::weights::{Matrix, Weights};
 use kiln_core::{Backend, Model};
 use kiln_iree::{Device, DeviceTensor, Instance, Module, Tensor};
 
 use crate::compiler::{Compiler, Target};
+use crate::graph::{GraphOptions, Precision, WeightLayout};
 use crate::llama;
 use crate::module_cache::{ModuleCache, Origin};
 use crate::prepared;
@@ -47,38 +52,59 @@ pub enum ModuleKind {
     Decode,
 }
 
-/// The weight arguments, in [`llama::weight_shapes`] order. Matrices go in
-/// transposed, `[in, out]`: IREE's llvm-cpu code decodes the ~100M-parameter
-/// benchmark model 4x faster on that layout than on `[out, in]` (13.6 → 53.9
-/// tok/s, `kiln-bench-decode --backend iree-cpu --model random-100m`).
-fn weight_arguments(w: &Weights) -> Vec<Vec<f32>> {
-    let mut args = vec![w.embed.data.clone()];
+/// The weight arguments, in [`llama::weight_shapes`] order, at the graph's
+/// precision and layout. kiln-core holds matrices `[out, in]`.
+fn weight_arguments<'w>(w: &'w Weights, graph: &GraphOptions) -> Vec<Cow<'w, [f32]>> {
+    let matrix = |m: &'w Matrix| match graph.layout {
+        WeightLayout::InOut => Cow::Owned(m.transposed()),
+        WeightLayout::OutIn => Cow::Borrowed(m.data.as_slice()),
+    };
+    let mut args = vec![Cow::Borrowed(w.embed.data.as_slice())];
     for l in &w.layers {
         args.extend([
-            l.attn_norm.clone(),
-            l.wq.transposed(),
-            l.wk.transposed(),
-            l.wv.transposed(),
-            l.wo.transposed(),
-            l.mlp_norm.clone(),
-            l.w_gate.transposed(),
-            l.w_up.transposed(),
-            l.w_down.transposed(),
+            Cow::Borrowed(l.attn_norm.as_slice()),
+            matrix(&l.wq),
+            matrix(&l.wk),
+            matrix(&l.wv),
+            matrix(&l.wo),
+            Cow::Borrowed(l.mlp_norm.as_slice()),
+            matrix(&l.w_gate),
+            matrix(&l.w_up),
+            matrix(&l.w_down),
         ]);
     }
-    args.push(w.final_norm.clone());
-    args.push(w.output().transposed());
+    args.push(Cow::Borrowed(w.final_norm.as_slice()));
+    args.push(matrix(w.output()));
     args
+}
+
+/// A host tensor of f32 `data` rounded to `precision`.
+fn host_tensor(shape: &[usize], data: &[f32], precision: Precision) -> kiln_iree::Result<Tensor> {
+    let shape: Vec<i64> = shape.iter().map(|&d| d as i64).collect();
+    match precision {
+        Precision::F32 => Tensor::f32(&shape, data.to_vec()),
+        Precision::F16 => Tensor::f16(&shape, data.iter().map(|&x| f16::from_f32(x)).collect()),
+        Precision::Bf16 => Tensor::bf16(&shape, data.iter().map(|&x| bf16::from_f32(x)).collect()),
+    }
 }
 
 fn to_core(error: impl std::fmt::Display) -> kiln_core::Error {
     kiln_core::Error::Backend(error.to_string())
 }
 
+/// What the last decode step left on the device for the next one: the greedy
+/// token it chose and the position after it.
+struct NextStep {
+    token: u32,
+    token_tensor: DeviceTensor,
+    position_tensor: DeviceTensor,
+}
+
 pub struct IreeBackend<'m> {
     model: &'m Model,
     name: String,
     target: Target,
+    graph: GraphOptions,
     device: Device,
     /// `None` on a machine without the compiler: modules must be prepared.
     compiler: Option<Compiler>,
@@ -91,6 +117,7 @@ pub struct IreeBackend<'m> {
     /// K and V caches `[layers, context, kv_heads, head_dim]` on the device.
     kv: Option<(DeviceTensor, DeviceTensor)>,
     position: usize,
+    next: Option<NextStep>,
 }
 
 impl<'m> IreeBackend<'m> {
@@ -102,6 +129,7 @@ impl<'m> IreeBackend<'m> {
         model: &'m Model,
         device_uri: &str,
         target: Target,
+        graph: GraphOptions,
         compiler: Option<Compiler>,
         cache: ModuleCache,
         buckets: Buckets,
@@ -109,21 +137,20 @@ impl<'m> IreeBackend<'m> {
         let device = Instance::new()
             .and_then(|i| i.device(device_uri))
             .map_err(to_core)?;
-        let upload = |shape: &[usize], data: Vec<f32>| {
-            let shape: Vec<i64> = shape.iter().map(|&d| d as i64).collect();
-            Tensor::f32(&shape, data)
+        let upload = |shape: &[usize], data: &[f32], precision: Precision| {
+            host_tensor(shape, data, precision)
                 .and_then(|t| device.upload(&t))
                 .map_err(to_core)
         };
-        let weights = llama::weight_shapes(&model.config)
+        let weights = llama::weight_shapes(&model.config, graph.layout)
             .iter()
-            .zip(weight_arguments(&model.weights))
-            .map(|(shape, data)| upload(shape, data))
+            .zip(weight_arguments(&model.weights, &graph))
+            .map(|(shape, data)| upload(shape, &data, graph.precision))
             .collect::<kiln_core::Result<Vec<_>>>()?;
         let (cos, sin) = model.config.rope_tables(buckets.context);
         let half = model.config.head_dim / 2;
-        let cos = upload(&[buckets.context, half], cos)?;
-        let sin = upload(&[buckets.context, half], sin)?;
+        let cos = upload(&[buckets.context, half], &cos, Precision::F32)?;
+        let sin = upload(&[buckets.context, half], &sin, Precision::F32)?;
         Ok(IreeBackend {
             model,
             name: format!(
@@ -135,6 +162,7 @@ impl<'m> IreeBackend<'m> {
                 }
             ),
             target,
+            graph,
             device,
             compiler,
             cache,
@@ -145,7 +173,12 @@ impl<'m> IreeBackend<'m> {
             sin,
             kv: None,
             position: 0,
+            next: None,
         })
+    }
+
+    pub fn graph(&self) -> &GraphOptions {
+        &self.graph
     }
 
     pub fn buckets(&self) -> &Buckets {
@@ -164,6 +197,7 @@ impl<'m> IreeBackend<'m> {
         }
         let (vmfb, origin) = prepared::obtain(
             &self.model.config,
+            &self.graph,
             kind,
             &self.buckets,
             self.target,
@@ -176,37 +210,92 @@ impl<'m> IreeBackend<'m> {
         Ok(origin)
     }
 
-    fn call(
+    /// Runs `function` on `head` (and the KV cache, for decode) followed by
+    /// the RoPE tables and weights; keeps the last two outputs as the new KV
+    /// cache and returns the others.
+    fn invoke(
         &mut self,
         kind: ModuleKind,
         function: &str,
-        head: Vec<DeviceTensor>,
+        head: &[&DeviceTensor],
         kv: Option<(DeviceTensor, DeviceTensor)>,
-    ) -> kiln_core::Result<Vec<f32>> {
+        outputs: usize,
+    ) -> kiln_core::Result<Vec<DeviceTensor>> {
         self.load(kind)?;
         let module = &self.modules[&kind];
-        let mut inputs: Vec<&DeviceTensor> = head.iter().collect();
+        let mut inputs: Vec<&DeviceTensor> = head.to_vec();
         if let Some((k, v)) = &kv {
             inputs.extend([k, v]);
         }
         inputs.extend([&self.cos, &self.sin]);
         inputs.extend(self.weights.iter());
-        let mut outputs = module.invoke(function, &inputs).map_err(to_core)?;
-        if outputs.len() != 3 {
+        let mut results = module.invoke(function, &inputs).map_err(to_core)?;
+        if results.len() != outputs {
             return Err(to_core(format!(
-                "{function} returned {} outputs, expected 3",
-                outputs.len()
+                "{function} returned {} outputs, expected {outputs}",
+                results.len()
             )));
         }
-        let v = outputs.pop().expect("three outputs");
-        let k = outputs.pop().expect("three outputs");
-        let logits = outputs
-            .pop()
-            .expect("three outputs")
-            .read()
-            .map_err(to_core)?;
+        let v = results.pop().expect("checked count");
+        let k = results.pop().expect("checked count");
         self.kv = Some((k, v));
-        logits.as_f32().map(<[f32]>::to_vec).map_err(to_core)
+        Ok(results)
+    }
+
+    /// A prefill function on its bucket's module; returns the logits.
+    fn run_prefill(
+        &mut self,
+        seq: usize,
+        function: &str,
+        input: DeviceTensor,
+        rows: usize,
+    ) -> kiln_core::Result<Vec<f32>> {
+        self.next = None;
+        let length = self.scalar(rows)?;
+        let outputs = self.invoke(
+            ModuleKind::Prefill(seq),
+            function,
+            &[&input, &length],
+            None,
+            3,
+        )?;
+        self.position = rows;
+        read_f32(&outputs[0])
+    }
+
+    /// One decode step; returns its outputs `[logits, next token, next
+    /// position]` after checking the context has room.
+    fn step(&mut self, token: u32) -> kiln_core::Result<Vec<DeviceTensor>> {
+        kiln_core::backend::check_tokens(self.model, &[token])?;
+        if self.kv.is_none() {
+            return Err(kiln_core::Error::Invalid("decode before prefill".into()));
+        }
+        if self.position >= self.buckets.context {
+            return Err(kiln_core::Error::ContextFull {
+                needed: self.position + 1,
+                limit: self.buckets.context,
+            });
+        }
+        // The previous greedy step left this token and position on the device.
+        let (token_tensor, position_tensor) = match self.next.take() {
+            Some(next) if next.token == token => (next.token_tensor, next.position_tensor),
+            _ => {
+                let t = Tensor::i32(&[1], vec![token as i32])
+                    .and_then(|t| self.device.upload(&t))
+                    .map_err(to_core)?;
+                (t, self.scalar(self.position)?)
+            }
+        };
+        let kv = self.kv.take();
+        let outputs = self.invoke(
+            ModuleKind::Decode,
+            "decode_step",
+            &[&token_tensor, &position_tensor],
+            kv,
+            5,
+        )?;
+        self.position += 1;
+        Ok(outputs)
     }
 
     fn scalar(&self, value: usize) -> kiln_core::Result<DeviceTensor> {
@@ -230,6 +319,11 @@ impl<'m> IreeBackend<'m> {
     }
 }
 
+fn read_f32(tensor: &DeviceTensor) -> kiln_core::Result<Vec<f32>> {
+    let host = tensor.read().map_err(to_core)?;
+    host.as_f32().map(<[f32]>::to_vec).map_err(to_core)
+}
+
 impl Backend for IreeBackend<'_> {
     fn name(&self) -> &str {
         &self.name
@@ -247,15 +341,7 @@ impl Backend for IreeBackend<'_> {
         let ids = Tensor::i32(&[seq as i64], ids)
             .and_then(|t| self.device.upload(&t))
             .map_err(to_core)?;
-        let length = self.scalar(tokens.len())?;
-        let logits = self.call(
-            ModuleKind::Prefill(seq),
-            "prefill_ids",
-            vec![ids, length],
-            None,
-        )?;
-        self.position = tokens.len();
-        Ok(logits)
+        self.run_prefill(seq, "prefill_ids", ids, tokens.len())
     }
 
     fn prefill_embeddings(&mut self, embeddings: &[f32]) -> kiln_core::Result<Vec<f32>> {
@@ -273,41 +359,35 @@ impl Backend for IreeBackend<'_> {
         let input = Tensor::f32(&[seq as i64, h as i64], rows)
             .and_then(|t| self.device.upload(&t))
             .map_err(to_core)?;
-        let length = self.scalar(n)?;
-        let logits = self.call(
-            ModuleKind::Prefill(seq),
-            "prefill_embeddings",
-            vec![input, length],
-            None,
-        )?;
-        self.position = n;
-        Ok(logits)
+        self.run_prefill(seq, "prefill_embeddings", input, n)
     }
 
     fn decode(&mut self, token: u32) -> kiln_core::Result<Vec<f32>> {
-        kiln_core::backend::check_tokens(self.model, &[token])?;
-        let kv = self
-            .kv
-            .take()
-            .ok_or_else(|| kiln_core::Error::Invalid("decode before prefill".into()))?;
-        if self.position >= self.buckets.context {
-            self.kv = Some(kv);
-            return Err(kiln_core::Error::ContextFull {
-                needed: self.position + 1,
-                limit: self.buckets.context,
-            });
-        }
-        let token = Tensor::i32(&[1], vec![token as i32])
-            .and_then(|t| self.device.upload(&t))
-            .map_err(to_core)?;
-        let pos = self.scalar(self.position)?;
-        let logits = self.call(
-            ModuleKind::Decode,
-            "decode_step",
-            vec![token, pos],
-            Some(kv),
-        )?;
-        self.position += 1;
-        Ok(logits)
+        let outputs = self.step(token)?;
+        read_f32(&outputs[0])
+    }
+
+    fn decode_greedy(&mut self, token: u32) -> kiln_core::Result<u32> {
+        let mut outputs = self.step(token)?;
+        let position_tensor = outputs.pop().expect("three outputs");
+        let token_tensor = outputs.pop().expect("three outputs");
+        let host = token_tensor.read().map_err(to_core)?;
+        let chosen = host.as_i32().map_err(to_core)?[0];
+        let vocab = self.model.config.vocab_size;
+        let next = u32::try_from(chosen)
+            .ok()
+            .filter(|&t| (t as usize) < vocab)
+            .ok_or_else(|| {
+                to_core(format!(
+                    "decode_step chose token {chosen}, outside the vocabulary of {vocab}: \
+                     the logits are NaN (the weights or the precision overflowed)"
+                ))
+            })?;
+        self.next = Some(NextStep {
+            token: next,
+            token_tensor,
+            position_tensor,
+        });
+        Ok(next)
     }
 }

@@ -4,6 +4,7 @@
 mod backend;
 mod compiler;
 mod error;
+mod graph;
 pub mod llama;
 mod module_cache;
 pub mod prepared;
@@ -12,4 +13,5 @@ mod stablehlo;
 pub use backend::{Buckets, IreeBackend, ModuleKind};
 pub use compiler::{Compiler, Target};
 pub use error::{Error, Result};
+pub use graph::{GraphOptions, Precision, WeightLayout};
 pub use module_cache::{ModuleCache, Origin};

@@ -7,18 +7,24 @@ use kiln_core::ModelConfig;
 use crate::backend::{Buckets, ModuleKind};
 use crate::compiler::{Compiler, Target};
 use crate::error::{Error, Result};
+use crate::graph::GraphOptions;
 use crate::llama;
 use crate::module_cache::{ModuleCache, Origin};
 
 /// The MLIR text of a module and the bucket it is for.
-fn source(config: &ModelConfig, kind: ModuleKind, context: usize) -> (String, String) {
+pub fn source(
+    config: &ModelConfig,
+    graph: &GraphOptions,
+    kind: ModuleKind,
+    context: usize,
+) -> (String, String) {
     match kind {
         ModuleKind::Prefill(seq) => (
-            llama::prefill_module(config, seq, context),
+            llama::prefill_module(config, graph, seq, context),
             format!("prefill:{seq}:{context}"),
         ),
         ModuleKind::Decode => (
-            llama::decode_module(config, context),
+            llama::decode_module(config, graph, context),
             format!("decode:{context}"),
         ),
     }
@@ -41,13 +47,14 @@ pub fn module_kinds(buckets: &Buckets) -> Vec<ModuleKind> {
 /// bucket. Without a compiler, only the cache can serve.
 pub fn obtain(
     config: &ModelConfig,
+    graph: &GraphOptions,
     kind: ModuleKind,
     buckets: &Buckets,
     target: Target,
     compiler: Option<&Compiler>,
     cache: &ModuleCache,
 ) -> Result<(Vec<u8>, Origin)> {
-    let (mlir, bucket) = source(config, kind, buckets.context);
+    let (mlir, bucket) = source(config, graph, kind, buckets.context);
     let flags = target.flags().join(" ");
     let key = ModuleCache::key(&[&mlir, &flags, kiln_iree::RUNTIME_REVISION, &bucket]);
     cache.get_or_compile(&key, || match compiler {
@@ -63,6 +70,7 @@ pub fn obtain(
 /// needed), reporting each as it is ready.
 pub fn prepare(
     config: &ModelConfig,
+    graph: &GraphOptions,
     buckets: &Buckets,
     target: Target,
     compiler: &Compiler,
@@ -71,7 +79,7 @@ pub fn prepare(
 ) -> Result<()> {
     for kind in module_kinds(buckets) {
         let started = std::time::Instant::now();
-        let (_, origin) = obtain(config, kind, buckets, target, Some(compiler), cache)?;
+        let (_, origin) = obtain(config, graph, kind, buckets, target, Some(compiler), cache)?;
         on_ready(kind, origin, started.elapsed());
     }
     Ok(())

@@ -7,6 +7,8 @@ use std::fmt::Write as _;
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Ty {
     F32,
+    F16,
+    BF16,
     I32,
     I1,
 }
@@ -15,8 +17,23 @@ impl Ty {
     fn mlir(self) -> &'static str {
         match self {
             Ty::F32 => "f32",
+            Ty::F16 => "f16",
+            Ty::BF16 => "bf16",
             Ty::I32 => "i32",
             Ty::I1 => "i1",
+        }
+    }
+
+    /// A literal of this type that MLIR reads back exactly: floats as their
+    /// hex bit pattern (rounded to nearest for f16 and bf16), integers in
+    /// decimal (`value` must then be integral).
+    fn literal(self, value: f64) -> String {
+        match self {
+            Ty::F32 => format!("0x{:08X}", (value as f32).to_bits()),
+            Ty::F16 => format!("0x{:04X}", half::f16::from_f64(value).to_bits()),
+            Ty::BF16 => format!("0x{:04X}", half::bf16::from_f64(value).to_bits()),
+            Ty::I32 => format!("{}", value as i32),
+            Ty::I1 => (value != 0.0).to_string(),
         }
     }
 }
@@ -54,15 +71,11 @@ fn list(values: &[usize]) -> String {
         .join(", ")
 }
 
-/// An f32 literal MLIR reads back exactly (hex bit pattern).
-fn f32_literal(value: f32) -> String {
-    format!("0x{:08X}", value.to_bits())
-}
-
 /// One function under construction.
 pub struct Function {
     name: String,
-    params: Vec<Val>,
+    /// Each parameter and its attribute dictionary (`{…}` or empty).
+    params: Vec<(Val, String)>,
     body: String,
     next: usize,
 }
@@ -78,12 +91,27 @@ impl Function {
     }
 
     pub fn param(&mut self, shape: &[usize], ty: Ty) -> Val {
+        self.param_with(shape, ty, String::new())
+    }
+
+    /// A parameter whose storage IREE reuses for result `result`
+    /// (`iree.abi.output`): the caller's buffer is updated in place rather
+    /// than a new one allocated and returned.
+    pub fn param_output(&mut self, shape: &[usize], ty: Ty, result: usize) -> Val {
+        self.param_with(
+            shape,
+            ty,
+            format!(" {{iree.abi.output = {result} : index}}"),
+        )
+    }
+
+    fn param_with(&mut self, shape: &[usize], ty: Ty, attributes: String) -> Val {
         let val = Val {
             name: format!("%arg{}", self.params.len()),
             shape: shape.to_vec(),
             ty,
         };
-        self.params.push(val.clone());
+        self.params.push((val.clone(), attributes));
         val
     }
 
@@ -104,7 +132,7 @@ impl Function {
         let params: Vec<String> = self
             .params
             .iter()
-            .map(|p| format!("{}: {}", p.name, p.mlir_type()))
+            .map(|(p, attributes)| format!("{}: {}{attributes}", p.name, p.mlir_type()))
             .collect();
         let types: Vec<String> = results.iter().map(|r| r.mlir_type()).collect();
         let names: Vec<&str> = results.iter().map(|r| r.name.as_str()).collect();
@@ -123,22 +151,29 @@ impl Function {
         )
     }
 
-    pub fn constant_f32(&mut self, value: f32, shape: &[usize]) -> Val {
-        let ty = tensor_type(shape, Ty::F32);
-        self.emit(
-            shape,
-            Ty::F32,
-            format!("stablehlo.constant dense<{}> : {ty}", f32_literal(value)),
-        )
+    /// A splat constant of `shape` and element type `ty`.
+    pub fn constant(&mut self, value: f64, shape: &[usize], ty: Ty) -> Val {
+        let tensor = tensor_type(shape, ty);
+        let rhs = format!("stablehlo.constant dense<{}> : {tensor}", ty.literal(value));
+        self.emit(shape, ty, rhs)
     }
 
     pub fn constant_i32(&mut self, value: i32, shape: &[usize]) -> Val {
-        let ty = tensor_type(shape, Ty::I32);
-        self.emit(
-            shape,
-            Ty::I32,
-            format!("stablehlo.constant dense<{value}> : {ty}"),
-        )
+        self.constant(value.into(), shape, Ty::I32)
+    }
+
+    /// Elementwise conversion to `ty` (round to nearest even).
+    pub fn convert(&mut self, a: &Val, ty: Ty) -> Val {
+        if a.ty == ty {
+            return a.clone();
+        }
+        let out = tensor_type(&a.shape, ty);
+        let rhs = format!(
+            "stablehlo.convert {} : ({}) -> {out}",
+            a.name,
+            a.mlir_type()
+        );
+        self.emit(&a.shape, ty, rhs)
     }
 
     /// An elementwise op on operands of one shape (`add`, `multiply`, …).
@@ -192,15 +227,18 @@ impl Function {
         self.emit(&shape, a.ty, rhs)
     }
 
-    /// `dot_general`; the result is batch dims, then `a`'s free dims, then
-    /// `b`'s free dims.
+    /// `dot_general` accumulating into `result` (f16 or bf16 operands with an
+    /// f32 result accumulate in f32); the result is batch dims, then `a`'s
+    /// free dims, then `b`'s free dims.
     pub fn dot(
         &mut self,
         a: &Val,
         b: &Val,
         batch: (&[usize], &[usize]),
         contract: (&[usize], &[usize]),
+        result: Ty,
     ) -> Val {
+        assert_eq!(a.ty, b.ty, "dot_general: operand types differ");
         let mut shape: Vec<usize> = batch.0.iter().map(|&d| a.shape[d]).collect();
         let free = |v: &Val, used: &[usize], out: &mut Vec<usize>| {
             for (d, &n) in v.shape.iter().enumerate() {
@@ -220,7 +258,7 @@ impl Function {
                 list(batch.1)
             )
         };
-        let out = tensor_type(&shape, a.ty);
+        let out = tensor_type(&shape, result);
         let rhs = format!(
             "stablehlo.dot_general {}, {}, {batching}contracting_dims = [{}] x [{}] : ({}, {}) -> {out}",
             a.name,
@@ -230,12 +268,12 @@ impl Function {
             a.mlir_type(),
             b.mlir_type()
         );
-        self.emit(&shape, a.ty, rhs)
+        self.emit(&shape, result, rhs)
     }
 
-    /// Reduces `dims` away with `add` or `maximum` from `init`.
-    pub fn reduce(&mut self, op: &str, a: &Val, dims: &[usize], init: f32) -> Val {
-        let init = self.constant_f32(init, &[]);
+    /// Reduces `dims` away with `add`, `maximum` or `minimum` from `init`.
+    pub fn reduce(&mut self, op: &str, a: &Val, dims: &[usize], init: f64) -> Val {
+        let init = self.constant(init, &[], a.ty);
         let shape: Vec<usize> = (0..a.shape.len())
             .filter(|d| !dims.contains(d))
             .map(|d| a.shape[d])
@@ -314,8 +352,8 @@ impl Function {
     }
 
     /// Pads with `value` after the end of each dimension (`high`).
-    pub fn pad_high(&mut self, a: &Val, value: f32, high: &[usize]) -> Val {
-        let pad = self.constant_f32(value, &[]);
+    pub fn pad_high(&mut self, a: &Val, value: f64, high: &[usize]) -> Val {
+        let pad = self.constant(value, &[], a.ty);
         let shape: Vec<usize> = a.shape.iter().zip(high).map(|(d, h)| d + h).collect();
         let zeros = vec![0; high.len()];
         let out = tensor_type(&shape, a.ty);
@@ -340,9 +378,19 @@ impl Function {
 
     /// Elementwise comparison of i32 tensors (`LE`, `LT`, …), giving i1.
     pub fn compare_i32(&mut self, direction: &str, a: &Val, b: &Val) -> Val {
+        self.compare(direction, "SIGNED", a, b)
+    }
+
+    /// Elementwise comparison of float tensors (`EQ`, …), giving i1.
+    pub fn compare_float(&mut self, direction: &str, a: &Val, b: &Val) -> Val {
+        self.compare(direction, "FLOAT", a, b)
+    }
+
+    fn compare(&mut self, direction: &str, kind: &str, a: &Val, b: &Val) -> Val {
+        assert_eq!(a.shape, b.shape, "compare: operand shapes differ");
         let out = tensor_type(&a.shape, Ty::I1);
         let rhs = format!(
-            "stablehlo.compare {direction}, {}, {}, SIGNED : ({}, {}) -> {out}",
+            "stablehlo.compare {direction}, {}, {}, {kind} : ({}, {}) -> {out}",
             a.name,
             b.name,
             a.mlir_type(),
@@ -363,6 +411,21 @@ impl Function {
             on_true.mlir_type()
         );
         self.emit(&on_true.shape.clone(), on_true.ty, rhs)
+    }
+
+    /// The index of the largest element of a 1-D float tensor, as `[1]` i32;
+    /// the first such index on ties (as the CPU's argmax), and `i32::MAX` when
+    /// the maximum is NaN, which no vocabulary reaches.
+    pub fn argmax(&mut self, a: &Val) -> Val {
+        let n = a.shape[0];
+        let max = self.reduce("maximum", a, &[0], f64::NEG_INFINITY);
+        let max = self.broadcast(&max, &[n], &[]);
+        let is_max = self.compare_float("EQ", a, &max);
+        let index = self.iota(&[n], 0);
+        let none = self.constant_i32(i32::MAX, &[n]);
+        let candidates = self.select(&is_max, &index, &none);
+        let first = self.reduce("minimum", &candidates, &[0], i32::MAX.into());
+        self.reshape(&first, &[1])
     }
 
     /// Rows of `table` (`[rows, width]`) picked by `indices` (`[n]` i32).
