@@ -31,6 +31,10 @@ pub struct IreeOptions {
     /// for iree-cpu).
     #[arg(long)]
     pub weight_layout: Option<String>,
+    /// iree-cuda: submit each call's kernels as one CUDA graph instead of
+    /// launching them one by one on a stream (IREE's `--cuda_use_streams`).
+    #[arg(long)]
+    pub cuda_graphs: bool,
 }
 
 pub fn open<'m>(
@@ -63,6 +67,7 @@ pub fn open_iree<'m>(
     use kiln_xla::{IreeBackend, ModuleCache, Target};
     let target = target(kind)?;
     let uri = if target == Target::Cuda {
+        set_cuda_flags(options)?;
         "cuda"
     } else {
         "local-task"
@@ -77,6 +82,23 @@ pub fn open_iree<'m>(
         buckets(model, options)?,
     )?;
     Ok(backend)
+}
+
+/// The IREE CUDA driver's flags for `options`; they apply to devices opened
+/// after the call.
+#[cfg(all(feature = "xla-iree", feature = "cuda"))]
+fn set_cuda_flags(options: &IreeOptions) -> Result<()> {
+    let streams = if options.cuda_graphs {
+        "--cuda_use_streams=false"
+    } else {
+        "--cuda_use_streams=true"
+    };
+    Ok(kiln_iree::set_flags(&[streams])?)
+}
+
+#[cfg(all(feature = "xla-iree", not(feature = "cuda")))]
+fn set_cuda_flags(_options: &IreeOptions) -> Result<()> {
+    Ok(())
 }
 
 /// The IREE target of an IREE backend kind.

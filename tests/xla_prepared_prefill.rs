@@ -253,27 +253,50 @@ fn a_mismatched_cached_module_is_not_used() {
     assert!(diff <= 1e-4, "{diff}");
 }
 
-/// The same checks on a CUDA device (f32: 1e-4; 32 greedy steps). Where no
-/// GPU or no libcuda.so is present they are skipped, saying why; on a GPU
-/// machine they run. Modules come from the compiler here, or from a module
-/// cache prepared elsewhere (`kiln prepare --backend iree-cuda --max-context 64`).
+/// The same checks on a CUDA device: f32 within 1e-4, f16 (against the
+/// reference on f16-rounded weights) within [`F16_BOUND`], 32 greedy steps
+/// each. Where no GPU or no libcuda.so is present they are skipped, saying
+/// why; on a GPU machine they run. Modules come from the compiler here, or
+/// from a module cache prepared elsewhere (`kiln prepare --backend iree-cuda
+/// --max-context 64 --precision f32|f16`).
 #[cfg(feature = "cuda")]
 mod cuda {
     use super::*;
 
     fn on_gpu(model: &Model) {
-        match open(model, "cuda", Target::Cuda, default_cache()) {
-            Ok(mut xla) => agrees(model, &mut xla, 1e-4, 32),
+        let graph = |p| GraphOptions::for_target(Target::Cuda, Some(p), None);
+        match open(
+            model,
+            "cuda",
+            Target::Cuda,
+            graph(Precision::F32),
+            default_cache(),
+        ) {
+            Ok(mut xla) => {
+                let worst = agrees(model, &mut xla, 1e-4, 32);
+                println!("{}: f32 worst |gpu - cpu| = {worst:e}", model.name);
+            }
             Err(error) if error.to_string().contains("is not available") => {
                 println!(
                     "skipped: no CUDA device here ({})",
                     error.to_string().lines().next().unwrap_or("")
                 );
+                return;
             }
             Err(error) => panic!("{error}"),
         }
+        let rounded = rounded_to_f16(model);
+        let mut xla = open(
+            &rounded,
+            "cuda",
+            Target::Cuda,
+            graph(Precision::F16),
+            default_cache(),
+        )
+        .unwrap_or_else(|e| panic!("{e}"));
+        let worst = agrees(&rounded, &mut xla, F16_BOUND, 32);
+        println!("{}: f16 worst |gpu - cpu| = {worst:e}", model.name);
     }
-
     #[test]
     fn embedded_model_on_the_gpu_matches_the_cpu_reference() {
         on_gpu(&Model::embedded());

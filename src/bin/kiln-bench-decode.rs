@@ -54,10 +54,18 @@ struct Args {
     /// backend's own.
     #[arg(long)]
     weight_layout: Vec<String>,
+    /// iree-cuda: measure with CUDA graphs off (`false`), on (`true`), or
+    /// both (repeat the flag); default off.
+    #[arg(long)]
+    cuda_graphs: Vec<bool>,
     /// Only compile the IREE modules the run would need into the module cache
     /// (needs the compiler, not the device), then stop.
     #[arg(long)]
     prepare: bool,
+    /// With --prepare: also write each module's StableHLO (`.mlir`) and
+    /// compiled `.vmfb` here, for `iree-compile` and `iree-benchmark-module`.
+    #[arg(long, requires = "prepare")]
+    export: Option<PathBuf>,
     /// Write the (single) model as a Hugging Face folder with f16 weights to
     /// this directory, then stop.
     #[arg(long)]
@@ -81,10 +89,19 @@ impl Args {
         if kind == BackendKind::Cpu {
             return vec![self.iree(None, None)];
         }
+        let graphs = if kind == BackendKind::IreeCuda && !self.cuda_graphs.is_empty() {
+            self.cuda_graphs.clone()
+        } else {
+            vec![false]
+        };
         let mut out = Vec::new();
         for precision in some_or_default(&self.precision) {
             for layout in some_or_default(&self.weight_layout) {
-                out.push(self.iree(precision.clone(), layout));
+                for &cuda_graphs in &graphs {
+                    let mut options = self.iree(precision.clone(), layout.clone());
+                    options.cuda_graphs = cuda_graphs;
+                    out.push(options);
+                }
             }
         }
         out
@@ -95,6 +112,7 @@ impl Args {
             max_context: self.max_context,
             precision,
             weight_layout,
+            cuda_graphs: false,
         }
     }
 }
@@ -107,6 +125,8 @@ struct Row {
     /// Weight and KV-cache precision, and weight layout (IREE backends).
     precision: String,
     layout: String,
+    /// iree-cuda: whether each call's kernels went as one CUDA graph.
+    cuda_graphs: bool,
     /// Bytes of weights a decode step must read at this precision (every
     /// matrix once, one embedding row), the numerator of the bandwidth bound.
     decode_weight_bytes: u64,
@@ -220,6 +240,11 @@ fn prepare(args: &Args) -> Result<()> {
             let buckets = Buckets::for_context(context);
             for options in args.variants(kind) {
                 let graph = backends::graph(target, &options)?;
+                if let Some(dir) = &args.export {
+                    export(
+                        dir, spec, &config, &graph, &buckets, target, &compiler, &cache,
+                    )?;
+                }
                 prepared::prepare(
                     &config,
                     &graph,
@@ -237,6 +262,45 @@ fn prepare(args: &Args) -> Result<()> {
                     },
                 )?;
             }
+        }
+    }
+    Ok(())
+}
+
+/// Writes `<model>-<target>-<precision>-<layout>-<module>.{mlir,vmfb}`.
+#[cfg(feature = "xla-iree")]
+#[allow(clippy::too_many_arguments)]
+fn export(
+    dir: &Path,
+    spec: &str,
+    config: &ModelConfig,
+    graph: &kiln_xla::GraphOptions,
+    buckets: &kiln_xla::Buckets,
+    target: kiln_xla::Target,
+    compiler: &kiln_xla::Compiler,
+    cache: &kiln_xla::ModuleCache,
+) -> Result<()> {
+    use kiln_xla::{ModuleKind, prepared};
+    std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    let model = Path::new(spec)
+        .file_name()
+        .map_or(spec.into(), |n| n.to_string_lossy());
+    for kind in prepared::module_kinds(buckets) {
+        let module = match kind {
+            ModuleKind::Prefill(seq) => format!("prefill{seq}"),
+            ModuleKind::Decode => "decode".into(),
+        };
+        let stem = format!(
+            "{model}-{target:?}-{}-{}-{module}",
+            graph.precision, graph.layout
+        )
+        .to_lowercase();
+        let (mlir, _) = prepared::source(config, graph, kind, buckets.context);
+        let (vmfb, _) =
+            prepared::obtain(config, graph, kind, buckets, target, Some(compiler), cache)?;
+        for (ext, bytes) in [("mlir", mlir.as_bytes()), ("vmfb", vmfb.as_slice())] {
+            let path = dir.join(format!("{stem}.{ext}"));
+            std::fs::write(&path, bytes).with_context(|| format!("writing {}", path.display()))?;
         }
     }
     Ok(())
@@ -288,6 +352,7 @@ fn measure(
             backend: backend.name().to_string(),
             precision: precision.clone(),
             layout: layout.clone(),
+            cuda_graphs: options.cuda_graphs,
             decode_weight_bytes: decode_weight_bytes(model, bytes_per_weight),
             prompt_tokens,
             prefill_tokens_per_s: prompt_tokens as f64 / prefill_s,
@@ -347,12 +412,13 @@ fn run() -> Result<()> {
     }
     let mut rows = Vec::new();
     println!(
-        "{:<14} {:>12} {:<10} {:<5} {:<7} {:>7} {:>14} {:>7} {:>13} {:>8}",
+        "{:<14} {:>12} {:<10} {:<5} {:<7} {:<6} {:>7} {:>14} {:>7} {:>13} {:>8}",
         "model",
         "parameters",
         "backend",
         "prec",
         "layout",
+        "graphs",
         "prompt",
         "prefill tok/s",
         "decode",
@@ -365,12 +431,13 @@ fn run() -> Result<()> {
             for options in args.variants(kind) {
                 for row in measure(&model, kind, &options, &args)? {
                     println!(
-                        "{:<14} {:>12} {:<10} {:<5} {:<7} {:>7} {:>14.1} {:>7} {:>13.1} {:>8.2}",
+                        "{:<14} {:>12} {:<10} {:<5} {:<7} {:<6} {:>7} {:>14.1} {:>7} {:>13.1} {:>8.2}",
                         row.model,
                         row.parameters,
                         row.backend,
                         row.precision,
                         row.layout,
+                        row.cuda_graphs,
                         row.prompt_tokens,
                         row.prefill_tokens_per_s,
                         row.decode_tokens,

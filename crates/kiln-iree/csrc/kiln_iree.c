@@ -8,6 +8,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "iree/base/tooling/flags.h"
 #include "iree/runtime/api.h"
 
 struct kiln_iree_error {
@@ -83,6 +84,28 @@ void kiln_iree_error_free(kiln_iree_error* error) {
   if (!error) return;
   free(error->message);
   free(error);
+}
+
+kiln_iree_error* kiln_iree_set_flags(size_t count, const char* const* flags) {
+  // iree_flags_parse takes a mutable argv with the program name first.
+  char** argv = calloc(count + 2, sizeof(char*));
+  if (!argv) {
+    return kiln_iree_error_new(IREE_STATUS_RESOURCE_EXHAUSTED, "setting flags",
+                               "out of memory");
+  }
+  argv[0] = "kiln";
+  for (size_t i = 0; i < count; ++i) argv[i + 1] = (char*)flags[i];
+  int argc = (int)count + 1;
+  char** parsed = argv;
+  iree_status_t status =
+      iree_flags_parse(IREE_FLAGS_PARSE_MODE_DEFAULT, &argc, &parsed);
+  // Anything left over was not a flag.
+  if (iree_status_is_ok(status) && argc != 1) {
+    status = iree_make_status(IREE_STATUS_INVALID_ARGUMENT,
+                              "'%s' is not a --name=value flag", parsed[1]);
+  }
+  free(argv);
+  return kiln_iree_error_from_status(status, "setting IREE flags");
 }
 
 kiln_iree_error* kiln_iree_instance_create(kiln_iree_instance** out_instance) {

@@ -36,6 +36,11 @@ uint32_t kiln_iree_error_code(const kiln_iree_error* error);
 const char* kiln_iree_error_message(const kiln_iree_error* error);
 void kiln_iree_error_free(kiln_iree_error* error);
 
+// Sets IREE runtime flags, written as IREE's own tools take them
+// ("--cuda_use_streams=false"). They are process-wide and configure drivers
+// created after the call; an unknown flag or bad value is an error.
+kiln_iree_error* kiln_iree_set_flags(size_t count, const char* const* flags);
+
 // An instance with every HAL driver compiled into the runtime registered.
 kiln_iree_error* kiln_iree_instance_create(kiln_iree_instance** out_instance);
 void kiln_iree_instance_release(kiln_iree_instance* instance);

@@ -59,6 +59,20 @@ pub struct Instance {
     raw: Arc<RawInstance>,
 }
 
+/// Sets IREE runtime flags as IREE's tools take them
+/// (`--cuda_use_streams=false`). They are process-wide and apply to devices
+/// opened afterwards.
+pub fn set_flags(flags: &[&str]) -> Result<()> {
+    let owned = flags
+        .iter()
+        .map(|f| c_string("an IREE flag", f))
+        .collect::<Result<Vec<_>>>()?;
+    let pointers: Vec<*const std::ffi::c_char> = owned.iter().map(|c| c.as_ptr()).collect();
+    // SAFETY: `pointers` holds `owned.len()` valid C strings that outlive the call.
+    check(unsafe { ffi::kiln_iree_set_flags(pointers.len(), pointers.as_ptr()) })
+        .map_err(iree_error)
+}
+
 impl Instance {
     pub fn new() -> Result<Instance> {
         let mut raw = std::ptr::null_mut();

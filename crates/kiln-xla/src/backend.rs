@@ -53,29 +53,41 @@ pub enum ModuleKind {
 }
 
 /// The weight arguments, in [`llama::weight_shapes`] order, at the graph's
-/// precision and layout. kiln-core holds matrices `[out, in]`.
+/// layout (precision is applied on upload). kiln-core holds matrices `[out,
+/// in]`; q/k/v and gate/up are stacked along the output dimension.
 fn weight_arguments<'w>(w: &'w Weights, graph: &GraphOptions) -> Vec<Cow<'w, [f32]>> {
-    let matrix = |m: &'w Matrix| match graph.layout {
+    let layout = |m: Cow<'w, Matrix>| match graph.layout {
         WeightLayout::InOut => Cow::Owned(m.transposed()),
-        WeightLayout::OutIn => Cow::Borrowed(m.data.as_slice()),
+        WeightLayout::OutIn => match m {
+            Cow::Borrowed(m) => Cow::Borrowed(m.data.as_slice()),
+            Cow::Owned(m) => Cow::Owned(m.data),
+        },
     };
+    let matrix = |m: &'w Matrix| layout(Cow::Borrowed(m));
+    let stacked = |ms: &[&Matrix]| layout(Cow::Owned(stack_rows(ms)));
     let mut args = vec![Cow::Borrowed(w.embed.data.as_slice())];
     for l in &w.layers {
         args.extend([
             Cow::Borrowed(l.attn_norm.as_slice()),
-            matrix(&l.wq),
-            matrix(&l.wk),
-            matrix(&l.wv),
+            stacked(&[&l.wq, &l.wk, &l.wv]),
             matrix(&l.wo),
             Cow::Borrowed(l.mlp_norm.as_slice()),
-            matrix(&l.w_gate),
-            matrix(&l.w_up),
+            stacked(&[&l.w_gate, &l.w_up]),
             matrix(&l.w_down),
         ]);
     }
     args.push(Cow::Borrowed(w.final_norm.as_slice()));
     args.push(matrix(w.output()));
     args
+}
+
+/// `[out, in]` matrices of one input width stacked into one.
+fn stack_rows(ms: &[&Matrix]) -> Matrix {
+    Matrix {
+        rows: ms.iter().map(|m| m.rows).sum(),
+        cols: ms[0].cols,
+        data: ms.iter().flat_map(|m| m.data.iter().copied()).collect(),
+    }
 }
 
 /// A host tensor of f32 `data` rounded to `precision`.

@@ -9,7 +9,8 @@
 //! - `prefill_*(input, length: i32, cos, sin, weights…) -> (logits[V], k, v)`:
 //!   `input` is `[S]` token ids or `[S, H]` embeddings, the first `length`
 //!   rows real and the rest padding; `logits` are those of row `length - 1`;
-//!   `k`, `v` are `[L, C, KV, D]` caches holding rows `0..S`.
+//!   `k`, `v` are `[L, KV, C, D]` caches holding rows `0..S` (each head's
+//!   rows contiguous, as attention reads them: no transpose per step).
 //! - `decode_step(token: [1] i32, pos: i32, k, v, cos, sin, weights…) ->
 //!   (logits[V], next: [1] i32, pos + 1, k, v)`: appends the token at `pos`,
 //!   attends to `0..=pos`, and returns the greedy choice `next` beside the
@@ -24,9 +25,11 @@ use crate::graph::{GraphOptions, WeightLayout};
 use crate::stablehlo::{Function, Ty, Val, module};
 
 /// The shapes of the weight arguments, in order: embedding `[V, H]`; per
-/// layer the attention norm, q, k, v, o, the MLP norm, gate, up, down; the
-/// final norm; the output projection. Matrices are `[in, out]` or `[out,
-/// in]` as `layout` says.
+/// layer the attention norm, the fused q/k/v projection, o, the MLP norm,
+/// the fused gate/up projection, down; the final norm; the output
+/// projection. Matrices are `[in, out]` or `[out, in]` as `layout` says.
+/// Fusing q/k/v and gate/up makes one larger matrix-vector product of each
+/// group per decode step instead of three or two small ones.
 pub fn weight_shapes(c: &ModelConfig, layout: WeightLayout) -> Vec<Vec<usize>> {
     let (h, i, v) = (c.hidden_size, c.intermediate_size, c.vocab_size);
     let q = c.num_heads * c.head_dim;
@@ -39,13 +42,10 @@ pub fn weight_shapes(c: &ModelConfig, layout: WeightLayout) -> Vec<Vec<usize>> {
     for _ in 0..c.num_layers {
         shapes.extend([
             vec![h],
-            matrix(h, q),
-            matrix(h, kv),
-            matrix(h, kv),
+            matrix(h, q + 2 * kv),
             matrix(q, h),
             vec![h],
-            matrix(h, i),
-            matrix(h, i),
+            matrix(h, 2 * i),
             matrix(i, h),
         ]);
     }
@@ -57,7 +57,8 @@ pub fn weight_shapes(c: &ModelConfig, layout: WeightLayout) -> Vec<Vec<usize>> {
 /// The weights as function parameters.
 struct Params {
     embed: Val,
-    layers: Vec<[Val; 9]>,
+    /// Attention norm, q/k/v, o, MLP norm, gate/up, down.
+    layers: Vec<[Val; 6]>,
     final_norm: Val,
     lm_head: Val,
 }
@@ -126,42 +127,61 @@ fn rms_norm(f: &mut Function, x: &Val, weight: &Val, eps: f32) -> Val {
 /// precision and the product accumulates in f32.
 fn linear(f: &mut Function, dm: &Dims, x: &Val, w: &Val) -> Val {
     let x = f.convert(x, dm.storage);
-    let contract: &[usize] = match dm.layout {
-        WeightLayout::InOut => &[0],
-        WeightLayout::OutIn => &[1],
-    };
-    f.dot(&x, w, (&[], &[]), (&[1], contract), Ty::F32)
+    match dm.layout {
+        WeightLayout::InOut => f.dot(&x, w, (&[], &[]), (&[1], &[0]), Ty::F32),
+        // One row: a matrix-vector product with the weight on the left.
+        WeightLayout::OutIn if x.shape[0] == 1 => {
+            let row = f.reshape(&x, &[x.shape[1]]);
+            let out = f.dot(w, &row, (&[], &[]), (&[1], &[0]), Ty::F32);
+            f.reshape(&out, &[1, w.shape[0]])
+        }
+        WeightLayout::OutIn => f.dot(&x, w, (&[], &[]), (&[1], &[1]), Ty::F32),
+    }
 }
 
-/// Rotate-half RoPE on `[n, heads, d]` with `[n, d/2]` cos and sin rows.
-fn rope(f: &mut Function, x: &Val, cos: &Val, sin: &Val) -> Val {
+/// Columns `start..end` of `[n, m]` rows.
+fn columns(f: &mut Function, x: &Val, start: usize, end: usize) -> Val {
+    f.slice(x, &[0, start], &[x.shape[0], end])
+}
+
+/// RoPE factors of the rows' positions as full-width `[n, d]` tables:
+/// `cos` repeated, and `sin` negated then repeated, so that [`rope`] is one
+/// elementwise expression (no slices or concatenation to fuse across).
+fn rope_factors(f: &mut Function, cos: &Val, sin: &Val) -> (Val, Val) {
+    let cos_full = f.concatenate(&[cos, cos], 1);
+    let zero = f.constant(0.0, &sin.shape, Ty::F32);
+    let negated = f.binary("subtract", &zero, sin);
+    let sin_signed = f.concatenate(&[&negated, sin], 1);
+    (cos_full, sin_signed)
+}
+
+/// Rotate-half RoPE on `[n, heads, d]` with the `[n, d]` tables of
+/// [`rope_factors`]: `x * cos + swap_halves(x) * sin_signed`, where swapping
+/// the halves is a reverse over a length-2 axis.
+fn rope(f: &mut Function, x: &Val, cos_full: &Val, sin_signed: &Val) -> Val {
     let (n, heads, d) = (x.shape[0], x.shape[1], x.shape[2]);
-    let half = d / 2;
-    let x1 = f.slice(x, &[0, 0, 0], &[n, heads, half]);
-    let x2 = f.slice(x, &[0, 0, half], &[n, heads, d]);
-    let c = f.broadcast(cos, &[n, heads, half], &[0, 2]);
-    let s = f.broadcast(sin, &[n, heads, half], &[0, 2]);
-    let x1c = f.binary("multiply", &x1, &c);
-    let x2s = f.binary("multiply", &x2, &s);
-    let first = f.binary("subtract", &x1c, &x2s);
-    let x2c = f.binary("multiply", &x2, &c);
-    let x1s = f.binary("multiply", &x1, &s);
-    let second = f.binary("add", &x2c, &x1s);
-    f.concatenate(&[&first, &second], 2)
+    let halves = f.reshape(x, &[n, heads, 2, d / 2]);
+    let swapped = f.reverse(&halves, &[2]);
+    let swapped = f.reshape(&swapped, &[n, heads, d]);
+    let c = f.broadcast(cos_full, &[n, heads, d], &[0, 2]);
+    let s = f.broadcast(sin_signed, &[n, heads, d], &[0, 2]);
+    let xc = f.binary("multiply", x, &c);
+    let ss = f.binary("multiply", &swapped, &s);
+    f.binary("add", &xc, &ss)
 }
 
-/// Grouped-query attention of f32 `q` `[n, heads, d]` over `k`, `v` `[t,
-/// kv, d]` (at the storage precision) where `visible` (`[n, t]`, i1) allows;
-/// scores and softmax are f32. Returns f32 `[n, heads * d]`.
+/// Grouped-query attention of f32 `q` `[n, heads, d]` over `k`, `v` `[kv,
+/// t, d]` (at the storage precision, the cache's layout) where `visible`
+/// (`[n, t]`, i1) allows; scores and softmax are f32. Returns f32 `[n,
+/// heads * d]`.
 fn attention(f: &mut Function, dm: &Dims, q: &Val, k: &Val, v: &Val, visible: &Val) -> Val {
     let n = q.shape[0];
-    let t = k.shape[0];
+    let t = k.shape[1];
     let group = dm.heads / dm.kv_heads;
     let q = f.convert(q, dm.storage);
     let q = f.reshape(&q, &[n, dm.kv_heads, group, dm.d]);
     let q = f.transpose(&q, &[1, 2, 0, 3]);
-    let k = f.transpose(k, &[1, 0, 2]);
-    let scores = f.dot(&q, &k, (&[0], &[0]), (&[3], &[2]), Ty::F32);
+    let scores = f.dot(&q, k, (&[0], &[0]), (&[3], &[2]), Ty::F32);
     let scale = f.constant(1.0 / (dm.d as f64).sqrt(), &scores.shape, Ty::F32);
     let scores = f.binary("multiply", &scores, &scale);
     let shape = scores.shape.clone();
@@ -176,17 +196,17 @@ fn attention(f: &mut Function, dm: &Dims, q: &Val, k: &Val, v: &Val, visible: &V
     let total = f.broadcast(&total, &shape, &[0, 1, 2]);
     let probs = f.binary("divide", &exps, &total);
     let probs = f.convert(&probs, dm.storage);
-    let v = f.transpose(v, &[1, 0, 2]);
     debug_assert_eq!(v.shape[1], t);
-    let out = f.dot(&probs, &v, (&[0], &[0]), (&[3], &[1]), Ty::F32);
+    let out = f.dot(&probs, v, (&[0], &[0]), (&[3], &[1]), Ty::F32);
     let out = f.transpose(&out, &[2, 0, 1, 3]);
     f.reshape(&out, &[n, dm.heads * dm.d])
 }
 
-fn mlp(f: &mut Function, dm: &Dims, x: &Val, w: [&Val; 3]) -> Val {
-    let [gate, up, down] = w;
-    let g = linear(f, dm, x, gate);
-    let u = linear(f, dm, x, up);
+fn mlp(f: &mut Function, dm: &Dims, x: &Val, gate_up: &Val, down: &Val) -> Val {
+    let both = linear(f, dm, x, gate_up);
+    let i = both.shape[1] / 2;
+    let g = columns(f, &both, 0, i);
+    let u = columns(f, &both, i, 2 * i);
     let sig = f.unary("logistic", &g);
     let silu = f.binary("multiply", &g, &sig);
     let hidden = f.binary("multiply", &silu, &u);
@@ -204,6 +224,50 @@ fn logits(f: &mut Function, c: &ModelConfig, dm: &Dims, p: &Params, row: &Val) -
 fn embed(f: &mut Function, p: &Params, ids: &Val) -> Val {
     let rows = f.take_rows(&p.embed, ids);
     f.convert(&rows, Ty::F32)
+}
+
+/// The attention inputs of normed f32 rows `[n, H]`: f32 `q` `[n, heads,
+/// d]` and `k`, `v` `[n, kv, d]` at the storage precision, RoPE applied to
+/// `q` and `k`.
+fn project_qkv(
+    f: &mut Function,
+    dm: &Dims,
+    normed: &Val,
+    wqkv: &Val,
+    rope_tables: &(Val, Val),
+) -> (Val, Val, Val) {
+    let n = normed.shape[0];
+    let (q_width, kv_width) = (dm.heads * dm.d, dm.kv_heads * dm.d);
+    let qkv = linear(f, dm, normed, wqkv);
+    let q = columns(f, &qkv, 0, q_width);
+    let k = columns(f, &qkv, q_width, q_width + kv_width);
+    let v = columns(f, &qkv, q_width + kv_width, q_width + 2 * kv_width);
+    let q = f.reshape(&q, &[n, dm.heads, dm.d]);
+    let q = rope(f, &q, &rope_tables.0, &rope_tables.1);
+    let k = f.reshape(&k, &[n, dm.kv_heads, dm.d]);
+    let k = rope(f, &k, &rope_tables.0, &rope_tables.1);
+    let k = f.convert(&k, dm.storage);
+    let v = f.reshape(&v, &[n, dm.kv_heads, dm.d]);
+    let v = f.convert(&v, dm.storage);
+    (q, k, v)
+}
+
+/// The rest of a layer after attention: output projection, residual, MLP,
+/// residual.
+fn finish_layer(
+    f: &mut Function,
+    c: &ModelConfig,
+    dm: &Dims,
+    x: &Val,
+    attended: &Val,
+    w: &[Val; 6],
+) -> Val {
+    let [_, _, wo, mlp_norm, gate_up, down] = w;
+    let projected = linear(f, dm, attended, wo);
+    let x = f.binary("add", x, &projected);
+    let normed = rms_norm(f, &x, mlp_norm, c.rms_norm_eps);
+    let m = mlp(f, dm, &normed, gate_up, down);
+    f.binary("add", &x, &m)
 }
 
 /// The prefill function for sequence bucket `seq` and context `context`.
@@ -238,6 +302,7 @@ fn prefill(
     };
     let cos = f.slice(&cos, &[0, 0], &[seq, dm.d / 2]);
     let sin = f.slice(&sin, &[0, 0], &[seq, dm.d / 2]);
+    let rope_tables = rope_factors(&mut f, &cos, &sin);
     let rows = f.iota(&[seq, seq], 0);
     let cols = f.iota(&[seq, seq], 1);
     let causal = f.compare_i32("LE", &cols, &rows);
@@ -245,27 +310,16 @@ fn prefill(
     let mut keys = Vec::new();
     let mut values = Vec::new();
     for w in &p.layers {
-        let [attn_norm, wq, wk, wv, wo, mlp_norm, gate, up, down] = w;
-        let normed = rms_norm(&mut f, &x, attn_norm, c.rms_norm_eps);
-        let q = linear(&mut f, &dm, &normed, wq);
-        let q = f.reshape(&q, &[seq, dm.heads, dm.d]);
-        let q = rope(&mut f, &q, &cos, &sin);
-        let k = linear(&mut f, &dm, &normed, wk);
-        let k = f.reshape(&k, &[seq, dm.kv_heads, dm.d]);
-        let k = rope(&mut f, &k, &cos, &sin);
-        let k = f.convert(&k, dm.storage);
-        let v = linear(&mut f, &dm, &normed, wv);
-        let v = f.reshape(&v, &[seq, dm.kv_heads, dm.d]);
-        let v = f.convert(&v, dm.storage);
+        let normed = rms_norm(&mut f, &x, &w[0], c.rms_norm_eps);
+        let (q, k, v) = project_qkv(&mut f, &dm, &normed, &w[1], &rope_tables);
+        // The cache's layout, [kv, t, d].
+        let k = f.transpose(&k, &[1, 0, 2]);
+        let v = f.transpose(&v, &[1, 0, 2]);
         let attended = attention(&mut f, &dm, &q, &k, &v, &causal);
-        let projected = linear(&mut f, &dm, &attended, wo);
-        x = f.binary("add", &x, &projected);
-        let normed = rms_norm(&mut f, &x, mlp_norm, c.rms_norm_eps);
-        let m = mlp(&mut f, &dm, &normed, [gate, up, down]);
-        x = f.binary("add", &x, &m);
+        x = finish_layer(&mut f, c, &dm, &x, &attended, w);
         for (cache, val) in [(&mut keys, k), (&mut values, v)] {
-            let padded = f.pad_high(&val, 0.0, &[context - seq, 0, 0]);
-            cache.push(f.reshape(&padded, &[1, context, dm.kv_heads, dm.d]));
+            let padded = f.pad_high(&val, 0.0, &[0, context - seq, 0]);
+            cache.push(f.reshape(&padded, &[1, dm.kv_heads, context, dm.d]));
         }
     }
     let one = f.constant_i32(1, &[]);
@@ -278,13 +332,13 @@ fn prefill(
     f.finish(&[&logits, &k, &v])
 }
 
-/// The decode step over a `[L, C, KV, D]` cache.
+/// The decode step over a `[L, KV, C, D]` cache.
 fn decode_step(c: &ModelConfig, g: &GraphOptions, context: usize) -> String {
     let dm = dims(c, g);
     let mut f = Function::new("decode_step");
     let token = f.param(&[1], Ty::I32);
     let pos = f.param(&[], Ty::I32);
-    let cache_shape = [dm.layers, context, dm.kv_heads, dm.d];
+    let cache_shape = [dm.layers, dm.kv_heads, context, dm.d];
     // Results 3 and 4 are the updated caches, written over these arguments.
     let mut k_cache = f.param_output(&cache_shape, dm.storage, 3);
     let mut v_cache = f.param_output(&cache_shape, dm.storage, 4);
@@ -295,36 +349,25 @@ fn decode_step(c: &ModelConfig, g: &GraphOptions, context: usize) -> String {
     let zero = f.constant_i32(0, &[]);
     let cos = f.dynamic_slice(&cos, &[&pos, &zero], &[1, dm.d / 2]);
     let sin = f.dynamic_slice(&sin, &[&pos, &zero], &[1, dm.d / 2]);
+    let rope_tables = rope_factors(&mut f, &cos, &sin);
     let cols = f.iota(&[1, context], 1);
     let pos_row = f.broadcast(&pos, &[1, context], &[]);
     let visible = f.compare_i32("LE", &cols, &pos_row);
 
     let mut x = embed(&mut f, &p, &token);
     for (l, w) in p.layers.iter().enumerate() {
-        let [attn_norm, wq, wk, wv, wo, mlp_norm, gate, up, down] = w;
-        let normed = rms_norm(&mut f, &x, attn_norm, c.rms_norm_eps);
-        let q = linear(&mut f, &dm, &normed, wq);
-        let q = f.reshape(&q, &[1, dm.heads, dm.d]);
-        let q = rope(&mut f, &q, &cos, &sin);
-        let k = linear(&mut f, &dm, &normed, wk);
-        let k = f.reshape(&k, &[1, dm.kv_heads, dm.d]);
-        let k = rope(&mut f, &k, &cos, &sin);
-        let v = linear(&mut f, &dm, &normed, wv);
+        let normed = rms_norm(&mut f, &x, &w[0], c.rms_norm_eps);
+        let (q, k, v) = project_qkv(&mut f, &dm, &normed, &w[1], &rope_tables);
         let layer = f.constant_i32(l as i32, &[]);
         let mut layer_view = Vec::new();
         for (cache, new) in [(&mut k_cache, k), (&mut v_cache, v)] {
-            let new = f.convert(&new, dm.storage);
-            let new = f.reshape(&new, &[1, 1, dm.kv_heads, dm.d]);
-            *cache = f.dynamic_update_slice(cache, &new, &[&layer, &pos, &zero, &zero]);
-            let rows = f.slice(cache, &[l, 0, 0, 0], &[l + 1, context, dm.kv_heads, dm.d]);
-            layer_view.push(f.reshape(&rows, &[context, dm.kv_heads, dm.d]));
+            let new = f.reshape(&new, &[1, dm.kv_heads, 1, dm.d]);
+            *cache = f.dynamic_update_slice(cache, &new, &[&layer, &zero, &pos, &zero]);
+            let rows = f.slice(cache, &[l, 0, 0, 0], &[l + 1, dm.kv_heads, context, dm.d]);
+            layer_view.push(f.reshape(&rows, &[dm.kv_heads, context, dm.d]));
         }
         let attended = attention(&mut f, &dm, &q, &layer_view[0], &layer_view[1], &visible);
-        let projected = linear(&mut f, &dm, &attended, wo);
-        x = f.binary("add", &x, &projected);
-        let normed = rms_norm(&mut f, &x, mlp_norm, c.rms_norm_eps);
-        let m = mlp(&mut f, &dm, &normed, [gate, up, down]);
-        x = f.binary("add", &x, &m);
+        x = finish_layer(&mut f, c, &dm, &x, &attended, w);
     }
     let logits = logits(&mut f, c, &dm, &p, &x);
     let next = f.argmax(&logits);
