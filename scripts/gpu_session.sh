@@ -29,7 +29,7 @@ fi
 echo "== benchmark"
 # shellcheck disable=SC2086
 python3 "$here/bench_gpu.py" --kiln-bench "$BIN/kiln-bench-decode" --json "$logs/bench.json" \
-    ${BENCH_ARGS:-} > "$logs/bench.log" 2>&1 || status=1
+    ${BENCH_ARGS:-} 2>&1 | tee "$logs/bench.log" | grep -v '^{' || status=1
 
 i=0
 IFS=';' read -ra variants <<< "${PROFILE:-}"
@@ -54,5 +54,4 @@ done
 tar -czf "$OUT/logs.tgz" -C "$logs" .
 cat "$logs"/ncu-*.md 2>/dev/null
 sed -n '/^copy bandwidth .* decode bound/,$p' "$logs/bench.log"
-tail -5 "$logs/bench.log" | grep -i error
 exit $status

@@ -6,6 +6,7 @@
 
 use std::path::PathBuf;
 
+use kiln_core::sampling::argmax;
 use kiln_core::{Backend, CpuBackend, Model, SamplingParams, generate};
 use kiln_xla::{
     Buckets, Compiler, GraphOptions, IreeBackend, ModuleCache, ModuleKind, Origin, Precision,
@@ -155,6 +156,42 @@ fn tied_mqa_fixture_matches_the_cpu_reference() {
     agrees_with_the_cpu_reference(&fixture("llama-mqa-tied"));
 }
 
+/// A random model with a 32000-token vocabulary (`random-100m`).
+fn wide_vocabulary_model() -> Model {
+    let (config, seed) = kiln_core::model::preset("random-100m").unwrap();
+    Model::random("random-100m", config, seed)
+}
+
+/// Greedy decoding through the device's argmax (`decode_greedy`) picks the
+/// tokens the host's argmax picks from the same backend's logits.
+fn device_argmax_matches_host_argmax(xla: &mut IreeBackend<'_>) {
+    let prompt: Vec<u32> = (0..16).map(|i| (i * 7919 + 11) % 32_000).collect();
+    let run = |xla: &mut IreeBackend<'_>, on_device: bool| -> Vec<u32> {
+        let mut token = argmax(&xla.prefill(&prompt).unwrap());
+        let mut tokens = vec![token];
+        for _ in 0..8 {
+            token = if on_device {
+                xla.decode_greedy(token).unwrap()
+            } else {
+                argmax(&xla.decode(token).unwrap())
+            };
+            tokens.push(token);
+        }
+        tokens
+    };
+    let host = run(xla, false);
+    let device = run(xla, true);
+    assert_eq!(device, host, "device argmax on {}", xla.name());
+}
+
+#[test]
+fn device_argmax_matches_host_argmax_on_the_cpu() {
+    let model = wide_vocabulary_model();
+    let graph = GraphOptions::for_target(Target::LlvmCpu, None, None);
+    let mut xla = open(&model, "local-task", Target::LlvmCpu, graph, default_cache()).unwrap();
+    device_argmax_matches_host_argmax(&mut xla);
+}
+
 #[test]
 fn both_weight_layouts_give_the_same_model() {
     let model = fixture("llama-gqa-untied");
@@ -297,6 +334,22 @@ mod cuda {
         let worst = agrees(&rounded, &mut xla, F16_BOUND, 32);
         println!("{}: f16 worst |gpu - cpu| = {worst:e}", model.name);
     }
+    #[test]
+    fn device_argmax_matches_host_argmax_on_the_gpu() {
+        let model = wide_vocabulary_model();
+        for precision in [Precision::F32, Precision::F16] {
+            let graph = GraphOptions::for_target(Target::Cuda, Some(precision), None);
+            match open(&model, "cuda", Target::Cuda, graph, default_cache()) {
+                Ok(mut xla) => device_argmax_matches_host_argmax(&mut xla),
+                Err(error) if error.to_string().contains("is not available") => {
+                    println!("skipped: no CUDA device here");
+                    return;
+                }
+                Err(error) => panic!("{error}"),
+            }
+        }
+    }
+
     #[test]
     fn embedded_model_on_the_gpu_matches_the_cpu_reference() {
         on_gpu(&Model::embedded());

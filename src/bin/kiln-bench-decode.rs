@@ -137,37 +137,8 @@ struct Row {
     setup_s: f64,
 }
 
-/// A random-weight Llama of a named shape: `random-100m` (~100M parameters:
-/// 12 layers, hidden 768, GQA 12:4, vocab 32000, tied) or `tinyllama-1.1b`
-/// (TinyLlama-1.1B's shape: 22 layers, hidden 2048, intermediate 5632, GQA
-/// 32:4, vocab 32000, untied).
-fn preset(spec: &str) -> Option<(ModelConfig, u64)> {
-    let (hidden, intermediate, layers, heads, kv_heads, tied, seed) = match spec {
-        "random-100m" => (768, 2048, 12, 12, 4, true, 100),
-        "tinyllama-1.1b" => (2048, 5632, 22, 32, 4, false, 1100),
-        _ => return None,
-    };
-    let config = ModelConfig {
-        hidden_size: hidden,
-        intermediate_size: intermediate,
-        num_layers: layers,
-        num_heads: heads,
-        num_kv_heads: kv_heads,
-        head_dim: hidden / heads,
-        vocab_size: 32_000,
-        rms_norm_eps: 1e-5,
-        rope_theta: 10_000.0,
-        rope_scaling: None,
-        tie_word_embeddings: tied,
-        max_position_embeddings: 2048,
-        bos_token_id: None,
-        eos_token_ids: Vec::new(),
-    };
-    Some((config, seed))
-}
-
 fn model(spec: &str) -> Result<Model> {
-    Ok(match (spec, preset(spec)) {
+    Ok(match (spec, kiln_core::model::preset(spec)) {
         ("embedded", _) => Model::embedded(),
         (_, Some((config, seed))) => Model::random(spec, config, seed),
         (dir, None) => load_folder(Path::new(dir))?,
@@ -189,7 +160,7 @@ fn load_folder(dir: &Path) -> Result<Model> {
 
 /// The configuration of a model spec, without making its weights.
 fn config(spec: &str) -> Result<ModelConfig> {
-    Ok(match (spec, preset(spec)) {
+    Ok(match (spec, kiln_core::model::preset(spec)) {
         ("embedded", _) => Model::embedded().config,
         (_, Some((config, _))) => config,
         (dir, None) => ModelConfig::from_file(&PathBuf::from(dir).join("config.json"))?,

@@ -114,6 +114,36 @@ impl Model {
     }
 }
 
+/// The configuration and seed of a named random-weight Llama for benchmarks
+/// and tests: `random-100m` (~100M parameters: 12 layers, hidden 768, GQA
+/// 12:4, vocab 32000, tied) or `tinyllama-1.1b` (TinyLlama-1.1B's shape: 22
+/// layers, hidden 2048, intermediate 5632, GQA 32:4, vocab 32000, untied).
+/// [`Model::random`] makes the weights.
+pub fn preset(name: &str) -> Option<(ModelConfig, u64)> {
+    let (hidden, intermediate, layers, heads, kv_heads, tied, seed) = match name {
+        "random-100m" => (768, 2048, 12, 12, 4, true, 100),
+        "tinyllama-1.1b" => (2048, 5632, 22, 32, 4, false, 1100),
+        _ => return None,
+    };
+    let config = ModelConfig {
+        hidden_size: hidden,
+        intermediate_size: intermediate,
+        num_layers: layers,
+        num_heads: heads,
+        num_kv_heads: kv_heads,
+        head_dim: hidden / heads,
+        vocab_size: 32_000,
+        rms_norm_eps: 1e-5,
+        rope_theta: 10_000.0,
+        rope_scaling: None,
+        tie_word_embeddings: tied,
+        max_position_embeddings: 2048,
+        bos_token_id: None,
+        eos_token_ids: Vec::new(),
+    };
+    Some((config, seed))
+}
+
 /// Weights for `config` drawn deterministically from `seed` (see
 /// [`Model::embedded`]). Benchmarks use it for larger random models.
 pub fn random_weights(config: &ModelConfig, seed: u64) -> Weights {

@@ -424,19 +424,58 @@ impl Function {
         self.emit(&on_true.shape.clone(), on_true.ty, rhs)
     }
 
-    /// The index of the largest element of a 1-D float tensor, as `[1]` i32;
-    /// the first such index on ties (as the CPU's argmax), and `i32::MAX` when
-    /// the maximum is NaN, which no vocabulary reaches.
+    /// The index of the largest element of a 1-D f32 tensor, as `[1]` i32:
+    /// the first such index on ties (as the CPU's argmax), and -1 when the
+    /// maximum is NaN. One variadic (value, index) reduction, the form JAX
+    /// emits for argmax and IREE's GPU code handles (a max reduction followed
+    /// by a separate index search was miscompiled for 32000 elements on
+    /// CUDA: it returned -1 for finite logits).
     pub fn argmax(&mut self, a: &Val) -> Val {
+        assert_eq!(a.ty, Ty::F32, "argmax takes f32 values");
         let n = a.shape[0];
-        let max = self.reduce("maximum", a, &[0], f64::NEG_INFINITY);
-        let max = self.broadcast(&max, &[n], &[]);
-        let is_max = self.compare_float("EQ", a, &max);
         let index = self.iota(&[n], 0);
-        let none = self.constant_i32(i32::MAX, &[n]);
-        let candidates = self.select(&is_max, &index, &none);
-        let first = self.reduce("minimum", &candidates, &[0], i32::MAX.into());
-        self.reshape(&first, &[1])
+        let lowest = self.constant(f64::NEG_INFINITY, &[], Ty::F32);
+        let first = self.constant_i32(0, &[]);
+        let name = format!("%v{}", self.next);
+        self.next += 1;
+        let (f, i, b) = ("tensor<f32>", "tensor<i32>", "tensor<i1>");
+        let _ = write!(
+            self.body,
+            "    {name}:2 = \"stablehlo.reduce\"({}, {}, {}, {}) ({{\n\
+             ^bb0(%a: {f}, %ai: {i}, %b: {f}, %bi: {i}):\n\
+             %gt = stablehlo.compare GT, %a, %b, FLOAT : ({f}, {f}) -> {b}\n\
+             %eq = stablehlo.compare EQ, %a, %b, FLOAT : ({f}, {f}) -> {b}\n\
+             %lt = stablehlo.compare LT, %ai, %bi, SIGNED : ({i}, {i}) -> {b}\n\
+             %tie = stablehlo.and %eq, %lt : {b}\n\
+             %nan = stablehlo.compare NE, %a, %a, FLOAT : ({f}, {f}) -> {b}\n\
+             %wins = stablehlo.or %gt, %tie : {b}\n\
+             %take = stablehlo.or %wins, %nan : {b}\n\
+             %v = stablehlo.select %take, %a, %b : {b}, {f}\n\
+             %vi = stablehlo.select %take, %ai, %bi : {b}, {i}\n\
+             stablehlo.return %v, %vi : {f}, {i}\n\
+             }}) {{dimensions = array<i64: 0>}} : ({}, {}, {f}, {i}) -> ({f}, {i})\n",
+            a.name,
+            index.name,
+            lowest.name,
+            first.name,
+            a.mlir_type(),
+            index.mlir_type(),
+        );
+        let max = Val {
+            name: format!("{name}#0"),
+            shape: vec![],
+            ty: Ty::F32,
+        };
+        let at = Val {
+            name: format!("{name}#1"),
+            shape: vec![],
+            ty: Ty::I32,
+        };
+        // NaN won the reduction: say so with -1, which no vocabulary holds.
+        let is_nan = self.compare_float("NE", &max, &max);
+        let none = self.constant_i32(-1, &[]);
+        let chosen = self.select(&is_nan, &none, &at);
+        self.reshape(&chosen, &[1])
     }
 
     /// Rows of `table` (`[rows, width]`) picked by `indices` (`[n]` i32).
