@@ -62,8 +62,8 @@ def run_kiln(args, model_dir):
             cmd += ["--precision", p]
         for layout in args.weight_layout:
             cmd += ["--weight-layout", layout]
-        for graphs in args.cuda_graphs:
-            cmd += ["--cuda-graphs", graphs]
+        for flags in args.iree_flags:
+            cmd.append(f"--iree-flags={flags}")
         for n in args.prompt:
             cmd += ["--prompt-tokens", str(n)]
         print("+", " ".join(cmd), flush=True)
@@ -79,7 +79,8 @@ def main():
     parser.add_argument("--model-dir", default="/tmp/kiln-tinyllama-1.1b")
     parser.add_argument("--precision", nargs="+", default=["f32", "f16"])
     parser.add_argument("--weight-layout", nargs="*", default=[])
-    parser.add_argument("--cuda-graphs", nargs="*", default=[], choices=["false", "true"])
+    parser.add_argument("--iree-flags", action="append", default=[],
+                        help="a set of IREE runtime flags to measure kiln with (repeat)")
     parser.add_argument("--hf-dtype", nargs="+", default=["float32", "float16"])
     parser.add_argument("--prompt", type=int, nargs="+", default=[128, 512])
     parser.add_argument("--decode", type=int, default=64)
@@ -115,7 +116,7 @@ def main():
     reference = {(r["precision"], r["prompt_tokens"]): r for r in rows
                  if r["engine"].startswith("transformers")}
     print(f"\ncopy bandwidth {bandwidth / 1e12:.2f} TB/s; decode bound = weight bytes per step / that")
-    header = ("engine", "precision", "layout", "graphs", "prompt", "prefill tok/s",
+    header = ("engine", "precision", "layout", "IREE flags", "prompt", "prefill tok/s",
               "decode tok/s", "% of bound", "x hf prefill", "x hf decode")
     print("| " + " | ".join(header) + " |")
     print("|" + "---|" * len(header))
@@ -124,7 +125,7 @@ def main():
         ref = reference.get((r["precision"], r["prompt_tokens"]))
         ratio = (lambda k: f"{r[k] / ref[k]:.2f}") if ref else (lambda k: "-")
         r["percent_of_bandwidth_bound"] = 100 * r["decode_tokens_per_s"] / bound
-        print(f"| {r['engine']} | {r['precision']} | {r['layout']} | {r.get('cuda_graphs', '-')} | "
+        print(f"| {r['engine']} | {r['precision']} | {r['layout']} | {r.get('iree_flags') or '-'} | "
               f"{r['prompt_tokens']} | "
               f"{r['prefill_tokens_per_s']:,.0f} | {r['decode_tokens_per_s']:,.1f} | "
               f"{r['percent_of_bandwidth_bound']:.1f} | {ratio('prefill_tokens_per_s')} | "

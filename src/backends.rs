@@ -31,10 +31,11 @@ pub struct IreeOptions {
     /// for iree-cpu).
     #[arg(long)]
     pub weight_layout: Option<String>,
-    /// iree-cuda: submit each call's kernels as one CUDA graph instead of
-    /// launching them one by one on a stream (IREE's `--cuda_use_streams`).
-    #[arg(long)]
-    pub cuda_graphs: bool,
+    /// An IREE runtime flag for the device's driver, as IREE's own tools
+    /// take it (`--iree-flag=--cuda_allow_inline_execution=true`); repeat for
+    /// several. For experiments: kiln's defaults are the measured best.
+    #[arg(long, value_name = "FLAG", allow_hyphen_values = true)]
+    pub iree_flag: Vec<String>,
 }
 
 pub fn open<'m>(
@@ -66,8 +67,9 @@ pub fn open_iree<'m>(
 ) -> Result<kiln_xla::IreeBackend<'m>> {
     use kiln_xla::{IreeBackend, ModuleCache, Target};
     let target = target(kind)?;
+    let flags: Vec<&str> = options.iree_flag.iter().map(String::as_str).collect();
+    kiln_iree::set_flags(&flags)?;
     let uri = if target == Target::Cuda {
-        set_cuda_flags(options)?;
         "cuda"
     } else {
         "local-task"
@@ -82,23 +84,6 @@ pub fn open_iree<'m>(
         buckets(model, options)?,
     )?;
     Ok(backend)
-}
-
-/// The IREE CUDA driver's flags for `options`; they apply to devices opened
-/// after the call.
-#[cfg(all(feature = "xla-iree", feature = "cuda"))]
-fn set_cuda_flags(options: &IreeOptions) -> Result<()> {
-    let streams = if options.cuda_graphs {
-        "--cuda_use_streams=false"
-    } else {
-        "--cuda_use_streams=true"
-    };
-    Ok(kiln_iree::set_flags(&[streams])?)
-}
-
-#[cfg(all(feature = "xla-iree", not(feature = "cuda")))]
-fn set_cuda_flags(_options: &IreeOptions) -> Result<()> {
-    Ok(())
 }
 
 /// The IREE target of an IREE backend kind.

@@ -188,7 +188,14 @@ fn device_argmax_matches_host_argmax(xla: &mut IreeBackend<'_>) {
 fn device_argmax_matches_host_argmax_on_the_cpu() {
     let model = wide_vocabulary_model();
     let graph = GraphOptions::for_target(Target::LlvmCpu, None, None);
-    let mut xla = open(&model, "local-task", Target::LlvmCpu, graph, default_cache()).unwrap();
+    let mut xla = open(
+        &model,
+        "local-task",
+        Target::LlvmCpu,
+        graph,
+        default_cache(),
+    )
+    .unwrap();
     device_argmax_matches_host_argmax(&mut xla);
 }
 

@@ -54,10 +54,11 @@ struct Args {
     /// backend's own.
     #[arg(long)]
     weight_layout: Vec<String>,
-    /// iree-cuda: measure with CUDA graphs off (`false`), on (`true`), or
-    /// both (repeat the flag); default off.
-    #[arg(long)]
-    cuda_graphs: Vec<bool>,
+    /// Sets of IREE runtime flags to measure (repeat for several; each a
+    /// space-separated list, `""` for none), e.g.
+    /// `--iree-flags "" --iree-flags "--cuda_allow_inline_execution=true"`.
+    #[arg(long, allow_hyphen_values = true)]
+    iree_flags: Vec<String>,
     /// Only compile the IREE modules the run would need into the module cache
     /// (needs the compiler, not the device), then stop.
     #[arg(long)]
@@ -89,17 +90,17 @@ impl Args {
         if kind == BackendKind::Cpu {
             return vec![self.iree(None, None)];
         }
-        let graphs = if kind == BackendKind::IreeCuda && !self.cuda_graphs.is_empty() {
-            self.cuda_graphs.clone()
+        let flag_sets = if self.iree_flags.is_empty() {
+            vec![String::new()]
         } else {
-            vec![false]
+            self.iree_flags.clone()
         };
         let mut out = Vec::new();
         for precision in some_or_default(&self.precision) {
             for layout in some_or_default(&self.weight_layout) {
-                for &cuda_graphs in &graphs {
+                for flags in &flag_sets {
                     let mut options = self.iree(precision.clone(), layout.clone());
-                    options.cuda_graphs = cuda_graphs;
+                    options.iree_flag = flags.split_whitespace().map(str::to_string).collect();
                     out.push(options);
                 }
             }
@@ -112,7 +113,7 @@ impl Args {
             max_context: self.max_context,
             precision,
             weight_layout,
-            cuda_graphs: false,
+            iree_flag: Vec::new(),
         }
     }
 }
@@ -125,8 +126,8 @@ struct Row {
     /// Weight and KV-cache precision, and weight layout (IREE backends).
     precision: String,
     layout: String,
-    /// iree-cuda: whether each call's kernels went as one CUDA graph.
-    cuda_graphs: bool,
+    /// IREE runtime flags the variant ran with.
+    iree_flags: String,
     /// Bytes of weights a decode step must read at this precision (every
     /// matrix once, one embedding row), the numerator of the bandwidth bound.
     decode_weight_bytes: u64,
@@ -323,7 +324,7 @@ fn measure(
             backend: backend.name().to_string(),
             precision: precision.clone(),
             layout: layout.clone(),
-            cuda_graphs: options.cuda_graphs,
+            iree_flags: options.iree_flag.join(" "),
             decode_weight_bytes: decode_weight_bytes(model, bytes_per_weight),
             prompt_tokens,
             prefill_tokens_per_s: prompt_tokens as f64 / prefill_s,
@@ -383,18 +384,18 @@ fn run() -> Result<()> {
     }
     let mut rows = Vec::new();
     println!(
-        "{:<14} {:>12} {:<10} {:<5} {:<7} {:<6} {:>7} {:>14} {:>7} {:>13} {:>8}",
+        "{:<14} {:>12} {:<10} {:<5} {:<7} {:>7} {:>14} {:>7} {:>13} {:>8}  {}",
         "model",
         "parameters",
         "backend",
         "prec",
         "layout",
-        "graphs",
         "prompt",
         "prefill tok/s",
         "decode",
         "decode tok/s",
-        "setup s"
+        "setup s",
+        "IREE flags"
     );
     for spec in &args.model {
         let model = model(spec)?;
@@ -402,18 +403,18 @@ fn run() -> Result<()> {
             for options in args.variants(kind) {
                 for row in measure(&model, kind, &options, &args)? {
                     println!(
-                        "{:<14} {:>12} {:<10} {:<5} {:<7} {:<6} {:>7} {:>14.1} {:>7} {:>13.1} {:>8.2}",
+                        "{:<14} {:>12} {:<10} {:<5} {:<7} {:>7} {:>14.1} {:>7} {:>13.1} {:>8.2}  {}",
                         row.model,
                         row.parameters,
                         row.backend,
                         row.precision,
                         row.layout,
-                        row.cuda_graphs,
                         row.prompt_tokens,
                         row.prefill_tokens_per_s,
                         row.decode_tokens,
                         row.decode_tokens_per_s,
-                        row.setup_s
+                        row.setup_s,
+                        row.iree_flags
                     );
                     rows.push(row);
                 }

@@ -9,8 +9,9 @@
 //! - `prefill_*(input, length: i32, cos, sin, weights…) -> (logits[V], k, v)`:
 //!   `input` is `[S]` token ids or `[S, H]` embeddings, the first `length`
 //!   rows real and the rest padding; `logits` are those of row `length - 1`;
-//!   `k`, `v` are `[L, KV, C, D]` caches holding rows `0..S` (each head's
-//!   rows contiguous, as attention reads them: no transpose per step).
+//!   `k` (`[L, KV, C, D]`) and `v` (`[L, KV, D, C]`) are caches holding
+//!   positions `0..S`, laid out so that both attention products reduce along
+//!   a contiguous dimension: no transpose per step.
 //! - `decode_step(token: [1] i32, pos: i32, k, v, cos, sin, weights…) ->
 //!   (logits[V], next: [1] i32, pos + 1, k, v)`: appends the token at `pos`,
 //!   attends to `0..=pos`, and returns the greedy choice `next` beside the
@@ -155,26 +156,32 @@ fn rope_factors(f: &mut Function, cos: &Val, sin: &Val) -> (Val, Val) {
     (cos_full, sin_signed)
 }
 
-/// Rotate-half RoPE on `[n, heads, d]` with the `[n, d]` tables of
+/// Rotate-half RoPE on `[n, heads, d]` with the `[n, d]` f32 tables of
 /// [`rope_factors`]: `x * cos + swap_halves(x) * sin_signed`, where swapping
-/// the halves is a reverse over a length-2 axis.
+/// the halves is a reverse over a length-2 axis. Computed in f32 whatever
+/// `x`'s type; the result has `x`'s type. (Reversing `x` itself, not an f32
+/// copy of it, saves IREE a conversion kernel.)
 fn rope(f: &mut Function, x: &Val, cos_full: &Val, sin_signed: &Val) -> Val {
     let (n, heads, d) = (x.shape[0], x.shape[1], x.shape[2]);
     let halves = f.reshape(x, &[n, heads, 2, d / 2]);
     let swapped = f.reverse(&halves, &[2]);
     let swapped = f.reshape(&swapped, &[n, heads, d]);
+    let swapped = f.convert(&swapped, Ty::F32);
+    let wide = f.convert(x, Ty::F32);
     let c = f.broadcast(cos_full, &[n, heads, d], &[0, 2]);
     let s = f.broadcast(sin_signed, &[n, heads, d], &[0, 2]);
-    let xc = f.binary("multiply", x, &c);
+    let xc = f.binary("multiply", &wide, &c);
     let ss = f.binary("multiply", &swapped, &s);
-    f.binary("add", &xc, &ss)
+    let out = f.binary("add", &xc, &ss);
+    f.convert(&out, x.ty)
 }
 
-/// Grouped-query attention of f32 `q` `[n, heads, d]` over `k`, `v` `[kv,
-/// t, d]` (at the storage precision, the cache's layout) where `visible`
-/// (`[n, t]`, i1) allows; scores and softmax are f32. Returns f32 `[n,
-/// heads * d]`.
-fn attention(f: &mut Function, dm: &Dims, q: &Val, k: &Val, v: &Val, visible: &Val) -> Val {
+/// Grouped-query attention of `q` `[n, heads, d]` over `k` `[kv, t, d]`
+/// and `v_t` `[kv, d, t]` (at the storage precision, the caches' layouts)
+/// where `visible` (`[n, t]`, i1) allows; scores and softmax are f32.
+/// Returns f32 `[n, heads * d]`. Both products reduce along their operands'
+/// contiguous last dimension.
+fn attention(f: &mut Function, dm: &Dims, q: &Val, k: &Val, v_t: &Val, visible: &Val) -> Val {
     let n = q.shape[0];
     let t = k.shape[1];
     let group = dm.heads / dm.kv_heads;
@@ -196,8 +203,8 @@ fn attention(f: &mut Function, dm: &Dims, q: &Val, k: &Val, v: &Val, visible: &V
     let total = f.broadcast(&total, &shape, &[0, 1, 2]);
     let probs = f.binary("divide", &exps, &total);
     let probs = f.convert(&probs, dm.storage);
-    debug_assert_eq!(v.shape[1], t);
-    let out = f.dot(&probs, v, (&[0], &[0]), (&[3], &[1]), Ty::F32);
+    debug_assert_eq!(v_t.shape[2], t);
+    let out = f.dot(&probs, v_t, (&[0], &[0]), (&[3], &[2]), Ty::F32);
     let out = f.transpose(&out, &[2, 0, 1, 3]);
     f.reshape(&out, &[n, dm.heads * dm.d])
 }
@@ -226,9 +233,11 @@ fn embed(f: &mut Function, p: &Params, ids: &Val) -> Val {
     f.convert(&rows, Ty::F32)
 }
 
-/// The attention inputs of normed f32 rows `[n, H]`: f32 `q` `[n, heads,
-/// d]` and `k`, `v` `[n, kv, d]` at the storage precision, RoPE applied to
-/// `q` and `k`.
+/// The attention inputs of normed f32 rows `[n, H]`: `q` `[n, heads, d]`
+/// and `k`, `v` `[n, kv, d]`, all at the storage precision, RoPE applied to
+/// `q` and `k` together (in f32, one elementwise pass over both). Rounding
+/// the projection to the storage precision once, where it is computed, lets
+/// IREE fuse the conversion into the matrix-vector kernel.
 fn project_qkv(
     f: &mut Function,
     dm: &Dims,
@@ -239,16 +248,14 @@ fn project_qkv(
     let n = normed.shape[0];
     let (q_width, kv_width) = (dm.heads * dm.d, dm.kv_heads * dm.d);
     let qkv = linear(f, dm, normed, wqkv);
-    let q = columns(f, &qkv, 0, q_width);
-    let k = columns(f, &qkv, q_width, q_width + kv_width);
+    let qkv = f.convert(&qkv, dm.storage);
+    let qk = columns(f, &qkv, 0, q_width + kv_width);
     let v = columns(f, &qkv, q_width + kv_width, q_width + 2 * kv_width);
-    let q = f.reshape(&q, &[n, dm.heads, dm.d]);
-    let q = rope(f, &q, &rope_tables.0, &rope_tables.1);
-    let k = f.reshape(&k, &[n, dm.kv_heads, dm.d]);
-    let k = rope(f, &k, &rope_tables.0, &rope_tables.1);
-    let k = f.convert(&k, dm.storage);
+    let qk = f.reshape(&qk, &[n, dm.heads + dm.kv_heads, dm.d]);
+    let qk = rope(f, &qk, &rope_tables.0, &rope_tables.1);
+    let q = f.slice(&qk, &[0, 0, 0], &[n, dm.heads, dm.d]);
+    let k = f.slice(&qk, &[0, dm.heads, 0], &[n, dm.heads + dm.kv_heads, dm.d]);
     let v = f.reshape(&v, &[n, dm.kv_heads, dm.d]);
-    let v = f.convert(&v, dm.storage);
     (q, k, v)
 }
 
@@ -312,15 +319,15 @@ fn prefill(
     for w in &p.layers {
         let normed = rms_norm(&mut f, &x, &w[0], c.rms_norm_eps);
         let (q, k, v) = project_qkv(&mut f, &dm, &normed, &w[1], &rope_tables);
-        // The cache's layout, [kv, t, d].
+        // The caches' layouts: k [kv, t, d], v [kv, d, t].
         let k = f.transpose(&k, &[1, 0, 2]);
-        let v = f.transpose(&v, &[1, 0, 2]);
+        let v = f.transpose(&v, &[1, 2, 0]);
         let attended = attention(&mut f, &dm, &q, &k, &v, &causal);
         x = finish_layer(&mut f, c, &dm, &x, &attended, w);
-        for (cache, val) in [(&mut keys, k), (&mut values, v)] {
-            let padded = f.pad_high(&val, 0.0, &[0, context - seq, 0]);
-            cache.push(f.reshape(&padded, &[1, dm.kv_heads, context, dm.d]));
-        }
+        let k = f.pad_high(&k, 0.0, &[0, context - seq, 0]);
+        keys.push(f.reshape(&k, &[1, dm.kv_heads, context, dm.d]));
+        let v = f.pad_high(&v, 0.0, &[0, 0, context - seq]);
+        values.push(f.reshape(&v, &[1, dm.kv_heads, dm.d, context]));
     }
     let one = f.constant_i32(1, &[]);
     let last = f.binary("subtract", &length, &one);
@@ -332,16 +339,16 @@ fn prefill(
     f.finish(&[&logits, &k, &v])
 }
 
-/// The decode step over a `[L, KV, C, D]` cache.
+/// The decode step over `[L, KV, C, D]` keys and `[L, KV, D, C]` values.
 fn decode_step(c: &ModelConfig, g: &GraphOptions, context: usize) -> String {
     let dm = dims(c, g);
     let mut f = Function::new("decode_step");
     let token = f.param(&[1], Ty::I32);
     let pos = f.param(&[], Ty::I32);
-    let cache_shape = [dm.layers, dm.kv_heads, context, dm.d];
+    let (layers, kv) = (dm.layers, dm.kv_heads);
     // Results 3 and 4 are the updated caches, written over these arguments.
-    let mut k_cache = f.param_output(&cache_shape, dm.storage, 3);
-    let mut v_cache = f.param_output(&cache_shape, dm.storage, 4);
+    let mut k_cache = f.param_output(&[layers, kv, context, dm.d], dm.storage, 3);
+    let mut v_cache = f.param_output(&[layers, kv, dm.d, context], dm.storage, 4);
     let cos = f.param(&[context, dm.d / 2], Ty::F32);
     let sin = f.param(&[context, dm.d / 2], Ty::F32);
     let p = weight_params(&mut f, c, g);
@@ -359,14 +366,15 @@ fn decode_step(c: &ModelConfig, g: &GraphOptions, context: usize) -> String {
         let normed = rms_norm(&mut f, &x, &w[0], c.rms_norm_eps);
         let (q, k, v) = project_qkv(&mut f, &dm, &normed, &w[1], &rope_tables);
         let layer = f.constant_i32(l as i32, &[]);
-        let mut layer_view = Vec::new();
-        for (cache, new) in [(&mut k_cache, k), (&mut v_cache, v)] {
-            let new = f.reshape(&new, &[1, dm.kv_heads, 1, dm.d]);
-            *cache = f.dynamic_update_slice(cache, &new, &[&layer, &zero, &pos, &zero]);
-            let rows = f.slice(cache, &[l, 0, 0, 0], &[l + 1, dm.kv_heads, context, dm.d]);
-            layer_view.push(f.reshape(&rows, &[dm.kv_heads, context, dm.d]));
-        }
-        let attended = attention(&mut f, &dm, &q, &layer_view[0], &layer_view[1], &visible);
+        let k = f.reshape(&k, &[1, kv, 1, dm.d]);
+        k_cache = f.dynamic_update_slice(&k_cache, &k, &[&layer, &zero, &pos, &zero]);
+        let keys = f.slice(&k_cache, &[l, 0, 0, 0], &[l + 1, kv, context, dm.d]);
+        let keys = f.reshape(&keys, &[kv, context, dm.d]);
+        let v = f.reshape(&v, &[1, kv, dm.d, 1]);
+        v_cache = f.dynamic_update_slice(&v_cache, &v, &[&layer, &zero, &zero, &pos]);
+        let values = f.slice(&v_cache, &[l, 0, 0, 0], &[l + 1, kv, dm.d, context]);
+        let values = f.reshape(&values, &[kv, dm.d, context]);
+        let attended = attention(&mut f, &dm, &q, &keys, &values, &visible);
         x = finish_layer(&mut f, c, &dm, &x, &attended, w);
     }
     let logits = logits(&mut f, c, &dm, &p, &x);
