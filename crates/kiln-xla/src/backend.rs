@@ -14,7 +14,7 @@ use kiln_iree::{Device, DeviceTensor, Instance, Module, Tensor};
 
 use crate::compiler::{Compiler, Target};
 use crate::graph::{GraphOptions, Precision, WeightLayout};
-use crate::llama;
+
 use crate::module_cache::{ModuleCache, Origin};
 use crate::prepared;
 
@@ -52,7 +52,7 @@ pub enum ModuleKind {
     Decode,
 }
 
-/// The weight arguments, in [`llama::weight_shapes`] order, at the graph's
+/// The weight arguments, in [`crate::llama::weight_shapes`] order, at the graph's
 /// layout (precision is applied on upload). kiln-core holds matrices `[out,
 /// in]`; q/k/v and gate/up are stacked along the output dimension.
 fn weight_arguments<'w>(w: &'w Weights, graph: &GraphOptions) -> Vec<Cow<'w, [f32]>> {
@@ -90,13 +90,18 @@ fn stack_rows(ms: &[&Matrix]) -> Matrix {
     }
 }
 
-/// A host tensor of f32 `data` rounded to `precision`.
-fn host_tensor(shape: &[usize], data: &[f32], precision: Precision) -> kiln_iree::Result<Tensor> {
-    let shape: Vec<i64> = shape.iter().map(|&d| d as i64).collect();
-    match precision {
-        Precision::F32 => Tensor::f32(&shape, data.to_vec()),
-        Precision::F16 => Tensor::f16(&shape, data.iter().map(|&x| f16::from_f32(x)).collect()),
-        Precision::Bf16 => Tensor::bf16(&shape, data.iter().map(|&x| bf16::from_f32(x)).collect()),
+/// Every weight argument, concatenated in order and rounded to the graph's
+/// precision: the one weight buffer the modules take (see
+/// [`crate::llama::weight_shapes`]).
+fn packed_weights(w: &Weights, graph: &GraphOptions) -> kiln_iree::Result<Tensor> {
+    let parts = weight_arguments(w, graph);
+    let total: usize = parts.iter().map(|p| p.len()).sum();
+    let values = parts.iter().flat_map(|p| p.iter().copied());
+    let shape = [total as i64];
+    match graph.precision {
+        Precision::F32 => Tensor::f32(&shape, values.collect()),
+        Precision::F16 => Tensor::f16(&shape, values.map(f16::from_f32).collect()),
+        Precision::Bf16 => Tensor::bf16(&shape, values.map(bf16::from_f32).collect()),
     }
 }
 
@@ -123,7 +128,8 @@ pub struct IreeBackend<'m> {
     cache: ModuleCache,
     buckets: Buckets,
     modules: BTreeMap<ModuleKind, Module>,
-    weights: Vec<DeviceTensor>,
+    /// Every weight in one buffer, as [`crate::llama::weight_shapes`] lists them.
+    weights: DeviceTensor,
     cos: DeviceTensor,
     sin: DeviceTensor,
     /// K and V caches `[layers, context, kv_heads, head_dim]` on the device.
@@ -149,20 +155,18 @@ impl<'m> IreeBackend<'m> {
         let device = Instance::new()
             .and_then(|i| i.device(device_uri))
             .map_err(to_core)?;
-        let upload = |shape: &[usize], data: &[f32], precision: Precision| {
-            host_tensor(shape, data, precision)
+        let upload = |shape: &[i64], data: Vec<f32>| {
+            Tensor::f32(shape, data)
                 .and_then(|t| device.upload(&t))
                 .map_err(to_core)
         };
-        let weights = llama::weight_shapes(&model.config, graph.layout)
-            .iter()
-            .zip(weight_arguments(&model.weights, &graph))
-            .map(|(shape, data)| upload(shape, &data, graph.precision))
-            .collect::<kiln_core::Result<Vec<_>>>()?;
+        let weights = packed_weights(&model.weights, &graph)
+            .and_then(|t| device.upload(&t))
+            .map_err(to_core)?;
         let (cos, sin) = model.config.rope_tables(buckets.context);
-        let half = model.config.head_dim / 2;
-        let cos = upload(&[buckets.context, half], &cos, Precision::F32)?;
-        let sin = upload(&[buckets.context, half], &sin, Precision::F32)?;
+        let rows = [buckets.context as i64, model.config.head_dim as i64 / 2];
+        let cos = upload(&rows, cos)?;
+        let sin = upload(&rows, sin)?;
         Ok(IreeBackend {
             model,
             name: format!(
@@ -240,7 +244,7 @@ impl<'m> IreeBackend<'m> {
             inputs.extend([k, v]);
         }
         inputs.extend([&self.cos, &self.sin]);
-        inputs.extend(self.weights.iter());
+        inputs.push(&self.weights);
         let mut results = module.invoke(function, &inputs).map_err(to_core)?;
         if results.len() != outputs {
             return Err(to_core(format!(

@@ -1,10 +1,13 @@
 //! The Llama decoder as StableHLO: `prefill_ids` and `prefill_embeddings` for
 //! one sequence bucket, and `decode_step` over a device-resident KV cache.
 //!
-//! Every function takes the RoPE tables and the weights as trailing
-//! arguments, in the order of [`weight_shapes`]; the backend uploads them once
-//! and passes the same device buffers to every call. Weights and caches are
-//! stored at the [`GraphOptions`]' precision; everything else is f32.
+//! Every function takes the RoPE tables and then all weights as trailing
+//! arguments: the weights packed into one 1-D buffer, in the order and shapes
+//! of [`weight_shapes`], which the graph slices (IREE binds the slices as
+//! views, no copies). One buffer instead of ~200 cuts the per-call cost of
+//! passing arguments. The backend uploads it once and passes it to every
+//! call. Weights and caches are stored at the [`GraphOptions`]' precision;
+//! everything else is f32.
 //!
 //! - `prefill_*(input, length: i32, cos, sin, weights…) -> (logits[V], k, v)`:
 //!   `input` is `[S]` token ids or `[S, H]` embeddings, the first `length`
@@ -64,10 +67,20 @@ struct Params {
     lm_head: Val,
 }
 
+/// The packed weight parameter, sliced and reshaped into the weights.
 fn weight_params(f: &mut Function, c: &ModelConfig, g: &GraphOptions) -> Params {
-    let mut vals = weight_shapes(c, g.layout)
+    let shapes = weight_shapes(c, g.layout);
+    let total: usize = shapes.iter().map(|s| s.iter().product::<usize>()).sum();
+    let all = f.param(&[total], g.precision.storage());
+    let mut offset = 0;
+    let mut vals = shapes
         .into_iter()
-        .map(|s| f.param(&s, g.precision.storage()))
+        .map(|s| {
+            let size: usize = s.iter().product();
+            let flat = f.slice(&all, &[offset], &[offset + size]);
+            offset += size;
+            f.reshape(&flat, &s)
+        })
         .collect::<Vec<_>>()
         .into_iter();
     let mut next = || vals.next().expect("weight_shapes covers every weight");
