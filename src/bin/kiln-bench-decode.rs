@@ -384,7 +384,7 @@ fn run() -> Result<()> {
     }
     let mut rows = Vec::new();
     println!(
-        "{:<14} {:>12} {:<10} {:<5} {:<7} {:>7} {:>14} {:>7} {:>13} {:>8}  {}",
+        "{:<14} {:>12} {:<10} {:<5} {:<7} {:>7} {:>14} {:>7} {:>13} {:>8}  IREE flags",
         "model",
         "parameters",
         "backend",
@@ -395,7 +395,6 @@ fn run() -> Result<()> {
         "decode",
         "decode tok/s",
         "setup s",
-        "IREE flags"
     );
     for spec in &args.model {
         let model = model(spec)?;
