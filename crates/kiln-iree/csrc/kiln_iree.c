@@ -39,6 +39,12 @@ struct kiln_iree_tensor {
   iree_hal_device_t* device;
 };
 
+struct kiln_iree_reader {
+  iree_hal_device_t* device;
+  iree_hal_buffer_t* staging;  // NULL until the first read
+  iree_device_size_t capacity;
+};
+
 // An error with a plain message (no IREE status behind it).
 static kiln_iree_error* kiln_iree_error_new(uint32_t code, const char* context,
                                             const char* detail) {
@@ -414,4 +420,73 @@ void kiln_iree_tensor_release(kiln_iree_tensor* tensor) {
   iree_hal_buffer_view_release(tensor->view);
   iree_hal_device_release(tensor->device);
   free(tensor);
+}
+
+kiln_iree_error* kiln_iree_reader_create(kiln_iree_device* device,
+                                         kiln_iree_reader** out_reader) {
+  *out_reader = NULL;
+  kiln_iree_reader* reader = calloc(1, sizeof(*reader));
+  if (!reader) {
+    return kiln_iree_error_new(IREE_STATUS_RESOURCE_EXHAUSTED,
+                               "creating a reader", "out of memory");
+  }
+  reader->device = device->device;
+  iree_hal_device_retain(reader->device);
+  *out_reader = reader;
+  return NULL;
+}
+
+// Makes the staging buffer hold at least |length| bytes.
+static iree_status_t kiln_iree_reader_reserve(kiln_iree_reader* reader,
+                                              iree_device_size_t length) {
+  if (reader->staging && reader->capacity >= length) return iree_ok_status();
+  iree_hal_buffer_release(reader->staging);
+  reader->staging = NULL;
+  reader->capacity = 0;
+  iree_hal_buffer_params_t params = {
+      .type = IREE_HAL_MEMORY_TYPE_HOST_LOCAL |
+              IREE_HAL_MEMORY_TYPE_DEVICE_VISIBLE,
+      .usage = IREE_HAL_BUFFER_USAGE_TRANSFER | IREE_HAL_BUFFER_USAGE_MAPPING,
+  };
+  IREE_RETURN_IF_ERROR(iree_hal_allocator_allocate_buffer(
+      iree_hal_device_allocator(reader->device), params, length,
+      &reader->staging));
+  reader->capacity = length;
+  return iree_ok_status();
+}
+
+kiln_iree_error* kiln_iree_reader_read(kiln_iree_reader* reader,
+                                       kiln_iree_tensor* tensor, void* target,
+                                       size_t length) {
+  if (length != kiln_iree_tensor_byte_length(tensor)) {
+    return kiln_iree_error_new(IREE_STATUS_INVALID_ARGUMENT,
+                               "reading an output tensor",
+                               "target length differs from the tensor's");
+  }
+  if (tensor->device != reader->device) {
+    return kiln_iree_error_new(IREE_STATUS_INVALID_ARGUMENT,
+                               "reading an output tensor",
+                               "the tensor lives on another device");
+  }
+  if (length == 0) return NULL;
+  iree_status_t status = kiln_iree_reader_reserve(reader, length);
+  if (iree_status_is_ok(status)) {
+    status = iree_hal_device_transfer_range(
+        reader->device,
+        iree_hal_make_device_transfer_buffer(
+            iree_hal_buffer_view_buffer(tensor->view)),
+        0, iree_hal_make_device_transfer_buffer(reader->staging), 0, length,
+        IREE_HAL_TRANSFER_BUFFER_FLAG_DEFAULT, iree_infinite_timeout());
+  }
+  if (iree_status_is_ok(status)) {
+    status = iree_hal_buffer_map_read(reader->staging, 0, target, length);
+  }
+  return kiln_iree_error_from_status(status, "reading an output tensor");
+}
+
+void kiln_iree_reader_release(kiln_iree_reader* reader) {
+  if (!reader) return;
+  iree_hal_buffer_release(reader->staging);
+  iree_hal_device_release(reader->device);
+  free(reader);
 }

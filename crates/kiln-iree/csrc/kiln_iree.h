@@ -21,6 +21,7 @@ typedef struct kiln_iree_device kiln_iree_device;
 typedef struct kiln_iree_module kiln_iree_module;
 typedef struct kiln_iree_call kiln_iree_call;
 typedef struct kiln_iree_tensor kiln_iree_tensor;
+typedef struct kiln_iree_reader kiln_iree_reader;
 
 // Element types kiln exchanges with modules.
 typedef enum kiln_iree_element_type {
@@ -97,6 +98,20 @@ size_t kiln_iree_tensor_byte_length(const kiln_iree_tensor* tensor);
 kiln_iree_error* kiln_iree_tensor_read(kiln_iree_tensor* tensor, void* target,
                                        size_t length);
 void kiln_iree_tensor_release(kiln_iree_tensor* tensor);
+
+// A reusable host-visible staging buffer for reading tensors of |device|
+// back. kiln_iree_tensor_read stages through a buffer allocated and freed
+// on every call, which on CUDA is pinned host memory and costs milliseconds;
+// a reader allocates once (growing when a larger tensor comes) and copies
+// device to staging to host. Not thread-safe: one reader per thread.
+kiln_iree_error* kiln_iree_reader_create(kiln_iree_device* device,
+                                         kiln_iree_reader** out_reader);
+// Copies |tensor| (which must live on the reader's device) into |target|,
+// which must be exactly the tensor's byte length.
+kiln_iree_error* kiln_iree_reader_read(kiln_iree_reader* reader,
+                                       kiln_iree_tensor* tensor, void* target,
+                                       size_t length);
+void kiln_iree_reader_release(kiln_iree_reader* reader);
 
 #ifdef __cplusplus
 }  // extern "C"

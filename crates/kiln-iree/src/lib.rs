@@ -20,7 +20,7 @@ mod runtime;
 mod tensor;
 
 pub use error::{Error, Result, StatusCode};
-pub use runtime::{Device, DeviceTensor, Instance, Module, set_flags};
+pub use runtime::{Device, DeviceTensor, Instance, Module, Reader, set_flags};
 pub use tensor::{ElementType, Tensor, TensorData};
 
 /// The IREE revision of the runtime this crate was linked against (from the

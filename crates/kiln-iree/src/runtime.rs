@@ -212,6 +212,18 @@ impl Device {
     }
 
     /// Copies a host tensor into device memory.
+    /// A reader for tensors of this device (see [`Reader`]).
+    pub fn reader(&self) -> Result<Reader> {
+        let mut raw = std::ptr::null_mut();
+        // SAFETY: the device handle is live and `raw` a valid out-pointer.
+        check(unsafe { ffi::kiln_iree_reader_create(self.raw.0.as_ptr(), &mut raw) })
+            .map_err(iree_error)?;
+        Ok(Reader {
+            raw: NonNull::new(raw).expect("the shim returns a handle on success"),
+            _device: Arc::clone(&self.raw),
+        })
+    }
+
     pub fn upload(&self, tensor: &Tensor) -> Result<DeviceTensor> {
         let bytes = tensor.bytes();
         let mut raw = std::ptr::null_mut();
@@ -311,7 +323,8 @@ impl DeviceTensor {
         ElementType::from_raw(raw_type)
     }
 
-    /// Copies the tensor to the host.
+    /// Copies the tensor to the host, through a staging buffer allocated
+    /// for this call; see [`Reader`] for repeated reads.
     pub fn read(&self) -> Result<Tensor> {
         let ty = self.element_type()?;
         // SAFETY: the handle is live; the target has exactly the byte length
@@ -327,6 +340,48 @@ impl DeviceTensor {
             bytes
         };
         Tensor::from_bytes(self.shape(), ty, &bytes)
+    }
+}
+
+/// Reads device tensors back through one reusable host-visible staging
+/// buffer. [`DeviceTensor::read`] stages through a buffer IREE allocates and
+/// frees on every call — pinned host memory on CUDA, milliseconds each — so
+/// anything that reads every step (a decode loop) should hold a reader.
+pub struct Reader {
+    raw: NonNull<ffi::kiln_iree_reader>,
+    /// Keeps the device (and its instance) alive while the reader is.
+    _device: Arc<RawDevice>,
+}
+
+// SAFETY: the reader is used through `&mut self` only, so never from two
+// threads at once; IREE buffers and devices may move between threads.
+unsafe impl Send for Reader {}
+
+impl Drop for Reader {
+    fn drop(&mut self) {
+        // SAFETY: the handle is live and released exactly once.
+        unsafe { ffi::kiln_iree_reader_release(self.raw.as_ptr()) }
+    }
+}
+
+impl Reader {
+    /// Copies `tensor` (a tensor of the reader's device) to the host.
+    pub fn read(&mut self, tensor: &DeviceTensor) -> Result<Tensor> {
+        let ty = tensor.element_type()?;
+        // SAFETY: both handles are live; the target has exactly the byte
+        // length the tensor reports.
+        let bytes = unsafe {
+            let mut bytes = vec![0u8; ffi::kiln_iree_tensor_byte_length(tensor.raw.as_ptr())];
+            check(ffi::kiln_iree_reader_read(
+                self.raw.as_ptr(),
+                tensor.raw.as_ptr(),
+                bytes.as_mut_ptr().cast(),
+                bytes.len(),
+            ))
+            .map_err(iree_error)?;
+            bytes
+        };
+        Tensor::from_bytes(tensor.shape(), ty, &bytes)
     }
 }
 

@@ -10,7 +10,7 @@ use std::collections::BTreeMap;
 use half::{bf16, f16};
 use kiln_core::weights::{Matrix, Weights};
 use kiln_core::{Backend, Model};
-use kiln_iree::{Device, DeviceTensor, Instance, Module, Tensor};
+use kiln_iree::{Device, DeviceTensor, Instance, Module, Reader, Tensor};
 
 use crate::compiler::{Compiler, Target};
 use crate::graph::{GraphOptions, Precision, WeightLayout};
@@ -123,6 +123,8 @@ pub struct IreeBackend<'m> {
     target: Target,
     graph: GraphOptions,
     device: Device,
+    /// Reads logits and tokens back without a staging allocation per read.
+    reader: Reader,
     /// `None` on a machine without the compiler: modules must be prepared.
     compiler: Option<Compiler>,
     cache: ModuleCache,
@@ -179,6 +181,7 @@ impl<'m> IreeBackend<'m> {
             ),
             target,
             graph,
+            reader: device.reader().map_err(to_core)?,
             device,
             compiler,
             cache,
@@ -276,7 +279,7 @@ impl<'m> IreeBackend<'m> {
             3,
         )?;
         self.position = rows;
-        read_f32(&outputs[0])
+        read_f32(&mut self.reader, &outputs[0])
     }
 
     /// One decode step; returns its outputs `[logits, next token, next
@@ -335,8 +338,8 @@ impl<'m> IreeBackend<'m> {
     }
 }
 
-fn read_f32(tensor: &DeviceTensor) -> kiln_core::Result<Vec<f32>> {
-    let host = tensor.read().map_err(to_core)?;
+fn read_f32(reader: &mut Reader, tensor: &DeviceTensor) -> kiln_core::Result<Vec<f32>> {
+    let host = reader.read(tensor).map_err(to_core)?;
     host.as_f32().map(<[f32]>::to_vec).map_err(to_core)
 }
 
@@ -380,14 +383,14 @@ impl Backend for IreeBackend<'_> {
 
     fn decode(&mut self, token: u32) -> kiln_core::Result<Vec<f32>> {
         let outputs = self.step(token)?;
-        read_f32(&outputs[0])
+        read_f32(&mut self.reader, &outputs[0])
     }
 
     fn decode_greedy(&mut self, token: u32) -> kiln_core::Result<u32> {
         let mut outputs = self.step(token)?;
         let position_tensor = outputs.pop().expect("three outputs");
         let token_tensor = outputs.pop().expect("three outputs");
-        let host = token_tensor.read().map_err(to_core)?;
+        let host = self.reader.read(&token_tensor).map_err(to_core)?;
         let chosen = host.as_i32().map_err(to_core)?[0];
         let vocab = self.model.config.vocab_size;
         let next = u32::try_from(chosen)

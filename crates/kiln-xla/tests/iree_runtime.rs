@@ -110,6 +110,31 @@ fn exact_results_on_local_sync() {
     exact_results_on("local-sync");
 }
 
+/// A reader gives what a one-off read gives, for tensors that grow its
+/// staging buffer and for smaller ones after; another device's tensor is an
+/// error.
+#[test]
+fn a_reader_reads_what_read_reads() {
+    let instance = Instance::new().unwrap();
+    let device = instance.device("local-task").unwrap();
+    let mut reader = device.reader().unwrap();
+    let tensors = [
+        Tensor::i32(&[1], vec![7]).unwrap(),
+        Tensor::f32(&[2, 3], vec![1.0, -2.0, 3.5, 4.0, 5.0, f32::MAX]).unwrap(),
+        Tensor::f16(&[2], vec![f16::from_f32(0.5), f16::NEG_INFINITY]).unwrap(),
+        Tensor::f32(&[0], vec![]).unwrap(),
+    ];
+    for tensor in tensors {
+        let on_device = device.upload(&tensor).unwrap();
+        assert_eq!(reader.read(&on_device).unwrap(), tensor);
+        assert_eq!(on_device.read().unwrap(), tensor);
+    }
+    let other = instance.device("local-sync").unwrap();
+    let foreign = other.upload(&Tensor::i32(&[1], vec![1]).unwrap()).unwrap();
+    let error = reader.read(&foreign).unwrap_err().to_string();
+    assert!(error.contains("another device"), "{error}");
+}
+
 #[test]
 fn cpu_drivers_are_registered() {
     let drivers = Instance::new().unwrap().drivers().unwrap();
