@@ -235,8 +235,10 @@ fn half_precisions_stay_within_their_bounds_on_the_cpu() {
     println!("f16 worst |iree - cpu| = {worst:e}");
 }
 
-/// The measured bound for the f16 graph (see docs/gpu.md).
-const F16_BOUND: f32 = 1e-2;
+/// The bound for the f16 graph against the reference on f16-rounded
+/// weights: 5x the worst measured (1.0e-3 on the H200, embedded model;
+/// 2.1e-4 on the CPU; docs/gpu.md).
+const F16_BOUND: f32 = 5e-3;
 
 #[test]
 fn a_prompt_longer_than_the_largest_bucket_is_a_clear_error() {
