@@ -88,6 +88,30 @@ fn bad_input_is_a_clear_error() {
     }
 }
 
+/// A bad IREE option names the option and the accepted values (built with
+/// the IREE backends; without them the backend itself is the error).
+#[test]
+fn bad_iree_options_are_named() {
+    if !cfg!(feature = "xla-iree") {
+        return println!("skipped: built without the xla-iree feature");
+    }
+    let cases: &[(&[&str], &str)] = &[
+        (&["--precision", "fp8"], "f32, f16 or bf16"),
+        (&["--weight-layout", "rows"], "in-out or out-in"),
+        (&["--iree-flag=--no_such_flag=1"], "not recognized"),
+    ];
+    for (extra, expected) in cases {
+        let mut args = vec!["generate", "--backend", "iree-cpu", "--max-context", "16"];
+        args.extend_from_slice(extra);
+        args.push("x");
+        let out = kiln(&args);
+        assert!(!out.status.success(), "{args:?} succeeded");
+        let err = stderr(&out);
+        assert!(err.contains(expected), "{args:?}: {err}");
+        assert!(stdout(&out).is_empty(), "{args:?} generated text");
+    }
+}
+
 #[test]
 fn an_uncompiled_or_absent_backend_is_an_error_not_a_fallback() {
     let out = kiln(&["generate", "--backend", "iree-cuda", "x"]);
