@@ -120,21 +120,23 @@ pub fn target(kind: BackendKind) -> Result<kiln_xla::Target> {
 /// The graph choices of `target` with the user's overrides.
 #[cfg(feature = "xla-iree")]
 pub fn graph(target: kiln_xla::Target, options: &IreeOptions) -> Result<kiln_xla::GraphOptions> {
-    let precision = options
-        .precision
-        .as_deref()
-        .map(str::parse)
-        .transpose()
-        .map_err(|e: String| anyhow::anyhow!("--precision: {e}"))?;
-    let layout = options
-        .weight_layout
-        .as_deref()
-        .map(str::parse)
-        .transpose()
-        .map_err(|e: String| anyhow::anyhow!("--weight-layout: {e}"))?;
+    let precision = parse_option("--precision", options.precision.as_deref())?;
+    let layout = parse_option("--weight-layout", options.weight_layout.as_deref())?;
     Ok(kiln_xla::GraphOptions::for_target(
         target, precision, layout,
     ))
+}
+
+/// An optional option value parsed, an error naming the option otherwise.
+#[cfg(feature = "xla-iree")]
+fn parse_option<T: std::str::FromStr<Err = String>>(
+    option: &str,
+    value: Option<&str>,
+) -> Result<Option<T>> {
+    value
+        .map(str::parse)
+        .transpose()
+        .map_err(|e| anyhow::anyhow!("{option}: {e}"))
 }
 
 /// The sequence buckets and context the IREE modules are compiled for.

@@ -35,7 +35,18 @@ fn rounded_to_f16(model: &Model) -> Model {
 }
 
 fn iree(model: &Model, cache: ModuleCache) -> IreeBackend<'_> {
-    let graph = GraphOptions::for_target(Target::LlvmCpu, None, None);
+    on_cpu(model, None, None, cache)
+}
+
+/// An IREE `local-task` backend at the given precision and layout (each
+/// defaulting to the CPU target's).
+fn on_cpu(
+    model: &Model,
+    precision: Option<Precision>,
+    layout: Option<WeightLayout>,
+    cache: ModuleCache,
+) -> IreeBackend<'_> {
+    let graph = GraphOptions::for_target(Target::LlvmCpu, precision, layout);
     open(model, "local-task", Target::LlvmCpu, graph, cache).unwrap_or_else(|e| panic!("{e}"))
 }
 
@@ -187,50 +198,24 @@ fn device_argmax_matches_host_argmax(xla: &mut IreeBackend<'_>) {
 #[test]
 fn device_argmax_matches_host_argmax_on_the_cpu() {
     let model = wide_vocabulary_model();
-    let graph = GraphOptions::for_target(Target::LlvmCpu, None, None);
-    let mut xla = open(
-        &model,
-        "local-task",
-        Target::LlvmCpu,
-        graph,
-        default_cache(),
-    )
-    .unwrap();
-    device_argmax_matches_host_argmax(&mut xla);
+    device_argmax_matches_host_argmax(&mut iree(&model, default_cache()));
 }
 
 #[test]
 fn both_weight_layouts_give_the_same_model() {
     let model = fixture("llama-gqa-untied");
     for layout in WeightLayout::ALL {
-        let graph = GraphOptions::for_target(Target::LlvmCpu, Some(Precision::F32), Some(layout));
-        let mut xla = open(
-            &model,
-            "local-task",
-            Target::LlvmCpu,
-            graph,
-            default_cache(),
-        )
-        .unwrap();
+        let mut xla = on_cpu(&model, Some(Precision::F32), Some(layout), default_cache());
         agrees(&model, &mut xla, 1e-4, 8);
     }
 }
 
-/// f16 and bf16 weights and KV cache, against the CPU reference run on the
-/// same rounded weights. The bounds are the measured worst case with margin
-/// (see docs/gpu.md); greedy tokens must still match.
+/// f16 weights and KV cache, against the CPU reference run on the same
+/// rounded weights, within [`F16_BOUND`]; greedy tokens must still match.
 #[test]
 fn half_precisions_stay_within_their_bounds_on_the_cpu() {
     let model = rounded_to_f16(&fixture("llama-gqa-untied"));
-    let graph = GraphOptions::for_target(Target::LlvmCpu, Some(Precision::F16), None);
-    let mut xla = open(
-        &model,
-        "local-task",
-        Target::LlvmCpu,
-        graph,
-        default_cache(),
-    )
-    .unwrap();
+    let mut xla = on_cpu(&model, Some(Precision::F16), None, default_cache());
     let worst = agrees(&model, &mut xla, F16_BOUND, 16);
     println!("f16 worst |iree - cpu| = {worst:e}");
 }

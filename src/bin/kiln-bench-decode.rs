@@ -160,6 +160,7 @@ fn load_folder(dir: &Path) -> Result<Model> {
 }
 
 /// The configuration of a model spec, without making its weights.
+#[cfg(feature = "xla-iree")]
 fn config(spec: &str) -> Result<ModelConfig> {
     Ok(match (spec, kiln_core::model::preset(spec)) {
         ("embedded", _) => Model::embedded().config,
