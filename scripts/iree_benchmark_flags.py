@@ -1,0 +1,39 @@
+#!/usr/bin/env python3
+"""Writes an `iree-benchmark-module` flag file for a function of a kiln module
+exported by `kiln-bench-decode --prepare --export DIR`: one splat `--input`
+per argument, read off the function's signature in the `.mlir`, so that IREE's
+own benchmark tool can time the module without kiln around it.
+
+    python3 scripts/iree_benchmark_flags.py DIR/model-cuda-f16-out-in-decode.mlir \
+        --function decode_step --device cuda > decode.flags
+    iree-benchmark-module --flagfile=decode.flags --module=DIR/...-decode.vmfb
+
+Integer arguments get `--int` (token ids and positions), float ones
+`--float` (not zero: zero data can run faster than real data).
+"""
+import argparse
+import re
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("mlir")
+    p.add_argument("--function", default="decode_step")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--int", default="7")
+    p.add_argument("--float", default="0.01")
+    args = p.parse_args()
+    text = open(args.mlir).read()
+    m = re.search(r"func\.func @" + re.escape(args.function) + r"\((.*?)\)\s*->", text, re.S)
+    if not m:
+        raise SystemExit(f"no function {args.function} in {args.mlir}")
+    print(f"--device={args.device}")
+    print(f"--function={args.function}")
+    for ty in re.findall(r"tensor<([^>]*)>", m.group(1)):
+        *dims, element = ty.split("x")
+        value = args.int if element.startswith("i") else args.float
+        print(f"--input={'x'.join(dims + [element])}={value}")
+
+
+if __name__ == "__main__":
+    main()
