@@ -14,7 +14,6 @@ use kiln_iree::{Device, DeviceTensor, Instance, Module, Reader, Tensor};
 
 use crate::compiler::{Compiler, Target};
 use crate::graph::{GraphOptions, Precision, WeightLayout};
-
 use crate::module_cache::{ModuleCache, Origin};
 use crate::prepared;
 
