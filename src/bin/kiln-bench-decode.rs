@@ -348,11 +348,11 @@ fn describe(kind: BackendKind, options: &IreeOptions) -> Result<(String, String,
 #[cfg(feature = "xla-iree")]
 fn iree_graph(kind: BackendKind, options: &IreeOptions) -> Result<(String, String, u64)> {
     let graph = backends::graph(backends::target(kind)?, options)?;
-    let bytes = match graph.precision {
-        kiln_xla::Precision::F32 => 4,
-        kiln_xla::Precision::F16 | kiln_xla::Precision::Bf16 => 2,
-    };
-    Ok((graph.precision.to_string(), graph.layout.to_string(), bytes))
+    Ok((
+        graph.precision.to_string(),
+        graph.layout.to_string(),
+        graph.precision.bytes() as u64,
+    ))
 }
 
 #[cfg(not(feature = "xla-iree"))]

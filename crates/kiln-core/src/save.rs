@@ -15,7 +15,7 @@ use crate::weights::{Matrix, Weights};
 
 /// The `config.json` of `config`, with the fields [`ModelConfig::from_json`]
 /// reads back to an equal configuration.
-pub fn config_json(config: &ModelConfig) -> serde_json::Value {
+fn config_json(config: &ModelConfig) -> serde_json::Value {
     let rope_scaling = config.rope_scaling.as_ref().map(|s| match s {
         RopeScaling::Linear { factor } => json!({"rope_type": "linear", "factor": factor}),
         RopeScaling::Llama3 {

@@ -401,13 +401,19 @@ size_t kiln_iree_tensor_byte_length(const kiln_iree_tensor* tensor) {
   return (size_t)iree_hal_buffer_view_byte_length(tensor->view);
 }
 
+// An error unless |length| is |tensor|'s byte length.
+static kiln_iree_error* kiln_iree_check_read_length(
+    const kiln_iree_tensor* tensor, size_t length) {
+  if (length == kiln_iree_tensor_byte_length(tensor)) return NULL;
+  return kiln_iree_error_new(IREE_STATUS_INVALID_ARGUMENT,
+                             "reading an output tensor",
+                             "target length differs from the tensor's");
+}
+
 kiln_iree_error* kiln_iree_tensor_read(kiln_iree_tensor* tensor, void* target,
                                        size_t length) {
-  if (length != kiln_iree_tensor_byte_length(tensor)) {
-    return kiln_iree_error_new(IREE_STATUS_INVALID_ARGUMENT,
-                               "reading an output tensor",
-                               "target length differs from the tensor's");
-  }
+  kiln_iree_error* error = kiln_iree_check_read_length(tensor, length);
+  if (error) return error;
   return kiln_iree_error_from_status(
       iree_hal_device_transfer_d2h(
           tensor->device, iree_hal_buffer_view_buffer(tensor->view), 0, target,
@@ -458,11 +464,8 @@ static iree_status_t kiln_iree_reader_reserve(kiln_iree_reader* reader,
 kiln_iree_error* kiln_iree_reader_read(kiln_iree_reader* reader,
                                        kiln_iree_tensor* tensor, void* target,
                                        size_t length) {
-  if (length != kiln_iree_tensor_byte_length(tensor)) {
-    return kiln_iree_error_new(IREE_STATUS_INVALID_ARGUMENT,
-                               "reading an output tensor",
-                               "target length differs from the tensor's");
-  }
+  kiln_iree_error* error = kiln_iree_check_read_length(tensor, length);
+  if (error) return error;
   if (tensor->device != reader->device) {
     return kiln_iree_error_new(IREE_STATUS_INVALID_ARGUMENT,
                                "reading an output tensor",

@@ -195,10 +195,6 @@ impl<'m> IreeBackend<'m> {
         })
     }
 
-    pub fn graph(&self) -> &GraphOptions {
-        &self.graph
-    }
-
     pub fn buckets(&self) -> &Buckets {
         &self.buckets
     }

@@ -47,6 +47,14 @@ impl Precision {
             Precision::Bf16 => "bf16",
         }
     }
+
+    /// Bytes of one stored element.
+    pub fn bytes(self) -> usize {
+        match self {
+            Precision::F32 => 4,
+            Precision::F16 | Precision::Bf16 => 2,
+        }
+    }
 }
 
 impl fmt::Display for Precision {
@@ -59,11 +67,22 @@ impl FromStr for Precision {
     type Err = String;
 
     fn from_str(s: &str) -> Result<Precision, String> {
-        Precision::ALL
-            .into_iter()
-            .find(|p| p.name() == s)
-            .ok_or_else(|| format!("unknown precision `{s}`: use f32, f16 or bf16"))
+        by_name(&Precision::ALL, Precision::name, s, "precision")
     }
+}
+
+/// The entry of `all` called `s`, or an error listing the names.
+fn by_name<T: Copy>(
+    all: &[T],
+    name: fn(T) -> &'static str,
+    s: &str,
+    what: &str,
+) -> Result<T, String> {
+    all.iter().copied().find(|&v| name(v) == s).ok_or_else(|| {
+        let names: Vec<&str> = all.iter().map(|&v| name(v)).collect();
+        let (last, rest) = names.split_last().expect("a non-empty list");
+        format!("unknown {what} `{s}`: use {} or {last}", rest.join(", "))
+    })
 }
 
 /// How weight matrices are laid out in device memory.
@@ -106,10 +125,7 @@ impl FromStr for WeightLayout {
     type Err = String;
 
     fn from_str(s: &str) -> Result<WeightLayout, String> {
-        WeightLayout::ALL
-            .into_iter()
-            .find(|l| l.name() == s)
-            .ok_or_else(|| format!("unknown weight layout `{s}`: use in-out or out-in"))
+        by_name(&WeightLayout::ALL, WeightLayout::name, s, "weight layout")
     }
 }
 
