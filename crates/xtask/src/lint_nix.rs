@@ -9,10 +9,11 @@ use std::process::Command;
 use anyhow::{Result, anyhow};
 
 use crate::pins::repo_root;
-use crate::tools::{require_host_program, require_on_path};
+use crate::setup::Toolbox;
+use crate::tools::require_host_program;
 use crate::tree::source_files;
 
-pub fn run() -> Result<()> {
+pub fn run(tools: &Toolbox) -> Result<()> {
     let root = repo_root();
     let files: Vec<PathBuf> = source_files(&root)?
         .into_iter()
@@ -24,18 +25,10 @@ pub fn run() -> Result<()> {
     require_host_program(
         "nix-instantiate",
         "parses the Nix files",
-        "Debian/Ubuntu: apt-get install -y nix-bin",
+        "`cargo xtask setup`, or Debian/Ubuntu: apt-get install -y nix-bin",
     )?;
-    require_on_path(
-        "nixpkgs-fmt",
-        "the flake's formatter",
-        "cargo install --locked nixpkgs-fmt@1.3.0",
-    )?;
-    require_host_program(
-        "deadnix",
-        "finds dead Nix code",
-        "cargo install --locked deadnix@1.2.1",
-    )?;
+    let nixpkgs_fmt = tools.find("nixpkgs-fmt", "the flake's formatter")?;
+    let deadnix = tools.find("deadnix", "finds dead Nix code")?;
     let mut failures = Vec::new();
     for file in &files {
         let output = Command::new("nix-instantiate")
@@ -52,7 +45,7 @@ pub fn run() -> Result<()> {
         }
     }
     if failures.is_empty() {
-        for (program, args) in [("nixpkgs-fmt", ["--check"]), ("deadnix", ["--fail"])] {
+        for (program, args) in [(&nixpkgs_fmt, ["--check"]), (&deadnix, ["--fail"])] {
             let output = Command::new(program)
                 .args(args)
                 .args(&files)
@@ -60,7 +53,8 @@ pub fn run() -> Result<()> {
                 .output()?;
             if !output.status.success() {
                 failures.push(format!(
-                    "{program} {}:\n{}{}",
+                    "{} {}:\n{}{}",
+                    program.display(),
                     args.join(" "),
                     String::from_utf8_lossy(&output.stdout),
                     String::from_utf8_lossy(&output.stderr)

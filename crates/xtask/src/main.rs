@@ -13,11 +13,13 @@ mod lint_workflows;
 mod pins;
 mod prefix;
 mod repro;
+mod setup;
 mod test;
 mod tools;
 mod tree;
 mod unpack;
 mod verify_pins;
+mod workflow_invariants;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -57,7 +59,11 @@ enum Task {
     },
     /// Download every pinned input, for every system, and check its sha256.
     VerifyPins,
-    /// Run the whole test suite: lint, both IREE variants, the tests, the gate.
+    /// Install what the suite needs: the system packages (apt, as root or
+    /// with sudo), nixpkgs-fmt and deadnix, the hash-pinned workflow linters.
+    Setup,
+    /// Set up (as `setup`), then run the whole test suite: lint, both IREE
+    /// variants, the tests, the gate.
     Test,
     /// The link gate: link every release cuda,xla-iree target, then prove with
     /// the mutation suite that link-only regressions fail it.
@@ -71,7 +77,8 @@ enum Task {
     },
     /// Check every Nix file: parse, nixpkgs-fmt, deadnix.
     LintNix,
-    /// Lint the GitHub workflows with actionlint and zizmor.
+    /// Check the GitHub workflows' security invariants; lint them with
+    /// actionlint (shellcheck, pyflakes) and zizmor.
     LintWorkflows,
     /// Build the release cuda,xla-iree binaries twice (two checkout paths, two
     /// target folders) and compare them.
@@ -117,6 +124,9 @@ fn run(cli: Cli) -> Result<()> {
             print!("{}", env::exports(&Cache::open()?, &load_pins()?, variant)?);
         }
         Task::VerifyPins => verify_pins::run(&Cache::open()?, &load_pins()?)?,
+        Task::Setup => {
+            setup::run(&Cache::open()?)?;
+        }
         Task::Test => test::run(&Cache::open()?, &load_pins()?)?,
         Task::Gate {
             link_only,
@@ -126,8 +136,8 @@ fn run(cli: Cli) -> Result<()> {
             gate::run(&prefix, link_only, mutation.as_deref())?;
         }
         Task::Repro => repro::run(&prefix_for_gate()?)?,
-        Task::LintNix => lint_nix::run()?,
-        Task::LintWorkflows => lint_workflows::run()?,
+        Task::LintNix => lint_nix::run(&setup::Toolbox::installed(&Cache::open()?)?)?,
+        Task::LintWorkflows => lint_workflows::run(&setup::Toolbox::installed(&Cache::open()?)?)?,
         Task::IreePrefixInstall {
             build,
             source,

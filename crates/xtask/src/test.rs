@@ -14,6 +14,9 @@ use crate::{compiler, tools};
 
 /// Every step of the suite, in order; the first failure stops it.
 pub fn run(cache: &Cache, pins: &Pins) -> Result<()> {
+    let toolbox = step("setup: system packages and pinned tools", || {
+        crate::setup::run(cache)
+    })?;
     tools::require_host_program(
         "pkg-config",
         "kiln-iree's build script reads the prefix's link description with it",
@@ -34,11 +37,12 @@ pub fn run(cache: &Cache, pins: &Pins) -> Result<()> {
         ]
     };
     step("rustfmt", || cargo(&["fmt", "--all", "--check"], &[]))?;
-    step("Nix files: parse, format, dead code", crate::lint_nix::run)?;
-    step(
-        "GitHub workflows: actionlint, zizmor",
-        crate::lint_workflows::run,
-    )?;
+    step("Nix files: parse, format, dead code", || {
+        crate::lint_nix::run(&toolbox)
+    })?;
+    step("GitHub workflows: invariants, actionlint, zizmor", || {
+        crate::lint_workflows::run(&toolbox)
+    })?;
     step(
         "every pinned input, every system: download and sha256",
         || crate::verify_pins::run(cache, pins),

@@ -47,16 +47,6 @@ pub fn require_host_program(program: &str, purpose: &str, install: &str) -> Resu
     Ok(text.lines().next().unwrap_or_default().to_string())
 }
 
-/// Checks only that `program` can be started (for programs whose `--version`
-/// exits with an error, as nixpkgs-fmt 1.3.0's does).
-pub fn require_on_path(program: &str, purpose: &str, install: &str) -> Result<()> {
-    Command::new(program)
-        .arg("--version")
-        .output()
-        .map(|_| ())
-        .map_err(|e| not_found(program, purpose, install, e))
-}
-
 fn not_found(program: &str, purpose: &str, install: &str, e: std::io::Error) -> anyhow::Error {
     anyhow!("`{program}` ({purpose}) was not found on PATH ({e}); install it: {install}")
 }

@@ -1,0 +1,328 @@
+//! `cargo xtask setup` (and the first step of `cargo xtask test`): everything
+//! the suite needs that a fresh Debian/Ubuntu machine with only rustup lacks.
+//! - the system packages, through apt when this user is root or has
+//!   password-less sudo; otherwise the exact apt command, and a stop;
+//! - nixpkgs-fmt and deadnix, built with `cargo install --locked` from their
+//!   crates, pinned here by version and sha256;
+//! - the workflow linters (`.ci/requirements-lint.txt`, hash-pinned) in a
+//!   virtual environment of their own.
+//!
+//! The tools land in the cache (`$KILN_CACHE_DIR/tools`), named by what went
+//! into them; nothing is installed into `~/.cargo/bin` or the system Python.
+
+use std::os::unix::fs::MetadataExt;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use anyhow::{Context, Result, anyhow};
+
+use crate::cache::{Cache, content_key};
+use crate::fetch::{fetch, sha256_file};
+use crate::pins::{Download, repo_root};
+use crate::unpack;
+
+/// Debian/Ubuntu packages the suite needs, and why.
+const SYSTEM_PACKAGES: [(&str, &str); 7] = [
+    (
+        "build-essential",
+        "C/C++ compilers for the IREE runtime and the shim",
+    ),
+    (
+        "pkg-config",
+        "kiln-iree's build script reads the prefix's link recipe",
+    ),
+    ("libclang-dev", "bindgen"),
+    ("ca-certificates", "HTTPS downloads of the pinned inputs"),
+    ("nix-bin", "nix-instantiate --parse for the Nix files"),
+    ("python3-venv", "the workflow linters' virtual environment"),
+    ("shellcheck", "actionlint's check of every `run:` script"),
+];
+
+/// A crates.io binary crate, pinned by version and the sha256 of its `.crate`
+/// (the `cksum` in the crates.io index).
+struct CargoTool {
+    name: &'static str,
+    version: &'static str,
+    sha256: &'static str,
+}
+
+const CARGO_TOOLS: [CargoTool; 2] = [
+    CargoTool {
+        name: "nixpkgs-fmt",
+        version: "1.3.0",
+        sha256: "1f1bdfcb88bb9dc3ae8a6ef55cda89eb33d7c69a98411b4cdb845adf391a7587",
+    },
+    CargoTool {
+        name: "deadnix",
+        version: "1.2.1",
+        sha256: "35d39f9234cf8779f4734f62782e5312a85aa40b7dd0ef05a525f785113aa536",
+    },
+];
+
+/// The hash-pinned Python tools: actionlint, zizmor, pyflakes.
+const LINT_REQUIREMENTS: &str = ".ci/requirements-lint.txt";
+
+/// Written last into a finished virtual environment. A venv cannot be built
+/// elsewhere and renamed (its scripts name their interpreter by absolute
+/// path), so a folder without it is a half-made one and is rebuilt.
+const VENV_COMPLETE: &str = ".kiln-complete";
+
+/// The folders of the tools `setup` installs, searched before `PATH`.
+pub struct Toolbox {
+    bin_dirs: Vec<PathBuf>,
+}
+
+impl Toolbox {
+    /// The tools already installed in the cache (none are installed here).
+    pub fn installed(cache: &Cache) -> Result<Toolbox> {
+        let mut bin_dirs: Vec<PathBuf> = CARGO_TOOLS
+            .iter()
+            .map(|tool| cargo_tool_dir(cache, tool).join("bin"))
+            .collect();
+        bin_dirs.push(lint_venv_dir(cache)?.join("bin"));
+        bin_dirs.retain(|dir| dir.is_dir());
+        Ok(Toolbox { bin_dirs })
+    }
+
+    /// The path of `program`: from the cache's tools, else from `PATH`.
+    pub fn find(&self, program: &str, purpose: &str) -> Result<PathBuf> {
+        self.bin_dirs
+            .iter()
+            .map(|dir| dir.join(program))
+            .find(|path| path.is_file())
+            .map(Ok)
+            .unwrap_or_else(|| {
+                which::which(program).map_err(|_| {
+                    anyhow!(
+                        "`{program}` ({purpose}) is not installed; `cargo xtask setup` installs it (or put it on PATH)"
+                    )
+                })
+            })
+    }
+}
+
+/// Installs everything; returns where the tools are.
+pub fn run(cache: &Cache) -> Result<Toolbox> {
+    system_packages()?;
+    for tool in &CARGO_TOOLS {
+        install_cargo_tool(cache, tool)?;
+    }
+    install_lint_venv(cache)?;
+    let toolbox = Toolbox::installed(cache)?;
+    eprintln!(
+        "setup: system packages present; tools in {}",
+        cache.path("tools").display()
+    );
+    Ok(toolbox)
+}
+
+/// Installs the missing system packages, or says how to.
+fn system_packages() -> Result<()> {
+    let names: Vec<&str> = SYSTEM_PACKAGES.iter().map(|(name, _)| *name).collect();
+    if which::which("dpkg-query").is_err() {
+        eprintln!(
+            "setup: not a Debian/Ubuntu system (no dpkg-query); install the equivalents of: {}",
+            names.join(" ")
+        );
+        return Ok(());
+    }
+    let missing: Vec<&str> = names
+        .iter()
+        .copied()
+        .filter(|name| !dpkg_installed(name))
+        .collect();
+    if missing.is_empty() {
+        return Ok(());
+    }
+    let install = format!(
+        "apt-get update && apt-get install -y --no-install-recommends {}",
+        missing.join(" ")
+    );
+    let why: Vec<String> = SYSTEM_PACKAGES
+        .iter()
+        .filter(|(name, _)| missing.contains(name))
+        .map(|(name, purpose)| format!("  {name}: {purpose}"))
+        .collect();
+    let sudo = match privilege() {
+        Privilege::Root => None,
+        Privilege::Sudo => Some("sudo"),
+        Privilege::None => {
+            return Err(anyhow!(
+                "missing system packages:\n{}\nrun as root: {install}",
+                why.join("\n")
+            ));
+        }
+    };
+    eprintln!("setup: installing {}", missing.join(" "));
+    let apt = |args: &[&str]| -> Result<()> {
+        let mut command = match sudo {
+            Some(sudo) => {
+                let mut c = Command::new(sudo);
+                c.arg("-n").arg("apt-get");
+                c
+            }
+            None => Command::new("apt-get"),
+        };
+        let status = command
+            .args(args)
+            .env("DEBIAN_FRONTEND", "noninteractive")
+            .status()
+            .context("cannot run apt-get")?;
+        if !status.success() {
+            return Err(anyhow!(
+                "`apt-get {}` failed ({status}); install by hand: {install}",
+                args.join(" ")
+            ));
+        }
+        Ok(())
+    };
+    apt(&["update", "-qq"])?;
+    let mut args = vec!["install", "-y", "-qq", "--no-install-recommends"];
+    args.extend(&missing);
+    apt(&args)
+}
+
+fn dpkg_installed(package: &str) -> bool {
+    Command::new("dpkg-query")
+        .args(["-W", "-f=${db:Status-Status}", package])
+        .output()
+        .is_ok_and(|out| out.status.success() && out.stdout == b"installed")
+}
+
+enum Privilege {
+    Root,
+    Sudo,
+    None,
+}
+
+fn privilege() -> Privilege {
+    if std::fs::metadata("/proc/self").is_ok_and(|m| m.uid() == 0) {
+        return Privilege::Root;
+    }
+    let sudo_works = Command::new("sudo")
+        .args(["-n", "true"])
+        .output()
+        .is_ok_and(|out| out.status.success());
+    if sudo_works {
+        Privilege::Sudo
+    } else {
+        Privilege::None
+    }
+}
+
+fn cargo_tool_dir(cache: &Cache, tool: &CargoTool) -> PathBuf {
+    cache.path("tools").join(format!(
+        "{}-{}-{}",
+        tool.name,
+        tool.version,
+        &tool.sha256[..16]
+    ))
+}
+
+/// Fetches the pinned `.crate`, checks its sha256 and builds it with its own
+/// Cargo.lock (`--locked`) into the cache.
+fn install_cargo_tool(cache: &Cache, tool: &CargoTool) -> Result<()> {
+    let dest = cargo_tool_dir(cache, tool);
+    if dest.exists() {
+        return Ok(());
+    }
+    let crate_name = format!("{}-{}", tool.name, tool.version);
+    let pin = Download {
+        name: format!("{crate_name}.crate"),
+        url: format!(
+            "https://static.crates.io/crates/{}/{crate_name}.crate",
+            tool.name
+        ),
+        sha256: tool.sha256.into(),
+    };
+    let archive = fetch(cache, &pin)?;
+    std::fs::create_dir_all(cache.path("staging"))?;
+    // Removed when dropped: the unpacked source and cargo's target folder.
+    let build = tempfile::Builder::new()
+        .prefix("cargo-tool-")
+        .tempdir_in(cache.path("staging"))
+        .context("cannot create a build folder in the cache")?;
+    unpack::tar_gz(&archive, build.path())?;
+    let source = build.path().join(&crate_name);
+    cache.publish(&dest, |staging| {
+        eprintln!("setup: cargo install --locked {crate_name}");
+        let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
+        let status = Command::new(cargo)
+            .args(["install", "--locked", "--quiet", "--path"])
+            .arg(&source)
+            .arg("--root")
+            .arg(staging)
+            .arg("--target-dir")
+            .arg(build.path().join("target"))
+            .current_dir(build.path())
+            .status()
+            .context("cannot run cargo install")?;
+        if !status.success() {
+            return Err(anyhow!(
+                "`cargo install --locked {crate_name}` failed ({status})"
+            ));
+        }
+        Ok(())
+    })?;
+    Ok(())
+}
+
+/// The venv's folder, named by the requirements and the Python that runs it.
+fn lint_venv_dir(cache: &Cache) -> Result<PathBuf> {
+    let requirements = repo_root().join(LINT_REQUIREMENTS);
+    let python = Command::new("python3")
+        .arg("--version")
+        .output()
+        .map(|out| String::from_utf8_lossy(&out.stdout).trim().to_string())
+        .unwrap_or_default();
+    let key = content_key(&serde_json::json!({
+        "requirements": sha256_file(&requirements)?,
+        "python": python,
+    }));
+    Ok(cache
+        .path("tools")
+        .join(format!("lint-venv-{}", &key[..16])))
+}
+
+fn install_lint_venv(cache: &Cache) -> Result<()> {
+    let dir = lint_venv_dir(cache)?;
+    if dir.join(VENV_COMPLETE).exists() {
+        return Ok(());
+    }
+    if dir.exists() {
+        std::fs::remove_dir_all(&dir)
+            .with_context(|| format!("cannot remove the half-made {}", dir.display()))?;
+    }
+    let result = build_venv(&dir);
+    if result.is_err() {
+        // Leave nothing that looks like a venv behind.
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+    result
+}
+
+fn build_venv(dir: &Path) -> Result<()> {
+    eprintln!("setup: workflow linters into {}", dir.display());
+    run_checked(
+        Command::new("python3").arg("-m").arg("venv").arg(dir),
+        "python3 -m venv (Debian/Ubuntu: apt-get install -y python3-venv)",
+    )?;
+    run_checked(
+        Command::new(dir.join("bin/pip"))
+            .args(["install", "--quiet", "--require-hashes", "--no-deps", "-r"])
+            .arg(repo_root().join(LINT_REQUIREMENTS)),
+        "pip install --require-hashes -r .ci/requirements-lint.txt",
+    )?;
+    std::fs::write(dir.join(VENV_COMPLETE), b"")?;
+    Ok(())
+}
+
+fn run_checked(command: &mut Command, what: &str) -> Result<()> {
+    let status = command
+        .status()
+        .with_context(|| format!("cannot run {what}"))?;
+    if !status.success() {
+        return Err(anyhow!("{what} failed ({status})"));
+    }
+    Ok(())
+}

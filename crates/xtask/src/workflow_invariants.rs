@@ -1,0 +1,983 @@
+//! The security invariants of `.github/`, checked on the parsed YAML.
+//!
+//! actionlint and zizmor judge a workflow by general rules; these checks hold
+//! kiln's own promises, so that a reviewed change cannot quietly drop a guard
+//! (they cannot stop a malicious pull request: it runs its own copy of this
+//! file; the repository settings in the README's "CI" section do that):
+//! - no `pull_request_target` or `workflow_run` trigger;
+//! - read-only permissions at the top, and no job asking for write access;
+//! - every action pinned to a full commit SHA, its tag in a comment;
+//! - `persist-credentials: false` on every checkout;
+//! - no `${{ … }}` expression inside a `run:` script (values go through `env:`);
+//! - a self-hosted runner only in a job that runs only for pushes to main and
+//!   manual runs on main;
+//! - secrets and deployment environments only in jobs that run only for
+//!   pushes to main;
+//! - the cachix CLI given to cachix-action explicitly (`cachixBin`);
+//! - Dependabot updates the actions, with a cooldown of at least a week.
+
+use std::collections::BTreeSet;
+use std::fmt;
+use std::path::Path;
+
+use anyhow::{Context, Result, anyhow};
+use saphyr::{LoadableYamlNode, MarkedYamlOwned as Node};
+
+/// The one invariant a finding breaks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Rule {
+    ForbiddenTrigger,
+    Permissions,
+    UnpinnedAction,
+    PersistedCredentials,
+    ExpressionInScript,
+    SelfHostedRunner,
+    SecretOffMain,
+    CachixCli,
+    Dependabot,
+}
+
+impl Rule {
+    fn name(self) -> &'static str {
+        match self {
+            Rule::ForbiddenTrigger => "forbidden-trigger",
+            Rule::Permissions => "permissions",
+            Rule::UnpinnedAction => "unpinned-action",
+            Rule::PersistedCredentials => "persisted-credentials",
+            Rule::ExpressionInScript => "expression-in-script",
+            Rule::SelfHostedRunner => "self-hosted-runner",
+            Rule::SecretOffMain => "secret-off-main",
+            Rule::CachixCli => "cachix-cli",
+            Rule::Dependabot => "dependabot",
+        }
+    }
+}
+
+#[derive(Debug)]
+pub struct Finding {
+    pub file: String,
+    pub line: usize,
+    pub rule: Rule,
+    pub message: String,
+}
+
+impl fmt::Display for Finding {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "{}:{}: [{}] {}",
+            self.file,
+            self.line,
+            self.rule.name(),
+            self.message
+        )
+    }
+}
+
+/// Triggers under which a workflow runs with this repository's secrets or a
+/// write token on code or data that a pull request's author controls.
+const FORBIDDEN_TRIGGERS: [&str; 2] = ["pull_request_target", "workflow_run"];
+
+/// Events for which GitHub runs only workflow files that are already in this
+/// repository: a push (to main, with the `github.ref` guard) and a manual run.
+const SELF_HOSTED_EVENTS: [&str; 2] = ["push", "workflow_dispatch"];
+
+/// Secrets and environments: pushes only, so not even a manual run on main
+/// can use them.
+const SECRET_EVENTS: [&str; 1] = ["push"];
+
+const REF_MAIN: &str = "github.ref == 'refs/heads/main'";
+
+/// Write permissions a job may ask for, as (workflow file, job, scope). None
+/// today; a job that needs one is added here with its reason.
+const WRITE_GRANTS: [(&str, &str, &str); 0] = [];
+
+/// Every invariant over a repository's `.github` folder.
+pub fn check_repository(root: &Path) -> Result<Vec<Finding>> {
+    let dir = root.join(".github/workflows");
+    let mut files: Vec<_> = std::fs::read_dir(&dir)
+        .with_context(|| format!("cannot read {}", dir.display()))?
+        .collect::<std::io::Result<Vec<_>>>()?
+        .into_iter()
+        .map(|entry| entry.path())
+        .filter(|p| p.extension().is_some_and(|e| e == "yml" || e == "yaml"))
+        .collect();
+    files.sort();
+    if files.is_empty() {
+        return Err(anyhow!("no workflow files in {}", dir.display()));
+    }
+    let mut findings = Vec::new();
+    for path in &files {
+        let text = std::fs::read_to_string(path)
+            .with_context(|| format!("cannot read {}", path.display()))?;
+        let name = path
+            .strip_prefix(root)
+            .unwrap_or(path)
+            .display()
+            .to_string();
+        findings.extend(check_workflow(&name, &text)?);
+    }
+    let dependabot = root.join(".github/dependabot.yml");
+    let name = ".github/dependabot.yml";
+    match std::fs::read_to_string(&dependabot) {
+        Ok(text) => findings.extend(check_dependabot(name, &text)?),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => findings.push(Finding {
+            file: name.into(),
+            line: 1,
+            rule: Rule::Dependabot,
+            message: "missing: nothing keeps the pinned action SHAs current".into(),
+        }),
+        Err(e) => return Err(anyhow!("cannot read {}: {e}", dependabot.display())),
+    }
+    Ok(findings)
+}
+
+fn parse(file: &str, text: &str) -> Result<Node> {
+    let mut docs =
+        Node::load_from_str(text).map_err(|e| anyhow!("{file} is not valid YAML: {e}"))?;
+    if docs.len() != 1 {
+        return Err(anyhow!(
+            "{file} holds {} YAML documents; a workflow is one",
+            docs.len()
+        ));
+    }
+    Ok(docs.remove(0))
+}
+
+/// Collects findings for one file, with the file's source lines at hand for
+/// the comments a YAML tree does not keep.
+struct Checker<'a> {
+    file: &'a str,
+    lines: Vec<&'a str>,
+    findings: Vec<Finding>,
+}
+
+impl Checker<'_> {
+    fn report(&mut self, node: &Node, rule: Rule, message: String) {
+        self.findings.push(Finding {
+            file: self.file.to_string(),
+            line: line(node),
+            rule,
+            message,
+        });
+    }
+}
+
+pub fn check_workflow(file: &str, text: &str) -> Result<Vec<Finding>> {
+    let root = parse(file, text)?;
+    let mut c = Checker {
+        file,
+        lines: text.lines().collect(),
+        findings: Vec::new(),
+    };
+    let triggers = check_triggers(&mut c, &root);
+    check_top_permissions(&mut c, &root);
+    if let Some(env) = get(&root, "env")
+        && references_secret(env)
+    {
+        c.report(
+            env,
+            Rule::SecretOffMain,
+            "a secret in the workflow's `env:` reaches every job; put it in the one job that needs it, inside an environment".into(),
+        );
+    }
+    let jobs = get(&root, "jobs").and_then(|j| j.data.as_mapping());
+    for (name, job) in jobs.into_iter().flatten() {
+        let name = name.data.as_str().unwrap_or("?");
+        check_job(&mut c, &triggers, name, job);
+    }
+    Ok(c.findings)
+}
+
+/// The workflow's trigger events; reports the forbidden ones.
+fn check_triggers(c: &mut Checker, root: &Node) -> BTreeSet<String> {
+    let Some(on) = get(root, "on") else {
+        return BTreeSet::new();
+    };
+    let events: Vec<String> = if let Some(event) = on.data.as_str() {
+        vec![event.into()]
+    } else if let Some(list) = on.data.as_vec() {
+        list.iter().map(scalar_text).collect()
+    } else {
+        let map = on.data.as_mapping();
+        map.into_iter()
+            .flatten()
+            .map(|(k, _)| scalar_text(k))
+            .collect()
+    };
+    for event in &events {
+        if FORBIDDEN_TRIGGERS.contains(&event.as_str()) {
+            c.report(
+                on,
+                Rule::ForbiddenTrigger,
+                format!(
+                    "`{event}` runs with this repository's secrets and a write token on what a pull request controls; use `pull_request`"
+                ),
+            );
+        }
+    }
+    events.into_iter().collect()
+}
+
+fn check_top_permissions(c: &mut Checker, root: &Node) {
+    match get(root, "permissions") {
+        None => c.report(
+            root,
+            Rule::Permissions,
+            "no top-level `permissions:`, so jobs get the repository's default token (possibly read-write); add `permissions: {contents: read}`".into(),
+        ),
+        Some(perms) => {
+            for (scope, level) in permission_levels(perms) {
+                if level != "read" && level != "none" {
+                    c.report(
+                        perms,
+                        Rule::Permissions,
+                        format!(
+                            "top-level permission `{scope}: {level}` is not read-only; every job inherits it. Grant write access in the one job that needs it"
+                        ),
+                    );
+                }
+            }
+        }
+    }
+}
+
+/// (scope, level) pairs of a `permissions:` value; the shorthand strings
+/// (`read-all`, `write-all`) come back as scope `*`.
+fn permission_levels(perms: &Node) -> Vec<(String, String)> {
+    if let Some(all) = perms.data.as_str() {
+        let level = all.strip_suffix("-all").unwrap_or(all);
+        return vec![("*".into(), level.into())];
+    }
+    perms
+        .data
+        .as_mapping()
+        .into_iter()
+        .flatten()
+        .map(|(k, v)| (scalar_text(k), scalar_text(v)))
+        .collect()
+}
+
+fn check_job(c: &mut Checker, triggers: &BTreeSet<String>, name: &str, job: &Node) {
+    if let Some(perms) = get(job, "permissions") {
+        for (scope, level) in permission_levels(perms) {
+            let granted = WRITE_GRANTS
+                .iter()
+                .any(|&(f, j, s)| c.file.ends_with(f) && j == name && s == scope);
+            if level != "read" && level != "none" && !granted {
+                c.report(
+                    perms,
+                    Rule::Permissions,
+                    format!(
+                        "job `{name}` asks for `{scope}: {level}`; no kiln job needs write access (a real need goes into WRITE_GRANTS in {} with its reason)",
+                        file!()
+                    ),
+                );
+            }
+        }
+    }
+    if let Some(uses) = get(job, "uses") {
+        check_pinned(c, uses);
+    }
+    let steps = get(job, "steps").and_then(|s| s.data.as_vec());
+    for step in steps.into_iter().flatten() {
+        check_step(c, step);
+    }
+
+    let guard = JobGuard::of(job, triggers);
+    if let Some(runs_on) = get(job, "runs-on")
+        && may_be_self_hosted(job, runs_on)
+        && let Err(missing) = guard.main_only(&SELF_HOSTED_EVENTS)
+    {
+        c.report(
+            runs_on,
+            Rule::SelfHostedRunner,
+            format!(
+                "job `{name}` may run on a self-hosted runner but {missing}; it must run only for pushes to main and manual runs on main (no pull_request trigger in its workflow, and `if: … && {REF_MAIN}`)"
+            ),
+        );
+    }
+    let environment = get(job, "environment");
+    if (environment.is_some() || references_secret(job))
+        && let Err(missing) = guard.main_only(&SECRET_EVENTS)
+    {
+        let what = if environment.is_some() {
+            "a deployment environment"
+        } else {
+            "a secret"
+        };
+        c.report(
+            environment.unwrap_or(job),
+            Rule::SecretOffMain,
+            format!(
+                "job `{name}` uses {what} but {missing}; it must run only for pushes to main (`if: github.event_name == 'push' && {REF_MAIN}`)"
+            ),
+        );
+    }
+}
+
+fn check_step(c: &mut Checker, step: &Node) {
+    let with = get(step, "with");
+    let input = |key: &str| with.and_then(|w| get(w, key));
+    if let Some(uses) = get(step, "uses") {
+        check_pinned(c, uses);
+        let action = uses.data.as_str().unwrap_or_default();
+        if action.starts_with("actions/checkout@") {
+            let persisted = input("persist-credentials")
+                .is_none_or(|v| v.data.as_bool() != Some(false) && scalar_text(v) != "false");
+            if persisted {
+                c.report(
+                    uses,
+                    Rule::PersistedCredentials,
+                    "checkout without `persist-credentials: false` leaves the job's token in .git/config for every later step".into(),
+                );
+            }
+        }
+        if action.starts_with("cachix/cachix-action@") && input("cachixBin").is_none() {
+            c.report(
+                uses,
+                Rule::CachixCli,
+                "cachix-action without `cachixBin` installs the cachix CLI from an unpinned remote expression; build it from the flake's nixpkgs and pass its path".into(),
+            );
+        }
+        if action.starts_with("actions/github-script@")
+            && let Some(script) = input("script")
+        {
+            check_script(c, script, "script:");
+        }
+    }
+    if let Some(run) = get(step, "run") {
+        check_script(c, run, "run:");
+    }
+}
+
+fn check_script(c: &mut Checker, script: &Node, key: &str) {
+    if scalar_text(script).contains("${{") {
+        c.report(
+            script,
+            Rule::ExpressionInScript,
+            format!(
+                "`${{{{ … }}}}` inside `{key}` is pasted into the script before it runs, so a value such as a pull request's title becomes code; pass it through `env:` and use \"$NAME\""
+            ),
+        );
+    }
+}
+
+/// `uses: owner/repo[/path]@<40-hex SHA> # <tag>`; a local action or workflow
+/// (`./…`) is part of this repository, a Docker image needs its digest.
+fn check_pinned(c: &mut Checker, uses: &Node) {
+    let target = scalar_text(uses);
+    if target.starts_with("./") {
+        return;
+    }
+    let pinned = if let Some(image) = target.strip_prefix("docker://") {
+        image
+            .split_once("@sha256:")
+            .is_some_and(|(_, digest)| is_hex(digest, 64))
+    } else {
+        target
+            .rsplit_once('@')
+            .is_some_and(|(_, sha)| is_hex(sha, 40))
+    };
+    if !pinned {
+        c.report(
+            uses,
+            Rule::UnpinnedAction,
+            format!(
+                "`{target}` is not pinned to a full commit SHA (or image digest): a tag can be moved to other code. Pin `@<40-hex SHA> # <tag>`"
+            ),
+        );
+        return;
+    }
+    let source_line = c.lines.get(line(uses).saturating_sub(1)).copied();
+    let tag = source_line
+        .and_then(|l| l.split_once(target.as_str()))
+        .and_then(|(_, rest)| rest.trim_start().strip_prefix('#'))
+        .map(str::trim)
+        .unwrap_or_default();
+    if tag.is_empty() {
+        c.report(
+            uses,
+            Rule::UnpinnedAction,
+            format!(
+                "`{target}` has no `# <tag>` comment: a reviewer (and Dependabot) cannot tell which release the SHA is"
+            ),
+        );
+    }
+}
+
+/// What a job's `if:` and its workflow's triggers allow.
+struct JobGuard {
+    /// The events the job can run for.
+    events: BTreeSet<String>,
+    /// Whether the `if:` requires `github.ref == 'refs/heads/main'`.
+    ref_main: bool,
+}
+
+impl JobGuard {
+    fn of(job: &Node, triggers: &BTreeSet<String>) -> JobGuard {
+        let conjuncts = get(job, "if")
+            .map(|c| required_conditions(&scalar_text(c)))
+            .unwrap_or_default();
+        let mut events = triggers.clone();
+        for condition in &conjuncts {
+            if let Some(event) = condition
+                .strip_prefix("github.event_name=='")
+                .and_then(|rest| rest.strip_suffix('\''))
+                .filter(|e| e.bytes().all(|b| b.is_ascii_lowercase() || b == b'_'))
+            {
+                events.retain(|e| e == event);
+            }
+        }
+        JobGuard {
+            events,
+            ref_main: conjuncts.contains(&squeeze(REF_MAIN)),
+        }
+    }
+
+    /// Ok if the job runs only on main and only for `allowed` events; else
+    /// what is missing, in words.
+    fn main_only(&self, allowed: &[&str]) -> std::result::Result<(), String> {
+        let extra: Vec<&str> = self
+            .events
+            .iter()
+            .map(String::as_str)
+            .filter(|e| !allowed.contains(e))
+            .collect();
+        match (extra.is_empty(), self.ref_main) {
+            (true, true) => Ok(()),
+            (true, false) => Err(format!("its `if:` does not require `{REF_MAIN}`")),
+            (false, _) => Err(format!(
+                "it can also run for `{}` (a workflow trigger its `if:` does not exclude)",
+                extra.join("`, `")
+            )),
+        }
+    }
+}
+
+/// The conditions that an `if:` expression requires: its top-level `&&`
+/// operands, each with the whitespace outside quotes removed and redundant
+/// outer parentheses dropped. An expression with a top-level `||` (or that
+/// does not parse into balanced parts) requires nothing.
+fn required_conditions(expression: &str) -> Vec<String> {
+    let expr = expression.trim();
+    let expr = expr
+        .strip_prefix("${{")
+        .and_then(|e| e.strip_suffix("}}"))
+        .unwrap_or(expr);
+    let squeezed = squeeze(expr);
+    let mut parts = Vec::new();
+    let (mut depth, mut quoted, mut start) = (0i32, false, 0);
+    let bytes = squeezed.as_bytes();
+    let mut i = 0;
+    while i < bytes.len() {
+        match bytes[i] {
+            b'\'' => quoted = !quoted,
+            b'(' if !quoted => depth += 1,
+            b')' if !quoted => depth -= 1,
+            b'|' if !quoted && depth == 0 && bytes.get(i + 1) == Some(&b'|') => return Vec::new(),
+            b'&' if !quoted && depth == 0 && bytes.get(i + 1) == Some(&b'&') => {
+                parts.push(squeezed[start..i].to_string());
+                start = i + 2;
+                i += 1;
+            }
+            _ => {}
+        }
+        if depth < 0 {
+            return Vec::new();
+        }
+        i += 1;
+    }
+    if depth != 0 || quoted {
+        return Vec::new();
+    }
+    parts.push(squeezed[start..].to_string());
+    parts
+        .into_iter()
+        .map(|p| strip_parens(&p).to_string())
+        .collect()
+}
+
+/// `(a)` → `a` when the parentheses enclose the whole operand.
+fn strip_parens(mut s: &str) -> &str {
+    while let Some(inner) = s.strip_prefix('(').and_then(|r| r.strip_suffix(')')) {
+        let mut depth = 0;
+        let encloses = inner.chars().all(|ch| {
+            match ch {
+                '(' => depth += 1,
+                ')' => depth -= 1,
+                _ => {}
+            }
+            depth >= 0
+        });
+        if !encloses {
+            break;
+        }
+        s = inner;
+    }
+    s
+}
+
+/// The text without whitespace outside single-quoted strings.
+fn squeeze(text: &str) -> String {
+    let mut quoted = false;
+    text.chars()
+        .filter(|&ch| {
+            if ch == '\'' {
+                quoted = !quoted;
+            }
+            quoted || !ch.is_whitespace()
+        })
+        .collect()
+}
+
+/// Whether the job may run on a self-hosted runner: any label that is not a
+/// GitHub-hosted image, a runner group, or an expression that does not
+/// resolve to such labels through the job's matrix.
+fn may_be_self_hosted(job: &Node, runs_on: &Node) -> bool {
+    if runs_on.data.as_mapping().is_some() {
+        return true;
+    }
+    let labels: Vec<String> = match runs_on.data.as_vec() {
+        Some(list) => list.iter().map(scalar_text).collect(),
+        None => vec![scalar_text(runs_on)],
+    };
+    labels.iter().any(|label| {
+        let Some(key) = matrix_reference(label) else {
+            return !is_github_hosted(label);
+        };
+        let values = matrix_values(job, &key);
+        values.is_empty() || values.iter().any(|v| !is_github_hosted(v))
+    })
+}
+
+fn is_github_hosted(label: &str) -> bool {
+    ["ubuntu-", "windows-", "macos-"]
+        .iter()
+        .any(|prefix| label.starts_with(prefix))
+        && !label.contains("${{")
+}
+
+/// `${{ matrix.NAME }}` → `NAME`.
+fn matrix_reference(label: &str) -> Option<String> {
+    let inner = label.trim().strip_prefix("${{")?.strip_suffix("}}")?.trim();
+    let key = inner.strip_prefix("matrix.")?;
+    key.chars()
+        .all(|ch| ch.is_ascii_alphanumeric() || ch == '_' || ch == '-')
+        .then(|| key.to_string())
+}
+
+/// Every value `matrix.key` can take: its list and its `include` entries.
+fn matrix_values(job: &Node, key: &str) -> Vec<String> {
+    let Some(matrix) = get(job, "strategy").and_then(|s| get(s, "matrix")) else {
+        return Vec::new();
+    };
+    let mut values: Vec<String> = get(matrix, key)
+        .and_then(|v| v.data.as_vec())
+        .into_iter()
+        .flatten()
+        .map(scalar_text)
+        .collect();
+    let includes = get(matrix, "include").and_then(|i| i.data.as_vec());
+    for entry in includes.into_iter().flatten() {
+        match get(entry, key) {
+            Some(v) => values.push(scalar_text(v)),
+            None => return Vec::new(),
+        }
+    }
+    values
+}
+
+/// Whether any string under `node` reads a secret (`secrets.NAME` inside an
+/// expression, or a reusable workflow's `secrets: inherit`).
+fn references_secret(node: &Node) -> bool {
+    if let Some(map) = node.data.as_mapping() {
+        return map.iter().any(|(k, v)| {
+            (k.data.as_str() == Some("secrets") && v.data.as_str() == Some("inherit"))
+                || references_secret(v)
+        });
+    }
+    if let Some(list) = node.data.as_vec() {
+        return list.iter().any(references_secret);
+    }
+    let text = scalar_text(node);
+    text.split("${{")
+        .skip(1)
+        .any(|expr| squeeze(expr.split("}}").next().unwrap_or_default()).contains("secrets."))
+}
+
+pub fn check_dependabot(file: &str, text: &str) -> Result<Vec<Finding>> {
+    let root = parse(file, text)?;
+    let mut c = Checker {
+        file,
+        lines: Vec::new(),
+        findings: Vec::new(),
+    };
+    let updates = get(&root, "updates").and_then(|u| u.data.as_vec());
+    let actions = updates.into_iter().flatten().find(|u| {
+        get(u, "package-ecosystem").map(scalar_text).as_deref() == Some("github-actions")
+    });
+    match actions {
+        None => c.report(
+            &root,
+            Rule::Dependabot,
+            "no `package-ecosystem: github-actions` update: nothing keeps the pinned action SHAs current".into(),
+        ),
+        Some(update) => {
+            let days = get(update, "cooldown")
+                .and_then(|cd| get(cd, "default-days"))
+                .and_then(|d| d.data.as_integer());
+            if days.is_none_or(|d| d < 7) {
+                c.report(
+                    update,
+                    Rule::Dependabot,
+                    "the github-actions update needs `cooldown: {default-days: 7}` (or more): a compromised release is usually found and pulled within days".into(),
+                );
+            }
+        }
+    }
+    Ok(c.findings)
+}
+
+fn get<'a>(node: &'a Node, key: &str) -> Option<&'a Node> {
+    node.data.as_mapping_get(key)
+}
+
+fn line(node: &Node) -> usize {
+    node.span.start.line()
+}
+
+/// A scalar's text as written (`true` → "true", `7` → "7"); empty for
+/// collections.
+fn scalar_text(node: &Node) -> String {
+    if let Some(s) = node.data.as_str() {
+        return s.to_string();
+    }
+    if let Some(b) = node.data.as_bool() {
+        return b.to_string();
+    }
+    if let Some(i) = node.data.as_integer() {
+        return i.to_string();
+    }
+    if let Some(f) = node.data.as_floating_point() {
+        return f.to_string();
+    }
+    String::new()
+}
+
+fn is_hex(text: &str, len: usize) -> bool {
+    text.len() == len && text.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f'))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::pins::repo_root;
+
+    fn read(relative: &str) -> String {
+        std::fs::read_to_string(repo_root().join(relative)).unwrap()
+    }
+
+    /// `text` with `from` replaced by `to`; panics if `from` is not there,
+    /// so an edit that no longer applies cannot pass as a finding-free file.
+    fn edited(text: &str, from: &str, to: &str) -> String {
+        assert!(
+            text.contains(from),
+            "the workflow no longer contains {from:?}"
+        );
+        text.replacen(from, to, 1)
+    }
+
+    fn rules(file: &str, text: &str) -> Vec<Rule> {
+        check_workflow(file, text)
+            .unwrap()
+            .into_iter()
+            .map(|f| f.rule)
+            .collect()
+    }
+
+    /// Asserts that the edited copy of `file` breaks `rule` (and that the
+    /// unedited file does not).
+    fn breaks(file: &str, from: &str, to: &str, rule: Rule) {
+        let text = read(file);
+        assert!(!rules(file, &text).contains(&rule));
+        let found = rules(file, &edited(&text, from, to));
+        assert!(
+            found.contains(&rule),
+            "{file} with {from:?} → {to:?}: expected {rule:?}, found {found:?}"
+        );
+    }
+
+    const CI: &str = ".github/workflows/ci.yml";
+    const GPU: &str = ".github/workflows/gpu.yml";
+    const CHECKOUT: &str = "actions/checkout@3d3c42e5aac5ba805825da76410c181273ba90b1";
+    const CACHE_WRITE_IF: &str =
+        "if: github.event_name == 'push' && github.ref == 'refs/heads/main'";
+    const GPU_IF: &str = "if: vars.KILN_GPU_RUNNER == 'true' && github.ref == 'refs/heads/main'";
+
+    #[test]
+    fn this_repository_holds_every_invariant() {
+        let findings = check_repository(&repo_root()).unwrap();
+        let text: Vec<String> = findings.iter().map(ToString::to_string).collect();
+        assert!(findings.is_empty(), "{}", text.join("\n"));
+    }
+
+    #[test]
+    fn forbidden_triggers() {
+        for trigger in FORBIDDEN_TRIGGERS {
+            breaks(
+                CI,
+                "  pull_request:\n",
+                &format!("  pull_request:\n  {trigger}:\n"),
+                Rule::ForbiddenTrigger,
+            );
+        }
+        let text = edited(&read(CI), "  pull_request:\n", "");
+        let text = edited(&text, "  push:\n    branches: [main]\n", "");
+        let text = edited(&text, "on:\n", "on: [push, workflow_run]\n");
+        assert!(rules(CI, &text).contains(&Rule::ForbiddenTrigger));
+    }
+
+    #[test]
+    fn top_level_permissions_must_be_read_only() {
+        breaks(
+            CI,
+            "permissions:\n  contents: read\n",
+            "",
+            Rule::Permissions,
+        );
+        breaks(
+            CI,
+            "  contents: read\n",
+            "  contents: write\n",
+            Rule::Permissions,
+        );
+        breaks(
+            GPU,
+            "permissions:\n  contents: read\n",
+            "permissions: write-all\n",
+            Rule::Permissions,
+        );
+    }
+
+    #[test]
+    fn no_job_asks_for_write_access() {
+        breaks(
+            CI,
+            "    needs: nix-flake-check\n",
+            "    needs: nix-flake-check\n    permissions:\n      id-token: write\n",
+            Rule::Permissions,
+        );
+        breaks(
+            GPU,
+            "    timeout-minutes: 60\n",
+            "    timeout-minutes: 60\n    permissions: write-all\n",
+            Rule::Permissions,
+        );
+    }
+
+    #[test]
+    fn actions_are_pinned_to_a_sha_with_its_tag() {
+        breaks(
+            GPU,
+            CHECKOUT,
+            "actions/checkout@v7.0.1",
+            Rule::UnpinnedAction,
+        );
+        breaks(
+            GPU,
+            CHECKOUT,
+            "actions/checkout@3d3c42e",
+            Rule::UnpinnedAction,
+        );
+        breaks(GPU, " # v7.0.1\n", "\n", Rule::UnpinnedAction);
+        breaks(
+            GPU,
+            &format!(
+                "- uses: {CHECKOUT} # v7.0.1\n        with:\n          persist-credentials: false\n"
+            ),
+            "- uses: docker://alpine:3\n",
+            Rule::UnpinnedAction,
+        );
+    }
+
+    #[test]
+    fn checkouts_do_not_persist_credentials() {
+        breaks(
+            GPU,
+            "        with:\n          persist-credentials: false\n",
+            "",
+            Rule::PersistedCredentials,
+        );
+        breaks(
+            GPU,
+            "persist-credentials: false",
+            "persist-credentials: true",
+            Rule::PersistedCredentials,
+        );
+    }
+
+    #[test]
+    fn no_expression_inside_a_script() {
+        breaks(
+            CI,
+            "\".#devShells.$SYSTEM.default\"",
+            "\".#devShells.${{ matrix.system }}.default\"",
+            Rule::ExpressionInScript,
+        );
+        breaks(
+            GPU,
+            "          nix develop --command cargo run",
+            "          echo \"${{ github.event.head_commit.message }}\"\n          nix develop --command cargo run",
+            Rule::ExpressionInScript,
+        );
+    }
+
+    #[test]
+    fn self_hosted_runners_only_off_pull_requests() {
+        // A pull_request trigger on the GPU workflow: its `if:` no longer
+        // protects anything, since the pull request brings its own copy.
+        breaks(
+            GPU,
+            "on:\n",
+            "on:\n  pull_request:\n",
+            Rule::SelfHostedRunner,
+        );
+        breaks(
+            GPU,
+            GPU_IF,
+            "if: vars.KILN_GPU_RUNNER == 'true'",
+            Rule::SelfHostedRunner,
+        );
+        breaks(GPU, &format!("    {GPU_IF}\n"), "", Rule::SelfHostedRunner);
+        breaks(
+            GPU,
+            "github.ref == 'refs/heads/main'",
+            "github.ref == 'refs/heads/main' || github.event_name == 'push'",
+            Rule::SelfHostedRunner,
+        );
+        // A self-hosted runner in a workflow that pull requests trigger.
+        breaks(
+            CI,
+            "runner: ubuntu-24.04-arm",
+            "runner: self-hosted",
+            Rule::SelfHostedRunner,
+        );
+        breaks(
+            CI,
+            "    runs-on: ubuntu-24.04\n",
+            "    runs-on: [self-hosted, linux, gpu]\n",
+            Rule::SelfHostedRunner,
+        );
+    }
+
+    #[test]
+    fn secrets_and_environments_only_on_pushes_to_main() {
+        breaks(
+            CI,
+            &format!("    {CACHE_WRITE_IF}\n"),
+            "",
+            Rule::SecretOffMain,
+        );
+        breaks(
+            CI,
+            CACHE_WRITE_IF,
+            "if: github.ref == 'refs/heads/main'",
+            Rule::SecretOffMain,
+        );
+        breaks(
+            CI,
+            CACHE_WRITE_IF,
+            "if: github.event_name == 'push'",
+            Rule::SecretOffMain,
+        );
+        // The token moved into a job that pull requests run.
+        breaks(
+            CI,
+            "          skipPush: true\n",
+            "          authToken: ${{ secrets.CACHIX_AUTH_TOKEN }}\n",
+            Rule::SecretOffMain,
+        );
+        breaks(
+            CI,
+            "concurrency:\n",
+            "env:\n  TOKEN: ${{ secrets.CACHIX_AUTH_TOKEN }}\nconcurrency:\n",
+            Rule::SecretOffMain,
+        );
+        // The write environment in a job without the guard.
+        breaks(
+            CI,
+            "    timeout-minutes: 90\n",
+            "    timeout-minutes: 90\n    environment: cachix-write\n",
+            Rule::SecretOffMain,
+        );
+    }
+
+    #[test]
+    fn cachix_cli_is_given_explicitly() {
+        breaks(
+            CI,
+            "          cachixBin: ${{ runner.temp }}/cachix/bin/cachix\n",
+            "",
+            Rule::CachixCli,
+        );
+    }
+
+    #[test]
+    fn dependabot_updates_actions_with_a_cooldown() {
+        const FILE: &str = ".github/dependabot.yml";
+        let text = read(FILE);
+        assert!(check_dependabot(FILE, &text).unwrap().is_empty());
+        for (from, to) in [
+            ("    cooldown:\n      default-days: 7\n", ""),
+            ("default-days: 7", "default-days: 2"),
+            (
+                "package-ecosystem: github-actions",
+                "package-ecosystem: cargo",
+            ),
+        ] {
+            let found = check_dependabot(FILE, &edited(&text, from, to)).unwrap();
+            assert!(
+                found.iter().any(|f| f.rule == Rule::Dependabot),
+                "{from:?} → {to:?}: no finding"
+            );
+        }
+    }
+
+    #[test]
+    fn if_conditions() {
+        assert_eq!(
+            required_conditions(
+                "${{ (github.event_name == 'push') && github.ref == 'refs/heads/main' }}"
+            ),
+            ["github.event_name=='push'", "github.ref=='refs/heads/main'"]
+        );
+        assert!(required_conditions("a && b || c").is_empty());
+        assert_eq!(required_conditions("(a || b) && c"), ["a||b", "c"]);
+        assert_eq!(required_conditions("x == 'a && b'"), ["x=='a && b'"]);
+        assert!(required_conditions("(a && b").is_empty());
+        // A disjunction inside parentheses narrows nothing.
+        let job = Node::load_from_str(
+            "if: (github.event_name == 'push' || github.event_name == 'pull_request') && github.ref == 'refs/heads/main'\n",
+        )
+        .unwrap()
+        .remove(0);
+        let triggers = ["pull_request".to_string(), "push".to_string()].into();
+        assert!(
+            JobGuard::of(&job, &triggers)
+                .main_only(&SECRET_EVENTS)
+                .is_err()
+        );
+    }
+
+    #[test]
+    fn bad_yaml_is_an_error_that_names_the_file() {
+        let error = check_workflow("w.yml", "on: [push\n").unwrap_err();
+        assert!(
+            error.to_string().contains("w.yml is not valid YAML"),
+            "{error}"
+        );
+        let error = check_workflow("w.yml", "on: push\non: pull_request\n").unwrap_err();
+        assert!(error.to_string().contains("w.yml"), "{error}");
+    }
+}
