@@ -93,6 +93,42 @@ fn version_line(program: &Path) -> Result<String> {
             output.status
         ));
     }
+    // The first line that holds a number (shellcheck prints its name first).
     let text = String::from_utf8_lossy(&output.stdout);
-    Ok(text.lines().next().unwrap_or_default().to_string())
+    let line = text
+        .lines()
+        .find(|l| l.chars().any(|c| c.is_ascii_digit()))
+        .or_else(|| text.lines().next());
+    Ok(line.unwrap_or_default().trim().to_string())
+}
+
+#[cfg(test)]
+mod tests {
+    use std::os::unix::fs::PermissionsExt;
+
+    use super::*;
+
+    /// actionlint skips its shellcheck and pyflakes rules in silence when
+    /// those programs are missing; lint-workflows must stop instead.
+    #[test]
+    fn a_missing_shellcheck_or_pyflakes_fails_the_lint() {
+        for missing in ["shellcheck", "pyflakes"] {
+            let bin = tempfile::tempdir().unwrap();
+            for program in ["actionlint", "zizmor", "shellcheck", "pyflakes"] {
+                if program == missing {
+                    continue;
+                }
+                // Stand-ins that would pass: the lint must not get that far.
+                let path = bin.path().join(program);
+                std::fs::write(&path, "#!/bin/sh\necho stand-in\n").unwrap();
+                std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755)).unwrap();
+            }
+            let tools = Toolbox::with_dirs(vec![bin.path().to_path_buf()], "");
+            let error = run(&tools).unwrap_err().to_string();
+            assert!(
+                error.contains(&format!("`{missing}`")) && error.contains("cargo xtask setup"),
+                "{error}"
+            );
+        }
+    }
 }

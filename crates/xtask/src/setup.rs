@@ -10,6 +10,7 @@
 //! The tools land in the cache (`$KILN_CACHE_DIR/tools`), named by what went
 //! into them; nothing is installed into `~/.cargo/bin` or the system Python.
 
+use std::ffi::OsString;
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -70,6 +71,8 @@ const VENV_COMPLETE: &str = ".kiln-complete";
 /// The folders of the tools `setup` installs, searched before `PATH`.
 pub struct Toolbox {
     bin_dirs: Vec<PathBuf>,
+    /// Searched after `bin_dirs`; the process's `PATH` unless a test says.
+    search_path: Option<OsString>,
 }
 
 impl Toolbox {
@@ -81,7 +84,19 @@ impl Toolbox {
             .collect();
         bin_dirs.push(lint_venv_dir(cache)?.join("bin"));
         bin_dirs.retain(|dir| dir.is_dir());
-        Ok(Toolbox { bin_dirs })
+        Ok(Toolbox {
+            bin_dirs,
+            search_path: None,
+        })
+    }
+
+    /// Only `bin_dirs`, then `search_path` (for tests).
+    #[cfg(test)]
+    pub fn with_dirs(bin_dirs: Vec<PathBuf>, search_path: &str) -> Toolbox {
+        Toolbox {
+            bin_dirs,
+            search_path: Some(search_path.into()),
+        }
     }
 
     /// The path of `program`: from the cache's tools, else from `PATH`.
@@ -92,7 +107,11 @@ impl Toolbox {
             .find(|path| path.is_file())
             .map(Ok)
             .unwrap_or_else(|| {
-                which::which(program).map_err(|_| {
+                let path = self
+                    .search_path
+                    .clone()
+                    .or_else(|| std::env::var_os("PATH"));
+                which::which_in(program, path, repo_root()).map_err(|_| {
                     anyhow!(
                         "`{program}` ({purpose}) is not installed; `cargo xtask setup` installs it (or put it on PATH)"
                     )
@@ -255,6 +274,9 @@ fn install_cargo_tool(cache: &Cache, tool: &CargoTool) -> Result<()> {
             .arg("--target-dir")
             .arg(build.path().join("target"))
             .current_dir(build.path())
+            // Someone else's crate: its warnings are not ours to see, and a
+            // `-D warnings` in the caller's RUSTFLAGS must not fail its build.
+            .env("RUSTFLAGS", "--cap-lints=allow")
             .status()
             .context("cannot run cargo install")?;
         if !status.success() {
