@@ -9,6 +9,7 @@
 //! - every action pinned to a full commit SHA, its tag in a comment;
 //! - `persist-credentials: false` on every checkout;
 //! - no `${{ … }}` expression inside a `run:` script (values go through `env:`);
+//! - `--locked` on every cargo command that resolves dependencies;
 //! - a self-hosted runner only in a job that runs only for pushes to main and
 //!   manual runs on main;
 //! - secrets and deployment environments only in jobs that run only for
@@ -31,6 +32,7 @@ pub enum Rule {
     UnpinnedAction,
     PersistedCredentials,
     ExpressionInScript,
+    CargoUnlocked,
     SelfHostedRunner,
     SecretOffMain,
     CachixCli,
@@ -45,6 +47,7 @@ impl Rule {
             Rule::UnpinnedAction => "unpinned-action",
             Rule::PersistedCredentials => "persisted-credentials",
             Rule::ExpressionInScript => "expression-in-script",
+            Rule::CargoUnlocked => "cargo-unlocked",
             Rule::SelfHostedRunner => "self-hosted-runner",
             Rule::SecretOffMain => "secret-off-main",
             Rule::CachixCli => "cachix-cli",
@@ -348,6 +351,34 @@ fn check_step(c: &mut Checker, step: &Node) {
     }
     if let Some(run) = get(step, "run") {
         check_script(c, run, "run:");
+        check_cargo_locked(c, run);
+    }
+}
+
+/// Cargo subcommands that resolve dependencies, and so would rewrite a stale
+/// Cargo.lock instead of failing without `--locked`.
+const CARGO_RESOLVING: [&str; 9] = [
+    "build", "check", "clippy", "doc", "install", "nextest", "run", "test", "bench",
+];
+
+fn check_cargo_locked(c: &mut Checker, run: &Node) {
+    let script = scalar_text(run);
+    for command in script.lines() {
+        let words: Vec<&str> = command.split_whitespace().collect();
+        let unlocked = words
+            .windows(2)
+            .any(|pair| pair[0] == "cargo" && CARGO_RESOLVING.contains(&pair[1]))
+            && !words.contains(&"--locked");
+        if unlocked {
+            c.report(
+                run,
+                Rule::CargoUnlocked,
+                format!(
+                    "`{}` without `--locked` would rewrite a stale Cargo.lock instead of failing",
+                    command.trim()
+                ),
+            );
+        }
     }
 }
 
@@ -830,6 +861,22 @@ mod tests {
             "          nix develop --command cargo run",
             "          echo \"${{ github.event.head_commit.message }}\"\n          nix develop --command cargo run",
             Rule::ExpressionInScript,
+        );
+    }
+
+    #[test]
+    fn cargo_commands_are_locked() {
+        breaks(
+            GPU,
+            "cargo test --locked --release",
+            "cargo test --release",
+            Rule::CargoUnlocked,
+        );
+        breaks(
+            GPU,
+            "cargo run --locked --release",
+            "cargo run --release",
+            Rule::CargoUnlocked,
         );
     }
 
