@@ -619,8 +619,9 @@ fn matrix_values(job: &Node, key: &str) -> Vec<String> {
     values
 }
 
-/// Whether any string under `node` reads a secret (`secrets.NAME` inside an
-/// expression, or a reusable workflow's `secrets: inherit`).
+/// Whether any string under `node` reads a secret (the `secrets` context in
+/// an expression: `secrets.NAME`, `secrets['NAME']`, `toJSON(secrets)`; or a
+/// reusable workflow's `secrets: inherit`).
 fn references_secret(node: &Node) -> bool {
     if let Some(map) = node.data.as_mapping() {
         return map.iter().any(|(k, v)| {
@@ -632,9 +633,15 @@ fn references_secret(node: &Node) -> bool {
         return list.iter().any(references_secret);
     }
     let text = scalar_text(node);
-    text.split("${{")
-        .skip(1)
-        .any(|expr| squeeze(expr.split("}}").next().unwrap_or_default()).contains("secrets."))
+    text.split("${{").skip(1).any(|expr| {
+        let expr = expr.split("}}").next().unwrap_or_default();
+        let is_name = |c: char| c.is_ascii_alphanumeric() || c == '_' || c == '-';
+        expr.match_indices("secrets").any(|(at, word)| {
+            let before = expr[..at].chars().next_back();
+            let after = expr[at + word.len()..].chars().next();
+            !before.is_some_and(is_name) && !after.is_some_and(is_name)
+        })
+    })
 }
 
 pub fn check_dependabot(file: &str, text: &str) -> Result<Vec<Finding>> {
@@ -951,6 +958,17 @@ mod tests {
             "env:\n  TOKEN: ${{ secrets.CACHIX_AUTH_TOKEN }}\nconcurrency:\n",
             Rule::SecretOffMain,
         );
+        // Every other way to read the secrets context.
+        for expression in ["secrets['CACHIX_AUTH_TOKEN']", "toJSON(secrets)"] {
+            breaks(
+                CI,
+                "      - name: .ci/run\n",
+                &format!(
+                    "      - name: .ci/run\n        env:\n          T: ${{{{ {expression} }}}}\n"
+                ),
+                Rule::SecretOffMain,
+            );
+        }
         // The write environment in a job without the guard.
         breaks(
             CI,
