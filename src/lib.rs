@@ -2,3 +2,6 @@
 //! and what they share.
 
 pub mod backends;
+mod text_out;
+
+pub use text_out::print_text;

@@ -7,9 +7,10 @@ use std::time::Instant;
 
 use anyhow::Result;
 use clap::{Parser, Subcommand};
-use kiln_core::{Model, SamplingParams};
+use kiln_core::{Model, SamplingParams, TextStream};
 
 use kiln::backends::{self, BackendKind, IreeOptions};
+use kiln::print_text;
 
 #[derive(Parser)]
 #[command(
@@ -130,8 +131,7 @@ fn generate(
     let mut backend = backends::open(&model, args.backend, &args.iree)?;
     let started = Instant::now();
     let mut first_token_at = None;
-    let mut generated = Vec::new();
-    let mut printed = 0;
+    let mut text = TextStream::new(&model.tokenizer);
     let mut stdout = std::io::stdout().lock();
     let tokens = kiln_core::generate(
         backend.as_mut(),
@@ -141,22 +141,10 @@ fn generate(
         &model.config.eos_token_ids,
         |token| {
             first_token_at.get_or_insert_with(Instant::now);
-            generated.push(token);
-            // Decode everything so far and print what is new: a token may
-            // complete a multi-byte character begun by an earlier one.
-            let text = model.tokenizer.decode(&generated)?;
-            if text.len() > printed && text.is_char_boundary(printed) {
-                let io = |error| kiln_core::Error::Write {
-                    what: "stdout",
-                    error,
-                };
-                stdout.write_all(&text.as_bytes()[printed..]).map_err(io)?;
-                stdout.flush().map_err(io)?;
-                printed = text.len();
-            }
-            Ok(())
+            print_text(&mut stdout, text.push(token)?)
         },
     )?;
+    print_text(&mut stdout, text.finish()?)?;
     writeln!(stdout)?;
     let total = started.elapsed().as_secs_f64();
     let prefill = first_token_at.map_or(total, |t| (t - started).as_secs_f64());

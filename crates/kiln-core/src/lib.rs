@@ -10,8 +10,12 @@ pub mod generate;
 pub mod model;
 pub mod sampling;
 pub mod save;
+pub mod stream;
 pub mod tokenizer;
 pub mod weights;
+
+#[cfg(any(test, feature = "testing"))]
+pub mod testing;
 
 pub use backend::{Backend, CpuBackend};
 pub use config::{ModelConfig, RopeScaling};
@@ -19,4 +23,5 @@ pub use error::{Error, Result};
 pub use generate::generate;
 pub use model::Model;
 pub use sampling::{Sampler, SamplingParams};
+pub use stream::TextStream;
 pub use tokenizer::Tokenizer;

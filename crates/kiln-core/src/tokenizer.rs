@@ -76,7 +76,7 @@ impl Tokenizer {
             Tokenizer::Bytes(t) => Ok(t.decode(tokens)),
             Tokenizer::HuggingFace(t) => t
                 .decode(tokens, true)
-                .map_err(|e| Error::Encode(e.to_string())),
+                .map_err(|e| Error::Decode(e.to_string())),
         }
     }
 }
