@@ -32,6 +32,12 @@ pub enum Error {
     Decode(String),
 
     #[error(
+        "the chat template from {origin}: {message} \
+         (`kiln chat` needs a working template; `kiln generate` runs the model without one)"
+    )]
+    ChatTemplate { origin: String, message: String },
+
+    #[error(
         "the prompt and generation need {needed} positions but the model's context holds {limit}; \
          shorten the prompt or lower --max-tokens"
     )]
