@@ -3,6 +3,7 @@
 //! [`Backend`] trait that the CPU reference and the IREE backend implement.
 
 pub mod backend;
+pub mod chat;
 pub mod chat_template;
 pub mod config;
 mod error;
@@ -19,6 +20,7 @@ pub mod weights;
 pub mod testing;
 
 pub use backend::{Backend, CpuBackend};
+pub use chat::{Chat, Reply};
 pub use chat_template::{ChatTemplate, Message};
 pub use config::{ModelConfig, RopeScaling};
 pub use error::{Error, Result};
