@@ -58,6 +58,10 @@ enum Command {
         #[arg(long, default_value_t = 0)]
         seed: u64,
     },
+    /// Chat with a model through its chat template: answer QUESTION, or hold
+    /// a conversation on the terminal (Ctrl-D ends), or answer each line of
+    /// piped input in one conversation.
+    Chat(ChatArgs),
     /// Run the prompt once and print the most likely next tokens and their logits.
     Prefill {
         #[command(flatten)]
@@ -79,6 +83,16 @@ enum Command {
         #[arg(long)]
         model: Option<PathBuf>,
     },
+}
+
+#[derive(clap::Args)]
+struct ChatArgs {
+    #[command(flatten)]
+    model: ModelArgs,
+    /// The question; read turns from stdin when left out.
+    question: Option<String>,
+    #[command(flatten)]
+    options: kiln::chat::ChatOptions,
 }
 
 fn main() -> ExitCode {
@@ -114,6 +128,7 @@ fn run(cli: Cli) -> Result<()> {
             };
             generate(&model, &prompt, max_tokens, sampling)
         }
+        Command::Chat(args) => chat(&args),
         Command::Prefill { model, prompt, top } => prefill(&model, &prompt, top),
         Command::Prepare { model } => prepare(&model),
         Command::Inspect { model } => inspect(model.as_ref()),
@@ -141,10 +156,10 @@ fn generate(
         &model.config.eos_token_ids,
         |token| {
             first_token_at.get_or_insert_with(Instant::now);
-            print_text(&mut stdout, text.push(token)?)
+            print_text(&mut stdout, text.push(token)?.as_deref())
         },
     )?;
-    print_text(&mut stdout, text.finish()?)?;
+    print_text(&mut stdout, text.finish()?.as_deref())?;
     writeln!(stdout)?;
     let total = started.elapsed().as_secs_f64();
     let prefill = first_token_at.map_or(total, |t| (t - started).as_secs_f64());
@@ -158,6 +173,21 @@ fn generate(
         (tokens.len().saturating_sub(1)) as f64 / (total - prefill).max(1e-9)
     );
     Ok(())
+}
+
+fn chat(args: &ChatArgs) -> Result<()> {
+    let (model, template) = match &args.model.model {
+        Some(path) => kiln::chat::load(path)?,
+        None => kiln::chat::default_model()?,
+    };
+    let mut backend = backends::open(&model, args.model.backend, &args.model.iree)?;
+    kiln::chat::run(
+        &model,
+        template,
+        backend.as_mut(),
+        args.question.as_deref(),
+        &args.options,
+    )
 }
 
 fn prefill(args: &ModelArgs, prompt: &str, top: usize) -> Result<()> {

@@ -3,7 +3,7 @@
 use std::io::Write;
 
 /// Writes `text` (if any) and flushes, so that it shows at once.
-pub fn print_text(out: &mut impl Write, text: Option<String>) -> kiln_core::Result<()> {
+pub fn print_text(out: &mut impl Write, text: Option<&str>) -> kiln_core::Result<()> {
     let Some(text) = text else { return Ok(()) };
     let io = |error| kiln_core::Error::Write {
         what: "stdout",

@@ -130,19 +130,9 @@ impl<'m> Chat<'m> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::testing::{byte_level_json, successor_model};
 
-    /// A model over a ChatML byte-level vocabulary that answers "Hi" and
-    /// ends its turn; after `<|im_end|>` it would go on with "!" forever.
     fn chatml_model(dir: &std::path::Path) -> Model {
-        let tokenizer = byte_level_json(&["<|endoftext|>", "<|im_start|>", "<|im_end|>"]);
-        let byte = |b: u8| 3 + u32::from(b - b'!');
-        let newline = 3 + 94 + 12 + 82 + 10; // 0x0a among the unprintable bytes
-        let mut next = vec![byte(b'!'); 3 + 256 + 62];
-        next[newline as usize] = byte(b'H');
-        next[byte(b'H') as usize] = byte(b'i');
-        next[byte(b'i') as usize] = 2;
-        successor_model(dir, &tokenizer, &next, vec![0]).unwrap();
+        crate::testing::chatml_model(dir, None).unwrap();
         Model::load(dir).unwrap()
     }
 

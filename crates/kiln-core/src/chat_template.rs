@@ -78,7 +78,7 @@ impl ChatTemplate {
         };
         if source.len() > MAX_TEMPLATE_BYTES {
             return Err(invalid(format!(
-                "it is {} bytes long; kiln accepts up to {MAX_TEMPLATE_BYTES}",
+                "it is {} bytes long; kiln accepts up to {MAX_TEMPLATE_BYTES}{UNUSABLE}",
                 source.len()
             )));
         }
@@ -174,10 +174,10 @@ impl ChatTemplate {
             Ok(_) => String::from_utf8(out.bytes)
                 .map_err(|_| failed("it rendered text that is not UTF-8".into())),
             Err(_) if out.overflowed => Err(failed(format!(
-                "it rendered more than {MAX_RENDERED_BYTES} bytes"
+                "it rendered more than {MAX_RENDERED_BYTES} bytes{UNUSABLE}"
             ))),
             Err(e) if e.kind() == ErrorKind::OutOfFuel => Err(failed(format!(
-                "rendering took more than kiln's budget ({RENDER_FUEL} steps of minijinja fuel)"
+                "rendering took more than kiln's budget ({RENDER_FUEL} steps of minijinja fuel){UNUSABLE}"
             ))),
             Err(e) => Err(failed(describe(&e))),
         }
@@ -189,20 +189,27 @@ const CHATML: &str = "{% for message in messages %}\
 {% endfor %}\
 {% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}";
 
-/// A minijinja error as one line: what went wrong and the template line.
+/// A minijinja error as one line: what went wrong, where, and what to do.
 fn describe(error: &minijinja::Error) -> String {
-    let what = match error.kind() {
-        // `raise_exception` from the template itself: its message is the point.
-        ErrorKind::InvalidOperation if error.name() == Some(NAME) => {
-            format!("{}", error.detail().unwrap_or("invalid operation"))
-        }
-        _ => error.to_string(),
-    };
-    match error.line() {
-        Some(line) if !what.contains("line") => format!("{what} (template line {line})"),
-        _ => what,
+    // `raise_exception`: the template's own message about the conversation.
+    if error.kind() == ErrorKind::InvalidOperation
+        && let Some(detail) = error.detail()
+        && detail.starts_with(REJECTED)
+    {
+        return detail.to_owned();
     }
+    let mut what = error.to_string();
+    if let Some(line) = error.line()
+        && !what.contains(NAME)
+    {
+        what.push_str(&format!(" (template line {line})"));
+    }
+    what + UNUSABLE
 }
+
+/// The advice for a template kiln cannot use.
+const UNUSABLE: &str =
+    "; `kiln chat` needs a working template, `kiln generate` runs the model without one";
 
 /// Output that refuses to grow past [`MAX_RENDERED_BYTES`].
 #[derive(Default)]
@@ -226,12 +233,14 @@ impl std::io::Write for BoundedWriter {
     }
 }
 
+const REJECTED: &str = "the template rejected the conversation: ";
+
 /// `raise_exception(message)`: templates call it to reject a conversation
 /// (roles that do not alternate, a system message where none is allowed).
 fn raise_exception(message: String) -> std::result::Result<Value, minijinja::Error> {
     Err(minijinja::Error::new(
         ErrorKind::InvalidOperation,
-        format!("the template rejected the conversation: {message}"),
+        format!("{REJECTED}{message}"),
     ))
 }
 

@@ -31,10 +31,7 @@ pub enum Error {
     #[error("cannot decode the generated tokens: {0}")]
     Decode(String),
 
-    #[error(
-        "the chat template from {origin}: {message} \
-         (`kiln chat` needs a working template; `kiln generate` runs the model without one)"
-    )]
+    #[error("the chat template from {origin}: {message}")]
     ChatTemplate { origin: String, message: String },
 
     #[error(

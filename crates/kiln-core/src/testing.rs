@@ -193,3 +193,32 @@ pub fn successor_model(
     std::fs::write(&path, tokenizer_json.to_string())
         .map_err(|error| crate::Error::Io { path, error })
 }
+
+/// The ChatML specials of [`chatml_model`]'s vocabulary, ids 0, 1, 2.
+pub const CHATML_SPECIALS: [&str; 3] = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"];
+
+/// Writes a model folder over a byte-level ChatML vocabulary
+/// ([`CHATML_SPECIALS`]) that, after a newline (where a ChatML prompt ends),
+/// answers "Hi" and then `<|im_end|>`; it would go on with "!" forever.
+/// `config.json`'s EOS is `<|endoftext|>` only. With `chat_template`, a
+/// `tokenizer_config.json` carries it, with `<|im_start|>` and `<|im_end|>`
+/// as BOS and EOS, as SmolLM2's does.
+pub fn chatml_model(dir: &Path, chat_template: Option<&str>) -> Result<()> {
+    let tokenizer = byte_level_json(&CHATML_SPECIALS);
+    let byte = |b: u8| 3 + u32::from(b - b'!');
+    // 0x0a is the 11th of the bytes GPT-2 maps past the 188 printable ones.
+    let newline = 3 + 188 + 10;
+    let mut next = vec![byte(b'!'); 3 + 256 + 62];
+    next[newline] = byte(b'H');
+    next[byte(b'H') as usize] = byte(b'i');
+    next[byte(b'i') as usize] = 2;
+    successor_model(dir, &tokenizer, &next, vec![0])?;
+    if let Some(template) = chat_template {
+        let config = json!({"bos_token": "<|im_start|>", "eos_token": "<|im_end|>",
+                            "chat_template": template});
+        let path = dir.join("tokenizer_config.json");
+        std::fs::write(&path, config.to_string())
+            .map_err(|error| crate::Error::Io { path, error })?;
+    }
+    Ok(())
+}
