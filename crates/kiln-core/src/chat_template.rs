@@ -536,6 +536,13 @@ mod tests {
                 "{{ 'x' * 3000000 }}{{ 'x' * 3000000 }}",
                 "more than 4194304 bytes",
             ),
+            // No includes, no loader: a template cannot read files.
+            ("{% include '/etc/passwd' %}", "unknown statement include"),
+            // Unbounded recursion is an error, not a stack overflow.
+            (
+                "{% macro f() %}{{ f() }}{% endmacro %}{{ f() }}",
+                "recursion",
+            ),
         ];
         for (source, expected) in cases {
             let error = render(source, &user).unwrap_err().to_string();
