@@ -204,7 +204,15 @@ fn prefill(args: &ModelArgs, prompt: &str, top: usize) -> Result<()> {
     );
     for &i in order.iter().take(top) {
         let text = model.tokenizer.decode(&[i as u32])?;
-        println!("{i:>8}  {:>12.6}  {text:?}", logits[i]);
+        // A token holding part of a character decodes alone as U+FFFD; its
+        // vocabulary entry tells such tokens apart.
+        let entry = model
+            .tokenizer
+            .vocabulary_entry(i as u32)
+            .filter(|_| text.contains('\u{fffd}'))
+            .map(|entry| format!(" (vocabulary entry {entry:?})"))
+            .unwrap_or_default();
+        println!("{i:>8}  {:>12.6}  {text:?}{entry}", logits[i]);
     }
     Ok(())
 }

@@ -85,6 +85,15 @@ impl Tokenizer {
         }
     }
 
+    /// How the vocabulary spells `id` (`Ġthe`, `<0xC3>`); `None` for the
+    /// byte tokenizer, whose tokens are characters.
+    pub fn vocabulary_entry(&self, id: u32) -> Option<String> {
+        match self {
+            Tokenizer::Bytes(_) => None,
+            Tokenizer::HuggingFace(t) => t.id_to_token(id),
+        }
+    }
+
     /// The id of the vocabulary entry spelled `token` (`<|im_end|>`).
     pub fn token_to_id(&self, token: &str) -> Option<u32> {
         match self {
