@@ -100,3 +100,46 @@ fn template_problems_are_clear_errors() {
         assert!(!stderr.contains("panicked"), "{stderr}");
     }
 }
+
+/// On a terminal: a prompt per turn, history kept, Ctrl-D ends. The
+/// terminal is a pseudo-terminal from util-linux `script`.
+#[test]
+fn a_terminal_gets_a_conversation_that_ctrl_d_ends() {
+    if Command::new("script").arg("--version").output().is_err() {
+        eprintln!("skipped: util-linux `script` (to get a pseudo-terminal) is not installed");
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    chatml_model(dir.path(), Some(SMOLLM2)).unwrap();
+    let command = format!(
+        "'{}' chat --show-prompt --model '{}'",
+        env!("CARGO_BIN_EXE_kiln"),
+        dir.path().display()
+    );
+    let mut child = Command::new("script")
+        .args(["-qec", &command, "/dev/null"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    // Two turns, then Ctrl-D (EOT) at the start of a line.
+    let mut input = child.stdin.take().unwrap();
+    input.write_all(b"Hello\nAgain\n\x04").unwrap();
+    drop(input);
+    let out = child.wait_with_output().unwrap();
+    let screen = text(&out.stdout).replace('\r', "");
+    assert!(out.status.success(), "{screen}");
+    assert!(screen.contains("Ctrl-D ends."), "{screen}");
+    assert_eq!(screen.matches("> ").count(), 3, "{screen}");
+    assert_eq!(
+        screen.matches("[end of prompt]\nHi\n").count(),
+        2,
+        "{screen}"
+    );
+    assert!(
+        screen.contains("<|im_start|>assistant\nHi<|im_end|>\n<|im_start|>user\nAgain<|im_end|>"),
+        "{screen}"
+    );
+    assert!(screen.ends_with("> \n"), "{screen}");
+}
