@@ -2,3 +2,7 @@
 //! and what they share.
 
 pub mod backends;
+pub mod chat;
+mod text_out;
+
+pub use text_out::print_text;

@@ -7,9 +7,10 @@ use std::time::Instant;
 
 use anyhow::Result;
 use clap::{Parser, Subcommand};
-use kiln_core::{Model, SamplingParams};
+use kiln_core::{Model, SamplingParams, TextStream};
 
 use kiln::backends::{self, BackendKind, IreeOptions};
+use kiln::print_text;
 
 #[derive(Parser)]
 #[command(
@@ -57,6 +58,10 @@ enum Command {
         #[arg(long, default_value_t = 0)]
         seed: u64,
     },
+    /// Chat with a model through its chat template: answer QUESTION, or hold
+    /// a conversation on the terminal (Ctrl-D ends), or answer each line of
+    /// piped input in one conversation.
+    Chat(ChatArgs),
     /// Run the prompt once and print the most likely next tokens and their logits.
     Prefill {
         #[command(flatten)]
@@ -78,6 +83,16 @@ enum Command {
         #[arg(long)]
         model: Option<PathBuf>,
     },
+}
+
+#[derive(clap::Args)]
+struct ChatArgs {
+    #[command(flatten)]
+    model: ModelArgs,
+    /// The question; read turns from stdin when left out.
+    question: Option<String>,
+    #[command(flatten)]
+    options: kiln::chat::ChatOptions,
 }
 
 fn main() -> ExitCode {
@@ -113,6 +128,7 @@ fn run(cli: Cli) -> Result<()> {
             };
             generate(&model, &prompt, max_tokens, sampling)
         }
+        Command::Chat(args) => chat(&args),
         Command::Prefill { model, prompt, top } => prefill(&model, &prompt, top),
         Command::Prepare { model } => prepare(&model),
         Command::Inspect { model } => inspect(model.as_ref()),
@@ -130,8 +146,7 @@ fn generate(
     let mut backend = backends::open(&model, args.backend, &args.iree)?;
     let started = Instant::now();
     let mut first_token_at = None;
-    let mut generated = Vec::new();
-    let mut printed = 0;
+    let mut text = TextStream::new(&model.tokenizer);
     let mut stdout = std::io::stdout().lock();
     let tokens = kiln_core::generate(
         backend.as_mut(),
@@ -141,22 +156,10 @@ fn generate(
         &model.config.eos_token_ids,
         |token| {
             first_token_at.get_or_insert_with(Instant::now);
-            generated.push(token);
-            // Decode everything so far and print what is new: a token may
-            // complete a multi-byte character begun by an earlier one.
-            let text = model.tokenizer.decode(&generated)?;
-            if text.len() > printed && text.is_char_boundary(printed) {
-                let io = |error| kiln_core::Error::Write {
-                    what: "stdout",
-                    error,
-                };
-                stdout.write_all(&text.as_bytes()[printed..]).map_err(io)?;
-                stdout.flush().map_err(io)?;
-                printed = text.len();
-            }
-            Ok(())
+            print_text(&mut stdout, text.push(token)?.as_deref())
         },
     )?;
+    print_text(&mut stdout, text.finish()?.as_deref())?;
     writeln!(stdout)?;
     let total = started.elapsed().as_secs_f64();
     let prefill = first_token_at.map_or(total, |t| (t - started).as_secs_f64());
@@ -170,6 +173,21 @@ fn generate(
         (tokens.len().saturating_sub(1)) as f64 / (total - prefill).max(1e-9)
     );
     Ok(())
+}
+
+fn chat(args: &ChatArgs) -> Result<()> {
+    let (model, template) = match &args.model.model {
+        Some(path) => kiln::chat::load(path)?,
+        None => kiln::chat::default_model()?,
+    };
+    let mut backend = backends::open(&model, args.model.backend, &args.model.iree)?;
+    kiln::chat::run(
+        &model,
+        template,
+        backend.as_mut(),
+        args.question.as_deref(),
+        &args.options,
+    )
 }
 
 fn prefill(args: &ModelArgs, prompt: &str, top: usize) -> Result<()> {
@@ -186,7 +204,15 @@ fn prefill(args: &ModelArgs, prompt: &str, top: usize) -> Result<()> {
     );
     for &i in order.iter().take(top) {
         let text = model.tokenizer.decode(&[i as u32])?;
-        println!("{i:>8}  {:>12.6}  {text:?}", logits[i]);
+        // A token holding part of a character decodes alone as U+FFFD; its
+        // vocabulary entry tells such tokens apart.
+        let entry = model
+            .tokenizer
+            .vocabulary_entry(i as u32)
+            .filter(|_| text.contains('\u{fffd}'))
+            .map(|entry| format!(" (vocabulary entry {entry:?})"))
+            .unwrap_or_default();
+        println!("{i:>8}  {:>12.6}  {text:?}{entry}", logits[i]);
     }
     Ok(())
 }

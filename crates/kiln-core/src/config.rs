@@ -80,6 +80,40 @@ impl ModelConfig {
         })
     }
 
+    /// Adds the end-of-sequence ids of `generation_config.json` (when the
+    /// file exists): generation stops at all of them, as in transformers,
+    /// and instruct models often list their end-of-turn token only there.
+    pub fn add_generation_config_eos(&mut self, path: &Path) -> Result<()> {
+        let text = match std::fs::read_to_string(path) {
+            Ok(text) => text,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+            Err(error) => {
+                return Err(Error::Io {
+                    path: path.to_path_buf(),
+                    error,
+                });
+            }
+        };
+        let invalid = |message: String| Error::Config {
+            path: path.to_path_buf(),
+            message,
+        };
+        let json: serde_json::Value =
+            serde_json::from_str(&text).map_err(|e| invalid(format!("not valid JSON: {e}")))?;
+        for id in parse_eos(json.get("eos_token_id")).map_err(invalid)? {
+            if id as usize >= self.vocab_size {
+                return Err(invalid(format!(
+                    "eos_token_id {id} is outside the vocabulary ({})",
+                    self.vocab_size
+                )));
+            }
+            if !self.eos_token_ids.contains(&id) {
+                self.eos_token_ids.push(id);
+            }
+        }
+        Ok(())
+    }
+
     /// Parses and checks config JSON; the error says which field is wrong.
     pub fn from_json(text: &str) -> std::result::Result<ModelConfig, String> {
         let mut deserializer = serde_json::Deserializer::from_str(text);
@@ -295,6 +329,24 @@ fn parse_eos(value: Option<&serde_json::Value>) -> std::result::Result<Vec<u32>,
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn generation_config_adds_its_eos_ids() {
+        let mut c = ModelConfig::from_json(BASE).unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("generation_config.json");
+        c.add_generation_config_eos(&path).unwrap(); // absent: nothing changes
+        assert_eq!(c.eos_token_ids, vec![2, 3]);
+        std::fs::write(&path, r#"{"eos_token_id": [3, 7], "temperature": 0.2}"#).unwrap();
+        c.add_generation_config_eos(&path).unwrap();
+        assert_eq!(c.eos_token_ids, vec![2, 3, 7]);
+        std::fs::write(&path, r#"{"eos_token_id": 99}"#).unwrap();
+        let error = c.add_generation_config_eos(&path).unwrap_err().to_string();
+        assert!(
+            error.contains("generation_config.json") && error.contains("99"),
+            "{error}"
+        );
+    }
 
     const BASE: &str = r#"{"model_type": "llama", "hidden_size": 64, "intermediate_size": 100,
         "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,

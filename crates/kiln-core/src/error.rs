@@ -28,6 +28,12 @@ pub enum Error {
     #[error("cannot encode the prompt: {0}")]
     Encode(String),
 
+    #[error("cannot decode the generated tokens: {0}")]
+    Decode(String),
+
+    #[error("the chat template from {origin}: {message}")]
+    ChatTemplate { origin: String, message: String },
+
     #[error(
         "the prompt and generation need {needed} positions but the model's context holds {limit}; \
          shorten the prompt or lower --max-tokens"

@@ -30,7 +30,8 @@ impl Model {
                 dir.display()
             )));
         }
-        let config = ModelConfig::from_file(&dir.join("config.json"))?;
+        let mut config = ModelConfig::from_file(&dir.join("config.json"))?;
+        config.add_generation_config_eos(&dir.join("generation_config.json"))?;
         let weights = weights::load_dir(dir, &config)?;
         let tokenizer = Tokenizer::from_file(&dir.join("tokenizer.json"))?;
         Ok(Model {

@@ -19,8 +19,8 @@ impl ByteTokenizer {
     pub const EOS: u32 = Self::NEWLINE + 2;
     pub const VOCAB_SIZE: usize = Self::EOS as usize + 1;
 
-    /// BOS, then one token per byte.
-    fn encode(&self, text: &str) -> Result<Vec<u32>> {
+    /// BOS (with `add_bos`), then one token per byte.
+    fn encode(&self, text: &str, add_bos: bool) -> Result<Vec<u32>> {
         let bytes = text.bytes().map(|b| match b {
             b'\n' => Ok(Self::NEWLINE),
             Self::FIRST..=Self::LAST => Ok(u32::from(b - Self::FIRST)),
@@ -29,7 +29,11 @@ impl ByteTokenizer {
                      (printable ASCII and newline); pass --model for other text"
             ))),
         });
-        std::iter::once(Ok(Self::BOS)).chain(bytes).collect()
+        add_bos
+            .then_some(Ok(Self::BOS))
+            .into_iter()
+            .chain(bytes)
+            .collect()
     }
 
     fn decode(&self, tokens: &[u32]) -> String {
@@ -61,12 +65,40 @@ impl Tokenizer {
 
     /// Token ids of `text`, with the special tokens the tokenizer adds.
     pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
+        self.encode_with(text, true)
+    }
+
+    /// Token ids of a prompt rendered by a chat template: special tokens
+    /// spelled in the text are recognised, none is added (the template
+    /// wrote the ones it wants), as transformers' `apply_chat_template`.
+    pub fn encode_rendered(&self, text: &str) -> Result<Vec<u32>> {
+        self.encode_with(text, false)
+    }
+
+    fn encode_with(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>> {
         match self {
-            Tokenizer::Bytes(t) => t.encode(text),
+            Tokenizer::Bytes(t) => t.encode(text, add_special_tokens),
             Tokenizer::HuggingFace(t) => t
-                .encode(text, true)
+                .encode(text, add_special_tokens)
                 .map(|e| e.get_ids().to_vec())
                 .map_err(|e| Error::Encode(e.to_string())),
+        }
+    }
+
+    /// How the vocabulary spells `id` (`Ġthe`, `<0xC3>`); `None` for the
+    /// byte tokenizer, whose tokens are characters.
+    pub fn vocabulary_entry(&self, id: u32) -> Option<String> {
+        match self {
+            Tokenizer::Bytes(_) => None,
+            Tokenizer::HuggingFace(t) => t.id_to_token(id),
+        }
+    }
+
+    /// The id of the vocabulary entry spelled `token` (`<|im_end|>`).
+    pub fn token_to_id(&self, token: &str) -> Option<u32> {
+        match self {
+            Tokenizer::Bytes(_) => None,
+            Tokenizer::HuggingFace(t) => t.token_to_id(token),
         }
     }
 
@@ -76,7 +108,7 @@ impl Tokenizer {
             Tokenizer::Bytes(t) => Ok(t.decode(tokens)),
             Tokenizer::HuggingFace(t) => t
                 .decode(tokens, true)
-                .map_err(|e| Error::Encode(e.to_string())),
+                .map_err(|e| Error::Decode(e.to_string())),
         }
     }
 }
