@@ -263,6 +263,7 @@ fn install_cargo_tool(cache: &Cache, tool: &CargoTool) -> Result<()> {
         .context("cannot create a build folder in the cache")?;
     unpack::tar_gz(&archive, build.path())?;
     let source = build.path().join(&crate_name);
+    own_workspace(&source.join("Cargo.toml"))?;
     cache.publish(&dest, |staging| {
         eprintln!("setup: cargo install --locked {crate_name}");
         let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
@@ -286,6 +287,19 @@ fn install_cargo_tool(cache: &Cache, tool: &CargoTool) -> Result<()> {
         }
         Ok(())
     })?;
+    Ok(())
+}
+
+/// Makes an unpacked crate the root of its own workspace. The cache may lie
+/// inside a checkout (CI keeps it in `target/`), and cargo then takes the
+/// checkout's `[workspace]` for the crate's own and refuses to build it.
+fn own_workspace(manifest: &Path) -> Result<()> {
+    let text = std::fs::read_to_string(manifest)
+        .with_context(|| format!("cannot read {}", manifest.display()))?;
+    if !text.lines().any(|line| line.trim() == "[workspace]") {
+        std::fs::write(manifest, format!("{text}\n[workspace]\n"))
+            .with_context(|| format!("cannot write {}", manifest.display()))?;
+    }
     Ok(())
 }
 
@@ -347,4 +361,55 @@ fn run_checked(command: &mut Command, what: &str) -> Result<()> {
         return Err(anyhow!("{what} failed ({status})"));
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `cargo metadata` on `manifest`: does cargo accept it as a package?
+    fn cargo_accepts(manifest: &Path) -> bool {
+        let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
+        Command::new(cargo)
+            .args([
+                "metadata",
+                "--offline",
+                "--no-deps",
+                "--format-version",
+                "1",
+            ])
+            .arg("--manifest-path")
+            .arg(manifest)
+            .output()
+            .is_ok_and(|out| out.status.success())
+    }
+
+    #[test]
+    fn a_tool_crate_unpacked_inside_a_checkout_builds_as_its_own_workspace() {
+        let checkout = tempfile::tempdir().unwrap();
+        std::fs::write(
+            checkout.path().join("Cargo.toml"),
+            "[workspace]\nmembers = []\n",
+        )
+        .unwrap();
+        // Where CI's cache puts an unpacked tool crate: below the checkout.
+        let source = checkout.path().join("target/kiln-cache/staging/tool-1.0.0");
+        std::fs::create_dir_all(source.join("src")).unwrap();
+        std::fs::write(source.join("src/main.rs"), "fn main() {}\n").unwrap();
+        let manifest = source.join("Cargo.toml");
+        std::fs::write(
+            &manifest,
+            "[package]\nname = \"tool\"\nversion = \"1.0.0\"\nedition = \"2021\"\n",
+        )
+        .unwrap();
+        assert!(
+            !cargo_accepts(&manifest),
+            "cargo took a crate below a workspace for a package of its own"
+        );
+        own_workspace(&manifest).unwrap();
+        assert!(cargo_accepts(&manifest));
+        // Idempotent: a second call adds no second table.
+        own_workspace(&manifest).unwrap();
+        assert!(cargo_accepts(&manifest));
+    }
 }
