@@ -17,6 +17,8 @@ mod test;
 mod tools;
 mod tree;
 mod unpack;
+#[cfg(test)]
+mod unprivileged;
 mod verify_pins;
 
 use std::path::PathBuf;

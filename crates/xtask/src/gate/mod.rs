@@ -291,7 +291,7 @@ fn copy_dir(from: &Path, to: &Path) -> Result<()> {
     if to.exists() {
         std::fs::remove_dir_all(to)?;
     }
-    crate::iree::copy_tree(from, to)
+    crate::tree::copy_tree(from, to)
 }
 
 /// The line that says why: an undefined symbol if there is one, else the
@@ -317,4 +317,68 @@ fn print_line(line: &Line) {
         "{:<14} {:<36} {:>7.1}s  {}",
         line.verdict, line.name, line.seconds, line.detail
     );
+}
+
+#[cfg(test)]
+mod tests {
+    use std::os::unix::fs::PermissionsExt;
+
+    use super::*;
+
+    /// Sets every file under `root` to `file` and every folder to `dir`.
+    fn set_modes(root: &Path, file: u32, dir: u32) {
+        // Folders last, bottom-up, so a read-only folder is not walked after.
+        for entry in walkdir::WalkDir::new(root).contents_first(true) {
+            let entry = entry.unwrap();
+            let mode = if entry.file_type().is_dir() { dir } else { file };
+            std::fs::set_permissions(entry.path(), std::fs::Permissions::from_mode(mode)).unwrap();
+        }
+    }
+
+    fn write(root: &Path, file: &str, text: &str) {
+        let path = root.join(file);
+        std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+        std::fs::write(path, text).unwrap();
+    }
+
+    /// The gate mutates copies of a prefix and of a tree that, under Nix,
+    /// come from the store: 0444 files in 0555 folders, and the gate runs as
+    /// a build user who cannot write through those modes.
+    #[test]
+    fn mutations_apply_to_copies_of_a_read_only_prefix_and_tree() {
+        if crate::unprivileged::rerun_without_dac_override(
+            "gate::tests::mutations_apply_to_copies_of_a_read_only_prefix_and_tree",
+        ) {
+            return;
+        }
+        let dir = tempfile::tempdir().unwrap();
+        let store = dir.path().join("store");
+        let (prefix, tree) = (store.join("prefix"), store.join("tree"));
+        let pc = format!("lib/pkgconfig/{}.pc", crate::prefix::PKG_CONFIG_NAME);
+        write(&prefix, &pc, "prefix=/p\nLibs: -L${libdir} -la -lb -lc -lm\n");
+        for name in ["a", "b", "c"] {
+            write(&prefix, &format!("lib/lib{name}.a"), "!<arch>\n");
+        }
+        write(&tree, "src/lib.rs", "fn kept() {}\n");
+        set_modes(&store, 0o444, 0o555);
+
+        let (prefix_copy, tree_copy) = (dir.path().join("prefix"), dir.path().join("tree"));
+        copy_dir(&prefix, &prefix_copy).unwrap();
+        crate::tree::copy_checkout(&tree, &tree_copy).unwrap();
+        let edits = [
+            Edit::Libs(LibsEdit::Drop(1)),
+            Edit::Tree {
+                file: "src/lib.rs",
+                from: "kept",
+                to: "mutated",
+            },
+        ];
+        let applied = apply(&edits, &tree_copy, &prefix_copy);
+        set_modes(&store, 0o644, 0o755);
+        applied.unwrap();
+        let libs = std::fs::read_to_string(prefix_copy.join(&pc)).unwrap();
+        assert!(libs.contains("Libs: -L${libdir} -la -lc -lm"), "{libs}");
+        let source = std::fs::read_to_string(tree_copy.join("src/lib.rs")).unwrap();
+        assert_eq!(source, "fn mutated() {}\n");
+    }
 }
