@@ -43,6 +43,9 @@ pub struct Source {
 pub struct Compiler {
     /// Path of the native `iree-compile` inside the wheel.
     pub binary: String,
+    /// The wheel members an installation consists of (the binary among them,
+    /// all in its folder): what Nix installs and what xtask unpacks.
+    pub files: Vec<String>,
     /// What `iree-compile --version` prints for the pinned build.
     pub version_line: String,
     /// One wheel per Nix system name (`x86_64-linux`, …).
