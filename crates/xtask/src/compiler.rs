@@ -166,7 +166,12 @@ mod tests {
             "iree-compile failed with the pinned files:\n{}",
             String::from_utf8_lossy(&output.stderr)
         );
-        assert!(std::fs::metadata(dir.path().join("add.vmfb")).unwrap().len() > 0);
+        assert!(
+            std::fs::metadata(dir.path().join("add.vmfb"))
+                .unwrap()
+                .len()
+                > 0
+        );
     }
 
     /// Serialises the tests that write and run a script: a fork by another

@@ -330,7 +330,11 @@ mod tests {
         // Folders last, bottom-up, so a read-only folder is not walked after.
         for entry in walkdir::WalkDir::new(root).contents_first(true) {
             let entry = entry.unwrap();
-            let mode = if entry.file_type().is_dir() { dir } else { file };
+            let mode = if entry.file_type().is_dir() {
+                dir
+            } else {
+                file
+            };
             std::fs::set_permissions(entry.path(), std::fs::Permissions::from_mode(mode)).unwrap();
         }
     }
@@ -355,7 +359,11 @@ mod tests {
         let store = dir.path().join("store");
         let (prefix, tree) = (store.join("prefix"), store.join("tree"));
         let pc = format!("lib/pkgconfig/{}.pc", crate::prefix::PKG_CONFIG_NAME);
-        write(&prefix, &pc, "prefix=/p\nLibs: -L${libdir} -la -lb -lc -lm\n");
+        write(
+            &prefix,
+            &pc,
+            "prefix=/p\nLibs: -L${libdir} -la -lb -lc -lm\n",
+        );
         for name in ["a", "b", "c"] {
             write(&prefix, &format!("lib/lib{name}.a"), "!<arch>\n");
         }
