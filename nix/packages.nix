@@ -10,8 +10,8 @@
 let
   version = (lib.importTOML ../Cargo.toml).workspace.package.version;
 
-  # What every cuda,xla-iree build shares.
-  common = {
+  # What every cuda,xla-iree build of the dependencies shares.
+  depsCommon = {
     inherit src version;
     pname = "kiln";
     strictDeps = true;
@@ -19,14 +19,20 @@ let
       pkgs.pkg-config
       pkgs.rustPlatform.bindgenHook
     ];
-    KILN_IREE_PREFIX = "${iree-runtime-cuda}";
     cargoExtraArgs = "--locked --features cuda,xla-iree";
     # bindgenHook passes clang a seed taken from the output path unless this
     # is fixed; fixed, the final builds reuse the dependency artifacts.
     NIX_OUTPATH_USED_AS_RANDOM_SEED = "kilnkilnki";
   };
 
-  cargoArtifacts = craneLib.buildDepsOnly common;
+  # The dependencies need no IREE (only kiln-iree's build script reads the
+  # prefix), so a new prefix does not rebuild them.
+  cargoArtifacts = craneLib.buildDepsOnly depsCommon;
+
+  # What every build of kiln's own crates shares.
+  common = depsCommon // {
+    KILN_IREE_PREFIX = "${iree-runtime-cuda}";
+  };
 in
 {
   inherit common cargoArtifacts;

@@ -5,6 +5,7 @@
 mod cache;
 mod compiler;
 mod env;
+mod eval_nix;
 mod fetch;
 mod gate;
 mod iree;
@@ -73,6 +74,20 @@ enum Task {
     },
     /// Check every Nix file: parse, nixpkgs-fmt, deadnix.
     LintNix,
+    /// Evaluate every flake output for every system and instantiate every
+    /// derivation with this machine's Nix (real nixpkgs lib, crane and
+    /// rust-overlay, a stand-in for nixpkgs' packages); write
+    /// nix/eval/summary.json.
+    EvalNix {
+        /// A folder with nixpkgs-lib/ (holding nixpkgs' lib/), crane/ and
+        /// rust-overlay/ at flake.lock's revisions; without it they are
+        /// downloaded from GitHub by flake.lock.
+        #[arg(long)]
+        inputs: Option<PathBuf>,
+        /// Only check that the committed summary is current (no Nix needed).
+        #[arg(long)]
+        check: bool,
+    },
     /// Lint the GitHub workflows with actionlint and zizmor.
     LintWorkflows,
     /// Build the release cuda,xla-iree binaries twice (two checkout paths, two
@@ -129,6 +144,13 @@ fn run(cli: Cli) -> Result<()> {
         }
         Task::Repro => repro::run(&prefix_for_gate()?)?,
         Task::LintNix => lint_nix::run()?,
+        Task::EvalNix { inputs, check } => {
+            if check {
+                eval_nix::check()?;
+            } else {
+                eval_nix::run(&Cache::open()?, inputs.as_deref())?;
+            }
+        }
         Task::LintWorkflows => lint_workflows::run()?,
         Task::IreePrefixInstall {
             build,

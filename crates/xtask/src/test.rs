@@ -36,6 +36,10 @@ pub fn run(cache: &Cache, pins: &Pins) -> Result<()> {
     step("rustfmt", || cargo(&["fmt", "--all", "--check"], &[]))?;
     step("Nix files: parse, format, dead code", crate::lint_nix::run)?;
     step(
+        "Nix evaluation summary matches the Nix files",
+        crate::eval_nix::check,
+    )?;
+    step(
         "GitHub workflows: actionlint, zizmor",
         crate::lint_workflows::run,
     )?;
