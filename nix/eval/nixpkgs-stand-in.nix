@@ -331,8 +331,9 @@ let
     cuda = lib.licenses.nvidiaCudaRedist;
   };
 
-  # The CUDA releases the stand-in knows: package versions (from nixpkgs'
-  # redistributable manifests) and the newest capability each can target.
+  # The CUDA releases the stand-in knows: package versions (nixpkgs'
+  # pkgs/development/cuda-modules/_cuda/manifests/cuda/redistrib_12.8.2.json
+  # and redistrib_12.9.2.json) and the newest capability each can target.
   cudaReleases = {
     "12_8" = {
       majorMinor = "12.8";

@@ -66,6 +66,8 @@ pub struct Cuda {
 #[derive(Debug, Deserialize, Serialize)]
 pub struct CudaWheel {
     pub version: String,
+    /// The nixpkgs package (of `cudaPackages`) this wheel stands for.
+    pub nixpkgs: String,
     /// `[from, to]` pairs: a folder of the unpacked wheel and where it goes in
     /// `IREE_CUDA_DEPS_DIR`.
     pub layout: Vec<(String, String)>,

@@ -48,6 +48,13 @@ const CONTROLS: &[Control] = &[
         to: "cudaPackages.cuda_ccl",
         expect: "attribute 'cuda_ccl' missing",
     },
+    Control {
+        name: "a CUDA wheel pinned at another version than nixpkgs'",
+        file: "nix/pins.json",
+        from: "\"version\": \"12.9.79\"",
+        to: "\"version\": \"12.9.80\"",
+        expect: "cuda_cudart is 12.9.79, the pin 12.9.80",
+    },
 ];
 
 /// Runs every control on x86_64-linux; returns what each printed.
