@@ -5,8 +5,12 @@
 //! none. The mutation suite proves the check would catch link-only
 //! regressions: for each mutation, on a copy of the tree (and of the prefix),
 //! `cargo check` must still pass and the link check must fail with the
-//! expected text. Every run shares one target folder, so mutants reuse the
-//! baseline's compiled dependencies.
+//! expected text. Every run shares the checkout's own target folder (under
+//! Nix, the one crane filled with the dependency artifacts), so neither the
+//! link check nor the mutants compile a dependency again; the mutated tree
+//! lives outside the checkout, where cargo reads no second
+//! `.cargo/config.toml` (two would repeat the rustflags, and new rustflags
+//! mean every dependency recompiled).
 
 mod mutations;
 
@@ -36,9 +40,14 @@ struct Line {
 /// report and writes it as JSON. Fails if any line failed.
 pub fn run(prefix: &Path, link_only: bool, only: Option<&str>) -> Result<()> {
     let root = repo_root();
-    let work = root.join("target").join("gate");
-    let target_dir = work.join("target");
+    let target_dir = match std::env::var_os("CARGO_TARGET_DIR") {
+        // Relative to where cargo runs, as cargo reads it (crane sets `target`).
+        Some(dir) => std::env::current_dir()?.join(dir),
+        None => root.join("target"),
+    };
+    let work = target_dir.join("gate");
     std::fs::create_dir_all(&work)?;
+    let scratch = scratch_folder()?;
     let mut report: Vec<Line> = Vec::new();
 
     let started = Instant::now();
@@ -65,7 +74,7 @@ pub fn run(prefix: &Path, link_only: bool, only: Option<&str>) -> Result<()> {
             .iter()
             .filter(|m| only.is_none_or(|o| o == m.name))
         {
-            let line = run_mutation(mutation, &root, prefix, &work, &target_dir)?;
+            let line = run_mutation(mutation, &root, prefix, scratch.path(), &work, &target_dir)?;
             print_line(&line);
             report.push(line);
         }
@@ -88,6 +97,15 @@ pub fn run(prefix: &Path, link_only: bool, only: Option<&str>) -> Result<()> {
         ));
     }
     Ok(())
+}
+
+/// Where the mutants are made: outside the checkout, in the system's
+/// temporary folder.
+fn scratch_folder() -> Result<tempfile::TempDir> {
+    tempfile::Builder::new()
+        .prefix("kiln-gate-")
+        .tempdir()
+        .context("cannot create a scratch folder for the mutants")
 }
 
 struct Outcome {
@@ -152,6 +170,7 @@ fn run_mutation(
     mutation: &Mutation,
     root: &Path,
     prefix: &Path,
+    scratch: &Path,
     work: &Path,
     target_dir: &Path,
 ) -> Result<Line> {
@@ -170,8 +189,8 @@ fn run_mutation(
     let started = Instant::now();
     // The same paths every time: cargo's fingerprints of the workspace crates
     // then differ only where the mutation edits.
-    let tree = work.join("tree");
-    let mutant_prefix = work.join("prefix");
+    let tree = scratch.join("tree");
+    let mutant_prefix = scratch.join("prefix");
     crate::tree::copy_checkout(root, &tree)?;
     copy_dir(prefix, &mutant_prefix)?;
     if let Err(error) = apply(mutation.edits, &tree, &mutant_prefix) {
@@ -343,6 +362,22 @@ mod tests {
         let path = root.join(file);
         std::fs::create_dir_all(path.parent().unwrap()).unwrap();
         std::fs::write(path, text).unwrap();
+    }
+
+    /// Cargo merges every `.cargo/config.toml` from the working folder up;
+    /// the mutant tree must see its own only, or the rustflags double and
+    /// every dependency is compiled again.
+    #[test]
+    fn the_mutant_tree_sees_no_other_cargo_config() {
+        let scratch = scratch_folder().unwrap();
+        let tree = scratch.path().join("tree");
+        assert!(!tree.starts_with(repo_root()));
+        let others: Vec<_> = tree
+            .ancestors()
+            .skip(1)
+            .filter(|dir| dir.join(".cargo/config.toml").exists())
+            .collect();
+        assert!(others.is_empty(), "{others:?} hold a .cargo/config.toml");
     }
 
     /// The gate mutates copies of a prefix and of a tree that, under Nix,
