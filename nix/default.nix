@@ -22,7 +22,15 @@ let
   iree-compiler = pkgs.callPackage ./iree-compiler.nix { inherit kilnLib; };
 
   packages = import ./packages.nix {
-    inherit lib pkgs craneLib src iree-runtime-cuda;
+    inherit
+      lib
+      pkgs
+      craneLib
+      src
+      iree-runtime
+      iree-runtime-cuda
+      iree-compiler
+      ;
   };
 in
 {

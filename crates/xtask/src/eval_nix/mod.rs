@@ -66,6 +66,13 @@ pub fn run(cache: &Cache, inputs_dir: Option<&Path>) -> Result<()> {
         started.elapsed().as_secs_f64()
     );
     let systems = summarise(&evaluation.outputs)?;
+    let problems = check_rules(&systems);
+    if !problems.is_empty() {
+        return Err(anyhow!(
+            "the flake evaluates, but:\n  {}",
+            problems.join("\n  ")
+        ));
+    }
 
     // The same checkout with one comment added to a Rust source.
     let edited = work.path().join("kiln-rust-edit");
@@ -327,6 +334,45 @@ fn show_derivations<'a>(paths: impl Iterator<Item = &'a str>) -> Result<BTreeMap
         ));
     }
     Ok(serde_json::from_slice(&output.stdout)?)
+}
+
+/// What crane calls a check's derivation, where the check's name is not in
+/// it.
+const CHECK_ALIASES: [(&str, &str); 4] = [
+    ("rustfmt", "fmt"),
+    ("tests", "nextest"),
+    ("tests-cpu", "cpu-nextest"),
+    ("doctests", "doctest"),
+];
+
+/// Rules the flake's outputs keep beyond evaluating: each check's derivation
+/// is named after the check (what `nix flake check -L` prints), and no check
+/// stores a target folder (`doInstallCargoArtifacts`: nothing reuses it).
+fn check_rules(systems: &Value) -> Vec<String> {
+    let mut problems = Vec::new();
+    for (system, outputs) in systems.as_object().into_iter().flatten() {
+        for (output, entry) in outputs.as_object().into_iter().flatten() {
+            let Some(check) = output.strip_prefix("checks.") else {
+                continue;
+            };
+            let drv = entry["drv"].as_str().unwrap_or_default();
+            let alias = CHECK_ALIASES
+                .iter()
+                .find(|(name, _)| *name == check)
+                .map_or(check, |(_, alias)| alias);
+            if !drv.contains(&format!("-{alias}-")) && !drv.ends_with(&format!("-{alias}.drv")) {
+                problems.push(format!(
+                    "{system}: checks.{check} is built by a derivation named {drv}; name it after the check"
+                ));
+            }
+            if entry["env"]["doInstallCargoArtifacts"].as_str() == Some("1") {
+                problems.push(format!(
+                    "{system}: checks.{check} installs its target folder (doInstallCargoArtifacts); nothing reuses it"
+                ));
+            }
+        }
+    }
+    problems
 }
 
 /// Environment entries that say nothing a reviewer needs (the name and
