@@ -6,6 +6,7 @@
 , src
 , packages
 , iree-compiler
+, xtask
 ,
 }:
 let
@@ -102,6 +103,16 @@ in
         deadnix --fail $(find . -name '*.nix')
         touch $out
       '';
+
+  # "sm_121" as a property of kiln's kernels: every module kiln prepares for
+  # its embedded model and TinyLlama's shape, assembled by the pinned CUDA's
+  # ptxas for each pinned capability (the twin: `cargo xtask ptxas`).
+  ptxas = pkgs.runCommand "kiln-ptxas" { nativeBuildInputs = [ xtask ]; } ''
+    xtask ptxas --pins ${./pins.json} --out $out \
+      --bench ${packages.kiln-unwrapped}/bin/kiln-bench-decode \
+      --compiler ${lib.getExe iree-compiler} \
+      --ptxas ${lib.getBin pkgs.cudaPackages.cuda_nvcc}/bin/ptxas
+  '';
 
   # The release binaries built a second time, sharing nothing with the first
   # build (dependencies, source folder, seed), must be identical (the non-Nix

@@ -41,7 +41,15 @@ in
   };
 
   checks = import ./checks.nix {
-    inherit lib pkgs craneLib src packages iree-compiler;
+    inherit
+      lib
+      pkgs
+      craneLib
+      src
+      packages
+      iree-compiler
+      xtask
+      ;
   };
 
   formatter = pkgs.nixpkgs-fmt;

@@ -13,6 +13,7 @@ mod lint_nix;
 mod lint_workflows;
 mod pins;
 mod prefix;
+mod ptxas;
 mod repro;
 mod test;
 mod tools;
@@ -88,6 +89,26 @@ enum Task {
         #[arg(long)]
         check: bool,
     },
+    /// Assemble the PTX of every module kiln prepares (embedded model and
+    /// TinyLlama's shape, f32 and f16) with the pinned CUDA's ptxas for each
+    /// pinned capability; report registers, spills and shared memory per kernel.
+    Ptxas {
+        /// kiln-bench-decode built with cuda,xla-iree (default: built here).
+        #[arg(long)]
+        bench: Option<PathBuf>,
+        /// iree-compile (default: the pinned one, installed here).
+        #[arg(long)]
+        compiler: Option<PathBuf>,
+        /// ptxas (default: the pinned nvcc wheel's).
+        #[arg(long)]
+        ptxas: Option<PathBuf>,
+        /// The pin file (default: this checkout's).
+        #[arg(long)]
+        pins: Option<PathBuf>,
+        /// Where report.json goes (default: target/ptxas).
+        #[arg(long)]
+        out: Option<PathBuf>,
+    },
     /// Lint the GitHub workflows with actionlint and zizmor.
     LintWorkflows,
     /// Build the release cuda,xla-iree binaries twice (two checkout paths, two
@@ -152,6 +173,31 @@ fn run(cli: Cli) -> Result<()> {
             }
         }
         Task::LintWorkflows => lint_workflows::run()?,
+        Task::Ptxas {
+            bench,
+            compiler,
+            ptxas,
+            pins,
+            out,
+        } => {
+            let pins = Pins::load(&pins.unwrap_or_else(default_pin_file))?;
+            let tools = ptxas::Tools {
+                bench: match bench {
+                    Some(path) => path,
+                    None => ptxas::build_bench(&prefix_for_gate()?)?,
+                },
+                compiler: match compiler {
+                    Some(path) => path,
+                    None => compiler::install(&Cache::open()?, &pins)?.0,
+                },
+                ptxas: match ptxas {
+                    Some(path) => path,
+                    None => ptxas::pinned_ptxas(&Cache::open()?, &pins)?,
+                },
+            };
+            let out = out.unwrap_or_else(|| crate::pins::repo_root().join("target/ptxas"));
+            ptxas::run(&tools, &pins.cuda.capabilities, &out)?;
+        }
         Task::IreePrefixInstall {
             build,
             source,

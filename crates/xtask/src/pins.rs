@@ -60,6 +60,8 @@ pub struct CmakeOptions {
 
 #[derive(Debug, Deserialize)]
 pub struct Cuda {
+    /// The GPU capabilities kiln targets (`12.1` is sm_121).
+    pub capabilities: Vec<String>,
     pub wheels: BTreeMap<String, CudaWheel>,
 }
 
@@ -68,6 +70,9 @@ pub struct CudaWheel {
     pub version: String,
     /// The nixpkgs package (of `cudaPackages`) this wheel stands for.
     pub nixpkgs: String,
+    /// Where the wheel holds ptxas (the nvcc wheel only).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ptxas: Option<String>,
     /// `[from, to]` pairs: a folder of the unpacked wheel and where it goes in
     /// `IREE_CUDA_DEPS_DIR`.
     pub layout: Vec<(String, String)>,

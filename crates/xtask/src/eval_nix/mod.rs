@@ -42,7 +42,25 @@ const NOT_REBUILT_BY_RUST_EDITS: [&str; 3] = [
     "packages.iree-runtime-cuda",
     "packages.iree-compiler",
 ];
+/// An edit to the installer the IREE derivations run.
+const XTASK_EDIT: &str = "crates/xtask/src/prefix.rs";
 const TRACE: &str = "trace: kiln-eval-read: ";
+
+/// The outputs whose `.drv` changes when a comment is appended to `file`.
+fn edited_outputs(
+    work: &Path,
+    file: &str,
+    inputs: &Inputs,
+    before: &Evaluation,
+) -> Result<Vec<String>> {
+    let edited = work.join("kiln-edited");
+    copy_checkout(&repo_root(), &edited)?;
+    let path = edited.join(file);
+    let text = std::fs::read_to_string(&path)?;
+    std::fs::write(&path, text + "\n// eval-nix: an edit\n")?;
+    let after = evaluate(&edited, inputs, None)?;
+    Ok(changed_outputs(&before.outputs, &after.outputs))
+}
 
 /// Evaluates, summarises, runs the negative controls, writes the summary.
 pub fn run(cache: &Cache, inputs_dir: Option<&Path>) -> Result<()> {
@@ -74,14 +92,10 @@ pub fn run(cache: &Cache, inputs_dir: Option<&Path>) -> Result<()> {
         ));
     }
 
-    // The same checkout with one comment added to a Rust source.
-    let edited = work.path().join("kiln-rust-edit");
-    copy_checkout(&repo_root(), &edited)?;
-    let file = edited.join(RUST_EDIT);
-    let text = std::fs::read_to_string(&file)?;
-    std::fs::write(&file, text + "\n// eval-nix: a Rust-only edit\n")?;
-    let after = evaluate(&edited, &inputs, None)?;
-    let rebuilt = changed_outputs(&evaluation.outputs, &after.outputs);
+    // The same checkout with one comment added to a Rust source: the IREE
+    // packages must not change. And with one added to xtask's installer:
+    // they must (else they would not build from the real xtask).
+    let rebuilt = edited_outputs(work.path(), RUST_EDIT, &inputs, &evaluation)?;
     let wrongly_rebuilt: Vec<&String> = rebuilt
         .iter()
         .filter(|o| {
@@ -90,6 +104,15 @@ pub fn run(cache: &Cache, inputs_dir: Option<&Path>) -> Result<()> {
                 .any(|n| o.ends_with(&format!(".{n}")))
         })
         .collect();
+    let xtask_rebuilt = edited_outputs(work.path(), XTASK_EDIT, &inputs, &evaluation)?;
+    if !xtask_rebuilt
+        .iter()
+        .any(|o| o.ends_with(".packages.iree-runtime"))
+    {
+        return Err(anyhow!(
+            "an edit to {XTASK_EDIT} does not change packages.iree-runtime: the IREE build must run this checkout's xtask"
+        ));
+    }
 
     let controls = controls::run(&repo_root(), work.path(), &inputs)?;
 
@@ -106,6 +129,10 @@ pub fn run(cache: &Cache, inputs_dir: Option<&Path>) -> Result<()> {
         "rust_edit": {
             "edited": RUST_EDIT,
             "changed_outputs": rebuilt,
+        },
+        "xtask_edit": {
+            "edited": XTASK_EDIT,
+            "changed_outputs": xtask_rebuilt,
         },
         "negative_controls": controls,
         "systems": systems,
