@@ -158,11 +158,9 @@ pub fn run(tools: &Tools, capabilities: &[String], out: &Path) -> Result<()> {
     let mut rejected = Vec::new();
     for capability in capabilities {
         let gpu = gpu_name(capability)?;
-        for ptx in &ptx_files {
-            let module = ptx
-                .file_stem()
-                .map(|s| s.to_string_lossy().into_owned())
-                .unwrap_or_default();
+        for (index, ptx) in ptx_files.iter().enumerate() {
+            // Every module's file has the same name; number them.
+            let module = format!("module{index}");
             let output = Command::new(&tools.ptxas)
                 .args(["-v", "--gpu-name", &gpu, "-o"])
                 .arg(work.path().join("out.cubin"))
