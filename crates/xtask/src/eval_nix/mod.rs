@@ -84,7 +84,9 @@ pub fn run(cache: &Cache, inputs_dir: Option<&Path>) -> Result<()> {
         started.elapsed().as_secs_f64()
     );
     let systems = summarise(&evaluation.outputs)?;
-    let problems = check_rules(&systems);
+    let mut problems = check_rules(&systems);
+    problems.extend(coverage_rules(&systems));
+    problems.extend(reproducible_rule(&evaluation.outputs)?);
     if !problems.is_empty() {
         return Err(anyhow!(
             "the flake evaluates, but:\n  {}",
@@ -400,6 +402,88 @@ fn check_rules(systems: &Value) -> Vec<String> {
         }
     }
     problems
+}
+
+/// The Nix tests cover what `cargo xtask test` covers: a run against the
+/// CPU-only prefix, and the doctests (nextest runs none).
+fn coverage_rules(systems: &Value) -> Vec<String> {
+    let mut problems = Vec::new();
+    for (system, outputs) in systems.as_object().into_iter().flatten() {
+        let checks: Vec<&Value> = outputs
+            .as_object()
+            .into_iter()
+            .flatten()
+            .filter(|(name, _)| name.starts_with("checks."))
+            .map(|(_, entry)| entry)
+            .collect();
+        let env =
+            |entry: &Value, key: &str| entry["env"][key].as_str().unwrap_or_default().to_string();
+        if !checks.iter().any(|c| {
+            env(c, "KILN_IREE_PREFIX").ends_with("-iree-runtime-3.11.0")
+                && env(c, "checkPhase").contains("nextest")
+        }) {
+            problems.push(format!(
+                "{system}: no check runs the tests against the CPU-only IREE prefix"
+            ));
+        }
+        if !checks
+            .iter()
+            .any(|c| env(c, "checkPhase").contains("test --doc"))
+        {
+            problems.push(format!("{system}: no check runs the doctests"));
+        }
+    }
+    problems
+}
+
+/// `checks.reproducible` compares two builds that share nothing that could
+/// hide a difference: not the dependency artifacts, not the bindgen seed,
+/// not the source folder (as `cargo xtask repro` builds from two checkouts).
+fn reproducible_rule(outputs: &BTreeMap<String, BTreeMap<String, String>>) -> Result<Vec<String>> {
+    let mut problems = Vec::new();
+    for (system, outs) in outputs {
+        let Some(check) = outs.get("checks.reproducible") else {
+            problems.push(format!("{system}: no checks.reproducible"));
+            continue;
+        };
+        let shown = show_derivations(std::iter::once(check.as_str()))?;
+        let builds: Vec<String> = shown[check]["inputDrvs"]
+            .as_object()
+            .map(|inputs| {
+                inputs
+                    .keys()
+                    .filter(|p| p.contains("-kiln-"))
+                    .cloned()
+                    .collect()
+            })
+            .unwrap_or_default();
+        if builds.len() != 2 {
+            problems.push(format!(
+                "{system}: checks.reproducible compares {} kiln builds, not two",
+                builds.len()
+            ));
+            continue;
+        }
+        let both = show_derivations(builds.iter().map(String::as_str))?;
+        let env = |i: usize, key: &str| {
+            both[&builds[i]]["env"][key]
+                .as_str()
+                .unwrap_or_default()
+                .to_string()
+        };
+        for (key, what) in [
+            ("cargoArtifacts", "dependency artifacts"),
+            ("NIX_OUTPATH_USED_AS_RANDOM_SEED", "bindgen seed"),
+            ("postUnpack", "source folder"),
+        ] {
+            if env(0, key) == env(1, key) {
+                problems.push(format!(
+                    "{system}: the two builds checks.reproducible compares share their {what} ({key})"
+                ));
+            }
+        }
+    }
+    Ok(problems)
 }
 
 /// Environment entries that say nothing a reviewer needs (the name and
