@@ -22,7 +22,15 @@ let
   iree-compiler = pkgs.callPackage ./iree-compiler.nix { inherit kilnLib; };
 
   packages = import ./packages.nix {
-    inherit lib pkgs craneLib src iree-runtime-cuda;
+    inherit
+      lib
+      pkgs
+      craneLib
+      src
+      iree-runtime
+      iree-runtime-cuda
+      iree-compiler
+      ;
   };
 in
 {
@@ -33,7 +41,15 @@ in
   };
 
   checks = import ./checks.nix {
-    inherit lib pkgs craneLib src packages iree-compiler;
+    inherit
+      lib
+      pkgs
+      craneLib
+      src
+      packages
+      iree-compiler
+      xtask
+      ;
   };
 
   formatter = pkgs.nixpkgs-fmt;

@@ -40,6 +40,10 @@ pub fn run(cache: &Cache, pins: &Pins) -> Result<()> {
     step("Nix files: parse, format, dead code", || {
         crate::lint_nix::run(&toolbox)
     })?;
+    step(
+        "Nix evaluation summary matches the Nix files",
+        crate::eval_nix::check,
+    )?;
     step("GitHub workflows: invariants, actionlint, zizmor", || {
         crate::lint_workflows::run(&toolbox)
     })?;
@@ -78,6 +82,21 @@ pub fn run(cache: &Cache, pins: &Pins) -> Result<()> {
             &env(&cuda_prefix),
         )
     })?;
+    step(
+        "ptxas: every prepared kernel for every pinned capability",
+        || {
+            let tools = crate::ptxas::Tools {
+                bench: crate::ptxas::build_bench(&cuda_prefix)?,
+                compiler: compiler.clone(),
+                ptxas: crate::ptxas::pinned_ptxas(cache, pins)?,
+            };
+            crate::ptxas::run(
+                &tools,
+                &pins.cuda.capabilities,
+                &repo_root().join("target/ptxas"),
+            )
+        },
+    )?;
     step("the gate: link check and mutation suite", || {
         crate::gate::run(&cuda_prefix, false, None)
     })?;
