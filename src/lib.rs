@@ -2,3 +2,4 @@
 //! and what they share.
 
 pub mod backends;
+pub mod pull;

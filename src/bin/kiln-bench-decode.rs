@@ -156,6 +156,7 @@ fn load_folder(dir: &Path) -> Result<Model> {
         config,
         weights,
         tokenizer: Tokenizer::Bytes(ByteTokenizer),
+        chat: Default::default(),
     })
 }
 
