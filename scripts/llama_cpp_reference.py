@@ -56,7 +56,7 @@ def open_model(path: Path) -> Llama:
 def last_logits(llm: Llama, ids: list[int]) -> np.ndarray:
     llm.reset()
     llm.eval(ids)
-    return np.array(llm.scores[llm.n_tokens - 1], dtype=np.float32)
+    return logits_now(llm)
 
 
 def greedy(llm: Llama, ids: list[int]) -> list[int]:
@@ -66,8 +66,14 @@ def greedy(llm: Llama, ids: list[int]) -> list[int]:
         token = int(np.argmax(logits))
         out.append(token)
         llm.eval([token])
-        logits = np.array(llm.scores[llm.n_tokens - 1], dtype=np.float32)
+        logits = logits_now(llm)
     return out
+
+
+def logits_now(llm: Llama) -> np.ndarray:
+    """The logits of the last position evaluated, as llama.cpp holds them."""
+    pointer = llama_cpp.llama_get_logits_ith(llm._ctx.ctx, -1)
+    return np.ctypeslib.as_array(pointer, shape=(llm.n_vocab(),)).copy()
 
 
 def main() -> None:

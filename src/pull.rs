@@ -44,7 +44,18 @@ pub fn pull(id: &str) -> Result<()> {
 
 /// Streams the archive into `out`, checking its sha256.
 fn download(model: &PinnedModel, out: &mut File) -> Result<()> {
-    let response = ureq::get(&model.url)
+    // The system trust store, so that pulls work behind TLS-inspecting
+    // proxies too (as xtask's downloads do).
+    let agent: ureq::Agent = ureq::Agent::config_builder()
+        .tls_config(
+            ureq::tls::TlsConfig::builder()
+                .root_certs(ureq::tls::RootCerts::PlatformVerifier)
+                .build(),
+        )
+        .build()
+        .into();
+    let response = agent
+        .get(&model.url)
         .call()
         .with_context(|| format!("cannot download {}", model.url))?;
     let length = response.body().content_length();

@@ -13,7 +13,7 @@ use crate::weights::{LayerWeights, Matrix, Weights};
 /// Loads a GGUF Llama model: configuration, weights and tokenizer.
 pub fn load_model(path: &Path) -> Result<Model> {
     let file = GgufFile::open(path)?;
-    let mut config = config(&file)?;
+    let mut config = model_config(&file)?;
     let (tokenizer, chat) = tokenizer_from_gguf(&file)?;
     config.bos_token_id = chat.bos;
     config.eos_token_ids = chat.stop_ids();
@@ -43,8 +43,9 @@ fn optional_usize(file: &GgufFile, key: &str) -> Result<Option<usize>> {
         .map(|v| usize::try_from(v).unwrap_or(usize::MAX)))
 }
 
-/// The model configuration from `llama.*` metadata.
-pub fn config(file: &GgufFile) -> Result<ModelConfig> {
+/// The model configuration from `llama.*` metadata (without the special
+/// token ids, which come with the tokenizer).
+pub fn model_config(file: &GgufFile) -> Result<ModelConfig> {
     let arch = file.require_str("general.architecture")?;
     if arch != "llama" {
         return Err(file.error(format!(

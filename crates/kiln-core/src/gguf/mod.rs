@@ -16,7 +16,7 @@ use std::path::{Path, PathBuf};
 use crate::error::{Error, Result};
 
 pub use dequant::GgmlType;
-pub use llama::load_model;
+pub use llama::{load_model, model_config};
 pub use tokenizer::tokenizer_from_gguf;
 
 /// A metadata value, as GGUF types it.
