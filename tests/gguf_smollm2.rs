@@ -92,9 +92,12 @@ fn tokenization_matches_llama_cpp() {
     }
 }
 
-/// The largest |kiln - llama.cpp| over the reference's top logits that this
-/// test accepts; see the measured value in the assertion message.
-const LOGIT_BOUND: f32 = 2e-3;
+/// The largest |kiln - llama.cpp F32| over the reference's top-20 logits this
+/// test accepts. Measured: 5.3e-5 (logits of magnitude 15-30): f32 sums in a
+/// different order (ggml's SIMD lanes against kiln's sequential loops) through
+/// 30 layers, about 2e-6 relative. The bound is 10x that; a real defect (a
+/// wrong permutation, a wrong scale) moves logits by whole units.
+const LOGIT_BOUND: f32 = 5e-4;
 
 #[test]
 fn logits_and_greedy_tokens_match_llama_cpp() {

@@ -167,8 +167,8 @@ pub fn parse(bytes: &[u8]) -> Result<Header, String> {
     let room = c.remaining();
     if tensor_count > (room / 24) as u64 || kv_count > (room / 13) as u64 {
         return Err(format!(
-            "the header claims {tensor_count} tensors and {kv_count} metadata entries, \
-             more than the {room} bytes after it can hold"
+            "truncated or corrupt: the header claims {tensor_count} tensors and {kv_count} \
+             metadata entries, more than the {room} bytes after it can hold"
         ));
     }
     let mut metadata = HashMap::with_capacity(kv_count as usize);
