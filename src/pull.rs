@@ -78,7 +78,9 @@ fn download(model: &PinnedModel, out: &mut File) -> Result<()> {
             break;
         }
         hasher.update(&buffer[..n]);
-        writer.write_all(&buffer[..n]).context("cannot write the download")?;
+        writer
+            .write_all(&buffer[..n])
+            .context("cannot write the download")?;
         bar.inc(n as u64);
     }
     writer.flush().context("cannot write the download")?;
@@ -124,7 +126,9 @@ fn extract(model: &PinnedModel, archive: &mut File, out: &mut File) -> Result<()
             break;
         }
         hasher.update(&buffer[..n]);
-        writer.write_all(&buffer[..n]).context("cannot write the model")?;
+        writer
+            .write_all(&buffer[..n])
+            .context("cannot write the model")?;
         copied += n as u64;
     }
     writer.flush().context("cannot write the model")?;

@@ -9,7 +9,9 @@ use kiln_core::gguf::GgufFile;
 use kiln_core::{Error, Model};
 
 fn fixture(name: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/gguf").join(name)
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures/gguf")
+        .join(name)
 }
 
 #[test]
@@ -20,9 +22,16 @@ fn every_type_dequantizes_as_the_reference_does() {
     let expected = expected.as_object().unwrap();
     assert_eq!(expected.len(), 11, "one tensor per supported type");
     for (name, case) in expected {
-        let info = file.tensor(name).unwrap_or_else(|| panic!("{name} missing"));
+        let info = file
+            .tensor(name)
+            .unwrap_or_else(|| panic!("{name} missing"));
         assert_eq!(info.ty.name(), case["type"].as_str().unwrap(), "{name}");
-        let bits: Vec<u32> = file.tensor_f32(info).unwrap().iter().map(|v| v.to_bits()).collect();
+        let bits: Vec<u32> = file
+            .tensor_f32(info)
+            .unwrap()
+            .iter()
+            .map(|v| v.to_bits())
+            .collect();
         let want: Vec<u32> = case["bits"]
             .as_array()
             .unwrap()
@@ -114,7 +123,9 @@ impl Writer {
         dims.iter().for_each(|d| self.infos.extend(d.to_le_bytes()));
         self.infos.extend(0u32.to_le_bytes());
         self.infos.extend((self.data.len() as u64).to_le_bytes());
-        values.iter().for_each(|v| self.data.extend(v.to_le_bytes()));
+        values
+            .iter()
+            .for_each(|v| self.data.extend(v.to_le_bytes()));
         self.tensor_count += 1;
         self
     }
@@ -182,7 +193,11 @@ fn tiny_llama(edit: impl FnOnce(&mut Writer)) -> Writer {
     if !w.kv.windows(21).any(|k| k == b"tokenizer.ggml.merges") {
         w.kv("tokenizer.ggml.merges", V::Strs(vec!["a b".into()]));
     }
-    let ramp = |n: u64| (0..n).map(|i| ((i % 7) as f32 - 3.0) * 0.05).collect::<Vec<_>>();
+    let ramp = |n: u64| {
+        (0..n)
+            .map(|i| ((i % 7) as f32 - 3.0) * 0.05)
+            .collect::<Vec<_>>()
+    };
     let (q, kv) = (HIDDEN, HIDDEN / 2);
     w.tensor("token_embd.weight", &[HIDDEN, vocab], &ramp(HIDDEN * vocab))
         .tensor("blk.0.attn_norm.weight", &[HIDDEN], &[1.0; HIDDEN as usize])
@@ -238,11 +253,19 @@ fn assert_rejected(bytes: &[u8], expected: &str) {
     assert!(matches!(error, Error::Gguf { .. }), "{error:?}");
     let message = error.to_string();
     assert!(message.contains("bad.gguf"), "{message}");
-    assert!(message.contains(expected), "expected {expected:?} in: {message}");
+    assert!(
+        message.contains(expected),
+        "expected {expected:?} in: {message}"
+    );
 }
 
 fn patch_u64_after(bytes: &mut [u8], needle: &[u8], skip: usize, value: u64) {
-    let at = bytes.windows(needle.len()).position(|w| w == needle).unwrap() + needle.len() + skip;
+    let at = bytes
+        .windows(needle.len())
+        .position(|w| w == needle)
+        .unwrap()
+        + needle.len()
+        + skip;
     bytes[at..at + 8].copy_from_slice(&value.to_le_bytes());
 }
 
@@ -286,11 +309,21 @@ fn bad_files_are_named_errors() {
     assert_rejected(&unknown_type, "tensor type 99");
 
     let mut long_string = good.clone();
-    patch_u64_after(&mut long_string, b"general.architecture\x08\0\0\0", 0, u64::MAX / 2);
+    patch_u64_after(
+        &mut long_string,
+        b"general.architecture\x08\0\0\0",
+        0,
+        u64::MAX / 2,
+    );
     assert_rejected(&long_string, "claims");
 
     let mut long_array = good.clone();
-    patch_u64_after(&mut long_array, b"tokenizer.ggml.tokens\x09\0\0\0\x08\0\0\0", 0, 1 << 60);
+    patch_u64_after(
+        &mut long_array,
+        b"tokenizer.ggml.tokens\x09\0\0\0\x08\0\0\0",
+        0,
+        1 << 60,
+    );
     assert_rejected(&long_array, "the length of tokenizer.ggml.tokens");
 
     // Missing metadata: the file lacks the key.
@@ -301,18 +334,30 @@ fn bad_files_are_named_errors() {
             n.extend(key.as_bytes());
             n
         };
-        let at = w.kv.windows(needle.len()).position(|x| x == needle.as_slice()).unwrap();
+        let at =
+            w.kv.windows(needle.len())
+                .position(|x| x == needle.as_slice())
+                .unwrap();
         // Rename the key so that it is no longer the one looked up.
         w.kv[at + 8] = b'X';
         w.bytes()
     };
-    assert_rejected(&without("llama.block_count"), "llama.block_count is missing");
-    assert_rejected(&without("tokenizer.ggml.tokens"), "tokenizer.ggml.tokens is missing");
+    assert_rejected(
+        &without("llama.block_count"),
+        "llama.block_count is missing",
+    );
+    assert_rejected(
+        &without("tokenizer.ggml.tokens"),
+        "tokenizer.ggml.tokens is missing",
+    );
 
     let short_types = tiny_llama(|w| {
         w.kv("tokenizer.ggml.token_type", V::I32s(vec![1; 10]));
     });
-    assert_rejected(&short_types.bytes(), "tokenizer.ggml.token_type has 10 entries");
+    assert_rejected(
+        &short_types.bytes(),
+        "tokenizer.ggml.token_type has 10 entries",
+    );
 
     let vocab_mismatch = tiny_llama(|w| {
         w.kv("llama.vocab_size", V::U32(300));
@@ -342,5 +387,8 @@ fn an_unknown_pre_tokenizer_is_named() {
     let dir = tempfile::tempdir().unwrap();
     let path = write(dir.path(), "pre.gguf", &w.bytes());
     let message = Model::load(&path).err().unwrap().to_string();
-    assert!(message.contains("tokenizer.ggml.pre \"zzzzzz\" is not supported"), "{message}");
+    assert!(
+        message.contains("tokenizer.ggml.pre \"zzzzzz\" is not supported"),
+        "{message}"
+    );
 }

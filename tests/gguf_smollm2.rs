@@ -15,7 +15,9 @@ use sha2::{Digest, Sha256};
 const MODEL: &str = "smollm2-135m-instruct";
 
 fn fixture(name: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/gguf").join(name)
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures/gguf")
+        .join(name)
 }
 
 /// The pulled model, or `None` (with the reason printed) when it is absent
@@ -88,7 +90,11 @@ fn tokenization_matches_llama_cpp() {
     let Some(model) = load() else { return };
     for case in llama_cpp()["cases"].as_array().unwrap() {
         let text = case["text"].as_str().unwrap();
-        assert_eq!(model.tokenizer.encode(text).unwrap(), ids(&case["ids"]), "{text:?}");
+        assert_eq!(
+            model.tokenizer.encode(text).unwrap(),
+            ids(&case["ids"]),
+            "{text:?}"
+        );
     }
 }
 
@@ -119,8 +125,15 @@ fn logits_and_greedy_tokens_match_llama_cpp() {
         while greedy.len() < 32 {
             greedy.push(cpu.decode_greedy(*greedy.last().unwrap()).unwrap());
         }
-        assert_eq!(greedy, ids(&case["greedy_f32"]), "{text:?}: greedy tokens differ");
+        assert_eq!(
+            greedy,
+            ids(&case["greedy_f32"]),
+            "{text:?}: greedy tokens differ"
+        );
     }
     eprintln!("largest |kiln - llama.cpp F32| over the top-20 logits: {worst:.3e}");
-    assert!(worst <= LOGIT_BOUND, "logits differ by {worst:.3e} > {LOGIT_BOUND:.0e}");
+    assert!(
+        worst <= LOGIT_BOUND,
+        "logits differ by {worst:.3e} > {LOGIT_BOUND:.0e}"
+    );
 }

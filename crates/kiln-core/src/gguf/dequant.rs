@@ -94,11 +94,15 @@ pub fn dequantize(ty: GgmlType, data: &[u8], elements: usize) -> Result<Vec<f32>
         ));
     }
     let mut out = vec![0f32; elements];
-    let blocks = data.chunks_exact(block_bytes).zip(out.chunks_exact_mut(block));
+    let blocks = data
+        .chunks_exact(block_bytes)
+        .zip(out.chunks_exact_mut(block));
     match ty {
         GgmlType::F32 => blocks.for_each(|(b, o)| o[0] = f32::from_le_bytes(b.try_into().unwrap())),
         GgmlType::F16 => blocks.for_each(|(b, o)| o[0] = half(b)),
-        GgmlType::BF16 => blocks.for_each(|(b, o)| o[0] = bf16::from_le_bytes([b[0], b[1]]).to_f32()),
+        GgmlType::BF16 => {
+            blocks.for_each(|(b, o)| o[0] = bf16::from_le_bytes([b[0], b[1]]).to_f32())
+        }
         GgmlType::Q4_0 => blocks.for_each(|(b, o)| q4_0(b, o)),
         GgmlType::Q4_1 => blocks.for_each(|(b, o)| q4_1(b, o)),
         GgmlType::Q5_0 => blocks.for_each(|(b, o)| q5_0(b, o)),
@@ -113,7 +117,11 @@ pub fn dequantize(ty: GgmlType, data: &[u8], elements: usize) -> Result<Vec<f32>
 
 /// The 4-bit value `j` (0..32) of a 16-byte block: low nibbles first, then high.
 fn nibble(qs: &[u8], j: usize) -> u8 {
-    if j < 16 { qs[j] & 0x0f } else { qs[j - 16] >> 4 }
+    if j < 16 {
+        qs[j] & 0x0f
+    } else {
+        qs[j - 16] >> 4
+    }
 }
 
 /// Block: f16 d, 16 bytes of nibbles; x = d * (q - 8).

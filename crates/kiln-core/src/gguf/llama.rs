@@ -78,7 +78,9 @@ pub fn model_config(file: &GgufFile) -> Result<ModelConfig> {
         Some("linear") => {
             let factor = file
                 .optional("llama.rope.scaling.factor", "a number", |v| v.as_f64())?
-                .ok_or_else(|| file.error("linear RoPE scaling without llama.rope.scaling.factor"))?;
+                .ok_or_else(|| {
+                    file.error("linear RoPE scaling without llama.rope.scaling.factor")
+                })?;
             Some(RopeScaling::Linear { factor })
         }
         Some(other) => {
@@ -96,9 +98,12 @@ pub fn model_config(file: &GgufFile) -> Result<ModelConfig> {
             .ok_or_else(|| file.error("tokenizer.ggml.tokens is not an array"))?,
     };
     let rms_norm_eps = file
-        .optional("llama.attention.layer_norm_rms_epsilon", "a number", |v| v.as_f64())?
-        .ok_or_else(|| file.error("metadata key llama.attention.layer_norm_rms_epsilon is missing"))?
-        as f32;
+        .optional("llama.attention.layer_norm_rms_epsilon", "a number", |v| {
+            v.as_f64()
+        })?
+        .ok_or_else(|| {
+            file.error("metadata key llama.attention.layer_norm_rms_epsilon is missing")
+        })? as f32;
     let config = ModelConfig {
         hidden_size,
         intermediate_size: usize_key(file, "llama.feed_forward_length")?,

@@ -158,7 +158,11 @@ pub fn parse(bytes: &[u8]) -> Result<Header, String> {
         v if v.swap_bytes() <= 3 => {
             return Err("a big-endian GGUF file; kiln reads little-endian files".into());
         }
-        v => return Err(format!("GGUF version {v} is not supported (kiln reads 2 and 3)")),
+        v => {
+            return Err(format!(
+                "GGUF version {v} is not supported (kiln reads 2 and 3)"
+            ));
+        }
     }
     // Each tensor entry takes at least 8 (name) + 4 (dims) + 4 (type) + 8 (offset)
     // bytes; each metadata entry at least 8 (key) + 4 (type) + 1.
@@ -207,12 +211,14 @@ pub fn parse(bytes: &[u8]) -> Result<Header, String> {
         raw.push((name, dims, ty, offset));
     }
     let data_start = (c.pos as u64).div_ceil(alignment) * alignment;
-    let data_len = (bytes.len() as u64).checked_sub(data_start).ok_or_else(|| {
-        format!(
-            "truncated: the data section starts at byte {data_start}, past the end ({} bytes)",
-            bytes.len()
-        )
-    })?;
+    let data_len = (bytes.len() as u64)
+        .checked_sub(data_start)
+        .ok_or_else(|| {
+            format!(
+                "truncated: the data section starts at byte {data_start}, past the end ({} bytes)",
+                bytes.len()
+            )
+        })?;
     let mut tensors = Vec::with_capacity(raw.len());
     let mut names = std::collections::HashSet::with_capacity(raw.len());
     for (name, dims, ty, offset) in raw {

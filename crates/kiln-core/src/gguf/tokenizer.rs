@@ -120,7 +120,13 @@ pub fn tokenizer_from_gguf(file: &GgufFile) -> Result<(tokenizers::Tokenizer, Ch
                 "continuing_subword_prefix": null, "end_of_word_suffix": null,
                 "fuse_unk": false, "byte_fallback": false, "ignore_merges": false,
                 "vocab": vocab, "merges": merges});
-            (Json::Null, pre_tokenizer, byte_level(true), bpe, add_bos.unwrap_or(false))
+            (
+                Json::Null,
+                pre_tokenizer,
+                byte_level(true),
+                bpe,
+                add_bos.unwrap_or(false),
+            )
         }
         "llama" => {
             let scores = float_array(file, "tokenizer.ggml.scores", n)?;
@@ -147,7 +153,13 @@ pub fn tokenizer_from_gguf(file: &GgufFile) -> Result<(tokenizers::Tokenizer, Ch
                 "fuse_unk": true, "byte_fallback": true, "ignore_merges": false,
                 "vocab": vocab, "merges": merges});
             let decoder = json!({"type": "Sequence", "decoders": decoders});
-            (normalizer, Json::Null, decoder, bpe, add_bos.unwrap_or(true))
+            (
+                normalizer,
+                Json::Null,
+                decoder,
+                bpe,
+                add_bos.unwrap_or(true),
+            )
         }
         other => {
             return Err(file.error(format!(
@@ -179,15 +191,22 @@ pub fn tokenizer_from_gguf(file: &GgufFile) -> Result<(tokenizers::Tokenizer, Ch
     let tokenizer = description
         .to_string()
         .parse::<tokenizers::Tokenizer>()
-        .map_err(|e| file.error(format!("the tokenizer metadata does not make a tokenizer: {e}")))?;
+        .map_err(|e| {
+            file.error(format!(
+                "the tokenizer metadata does not make a tokenizer: {e}"
+            ))
+        })?;
     Ok((tokenizer, special))
 }
 
 fn array<'a>(file: &'a GgufFile, key: &str) -> Result<&'a [Value]> {
     let value = file.require(key)?;
-    value
-        .as_array()
-        .ok_or_else(|| file.error(format!("{key} is a {}, expected an array", value.type_name())))
+    value.as_array().ok_or_else(|| {
+        file.error(format!(
+            "{key} is a {}, expected an array",
+            value.type_name()
+        ))
+    })
 }
 
 fn string_array<'a>(file: &'a GgufFile, key: &str) -> Result<Vec<&'a str>> {
@@ -196,7 +215,10 @@ fn string_array<'a>(file: &'a GgufFile, key: &str) -> Result<Vec<&'a str>> {
         .enumerate()
         .map(|(i, v)| {
             v.as_str().ok_or_else(|| {
-                file.error(format!("{key}[{i}] is a {}, expected a string", v.type_name()))
+                file.error(format!(
+                    "{key}[{i}] is a {}, expected a string",
+                    v.type_name()
+                ))
             })
         })
         .collect()
@@ -218,8 +240,12 @@ fn int_array(file: &GgufFile, key: &str, n: usize) -> Result<Vec<i64>> {
     sized_array(file, key, n)?
         .iter()
         .map(|v| {
-            v.as_i64()
-                .ok_or_else(|| file.error(format!("{key} holds a {}, expected integers", v.type_name())))
+            v.as_i64().ok_or_else(|| {
+                file.error(format!(
+                    "{key} holds a {}, expected integers",
+                    v.type_name()
+                ))
+            })
         })
         .collect()
 }
