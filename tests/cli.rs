@@ -182,7 +182,7 @@ fn pinned_models_are_listed_and_an_unpulled_one_names_the_pull_command() {
     );
     assert!(!out.status.success());
     assert!(
-        stderr(&out).contains("neither a file or folder nor a pinned model"),
+        stderr(&out).contains("no pinned model has that name"),
         "{}",
         stderr(&out)
     );

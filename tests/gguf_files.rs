@@ -73,6 +73,7 @@ enum V<'a> {
     Str(&'a str),
     Strs(Vec<String>),
     I32s(Vec<i32>),
+    F32s(Vec<f32>),
 }
 
 impl Writer {
@@ -107,6 +108,12 @@ impl Writer {
                 out.extend(5u32.to_le_bytes());
                 out.extend((v.len() as u64).to_le_bytes());
                 v.iter().for_each(|i| out.extend(i.to_le_bytes()));
+            }
+            V::F32s(v) => {
+                out.extend(9u32.to_le_bytes());
+                out.extend(6u32.to_le_bytes());
+                out.extend((v.len() as u64).to_le_bytes());
+                v.iter().for_each(|f| out.extend(f.to_le_bytes()));
             }
         }
         self.kv_count += 1;
@@ -156,19 +163,8 @@ fn byte_char(b: u8) -> char {
     char::from_u32(256 + shifted).unwrap()
 }
 
-const HIDDEN: u64 = 8;
-const FFN: u64 = 16;
-
-/// A one-layer Llama over a byte-level vocabulary of 256 bytes, "<|im_end|>"
-/// (a control token) and one merge, with `edit` applied to the metadata.
-fn tiny_llama(edit: impl FnOnce(&mut Writer)) -> Writer {
-    let mut w = Writer::default();
-    let mut tokens: Vec<String> = (0..=255u8).map(|b| byte_char(b).to_string()).collect();
-    tokens.push("<|im_end|>".into());
-    tokens.push("ab".into());
-    let vocab = tokens.len() as u64;
-    let mut types = vec![1; tokens.len()];
-    types[256] = 3;
+/// The `llama.*` keys of the one-layer model.
+fn llama_header(w: &mut Writer) {
     w.kv("general.architecture", V::Str("llama"))
         .kv("llama.block_count", V::U32(1))
         .kv("llama.context_length", V::U32(64))
@@ -177,22 +173,11 @@ fn tiny_llama(edit: impl FnOnce(&mut Writer)) -> Writer {
         .kv("llama.attention.head_count", V::U32(2))
         .kv("llama.attention.head_count_kv", V::U32(1))
         .kv("llama.attention.layer_norm_rms_epsilon", V::F32(1e-5))
-        .kv("llama.rope.freq_base", V::F32(10_000.0))
-        .kv("tokenizer.ggml.model", V::Str("gpt2"))
-        .kv("tokenizer.ggml.pre", V::Str("smollm"))
-        .kv("tokenizer.ggml.eos_token_id", V::U32(256))
-        .kv("tokenizer.ggml.add_bos_token", V::Bool(false))
-        .kv("tokenizer.chat_template", V::Str("{{ messages }}"));
-    edit(&mut w);
-    if !w.kv.windows(21).any(|k| k == b"tokenizer.ggml.tokens") {
-        w.kv("tokenizer.ggml.tokens", V::Strs(tokens));
-    }
-    if !w.kv.windows(25).any(|k| k == b"tokenizer.ggml.token_type") {
-        w.kv("tokenizer.ggml.token_type", V::I32s(types));
-    }
-    if !w.kv.windows(21).any(|k| k == b"tokenizer.ggml.merges") {
-        w.kv("tokenizer.ggml.merges", V::Strs(vec!["a b".into()]));
-    }
+        .kv("llama.rope.freq_base", V::F32(10_000.0));
+}
+
+/// The one-layer model's tensors (F32, tied output) for `vocab` tokens.
+fn llama_tensors(w: &mut Writer, vocab: u64) {
     let ramp = |n: u64| {
         (0..n)
             .map(|i| ((i % 7) as f32 - 3.0) * 0.05)
@@ -210,6 +195,38 @@ fn tiny_llama(edit: impl FnOnce(&mut Writer)) -> Writer {
         .tensor("blk.0.ffn_up.weight", &[HIDDEN, FFN], &ramp(HIDDEN * FFN))
         .tensor("blk.0.ffn_down.weight", &[FFN, HIDDEN], &ramp(HIDDEN * FFN))
         .tensor("output_norm.weight", &[HIDDEN], &[1.0; HIDDEN as usize]);
+}
+
+const HIDDEN: u64 = 8;
+const FFN: u64 = 16;
+
+/// A one-layer Llama over a byte-level vocabulary of 256 bytes, "<|im_end|>"
+/// (a control token) and one merge, with `edit` applied to the metadata.
+fn tiny_llama(edit: impl FnOnce(&mut Writer)) -> Writer {
+    let mut w = Writer::default();
+    let mut tokens: Vec<String> = (0..=255u8).map(|b| byte_char(b).to_string()).collect();
+    tokens.push("<|im_end|>".into());
+    tokens.push("ab".into());
+    let vocab = tokens.len() as u64;
+    let mut types = vec![1; tokens.len()];
+    types[256] = 3;
+    llama_header(&mut w);
+    w.kv("tokenizer.ggml.model", V::Str("gpt2"))
+        .kv("tokenizer.ggml.pre", V::Str("smollm"))
+        .kv("tokenizer.ggml.eos_token_id", V::U32(256))
+        .kv("tokenizer.ggml.add_bos_token", V::Bool(false))
+        .kv("tokenizer.chat_template", V::Str("{{ messages }}"));
+    edit(&mut w);
+    if !w.kv.windows(21).any(|k| k == b"tokenizer.ggml.tokens") {
+        w.kv("tokenizer.ggml.tokens", V::Strs(tokens));
+    }
+    if !w.kv.windows(25).any(|k| k == b"tokenizer.ggml.token_type") {
+        w.kv("tokenizer.ggml.token_type", V::I32s(types));
+    }
+    if !w.kv.windows(21).any(|k| k == b"tokenizer.ggml.merges") {
+        w.kv("tokenizer.ggml.merges", V::Strs(vec!["a b".into()]));
+    }
+    llama_tensors(&mut w, vocab);
     w
 }
 
@@ -391,4 +408,55 @@ fn an_unknown_pre_tokenizer_is_named() {
         message.contains("tokenizer.ggml.pre \"zzzzzz\" is not supported"),
         "{message}"
     );
+}
+
+#[test]
+fn a_sentencepiece_vocabulary_merges_by_score_and_falls_back_to_bytes() {
+    let mut tokens: Vec<String> = vec!["<unk>".into(), "<s>".into(), "</s>".into()];
+    let mut types = vec![2, 3, 3];
+    tokens.extend((0..=255u8).map(|b| format!("<0x{b:02X}>")));
+    types.extend([6; 256]);
+    let pieces = [
+        ("▁", -1.0),
+        ("h", -2.0),
+        ("i", -3.0),
+        ("▁h", -4.0),
+        ("hi", -5.0),
+        ("▁hi", -6.0),
+    ];
+    let mut scores = vec![0.0; tokens.len()];
+    for (piece, score) in pieces {
+        tokens.push(piece.into());
+        types.push(1);
+        scores.push(score);
+    }
+    let id = |t: &str| tokens.iter().position(|x| x == t).unwrap() as u32;
+    let (bos, space, hi, space_hi) = (id("<s>"), id("▁"), id("hi"), id("▁hi"));
+    let vocab = tokens.len() as u64;
+    let mut w = Writer::default();
+    llama_header(&mut w);
+    w.kv("tokenizer.ggml.model", V::Str("llama"))
+        .kv("tokenizer.ggml.bos_token_id", V::U32(1))
+        .kv("tokenizer.ggml.eos_token_id", V::U32(2))
+        .kv("tokenizer.ggml.unknown_token_id", V::U32(0))
+        .kv("tokenizer.ggml.tokens", V::Strs(tokens.clone()))
+        .kv("tokenizer.ggml.token_type", V::I32s(types))
+        .kv("tokenizer.ggml.scores", V::F32s(scores));
+    llama_tensors(&mut w, vocab);
+    let dir = tempfile::tempdir().unwrap();
+    let model = Model::load(&write(dir.path(), "spm.gguf", &w.bytes())).unwrap();
+    // BOS by default; a space prefix; "▁hi" is made through the higher
+    // scored "▁h" + "i"; "é" is not a piece, so it is its two UTF-8 bytes.
+    let ids = model.tokenizer.encode("hi hi é").unwrap();
+    assert_eq!(
+        ids,
+        vec![bos, space_hi, space_hi, space, id("<0xC3>"), id("<0xA9>")],
+        "{ids:?}"
+    );
+    assert_eq!(model.tokenizer.decode(&ids).unwrap(), "hi hi é");
+    assert_eq!(
+        model.tokenizer.encode("hihi").unwrap(),
+        vec![bos, space_hi, hi]
+    );
+    assert_eq!(model.config.bos_token_id, Some(bos));
 }

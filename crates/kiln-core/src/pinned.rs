@@ -103,7 +103,8 @@ pub fn resolve(spec: &Path) -> Result<PathBuf> {
     }
     let names: Vec<String> = models().into_iter().map(|m| m.id).collect();
     Err(Error::Invalid(format!(
-        "model {} is neither a file or folder nor a pinned model (pinned: {}; see `kiln list`)",
+        "model {} does not exist: no such file or folder, and no pinned model has that name \
+         (pinned: {}; see `kiln list`)",
         spec.display(),
         names.join(", ")
     )))
