@@ -122,7 +122,7 @@ impl Writer {
 
     /// An F32 tensor of GGUF dims `dims` (fastest first).
     fn tensor(&mut self, name: &str, dims: &[u64], values: &[f32]) -> &mut Self {
-        while self.data.len() % 32 != 0 {
+        while !self.data.len().is_multiple_of(32) {
             self.data.push(0);
         }
         string(&mut self.infos, name);
@@ -144,7 +144,7 @@ impl Writer {
         out.extend(self.kv_count.to_le_bytes());
         out.extend(&self.kv);
         out.extend(&self.infos);
-        while out.len() % 32 != 0 {
+        while !out.len().is_multiple_of(32) {
             out.push(0);
         }
         out.extend(&self.data);
