@@ -12,6 +12,11 @@ as F32 by llama_model_quantize (ftype 0, ALL_F32) with an F32 KV cache.
         -r scripts/requirements-llama-cpp.txt   # builds llama.cpp, ~10+ min
     ~/llama-venv/bin/python scripts/llama_cpp_reference.py MODEL.gguf \\
         tests/fixtures/gguf/smollm2.llama_cpp.json
+
+The checked-in fixture was made this way on a 16-core x86-64 machine with
+Python 3.12 (llama.cpp built with -DGGML_NATIVE=OFF -DLLAVA_BUILD=OFF). There,
+a Python whose environment carried an older libstdc++ crashed in llama.cpp's
+tokenizer set-up; LD_PRELOAD=/lib/x86_64-linux-gnu/libstdc++.so.6 fixed it.
 """
 
 import ctypes
