@@ -68,6 +68,7 @@ fn string(out: &mut Vec<u8>, s: &str) {
 
 enum V<'a> {
     U32(u32),
+    U64(u64),
     F32(f32),
     Bool(bool),
     Str(&'a str),
@@ -83,6 +84,10 @@ impl Writer {
         match value {
             V::U32(v) => {
                 out.extend(4u32.to_le_bytes());
+                out.extend(v.to_le_bytes());
+            }
+            V::U64(v) => {
+                out.extend(10u32.to_le_bytes());
                 out.extend(v.to_le_bytes());
             }
             V::F32(v) => {
@@ -389,6 +394,21 @@ fn bad_files_are_named_errors() {
     });
     // The key is written twice: the reader refuses duplicates first.
     assert_rejected(&bad_pre.bytes(), "tokenizer.ggml.pre appears twice");
+
+    // head_count x key_length overflows: an error, not an arithmetic panic.
+    let mut huge_heads = tiny_llama(|w| {
+        w.kv("llama.attention.key_length", V::U64(1 << 62));
+    });
+    let at = huge_heads
+        .kv
+        .windows(26)
+        .position(|k| k == b"llama.attention.head_count")
+        .unwrap()
+        + 26
+        + 4;
+    huge_heads.kv[at..at + 4].copy_from_slice(&8u32.to_le_bytes());
+    let huge_heads = huge_heads.bytes();
+    assert_rejected(&huge_heads, "more than the file's");
 
     let bos_outside = tiny_llama(|w| {
         w.kv("tokenizer.ggml.bos_token_id", V::U32(100_000));

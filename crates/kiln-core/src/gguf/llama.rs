@@ -123,6 +123,33 @@ pub fn model_config(file: &GgufFile) -> Result<ModelConfig> {
         eos_token_ids: Vec::new(),
     };
     config.validate().map_err(|m| file.error(m))?;
+    // Each product sizes a weight matrix; none can hold more values than the
+    // file has bytes (the tensors' own sizes are checked against it later).
+    let bytes = file.len();
+    for (what, a, b) in [
+        ("head_count x key_length", config.num_heads, config.head_dim),
+        (
+            "head_count_kv x key_length",
+            config.num_kv_heads,
+            config.head_dim,
+        ),
+        (
+            "vocab_size x embedding_length",
+            config.vocab_size,
+            config.hidden_size,
+        ),
+        (
+            "feed_forward_length x embedding_length",
+            config.intermediate_size,
+            config.hidden_size,
+        ),
+    ] {
+        if a.checked_mul(b).is_none_or(|n| n > bytes) {
+            return Err(file.error(format!(
+                "llama.* metadata make {what} = {a} x {b} weights, more than the file's {bytes} bytes hold"
+            )));
+        }
+    }
     Ok(config)
 }
 

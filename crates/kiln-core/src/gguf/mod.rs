@@ -185,6 +185,15 @@ impl GgufFile {
         &self.path
     }
 
+    /// The file's size in bytes.
+    pub fn len(&self) -> usize {
+        self.map.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.map.is_empty()
+    }
+
     /// An error about this file.
     pub fn error(&self, message: impl Into<String>) -> Error {
         Error::Gguf {
