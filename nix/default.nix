@@ -20,6 +20,7 @@ let
   iree-runtime = ireeRuntime false;
   iree-runtime-cuda = ireeRuntime true;
   iree-compiler = pkgs.callPackage ./iree-compiler.nix { inherit kilnLib; };
+  models = pkgs.callPackage ./models.nix { inherit kilnLib; };
 
   packages = import ./packages.nix {
     inherit
@@ -34,11 +35,13 @@ let
   };
 in
 {
+  # The pinned models too, by name (`nix build .#smollm2-135m-instruct`).
   packages = {
     default = packages.kiln;
     inherit (packages) kiln;
     inherit iree-runtime iree-runtime-cuda iree-compiler;
-  };
+  }
+  // models;
 
   checks = import ./checks.nix {
     inherit

@@ -36,30 +36,63 @@ pub struct ChatOptions {
     pub show_prompt: bool,
 }
 
-/// The model `kiln chat` uses when `--model` is left out, and its template.
-///
-/// Today: the embedded model (random weights) with kiln's ChatML template,
-/// so the command works offline. Once pinned models can be pulled, this
-/// becomes the pinned `smollm2-135m-instruct`, pulled on first use.
+/// The pinned model `kiln chat` talks to when `--model` is left out.
+pub const DEFAULT_MODEL: &str = "smollm2-135m-instruct";
+
+/// The default model and its template. Asking `kiln chat` without `--model`
+/// asks for this model, so a first use pulls it (pinned URL and sha256, with
+/// a progress bar), saying so first; later uses read the cache.
 pub fn default_model() -> Result<(Model, ChatTemplate)> {
-    eprintln!(
-        "note: chatting with kiln's embedded model (random weights, so its replies are noise); \
-         pass --model for a real one"
-    );
-    Ok((Model::embedded(), ChatTemplate::chatml()))
+    let pinned = kiln_core::pinned::find(DEFAULT_MODEL)
+        .with_context(|| format!("nix/pins.json has no model {DEFAULT_MODEL}"))?;
+    if !pinned.path()?.is_file() {
+        eprintln!(
+            "kiln chat: the default model, {DEFAULT_MODEL}, is not in the cache yet; pulling it \
+             once (`kiln pull {DEFAULT_MODEL}`; pass --model to chat with another model)"
+        );
+        crate::pull::pull(DEFAULT_MODEL)?;
+    }
+    load(&pinned.pulled()?)
 }
 
-/// A model folder and its chat template; a folder without one is an error.
-pub fn load(path: &Path) -> Result<(Model, ChatTemplate)> {
-    let model = Model::load(path)?;
-    let template = ChatTemplate::from_model_dir(path)?.with_context(|| {
+/// What `--model` names (a folder, a GGUF file or a pulled model's name) and
+/// its chat template; a model without one is an error.
+pub fn load(spec: &Path) -> Result<(Model, ChatTemplate)> {
+    let path = kiln_core::pinned::resolve(spec)?;
+    let model = Model::load(&path)?;
+    let template = if path.is_dir() {
+        ChatTemplate::from_model_dir(&path)?
+    } else {
+        gguf_template(&model, &path)?
+    };
+    let template = template.with_context(|| {
         format!(
-            "{} has no chat template (no chat_template.jinja, and no chat_template in \
-             tokenizer_config.json); `kiln generate` runs the model without one",
+            "{} has no chat template (no chat_template.jinja or tokenizer_config.json chat_template \
+             in a folder, no tokenizer.chat_template in a GGUF file); `kiln generate` runs the \
+             model without one",
             path.display()
         )
     })?;
     Ok((model, template))
+}
+
+/// The template a GGUF file carries, with its BOS and EOS spelled as the
+/// vocabulary spells them (templates print them as text).
+fn gguf_template(model: &Model, path: &Path) -> Result<Option<ChatTemplate>> {
+    let Some(source) = &model.chat.template else {
+        return Ok(None);
+    };
+    let spell = |id: Option<u32>| -> String {
+        id.and_then(|id| model.tokenizer.vocabulary_entry(id))
+            .unwrap_or_default()
+    };
+    let template = ChatTemplate::new(
+        &path.display().to_string(),
+        source,
+        &spell(model.chat.bos),
+        &spell(model.chat.eos),
+    )?;
+    Ok(Some(template))
 }
 
 /// Runs the chat: `question` alone if given, else the turns read from stdin.

@@ -25,8 +25,9 @@ struct Cli {
 
 #[derive(clap::Args)]
 struct ModelArgs {
-    /// A Hugging Face Llama folder (config.json, *.safetensors, tokenizer.json);
-    /// the embedded default model when left out.
+    /// A GGUF file, a Hugging Face Llama folder (config.json, *.safetensors,
+    /// tokenizer.json) or a pulled pinned model (`kiln list`); the embedded
+    /// default model when left out.
     #[arg(long)]
     model: Option<PathBuf>,
     #[arg(long, value_enum, default_value_t = BackendKind::Cpu)]
@@ -77,9 +78,17 @@ enum Command {
         #[command(flatten)]
         model: ModelArgs,
     },
+    /// Download a pinned model into the cache (sha256-verified).
+    Pull {
+        /// The model's name, as `kiln list` prints it.
+        name: String,
+    },
+    /// List the pinned models and whether each is pulled.
+    List,
     /// Report the model, the IREE runtime and compiler, and the devices found.
     Inspect {
-        /// A model folder; the embedded model when left out.
+        /// A GGUF file, a model folder or a pulled model's name; the embedded
+        /// model when left out.
         #[arg(long)]
         model: Option<PathBuf>,
     },
@@ -105,8 +114,9 @@ fn main() -> ExitCode {
     }
 }
 
-fn load(path: Option<&PathBuf>) -> Result<Model> {
-    Ok(Model::load_or_embedded(path.map(PathBuf::as_path))?)
+fn load(spec: Option<&PathBuf>) -> Result<Model> {
+    let path = spec.map(|s| kiln_core::pinned::resolve(s)).transpose()?;
+    Ok(Model::load_or_embedded(path.as_deref())?)
 }
 
 fn run(cli: Cli) -> Result<()> {
@@ -131,6 +141,8 @@ fn run(cli: Cli) -> Result<()> {
         Command::Chat(args) => chat(&args),
         Command::Prefill { model, prompt, top } => prefill(&model, &prompt, top),
         Command::Prepare { model } => prepare(&model),
+        Command::Pull { name } => kiln::pull::pull(&name),
+        Command::List => kiln::pull::list(),
         Command::Inspect { model } => inspect(model.as_ref()),
     }
 }

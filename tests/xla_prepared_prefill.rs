@@ -31,6 +31,7 @@ fn rounded_to_f16(model: &Model) -> Model {
         config: model.config.clone(),
         weights: kiln_core::weights::load_dir(dir.path(), &model.config).unwrap(),
         tokenizer: kiln_core::Tokenizer::Bytes(kiln_core::tokenizer::ByteTokenizer),
+        chat: Default::default(),
     }
 }
 

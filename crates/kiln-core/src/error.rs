@@ -22,6 +22,9 @@ pub enum Error {
     #[error("the weights in {path} do not fit the model: {message}")]
     Weights { path: PathBuf, message: String },
 
+    #[error("{path} is not a usable GGUF model: {message}")]
+    Gguf { path: PathBuf, message: String },
+
     #[error("{path} is not a usable tokenizer: {message}")]
     Tokenizer { path: PathBuf, message: String },
 
