@@ -4,7 +4,9 @@
 
 pub mod backend;
 pub mod config;
+pub mod contained;
 mod error;
+pub mod files;
 pub mod forward;
 pub mod generate;
 pub mod model;

@@ -164,7 +164,7 @@ impl<'m> IreeBackend<'m> {
         let weights = packed_weights(&model.weights, &graph)
             .and_then(|t| device.upload(&t))
             .map_err(to_core)?;
-        let (cos, sin) = model.config.rope_tables(buckets.context);
+        let (cos, sin) = model.config.rope_tables(buckets.context)?;
         let rows = [buckets.context as i64, model.config.head_dim as i64 / 2];
         let cos = upload(&rows, cos)?;
         let sin = upload(&rows, sin)?;
