@@ -57,12 +57,18 @@ pub enum Tokenizer {
 impl Tokenizer {
     /// Reads a Hugging Face `tokenizer.json`.
     pub fn from_file(path: &Path) -> Result<Tokenizer> {
+        let bytes = crate::files::read_limited(path, TOKENIZER_FILE_LIMIT, "a tokenizer.json")?;
+        Tokenizer::from_json(path, &bytes)
+    }
+
+    /// A Hugging Face tokenizer from `tokenizer.json`'s bytes (`path` names
+    /// it in errors).
+    pub fn from_json(path: &Path, bytes: &[u8]) -> Result<Tokenizer> {
         let bad = |message: String| Error::Tokenizer {
             path: path.to_path_buf(),
             message,
         };
-        let bytes = crate::files::read_limited(path, TOKENIZER_FILE_LIMIT, "a tokenizer.json")?;
-        let tokenizer = contain(|| tokenizers::Tokenizer::from_bytes(&bytes))
+        let tokenizer = contain(|| tokenizers::Tokenizer::from_bytes(bytes))
             .map_err(|panic| bad(format!("the tokenizers library failed on it: {panic}")))?
             .map_err(|e| bad(e.to_string()))?;
         Ok(Tokenizer::from_hugging_face(tokenizer))

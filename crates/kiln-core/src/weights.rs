@@ -77,15 +77,15 @@ struct TensorTable<'a> {
 }
 
 impl<'a> TensorTable<'a> {
-    fn new(origin: &Path, maps: &'a [(PathBuf, Mmap)]) -> Result<TensorTable<'a>> {
+    fn new(origin: &Path, files: &[(&'a Path, &'a [u8])]) -> Result<TensorTable<'a>> {
         let mut table = TensorTable {
-            files: Vec::with_capacity(maps.len()),
+            files: Vec::with_capacity(files.len()),
             index: HashMap::new(),
             origin: origin.to_path_buf(),
         };
-        for (path, map) in maps {
-            let tensors = SafeTensors::deserialize(map).map_err(|e| Error::Weights {
-                path: path.clone(),
+        for &(path, bytes) in files {
+            let tensors = SafeTensors::deserialize(bytes).map_err(|e| Error::Weights {
+                path: path.to_path_buf(),
                 message: format!("not a safetensors file: {e}"),
             })?;
             for name in tensors.names() {
@@ -95,12 +95,12 @@ impl<'a> TensorTable<'a> {
                     .is_some()
                 {
                     return Err(Error::Weights {
-                        path: path.clone(),
+                        path: path.to_path_buf(),
                         message: format!("tensor {name} appears in more than one file"),
                     });
                 }
             }
-            table.files.push((path.as_path(), tensors));
+            table.files.push((path, tensors));
         }
         Ok(table)
     }
@@ -198,7 +198,18 @@ pub fn load_dir(dir: &Path, config: &ModelConfig) -> Result<Weights> {
         .into_iter()
         .map(|path| map_file(&path).map(|map| (path, map)))
         .collect::<Result<Vec<_>>>()?;
-    from_table(TensorTable::new(dir, &maps)?, config)
+    let files: Vec<(&Path, &[u8])> = maps.iter().map(|(p, m)| (p.as_path(), &m[..])).collect();
+    from_safetensors(dir, &files, config)
+}
+
+/// The weights in the safetensors `files` (each a name for errors and its
+/// bytes) of the model in `dir`, checked against `config`.
+pub fn from_safetensors(
+    dir: &Path,
+    files: &[(&Path, &[u8])],
+    config: &ModelConfig,
+) -> Result<Weights> {
+    from_table(TensorTable::new(dir, files)?, config)
 }
 
 /// Maps a regular file read-only.

@@ -46,14 +46,13 @@ pub fn module_kinds(buckets: &Buckets) -> Vec<ModuleKind> {
 /// identity — the IREE revision, which `Compiler` guarantees equals the
 /// runtime's — and the bucket.
 pub fn key(mlir: &str, bucket: &str, target: Target) -> Result<String> {
+    Ok(key_on(mlir, bucket, target, target.machine_identity()?))
+}
+
+/// [`key`] on a machine of the given identity.
+fn key_on(mlir: &str, bucket: &str, target: Target, machine: &str) -> String {
     let flags = target.flags().join(" ");
-    Ok(ModuleCache::key(&[
-        mlir,
-        &flags,
-        target.machine_identity()?,
-        kiln_iree::RUNTIME_REVISION,
-        bucket,
-    ]))
+    ModuleCache::key(&[mlir, &flags, machine, kiln_iree::RUNTIME_REVISION, bucket])
 }
 
 /// The `.vmfb` of one module: from the cache, or compiled into it (see
@@ -97,4 +96,17 @@ pub fn prepare(
         on_ready(kind, origin, started.elapsed());
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cpu_modules_of_different_cpus_have_different_keys() {
+        let avx512 = crate::host_cpu::from_cpuinfo("flags: sse2 avx2 avx512f").unwrap();
+        let avx2 = crate::host_cpu::from_cpuinfo("flags: sse2 avx2").unwrap();
+        let key = |target, machine| key_on("mlir", "decode:64", target, machine);
+        assert_ne!(key(Target::LlvmCpu, &avx512), key(Target::LlvmCpu, &avx2));
+    }
 }
