@@ -2,7 +2,8 @@
 //! kiln uses a cache folder only if no other user can write it or replace
 //! it: the folder must be the user's and writable by them alone, and every
 //! folder above it (symlinks resolved, and the symlinks themselves) must be
-//! the user's or root's and not writable by others, unless sticky like
+//! the user's or root's (or unmapped, root as a user namespace shows it) and
+//! not writable by others, unless sticky like
 //! `/tmp` (where others cannot rename what is not theirs). kiln creates the
 //! folder 0700.
 
@@ -85,8 +86,18 @@ fn ancestors(path: &Path) -> impl Iterator<Item = PathBuf> + '_ {
         .chain(path.ancestors().skip(1).map(Path::to_path_buf))
 }
 
+/// The owner the kernel shows for files whose owner has no id in this user
+/// namespace: root's files, seen from a build sandbox (Nix builds run in
+/// one, where `/` and `/nix/store` appear owned by it).
+fn unmapped_uid() -> u32 {
+    std::fs::read_to_string("/proc/sys/kernel/overflowuid")
+        .ok()
+        .and_then(|s| s.trim().parse().ok())
+        .unwrap_or(65534)
+}
+
 fn check_component(path: &Path, meta: &Metadata, uid: u32) -> std::result::Result<(), String> {
-    if meta.uid() != uid && meta.uid() != 0 {
+    if meta.uid() != uid && meta.uid() != 0 && meta.uid() != unmapped_uid() {
         return Err(format!(
             "owned by uid {}, neither this user (uid {uid}) nor root, who could replace what is inside",
             meta.uid()
