@@ -67,13 +67,9 @@ pub fn open_iree<'m>(
 ) -> Result<kiln_xla::IreeBackend<'m>> {
     use kiln_xla::{IreeBackend, ModuleCache, Target};
     let target = target(kind)?;
-    // IREE's flags are process-wide: restore the driver defaults first, so
-    // that one backend's --iree-flag does not leak into the next one opened.
-    let flags: Vec<&str> = DRIVER_DEFAULT_FLAGS
-        .iter()
-        .copied()
-        .chain(options.iree_flag.iter().map(String::as_str))
-        .collect();
+    // Process-wide: a backend opened later with other flags is an error
+    // while this one is open, never a silent mix of both.
+    let flags: Vec<&str> = options.iree_flag.iter().map(String::as_str).collect();
     kiln_iree::set_flags(&flags)?;
     let uri = if target == Target::Cuda {
         "cuda"
@@ -91,18 +87,6 @@ pub fn open_iree<'m>(
     )?;
     Ok(backend)
 }
-
-/// The IREE CUDA driver's own defaults for the flags kiln's measurements
-/// varied (see docs/gpu.md).
-#[cfg(all(feature = "xla-iree", feature = "cuda"))]
-const DRIVER_DEFAULT_FLAGS: &[&str] = &[
-    "--cuda_use_streams=true",
-    "--cuda_allow_inline_execution=false",
-    "--cuda_async_allocations=true",
-];
-
-#[cfg(all(feature = "xla-iree", not(feature = "cuda")))]
-const DRIVER_DEFAULT_FLAGS: &[&str] = &[];
 
 /// The IREE target of an IREE backend kind.
 #[cfg(feature = "xla-iree")]

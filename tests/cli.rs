@@ -99,6 +99,12 @@ fn bad_iree_options_are_named() {
         (&["--precision", "fp8"], "f32, f16 or bf16"),
         (&["--weight-layout", "rows"], "in-out or out-in"),
         (&["--iree-flag=--no_such_flag=1"], "not recognized"),
+        // IREE itself would exit(0) on --help and read "notanumber" as 0.
+        (&["--iree-flag=--help"], "kiln does not take it"),
+        (
+            &["--iree-flag=--task_worker_stack_size=notanumber"],
+            "takes an integer",
+        ),
     ];
     for (extra, expected) in cases {
         let mut args = vec!["generate", "--backend", "iree-cpu", "--max-context", "16"];

@@ -10,6 +10,22 @@ pub enum Error {
         error: std::io::Error,
     },
 
+    #[error(
+        "{path} is {kind}; kiln reads model files only from regular files (or symlinks to them)"
+    )]
+    NotAFile { path: PathBuf, kind: &'static str },
+
+    #[error(
+        "{path} holds {size} bytes, more than the {limit} kiln accepts for {what}; \
+         is it the right file?"
+    )]
+    TooLarge {
+        path: PathBuf,
+        size: u64,
+        limit: u64,
+        what: &'static str,
+    },
+
     #[error("cannot write to {what}: {error}")]
     Write {
         what: &'static str,

@@ -16,6 +16,16 @@ pub enum Target {
 }
 
 impl Target {
+    /// What besides the flags decides the code compiled for this target:
+    /// the host CPU for llvm-cpu (`host` in the flags means this machine's),
+    /// nothing for CUDA (sm_80 PTX runs on any newer GPU).
+    pub fn machine_identity(self) -> Result<&'static str> {
+        match self {
+            Target::LlvmCpu => crate::host_cpu::identity(),
+            Target::Cuda => Ok(""),
+        }
+    }
+
     /// The iree-compile flags of this target.
     pub fn flags(self) -> &'static [&'static str] {
         match self {

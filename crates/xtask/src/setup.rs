@@ -23,7 +23,7 @@ use crate::pins::{Download, repo_root};
 use crate::unpack;
 
 /// Debian/Ubuntu packages the suite needs, and why.
-const SYSTEM_PACKAGES: [(&str, &str); 7] = [
+const SYSTEM_PACKAGES: [(&str, &str); 8] = [
     (
         "build-essential",
         "C/C++ compilers for the IREE runtime and the shim",
@@ -37,6 +37,10 @@ const SYSTEM_PACKAGES: [(&str, &str); 7] = [
     ("nix-bin", "nix-instantiate --parse for the Nix files"),
     ("python3-venv", "the workflow linters' virtual environment"),
     ("shellcheck", "actionlint's check of every `run:` script"),
+    (
+        "valgrind",
+        ".ci/hardening: an iree-cpu decode under memcheck",
+    ),
 ];
 
 /// A crates.io binary crate, pinned by version and the sha256 of its `.crate`

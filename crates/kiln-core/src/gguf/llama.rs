@@ -27,7 +27,7 @@ pub fn load_model(path: &Path) -> Result<Model> {
         name,
         config,
         weights,
-        tokenizer: Tokenizer::HuggingFace(Box::new(tokenizer)),
+        tokenizer: Tokenizer::from_hugging_face(tokenizer),
         chat,
     })
 }
