@@ -3,6 +3,7 @@
 
 pub mod backends;
 pub mod chat;
+pub mod server;
 mod text_out;
 
 pub use text_out::print_text;
