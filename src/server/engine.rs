@@ -213,6 +213,10 @@ fn generate(
     deadline: Instant,
     shared: &Shared,
 ) -> Result<Option<Finish>, ApiError> {
+    // A request that waited out its time in the queue is not started.
+    if Instant::now() >= deadline {
+        return Err(ApiError::timeout(shared.request_timeout.as_secs()));
+    }
     let (prompt_ids, stop_tokens, param) = tokenize(loaded, request.prompt)?;
     let context = loaded.backend.max_context();
     if prompt_ids.len() >= context {
