@@ -1,9 +1,32 @@
 //! Choosing a backend by name. A backend that was not compiled in, or whose
 //! device is absent, is an error: kiln never falls back to another one.
 
+use std::path::{Path, PathBuf};
+
 use anyhow::{Result, bail};
 use clap::ValueEnum;
 use kiln_core::{Backend, CpuBackend, Model};
+
+/// The model and backend options every command that runs a model takes
+/// (the CLI's commands and `kiln-server`).
+#[derive(Clone, Debug, clap::Args)]
+pub struct ModelArgs {
+    /// A GGUF file, a Hugging Face Llama folder (config.json, *.safetensors,
+    /// tokenizer.json) or a pulled pinned model (`kiln list`); the embedded
+    /// default model when left out.
+    #[arg(long)]
+    pub model: Option<PathBuf>,
+    #[arg(long, value_enum, default_value_t = BackendKind::Cpu)]
+    pub backend: BackendKind,
+    #[command(flatten)]
+    pub iree: IreeOptions,
+}
+
+/// The model `--model` names: the embedded one when it is left out.
+pub fn load_model(spec: Option<&Path>) -> Result<Model> {
+    let path = spec.map(kiln_core::pinned::resolve).transpose()?;
+    Ok(Model::load_or_embedded(path.as_deref())?)
+}
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 pub enum BackendKind {

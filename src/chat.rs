@@ -58,6 +58,20 @@ pub fn default_model() -> Result<(Model, ChatTemplate)> {
 /// What `--model` names (a folder, a GGUF file or a pulled model's name) and
 /// its chat template; a model without one is an error.
 pub fn load(spec: &Path) -> Result<(Model, ChatTemplate)> {
+    let (model, template) = load_with_template(spec)?;
+    let template = template.with_context(|| {
+        format!(
+            "{} has no chat template (no chat_template.jinja or tokenizer_config.json chat_template \
+             in a folder, no tokenizer.chat_template in a GGUF file); `kiln generate` runs the \
+             model without one",
+            spec.display()
+        )
+    })?;
+    Ok((model, template))
+}
+
+/// What `--model` names and its chat template, if it has one.
+pub fn load_with_template(spec: &Path) -> Result<(Model, Option<ChatTemplate>)> {
     let path = kiln_core::pinned::resolve(spec)?;
     let model = Model::load(&path)?;
     let template = if path.is_dir() {
@@ -65,14 +79,6 @@ pub fn load(spec: &Path) -> Result<(Model, ChatTemplate)> {
     } else {
         gguf_template(&model, &path)?
     };
-    let template = template.with_context(|| {
-        format!(
-            "{} has no chat template (no chat_template.jinja or tokenizer_config.json chat_template \
-             in a folder, no tokenizer.chat_template in a GGUF file); `kiln generate` runs the \
-             model without one",
-            path.display()
-        )
-    })?;
     Ok((model, template))
 }
 

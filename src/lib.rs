@@ -4,6 +4,7 @@
 pub mod backends;
 pub mod chat;
 pub mod pull;
+pub mod server;
 mod text_out;
 
 pub use text_out::print_text;

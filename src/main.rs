@@ -9,7 +9,7 @@ use anyhow::Result;
 use clap::{Parser, Subcommand};
 use kiln_core::{Model, SamplingParams, TextStream};
 
-use kiln::backends::{self, BackendKind, IreeOptions};
+use kiln::backends::{self, ModelArgs};
 use kiln::print_text;
 
 #[derive(Parser)]
@@ -21,19 +21,6 @@ use kiln::print_text;
 struct Cli {
     #[command(subcommand)]
     command: Command,
-}
-
-#[derive(clap::Args)]
-struct ModelArgs {
-    /// A GGUF file, a Hugging Face Llama folder (config.json, *.safetensors,
-    /// tokenizer.json) or a pulled pinned model (`kiln list`); the embedded
-    /// default model when left out.
-    #[arg(long)]
-    model: Option<PathBuf>,
-    #[arg(long, value_enum, default_value_t = BackendKind::Cpu)]
-    backend: BackendKind,
-    #[command(flatten)]
-    iree: IreeOptions,
 }
 
 #[derive(Subcommand)]
@@ -114,9 +101,8 @@ fn main() -> ExitCode {
     }
 }
 
-fn load(spec: Option<&PathBuf>) -> Result<Model> {
-    let path = spec.map(|s| kiln_core::pinned::resolve(s)).transpose()?;
-    Ok(Model::load_or_embedded(path.as_deref())?)
+fn load(path: Option<&PathBuf>) -> Result<Model> {
+    backends::load_model(path.map(PathBuf::as_path))
 }
 
 fn run(cli: Cli) -> Result<()> {
@@ -236,7 +222,7 @@ fn prefill(args: &ModelArgs, prompt: &str, top: usize) -> Result<()> {
 fn prepare(args: &ModelArgs) -> Result<()> {
     use anyhow::Context;
     use indicatif::{ProgressBar, ProgressStyle};
-    if args.backend == BackendKind::Cpu {
+    if args.backend == backends::BackendKind::Cpu {
         anyhow::bail!(
             "the cpu backend has nothing to prepare; pass --backend iree-cpu or iree-cuda"
         );

@@ -11,6 +11,7 @@ mod gate;
 mod iree;
 mod lint_nix;
 mod lint_workflows;
+mod load;
 mod pins;
 mod prefix;
 mod ptxas;
@@ -66,6 +67,9 @@ enum Task {
     /// Install what the suite needs: the system packages (apt, as root or
     /// with sudo), nixpkgs-fmt and deadnix, the hash-pinned workflow linters.
     Setup,
+    /// A bounded load test of a running kiln-server: streamed greedy
+    /// completions, each checked complete and equal to its prompt alone, or 429.
+    Load(load::LoadArgs),
     /// Set up (as `setup`), then run the whole test suite: lint, both IREE
     /// variants, the tests, the gate.
     Test,
@@ -165,6 +169,7 @@ fn run(cli: Cli) -> Result<()> {
         Task::Setup => {
             setup::run(&Cache::open()?)?;
         }
+        Task::Load(args) => load::run(&args)?,
         Task::Test => test::run(&Cache::open()?, &load_pins()?)?,
         Task::Gate {
             link_only,

@@ -5,7 +5,9 @@
 //! - nixpkgs-fmt and deadnix, built with `cargo install --locked` from their
 //!   crates, pinned here by version and sha256;
 //! - the workflow linters (`.ci/requirements-lint.txt`, hash-pinned) in a
-//!   virtual environment of their own.
+//!   virtual environment of their own;
+//! - the official OpenAI Python client (`.ci/requirements-openai.txt`,
+//!   hash-pinned) in another, for the kiln-server client test.
 //!
 //! The tools land in the cache (`$KILN_CACHE_DIR/tools`), named by what went
 //! into them; nothing is installed into `~/.cargo/bin` or the system Python.
@@ -64,8 +66,23 @@ const CARGO_TOOLS: [CargoTool; 2] = [
     },
 ];
 
+/// A hash-pinned virtual environment: its folder's name and requirements.
+struct Venv {
+    name: &'static str,
+    requirements: &'static str,
+}
+
 /// The hash-pinned Python tools: actionlint, zizmor, pyflakes.
-const LINT_REQUIREMENTS: &str = ".ci/requirements-lint.txt";
+const LINT_VENV: Venv = Venv {
+    name: "lint-venv",
+    requirements: ".ci/requirements-lint.txt",
+};
+
+/// The `openai` package, for tests/openai_client.py.
+const OPENAI_VENV: Venv = Venv {
+    name: "openai-venv",
+    requirements: ".ci/requirements-openai.txt",
+};
 
 /// Written last into a finished virtual environment. A venv cannot be built
 /// elsewhere and renamed (its scripts name their interpreter by absolute
@@ -86,7 +103,7 @@ impl Toolbox {
             .iter()
             .map(|tool| cargo_tool_dir(cache, tool).join("bin"))
             .collect();
-        bin_dirs.push(lint_venv_dir(cache)?.join("bin"));
+        bin_dirs.push(venv_dir(cache, &LINT_VENV)?.join("bin"));
         bin_dirs.retain(|dir| dir.is_dir());
         Ok(Toolbox {
             bin_dirs,
@@ -130,7 +147,8 @@ pub fn run(cache: &Cache) -> Result<Toolbox> {
     for tool in &CARGO_TOOLS {
         install_cargo_tool(cache, tool)?;
     }
-    install_lint_venv(cache)?;
+    install_venv(cache, &LINT_VENV)?;
+    install_venv(cache, &OPENAI_VENV)?;
     let toolbox = Toolbox::installed(cache)?;
     eprintln!(
         "setup: system packages present; tools in {}",
@@ -307,9 +325,21 @@ fn own_workspace(manifest: &Path) -> Result<()> {
     Ok(())
 }
 
+/// The Python of the OpenAI client's venv (installed by [`run`]).
+pub fn openai_python(cache: &Cache) -> Result<PathBuf> {
+    let python = venv_dir(cache, &OPENAI_VENV)?.join("bin/python");
+    if !python.is_file() {
+        return Err(anyhow!(
+            "{} is missing; `cargo xtask setup` installs it",
+            python.display()
+        ));
+    }
+    Ok(python)
+}
+
 /// The venv's folder, named by the requirements and the Python that runs it.
-fn lint_venv_dir(cache: &Cache) -> Result<PathBuf> {
-    let requirements = repo_root().join(LINT_REQUIREMENTS);
+fn venv_dir(cache: &Cache, venv: &Venv) -> Result<PathBuf> {
+    let requirements = repo_root().join(venv.requirements);
     let python = Command::new("python3")
         .arg("--version")
         .output()
@@ -321,11 +351,11 @@ fn lint_venv_dir(cache: &Cache) -> Result<PathBuf> {
     }));
     Ok(cache
         .path("tools")
-        .join(format!("lint-venv-{}", &key[..16])))
+        .join(format!("{}-{}", venv.name, &key[..16])))
 }
 
-fn install_lint_venv(cache: &Cache) -> Result<()> {
-    let dir = lint_venv_dir(cache)?;
+fn install_venv(cache: &Cache, venv: &Venv) -> Result<()> {
+    let dir = venv_dir(cache, venv)?;
     if dir.join(VENV_COMPLETE).exists() {
         return Ok(());
     }
@@ -333,7 +363,7 @@ fn install_lint_venv(cache: &Cache) -> Result<()> {
         std::fs::remove_dir_all(&dir)
             .with_context(|| format!("cannot remove the half-made {}", dir.display()))?;
     }
-    let result = build_venv(&dir);
+    let result = build_venv(&dir, venv.requirements);
     if result.is_err() {
         // Leave nothing that looks like a venv behind.
         let _ = std::fs::remove_dir_all(&dir);
@@ -341,8 +371,8 @@ fn install_lint_venv(cache: &Cache) -> Result<()> {
     result
 }
 
-fn build_venv(dir: &Path) -> Result<()> {
-    eprintln!("setup: workflow linters into {}", dir.display());
+fn build_venv(dir: &Path, requirements: &str) -> Result<()> {
+    eprintln!("setup: {requirements} into {}", dir.display());
     run_checked(
         Command::new("python3").arg("-m").arg("venv").arg(dir),
         "python3 -m venv (Debian/Ubuntu: apt-get install -y python3-venv)",
@@ -350,8 +380,8 @@ fn build_venv(dir: &Path) -> Result<()> {
     run_checked(
         Command::new(dir.join("bin/pip"))
             .args(["install", "--quiet", "--require-hashes", "--no-deps", "-r"])
-            .arg(repo_root().join(LINT_REQUIREMENTS)),
-        "pip install --require-hashes -r .ci/requirements-lint.txt",
+            .arg(repo_root().join(requirements)),
+        &format!("pip install --require-hashes -r {requirements}"),
     )?;
     std::fs::write(dir.join(VENV_COMPLETE), b"")?;
     Ok(())

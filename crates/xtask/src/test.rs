@@ -97,6 +97,9 @@ pub fn run(cache: &Cache, pins: &Pins) -> Result<()> {
             )
         },
     )?;
+    step("kiln-server with the official OpenAI Python client", || {
+        openai_client(cache)
+    })?;
     step("the gate: link check and mutation suite", || {
         crate::gate::run(&cuda_prefix, false, None)
     })?;
@@ -104,6 +107,32 @@ pub fn run(cache: &Cache, pins: &Pins) -> Result<()> {
         crate::repro::run(&cuda_prefix)
     })?;
     eprintln!("xtask test: every step succeeded");
+    Ok(())
+}
+
+/// Builds `kiln` and `kiln-server` (default features) and runs
+/// tests/openai_client.py against them in the `openai` venv.
+fn openai_client(cache: &Cache) -> Result<()> {
+    cargo(
+        &["build", "--locked", "--bin", "kiln", "--bin", "kiln-server"],
+        &[],
+    )?;
+    let python = crate::setup::openai_python(cache)?;
+    let root = repo_root();
+    let target = std::env::var_os("CARGO_TARGET_DIR")
+        .map(std::path::PathBuf::from)
+        .unwrap_or_else(|| root.join("target"));
+    let bin = target.join("debug");
+    let status = Command::new(&python)
+        .arg(root.join("tests/openai_client.py"))
+        .arg(bin.join("kiln-server"))
+        .arg(bin.join("kiln"))
+        .current_dir(&root)
+        .status()
+        .with_context(|| format!("cannot run {}", python.display()))?;
+    if !status.success() {
+        return Err(anyhow!("tests/openai_client.py failed ({status})"));
+    }
     Ok(())
 }
 
