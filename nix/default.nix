@@ -20,7 +20,13 @@ let
   iree-runtime = ireeRuntime false;
   iree-runtime-cuda = ireeRuntime true;
   iree-compiler = pkgs.callPackage ./iree-compiler.nix { inherit kilnLib; };
-  models = pkgs.callPackage ./models.nix { inherit kilnLib; };
+  # Imported, not callPackage'd: callPackage would add `override` and
+  # `overrideDerivation` to this set of derivations, and they would land in
+  # `packages` as two non-derivations.
+  models = import ./models.nix {
+    inherit lib kilnLib;
+    inherit (pkgs) stdenvNoCC fetchurl unzip;
+  };
 
   packages = import ./packages.nix {
     inherit
