@@ -48,7 +48,8 @@ enum Command {
     },
     /// Chat with a model through its chat template: answer QUESTION, or hold
     /// a conversation on the terminal (Ctrl-D ends), or answer each line of
-    /// piped input in one conversation.
+    /// piped input in one conversation. Without --model: the pinned
+    /// smollm2-135m-instruct, pulled on first use (`kiln pull`).
     Chat(ChatArgs),
     /// Run the prompt once and print the most likely next tokens and their logits.
     Prefill {
