@@ -395,7 +395,8 @@ fn bad_files_are_named_errors() {
     // The key is written twice: the reader refuses duplicates first.
     assert_rejected(&bad_pre.bytes(), "tokenizer.ggml.pre appears twice");
 
-    // head_count x key_length overflows: an error, not an arithmetic panic.
+    // head_count x key_length would overflow: the config's bounds refuse the
+    // head size first, naming it (an error, not an arithmetic panic).
     let mut huge_heads = tiny_llama(|w| {
         w.kv("llama.attention.key_length", V::U64(1 << 62));
     });
@@ -408,7 +409,10 @@ fn bad_files_are_named_errors() {
         + 4;
     huge_heads.kv[at..at + 4].copy_from_slice(&8u32.to_le_bytes());
     let huge_heads = huge_heads.bytes();
-    assert_rejected(&huge_heads, "more than the file's");
+    assert_rejected(
+        &huge_heads,
+        "head_dim is 4611686018427387904, above kiln's limit",
+    );
 
     let bos_outside = tiny_llama(|w| {
         w.kv("tokenizer.ggml.bos_token_id", V::U32(100_000));
