@@ -12,8 +12,8 @@ use kiln_core::{Backend, CpuBackend, Model};
 #[derive(Clone, Debug, clap::Args)]
 pub struct ModelArgs {
     /// A GGUF file, a Hugging Face Llama folder (config.json, *.safetensors,
-    /// tokenizer.json) or a pulled pinned model (`kiln list`); the embedded
-    /// default model when left out.
+    /// tokenizer.json), a pulled pinned model (`kiln list`) or `embedded`;
+    /// the embedded model when left out (chat: the pinned SmolLM2).
     #[arg(long)]
     pub model: Option<PathBuf>,
     #[arg(long, value_enum, default_value_t = BackendKind::Cpu)]
@@ -22,8 +22,13 @@ pub struct ModelArgs {
     pub iree: IreeOptions,
 }
 
-/// The model `--model` names: the embedded one when it is left out.
+/// The name `--model` takes for kiln's embedded model (the default of every
+/// command but `chat`).
+pub const EMBEDDED: &str = "embedded";
+
+/// The model `--model` names: the embedded one when it is left out or named.
 pub fn load_model(spec: Option<&Path>) -> Result<Model> {
+    let spec = spec.filter(|s| *s != Path::new(EMBEDDED));
     let path = spec.map(kiln_core::pinned::resolve).transpose()?;
     Ok(Model::load_or_embedded(path.as_deref())?)
 }

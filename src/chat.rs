@@ -72,6 +72,9 @@ pub fn load(spec: &Path) -> Result<(Model, ChatTemplate)> {
 
 /// What `--model` names and its chat template, if it has one.
 pub fn load_with_template(spec: &Path) -> Result<(Model, Option<ChatTemplate>)> {
+    if spec == Path::new(crate::backends::EMBEDDED) {
+        return Ok((Model::embedded(), Some(ChatTemplate::chatml())));
+    }
     let path = kiln_core::pinned::resolve(spec)?;
     let model = Model::load(&path)?;
     let template = if path.is_dir() {

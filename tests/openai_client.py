@@ -93,7 +93,7 @@ def main():
         )
         check("completion stream usage", chunks[-1].usage.total_tokens, 30)
 
-        expected = kiln(kiln_bin, "chat", "--max-tokens", "16", "Say hi")
+        expected = kiln(kiln_bin, "chat", "--model", "embedded", "--max-tokens", "16", "Say hi")
         messages = [{"role": "user", "content": "Say hi"}]
         r = client.chat.completions.create(
             model="embedded", messages=messages, max_completion_tokens=16, temperature=0

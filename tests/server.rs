@@ -225,7 +225,14 @@ async fn completions_equal_kiln_generate_streamed_or_not() {
 async fn chat_equals_kiln_chat_streamed_or_not() {
     let server = Server::start(&[]);
     server.wait_ready().await;
-    let expected = kiln(&["chat", "--max-tokens", "16", "Say hi"]);
+    let expected = kiln(&[
+        "chat",
+        "--model",
+        "embedded",
+        "--max-tokens",
+        "16",
+        "Say hi",
+    ]);
     let body = json!({"model": "embedded", "max_completion_tokens": 16, "temperature": 0,
                       "messages": [{"role": "user", "content": "Say hi"}]});
     let (status, r) = server.post("/v1/chat/completions", &body).await;
