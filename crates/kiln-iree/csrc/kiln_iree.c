@@ -27,6 +27,7 @@ struct kiln_iree_device {
 struct kiln_iree_module {
   iree_runtime_session_t* session;
   iree_hal_device_t* device;
+  const void* image;  // owned by |session|
 };
 
 struct kiln_iree_call {
@@ -271,9 +272,14 @@ kiln_iree_error* kiln_iree_module_load(kiln_iree_instance* instance,
     return kiln_iree_error_from_status(status, "loading a module");
   }
   module->device = device->device;
+  module->image = copy;
   iree_hal_device_retain(module->device);
   *out_module = module;
   return NULL;
+}
+
+const void* kiln_iree_module_image(const kiln_iree_module* module) {
+  return module->image;
 }
 
 void kiln_iree_module_release(kiln_iree_module* module) {

@@ -73,6 +73,9 @@ kiln_iree_error* kiln_iree_module_load(kiln_iree_instance* instance,
                                        const uint8_t* data, size_t length,
                                        kiln_iree_module** out_module);
 void kiln_iree_module_release(kiln_iree_module* module);
+// The address of the module's bytes as IREE holds them (the shim's copy):
+// IREE imports constants in place only from 64-byte-aligned memory.
+const void* kiln_iree_module_image(const kiln_iree_module* module);
 
 // A call of |function| ("name" or "module.name").
 kiln_iree_error* kiln_iree_call_create(kiln_iree_module* module,

@@ -404,6 +404,16 @@ impl Reader {
 }
 
 impl Module {
+    /// The largest power of two that divides the address of the module's
+    /// bytes as IREE holds them. IREE imports a module's constants in place
+    /// only from 64-byte-aligned memory (and copies them otherwise), so the
+    /// shim's copy must be at least that aligned.
+    pub fn image_alignment(&self) -> usize {
+        // SAFETY: the handle is live; the shim only reads a field.
+        let address = unsafe { ffi::kiln_iree_module_image(self.raw.as_ptr()) } as usize;
+        1 << address.trailing_zeros()
+    }
+
     /// Calls `function` with host tensors and returns its outputs on the host.
     pub fn call(&self, function: &str, inputs: &[Tensor]) -> Result<Vec<Tensor>> {
         let uploaded = inputs
