@@ -7,33 +7,15 @@
 //! skips and says so, with `KILN_REQUIRE_MODELS=1` it fails instead.
 
 use kiln_core::sampling::argmax;
+use kiln_core::testing::max_abs_diff;
 use kiln_core::{Backend, CpuBackend, Model};
 use kiln_xla::{Buckets, Compiler, GraphOptions, IreeBackend, ModuleCache, Precision, Target};
 
 const MODEL: &str = "smollm2-135m-instruct";
 
 fn load() -> Option<Model> {
-    let path = kiln_core::pinned::find(MODEL).unwrap().path().unwrap();
-    if !path.is_file() {
-        let reason = format!(
-            "{} is not pulled (run `cargo run -- pull {MODEL}`)",
-            path.display()
-        );
-        if std::env::var_os("KILN_REQUIRE_MODELS").is_some_and(|v| v == "1") {
-            panic!("KILN_REQUIRE_MODELS=1 but {reason}");
-        }
-        eprintln!("skipped: {reason}");
-        return None;
-    }
+    let path = kiln_core::testing::pulled_model(MODEL)?;
     Some(Model::load(&path).unwrap())
-}
-
-fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
-    assert_eq!(a.len(), b.len());
-    a.iter()
-        .zip(b)
-        .map(|(x, y)| (x - y).abs())
-        .fold(0.0, f32::max)
 }
 
 #[test]

@@ -23,19 +23,7 @@ fn fixture(name: &str) -> PathBuf {
 /// The pulled model, or `None` (with the reason printed) when it is absent
 /// and not required.
 fn model_path() -> Option<PathBuf> {
-    let path = kiln_core::pinned::find(MODEL).unwrap().path().unwrap();
-    if path.is_file() {
-        return Some(path);
-    }
-    let reason = format!(
-        "{} is not pulled (run `cargo run -- pull {MODEL}`)",
-        path.display()
-    );
-    if std::env::var_os("KILN_REQUIRE_MODELS").is_some_and(|v| v == "1") {
-        panic!("KILN_REQUIRE_MODELS=1 but {reason}");
-    }
-    eprintln!("skipped: {reason}");
-    None
+    kiln_core::testing::pulled_model(MODEL)
 }
 
 fn json(name: &str) -> serde_json::Value {

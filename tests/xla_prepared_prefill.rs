@@ -7,6 +7,7 @@
 use std::path::PathBuf;
 
 use kiln_core::sampling::argmax;
+use kiln_core::testing::max_abs_diff;
 use kiln_core::{Backend, CpuBackend, Model, SamplingParams, generate};
 use kiln_xla::{
     Buckets, Compiler, GraphOptions, IreeBackend, ModuleCache, ModuleKind, Origin, Precision,
@@ -78,14 +79,6 @@ fn open<'m>(
 
 fn default_cache() -> ModuleCache {
     ModuleCache::default_location().unwrap()
-}
-
-fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
-    assert_eq!(a.len(), b.len());
-    a.iter()
-        .zip(b)
-        .map(|(x, y)| (x - y).abs())
-        .fold(0.0, f32::max)
 }
 
 /// Prompts of several lengths, within the vocabulary.

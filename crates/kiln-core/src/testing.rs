@@ -4,7 +4,7 @@
 //! a model folder whose greedy generation follows a given table, so that a
 //! test can make the real CLI generate exactly the ids it needs.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use serde_json::{Value, json};
 
@@ -12,6 +12,34 @@ use crate::config::ModelConfig;
 use crate::error::Result;
 use crate::tokenizer::Tokenizer;
 use crate::weights::{LayerWeights, Matrix, Weights};
+
+/// The file of a pulled pinned model, for tests that need a real one. When it
+/// is not pulled the test skips and says why, unless `KILN_REQUIRE_MODELS=1`
+/// (as in CI), where a missing model is a failure.
+pub fn pulled_model(name: &str) -> Option<PathBuf> {
+    let path = crate::pinned::find(name).unwrap().path().unwrap();
+    if path.is_file() {
+        return Some(path);
+    }
+    let reason = format!(
+        "{} is not pulled (run `cargo run -- pull {name}`)",
+        path.display()
+    );
+    if std::env::var_os("KILN_REQUIRE_MODELS").is_some_and(|v| v == "1") {
+        panic!("KILN_REQUIRE_MODELS=1 but {reason}");
+    }
+    eprintln!("skipped: {reason}");
+    None
+}
+
+/// The largest absolute difference between two equally long slices.
+pub fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f32::max)
+}
 
 /// A kiln tokenizer from `tokenizer.json` text.
 pub fn tokenizer(json: &Value) -> Tokenizer {
