@@ -57,34 +57,21 @@ let
     ];
   };
 
-  # Arguments of stdenv.mkDerivation (and of the hooks crane and the flake
-  # use) whose names do not follow one of the patterns in `argumentPatterns`.
+  # The other arguments of stdenv.mkDerivation (and of the hooks crane and the
+  # flake use) whose names do not follow one of the patterns in
+  # `argumentPatterns`; the list arguments are in `listArguments`.
   knownArguments = [
     # stdenv
     "name"
     "pname"
     "version"
     "src"
-    "srcs"
     "sourceRoot"
     "builder"
-    "args"
-    "outputs"
     "meta"
     "passthru"
     "env"
     "strictDeps"
-    "nativeBuildInputs"
-    "buildInputs"
-    "propagatedBuildInputs"
-    "propagatedNativeBuildInputs"
-    "depsBuildBuild"
-    "depsHostHost"
-    "depsHostHostPropagated"
-    "depsTargetTargetPropagated"
-    "nativeCheckInputs"
-    "checkInputs"
-    "nativeInstallCheckInputs"
     "unpackPhase"
     "patchPhase"
     "configurePhase"
@@ -95,24 +82,16 @@ let
     "installCheckPhase"
     "distPhase"
     "buildCommand"
-    "phases"
-    "patches"
     "setupHook"
     "shellHook"
-    "cmakeFlags"
-    "configureFlags"
-    "makeFlags"
     "enableParallelBuilding"
     "separateDebugInfo"
-    "hardeningDisable"
     "preferLocalBuild"
     "allowSubstitutes"
-    "passAsFile"
     "outputHash"
     "outputHashAlgo"
     "outputHashMode"
     "url"
-    "urls"
     "system"
     "stdenv"
     # makeSetupHook
@@ -138,9 +117,6 @@ let
     "withLlvmCov"
     "ensureTargetDir"
     # rust-overlay's toolchain derivations
-    "availableComponents"
-    "selectedComponents"
-    "paths"
   ];
   argumentPatterns = [
     "(pre|post)[A-Z].*" # phase hooks
@@ -150,7 +126,7 @@ let
     "__[a-zA-Z]+" # __structuredAttrs, __impure, …
   ];
   knownArgument =
-    name: lib.elem name knownArguments || lib.any (p: builtins.match p name != null) argumentPatterns;
+    name: lib.elem name knownArguments || lib.elem name listArguments || lib.any (p: builtins.match p name != null) argumentPatterns;
 
   # Arguments that are lists; every other argument must be a scalar.
   listArguments = [
