@@ -27,6 +27,10 @@ pub fn source(
             llama::decode_module(config, graph, context),
             format!("decode:{context}"),
         ),
+        ModuleKind::DecodeBatch(batch) => (
+            llama::decode_batch_module(config, graph, context, batch),
+            format!("decode-batch:{batch}:{context}"),
+        ),
     }
 }
 
