@@ -11,7 +11,7 @@ use anyhow::{Context, Result, bail};
 use clap::Parser;
 use tokio::sync::{oneshot, watch};
 
-use kiln::backends::{self, ModelArgs};
+use kiln::backends::ModelArgs;
 use kiln::server::engine::{self, Loaded};
 use kiln::server::{AppState, Shared, auth::ApiKey, router};
 
@@ -43,6 +43,11 @@ struct Args {
     /// Seconds a request may take from arrival to its last token.
     #[arg(long, default_value_t = 300)]
     request_timeout: u64,
+    /// Sequence slots decoded together on the IREE backends (continuous
+    /// batching); 1 runs one request at a time. The CPU backend always runs
+    /// one at a time.
+    #[arg(long, default_value_t = 8)]
+    batch_slots: usize,
     /// Seconds in-flight requests get to finish after SIGINT/SIGTERM before
     /// they are cut short.
     #[arg(long, default_value_t = 10)]
@@ -71,6 +76,9 @@ async fn run(args: Args) -> Result<()> {
     if args.queue_size == 0 {
         bail!("--queue-size must be at least 1");
     }
+    if args.batch_slots == 0 {
+        bail!("--batch-slots must be at least 1");
+    }
     if args.request_timeout == 0 {
         bail!("--request-timeout must be at least 1 second");
     }
@@ -97,6 +105,7 @@ async fn run(args: Args) -> Result<()> {
     let engine = {
         let shared = shared.clone();
         let model_args = args.model.clone();
+        let batch_slots = args.batch_slots;
         std::thread::Builder::new()
             .name("kiln-engine".into())
             .spawn(move || {
@@ -107,8 +116,8 @@ async fn run(args: Args) -> Result<()> {
                         return;
                     }
                 };
-                let backend = match backends::open(&model, model_args.backend, &model_args.iree) {
-                    Ok(backend) => backend,
+                let decoder = match engine::open_decoder(&model, &model_args, batch_slots) {
+                    Ok(decoder) => decoder,
                     Err(error) => {
                         let _ = loaded_tx.send(Err(error));
                         return;
@@ -117,7 +126,7 @@ async fn run(args: Args) -> Result<()> {
                 let mut loaded = Loaded {
                     model: &model,
                     template,
-                    backend,
+                    decoder,
                 };
                 shared.ready.store(true, Ordering::Release);
                 let _ = loaded_tx.send(Ok(()));
