@@ -232,6 +232,12 @@ fn prepare(args: &ModelArgs, batch_slots: usize) -> Result<()> {
             "the cpu backend has nothing to prepare; pass --backend iree-cpu or iree-cuda"
         );
     }
+    if batch_slots > kiln_xla::MAX_SLOTS {
+        anyhow::bail!(
+            "--batch-slots {batch_slots}: kiln-server batches at most {} slots; lower it",
+            kiln_xla::MAX_SLOTS
+        );
+    }
     let model = load(args.model.as_ref())?;
     let target = backends::target(args.backend)?;
     let buckets = backends::buckets(&model, &args.iree)?;

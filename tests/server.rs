@@ -680,3 +680,73 @@ async fn concurrent_requests_on_iree_each_equal_their_request_alone() {
         .await;
     assert_eq!(cancelled, 1.0, "the client that left was cancelled");
 }
+
+/// A connection that sends no request within `--idle-timeout` is closed, and
+/// so is a kept-alive one after its last response.
+#[tokio::test]
+async fn idle_connections_are_closed() {
+    use std::io::{Read, Write};
+    let server = Server::start(&["--idle-timeout", "1"]);
+    server.wait_ready().await;
+    let address = server.base.strip_prefix("http://").unwrap().to_string();
+    let read_to_end = move |request: &'static [u8]| {
+        let mut stream = std::net::TcpStream::connect(&address).unwrap();
+        stream
+            .set_read_timeout(Some(Duration::from_secs(20)))
+            .unwrap();
+        stream.write_all(request).unwrap();
+        let started = Instant::now();
+        let mut reply = Vec::new();
+        stream
+            .read_to_end(&mut reply)
+            .expect("the server closes the connection");
+        (
+            String::from_utf8_lossy(&reply).into_owned(),
+            started.elapsed(),
+        )
+    };
+    let (reply, took) = tokio::task::spawn_blocking({
+        let read_to_end = read_to_end.clone();
+        move || read_to_end(b"")
+    })
+    .await
+    .unwrap();
+    assert!(reply.is_empty(), "{reply}");
+    assert!(took < Duration::from_secs(10), "closed after {took:?}");
+    let (reply, took) = tokio::task::spawn_blocking(move || {
+        read_to_end(b"GET /health HTTP/1.1\r\nHost: kiln\r\n\r\n")
+    })
+    .await
+    .unwrap();
+    assert!(reply.starts_with("HTTP/1.1 200 OK"), "{reply}");
+    assert!(took < Duration::from_secs(10), "closed after {took:?}");
+}
+
+/// `/health` is 503 `loading` until the modules are compiled, then 200.
+#[cfg(feature = "xla-iree")]
+#[tokio::test]
+async fn health_is_503_until_the_modules_are_ready() {
+    let cache = tempfile::tempdir().unwrap();
+    let server = Server::start_with_env(
+        &[
+            "--backend",
+            "iree-cpu",
+            "--max-context",
+            "64",
+            "--batch-slots",
+            "4",
+        ],
+        &[("KILN_CACHE_DIR", cache.path().to_str().unwrap())],
+    );
+    // An empty module cache: compiling takes seconds, answering does not.
+    let r = reqwest::get(server.url("/health")).await.unwrap();
+    assert_eq!(r.status(), 503);
+    assert_eq!(r.json::<Value>().await.unwrap()["status"], "loading");
+    let deadline = Instant::now() + Duration::from_secs(600);
+    while reqwest::get(server.url("/health")).await.unwrap().status() != 200 {
+        assert!(Instant::now() < deadline, "the server never became ready");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let body = json!({"model": "embedded", "prompt": "Hi", "max_tokens": 4});
+    assert_eq!(server.post("/v1/completions", &body).await.0, 200);
+}

@@ -1,6 +1,5 @@
 //! `kiln-server`: an OpenAI-compatible HTTP server for one model.
 
-use std::future::IntoFuture;
 use std::net::{IpAddr, SocketAddr};
 use std::process::ExitCode;
 use std::sync::Arc;
@@ -48,6 +47,10 @@ struct Args {
     /// one at a time.
     #[arg(long, default_value_t = 8)]
     batch_slots: usize,
+    /// Seconds a connection may wait without sending a complete request
+    /// (new, or kept alive between requests) before it is closed.
+    #[arg(long, default_value_t = 60)]
+    idle_timeout: u64,
     /// Seconds in-flight requests get to finish after SIGINT/SIGTERM before
     /// they are cut short.
     #[arg(long, default_value_t = 10)]
@@ -78,6 +81,9 @@ async fn run(args: Args) -> Result<()> {
     }
     if args.batch_slots == 0 {
         bail!("--batch-slots must be at least 1");
+    }
+    if args.idle_timeout == 0 {
+        bail!("--idle-timeout must be at least 1 second");
     }
     if args.request_timeout == 0 {
         bail!("--request-timeout must be at least 1 second");
@@ -173,9 +179,12 @@ async fn run(args: Args) -> Result<()> {
             });
         }
     };
-    let server = axum::serve(listener, app)
-        .with_graceful_shutdown(shutdown)
-        .into_future();
+    let server = kiln::server::listen::serve(
+        listener,
+        app,
+        shutdown,
+        Duration::from_secs(args.idle_timeout),
+    );
     // After the signal the engine ends every sequence within `grace` plus
     // one step; idle keep-alive connections get a few seconds more at most.
     let hard_stop = async {
@@ -188,7 +197,7 @@ async fn run(args: Args) -> Result<()> {
     tokio::pin!(hard_stop);
     loop {
         tokio::select! {
-            served = &mut server => { served.context("the HTTP server failed")?; break; }
+            () = &mut server => break,
             _ = &mut hard_stop => break,
             loaded = &mut loaded_rx, if loading => {
                 loading = false;

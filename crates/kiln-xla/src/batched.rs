@@ -18,6 +18,12 @@ use kiln_iree::DeviceTensor;
 use crate::backend::{IreeBackend, ModuleKind};
 use crate::module_cache::Origin;
 
+/// The most sequence slots a decoder takes. Larger batched steps (16 and 32
+/// rows) compile but fail at run time on IREE 3.11's `local-task` device
+/// (`ABORTED` from the step's fence, or a crash), measured with the embedded
+/// model; until that is understood they are refused rather than risked.
+pub const MAX_SLOTS: usize = 8;
+
 /// How a slot's next token is chosen.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Choice {
@@ -95,8 +101,11 @@ fn invalid(what: String) -> kiln_core::Error {
 impl<'m> BatchedDecoder<'m> {
     /// `slots` sequence slots over `backend`, their caches allocated now.
     pub fn new(backend: IreeBackend<'m>, slots: usize) -> kiln_core::Result<BatchedDecoder<'m>> {
-        if slots == 0 {
-            return Err(invalid("a batched decoder needs at least one slot".into()));
+        if slots == 0 || slots > MAX_SLOTS {
+            return Err(invalid(format!(
+                "{slots} sequence slots: a batched decoder takes 1 to {MAX_SLOTS}; \
+                 lower --batch-slots"
+            )));
         }
         let slots = (0..slots)
             .map(|_| {

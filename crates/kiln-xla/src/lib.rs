@@ -14,7 +14,7 @@ pub mod prepared;
 mod stablehlo;
 
 pub use backend::{Buckets, IreeBackend, ModuleKind};
-pub use batched::{BatchedDecoder, Choice, SlotOutput, batch_sizes};
+pub use batched::{BatchedDecoder, Choice, MAX_SLOTS, SlotOutput, batch_sizes};
 pub use compiler::{Compiler, Target};
 pub use error::{Error, Result};
 pub use graph::{GraphOptions, Precision, WeightLayout};
