@@ -121,7 +121,7 @@ pub enum Decoder<'m> {
     Single(Box<dyn Backend + 'm>),
     /// Continuous batching over the IREE backend's sequence slots.
     #[cfg(feature = "xla-iree")]
-    Batched(kiln_xla::BatchedDecoder<'m>),
+    Batched(Box<kiln_xla::BatchedDecoder<'m>>),
 }
 
 impl Decoder<'_> {
@@ -632,7 +632,7 @@ pub fn open_decoder<'m>(
             let backend = crate::backends::open_iree(model, args.backend, &args.iree)?;
             let mut decoder = kiln_xla::BatchedDecoder::new(backend, slots)?;
             decoder.prepare(|_, _| {})?;
-            Ok(Decoder::Batched(decoder))
+            Ok(Decoder::Batched(Box::new(decoder)))
         }
         kind => Ok(Decoder::Single(crate::backends::open(
             model, kind, &args.iree,
