@@ -26,6 +26,8 @@ for slots in $slots_list; do
     "$SERVER" ${SERVER_ARGS:-} --port "$port" --batch-slots "$slots" --queue-size 256 \
         > "$logs/server-$slots.log" 2>&1 &
     pid=$!
+    # A failed load run stops the script: the server must not outlive it.
+    trap 'kill "$pid" 2> /dev/null || true' EXIT
     # Ready once the model is loaded and its modules compiled or loaded.
     for _ in $(seq 1 1200); do
         curl -sf "http://127.0.0.1:$port/health" > /dev/null && break
