@@ -65,6 +65,10 @@ enum Command {
     Prepare {
         #[command(flatten)]
         model: ModelArgs,
+        /// Also the batched decode modules of `kiln-server --batch-slots N`
+        /// (for a GPU machine that has no compiler).
+        #[arg(long, default_value_t = 1)]
+        batch_slots: usize,
     },
     /// Download a pinned model into the cache (sha256-verified).
     Pull {
@@ -127,7 +131,7 @@ fn run(cli: Cli) -> Result<()> {
         }
         Command::Chat(args) => chat(&args),
         Command::Prefill { model, prompt, top } => prefill(&model, &prompt, top),
-        Command::Prepare { model } => prepare(&model),
+        Command::Prepare { model, batch_slots } => prepare(&model, batch_slots),
         Command::Pull { name } => kiln::pull::pull(&name),
         Command::List => kiln::pull::list(),
         Command::Inspect { model } => inspect(model.as_ref()),
@@ -220,12 +224,18 @@ fn prefill(args: &ModelArgs, prompt: &str, top: usize) -> Result<()> {
 /// module cache. Needs the compiler, not the device: modules for a GPU can be
 /// prepared here and the cache carried to the GPU machine.
 #[cfg(feature = "xla-iree")]
-fn prepare(args: &ModelArgs) -> Result<()> {
+fn prepare(args: &ModelArgs, batch_slots: usize) -> Result<()> {
     use anyhow::Context;
     use indicatif::{ProgressBar, ProgressStyle};
     if args.backend == backends::BackendKind::Cpu {
         anyhow::bail!(
             "the cpu backend has nothing to prepare; pass --backend iree-cpu or iree-cuda"
+        );
+    }
+    if batch_slots > kiln_xla::MAX_SLOTS {
+        anyhow::bail!(
+            "--batch-slots {batch_slots}: kiln-server batches at most {} slots; lower it",
+            kiln_xla::MAX_SLOTS
         );
     }
     let model = load(args.model.as_ref())?;
@@ -235,7 +245,8 @@ fn prepare(args: &ModelArgs) -> Result<()> {
     let compiler = kiln_xla::Compiler::from_env()?;
     let cache = kiln_xla::ModuleCache::default_location()?;
     let started = Instant::now();
-    let kinds = kiln_xla::prepared::module_kinds(&buckets);
+    let mut kinds = kiln_xla::prepared::module_kinds(&buckets);
+    kinds.extend(kiln_xla::prepared::batch_module_kinds(batch_slots));
     let bar = ProgressBar::new(kinds.len() as u64).with_style(
         ProgressStyle::with_template(
             "{spinner} preparing modules {bar:30} {pos}/{len} [{elapsed}]",
@@ -243,9 +254,10 @@ fn prepare(args: &ModelArgs) -> Result<()> {
         .context("progress template")?,
     );
     bar.enable_steady_tick(std::time::Duration::from_millis(200));
-    kiln_xla::prepared::prepare(
+    kiln_xla::prepared::prepare_kinds(
         &model.config,
         &graph,
+        &kinds,
         &buckets,
         target,
         &compiler,
@@ -272,7 +284,7 @@ fn prepare(args: &ModelArgs) -> Result<()> {
 }
 
 #[cfg(not(feature = "xla-iree"))]
-fn prepare(args: &ModelArgs) -> Result<()> {
+fn prepare(args: &ModelArgs, _batch_slots: usize) -> Result<()> {
     // Opening the backend reports what is not compiled in.
     let model = load(args.model.as_ref())?;
     backends::open(&model, args.backend, &args.iree)?;

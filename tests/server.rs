@@ -593,3 +593,160 @@ fn bad_options_are_errors_that_name_them() {
         String::from_utf8_lossy(&missing.stderr)
     );
 }
+
+/// The text of one completion request: streamed (the chunks' text) or not.
+#[cfg(feature = "xla-iree")]
+async fn completion_text(base: String, body: Value) -> String {
+    let r = reqwest::Client::new()
+        .post(format!("{base}/v1/completions"))
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    if body["stream"] == json!(true) {
+        let text = r.text().await.unwrap();
+        let events: Vec<String> = text
+            .split("\n\n")
+            .filter(|e| !e.trim().is_empty())
+            .map(|e| e.strip_prefix("data: ").unwrap().to_string())
+            .collect();
+        streamed_text(&events, false).0
+    } else {
+        let r: Value = r.json().await.unwrap();
+        r["choices"][0]["text"].as_str().unwrap().to_string()
+    }
+}
+
+/// Continuous batching through the server on iree-cpu: concurrent requests
+/// (more than the slots) of different prompts and lengths, streamed or not,
+/// and one client that leaves midway; each reply equals its request run
+/// alone by `kiln generate` on the same backend, so no sequence's tokens
+/// reach another client.
+#[cfg(feature = "xla-iree")]
+#[tokio::test]
+async fn concurrent_requests_on_iree_each_equal_their_request_alone() {
+    let iree = ["--backend", "iree-cpu", "--max-context", "64"];
+    let server = Server::start(&[&iree[..], &["--batch-slots", "4"]].concat());
+    // The first start compiles the batched modules.
+    let deadline = Instant::now() + Duration::from_secs(600);
+    while !matches!(reqwest::get(server.url("/health")).await, Ok(r) if r.status() == 200) {
+        assert!(Instant::now() < deadline, "the server never became ready");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let cases = [
+        ("Hello", 24, false),
+        ("The quick brown fox", 9, true),
+        ("a", 30, true),
+        ("Once upon a time, far away", 15, false),
+        ("xyz", 12, true),
+        ("Tell me", 20, false),
+    ];
+    // A client that leaves after its first chunk, while the others run.
+    let mut leaver = reqwest::Client::new()
+        .post(server.url("/v1/completions"))
+        .json(&json!({"model": "embedded", "prompt": "bye", "max_tokens": 40, "stream": true}))
+        .send()
+        .await
+        .unwrap();
+    leaver.chunk().await.unwrap().unwrap();
+    let replies: Vec<_> = cases
+        .iter()
+        .map(|&(prompt, max_tokens, stream)| {
+            let body = json!({"model": "embedded", "prompt": prompt, "max_tokens": max_tokens,
+                              "temperature": 0, "stream": stream});
+            tokio::spawn(completion_text(server.base.clone(), body))
+        })
+        .collect();
+    drop(leaver);
+    for ((prompt, max_tokens, _), reply) in cases.iter().zip(replies) {
+        let text = reply.await.unwrap();
+        let max_tokens = max_tokens.to_string();
+        let alone = kiln(
+            &[
+                &["generate"][..],
+                &iree,
+                &["--max-tokens", &max_tokens, prompt],
+            ]
+            .concat(),
+        );
+        assert_eq!(
+            text, alone,
+            "{prompt:?}: batched reply differs from the request alone"
+        );
+    }
+    let cancelled = server
+        .metric("kiln_requests_total{outcome=\"cancelled\"}")
+        .await;
+    assert_eq!(cancelled, 1.0, "the client that left was cancelled");
+}
+
+/// A connection that sends no request within `--idle-timeout` is closed, and
+/// so is a kept-alive one after its last response.
+#[tokio::test]
+async fn idle_connections_are_closed() {
+    use std::io::{Read, Write};
+    let server = Server::start(&["--idle-timeout", "1"]);
+    server.wait_ready().await;
+    let address = server.base.strip_prefix("http://").unwrap().to_string();
+    let read_to_end = move |request: &'static [u8]| {
+        let mut stream = std::net::TcpStream::connect(&address).unwrap();
+        stream
+            .set_read_timeout(Some(Duration::from_secs(20)))
+            .unwrap();
+        stream.write_all(request).unwrap();
+        let started = Instant::now();
+        let mut reply = Vec::new();
+        stream
+            .read_to_end(&mut reply)
+            .expect("the server closes the connection");
+        (
+            String::from_utf8_lossy(&reply).into_owned(),
+            started.elapsed(),
+        )
+    };
+    let (reply, took) = tokio::task::spawn_blocking({
+        let read_to_end = read_to_end.clone();
+        move || read_to_end(b"")
+    })
+    .await
+    .unwrap();
+    assert!(reply.is_empty(), "{reply}");
+    assert!(took < Duration::from_secs(10), "closed after {took:?}");
+    let (reply, took) = tokio::task::spawn_blocking(move || {
+        read_to_end(b"GET /health HTTP/1.1\r\nHost: kiln\r\n\r\n")
+    })
+    .await
+    .unwrap();
+    assert!(reply.starts_with("HTTP/1.1 200 OK"), "{reply}");
+    assert!(took < Duration::from_secs(10), "closed after {took:?}");
+}
+
+/// `/health` is 503 `loading` until the modules are compiled, then 200.
+#[cfg(feature = "xla-iree")]
+#[tokio::test]
+async fn health_is_503_until_the_modules_are_ready() {
+    let cache = tempfile::tempdir().unwrap();
+    let server = Server::start_with_env(
+        &[
+            "--backend",
+            "iree-cpu",
+            "--max-context",
+            "64",
+            "--batch-slots",
+            "4",
+        ],
+        &[("KILN_CACHE_DIR", cache.path().to_str().unwrap())],
+    );
+    // An empty module cache: compiling takes seconds, answering does not.
+    let r = reqwest::get(server.url("/health")).await.unwrap();
+    assert_eq!(r.status(), 503);
+    assert_eq!(r.json::<Value>().await.unwrap()["status"], "loading");
+    let deadline = Instant::now() + Duration::from_secs(600);
+    while reqwest::get(server.url("/health")).await.unwrap().status() != 200 {
+        assert!(Instant::now() < deadline, "the server never became ready");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let body = json!({"model": "embedded", "prompt": "Hi", "max_tokens": 4});
+    assert_eq!(server.post("/v1/completions", &body).await.0, 200);
+}

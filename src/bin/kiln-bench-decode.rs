@@ -276,6 +276,7 @@ fn export(
         let module = match kind {
             ModuleKind::Prefill(seq) => format!("prefill{seq}"),
             ModuleKind::Decode => "decode".into(),
+            ModuleKind::DecodeBatch(batch) => format!("decode-batch{batch}"),
         };
         let stem = format!(
             "{model}-{target:?}-{}-{}-{module}",

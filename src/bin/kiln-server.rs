@@ -1,6 +1,5 @@
 //! `kiln-server`: an OpenAI-compatible HTTP server for one model.
 
-use std::future::IntoFuture;
 use std::net::{IpAddr, SocketAddr};
 use std::process::ExitCode;
 use std::sync::Arc;
@@ -11,7 +10,7 @@ use anyhow::{Context, Result, bail};
 use clap::Parser;
 use tokio::sync::{oneshot, watch};
 
-use kiln::backends::{self, ModelArgs};
+use kiln::backends::ModelArgs;
 use kiln::server::engine::{self, Loaded};
 use kiln::server::{AppState, Shared, auth::ApiKey, router};
 
@@ -43,6 +42,15 @@ struct Args {
     /// Seconds a request may take from arrival to its last token.
     #[arg(long, default_value_t = 300)]
     request_timeout: u64,
+    /// Sequence slots decoded together on the IREE backends (continuous
+    /// batching); 1 runs one request at a time. The CPU backend always runs
+    /// one at a time.
+    #[arg(long, default_value_t = 8)]
+    batch_slots: usize,
+    /// Seconds a connection may wait without sending a complete request
+    /// (new, or kept alive between requests) before it is closed.
+    #[arg(long, default_value_t = 60)]
+    idle_timeout: u64,
     /// Seconds in-flight requests get to finish after SIGINT/SIGTERM before
     /// they are cut short.
     #[arg(long, default_value_t = 10)]
@@ -71,6 +79,12 @@ async fn run(args: Args) -> Result<()> {
     if args.queue_size == 0 {
         bail!("--queue-size must be at least 1");
     }
+    if args.batch_slots == 0 {
+        bail!("--batch-slots must be at least 1");
+    }
+    if args.idle_timeout == 0 {
+        bail!("--idle-timeout must be at least 1 second");
+    }
     if args.request_timeout == 0 {
         bail!("--request-timeout must be at least 1 second");
     }
@@ -97,6 +111,7 @@ async fn run(args: Args) -> Result<()> {
     let engine = {
         let shared = shared.clone();
         let model_args = args.model.clone();
+        let batch_slots = args.batch_slots;
         std::thread::Builder::new()
             .name("kiln-engine".into())
             .spawn(move || {
@@ -107,8 +122,8 @@ async fn run(args: Args) -> Result<()> {
                         return;
                     }
                 };
-                let backend = match backends::open(&model, model_args.backend, &model_args.iree) {
-                    Ok(backend) => backend,
+                let decoder = match engine::open_decoder(&model, &model_args, batch_slots) {
+                    Ok(decoder) => decoder,
                     Err(error) => {
                         let _ = loaded_tx.send(Err(error));
                         return;
@@ -117,7 +132,7 @@ async fn run(args: Args) -> Result<()> {
                 let mut loaded = Loaded {
                     model: &model,
                     template,
-                    backend,
+                    decoder,
                 };
                 shared.ready.store(true, Ordering::Release);
                 let _ = loaded_tx.send(Ok(()));
@@ -164,9 +179,12 @@ async fn run(args: Args) -> Result<()> {
             });
         }
     };
-    let server = axum::serve(listener, app)
-        .with_graceful_shutdown(shutdown)
-        .into_future();
+    let server = kiln::server::listen::serve(
+        listener,
+        app,
+        shutdown,
+        Duration::from_secs(args.idle_timeout),
+    );
     // After the signal the engine ends every sequence within `grace` plus
     // one step; idle keep-alive connections get a few seconds more at most.
     let hard_stop = async {
@@ -179,7 +197,7 @@ async fn run(args: Args) -> Result<()> {
     tokio::pin!(hard_stop);
     loop {
         tokio::select! {
-            served = &mut server => { served.context("the HTTP server failed")?; break; }
+            () = &mut server => break,
             _ = &mut hard_stop => break,
             loaded = &mut loaded_rx, if loading => {
                 loading = false;

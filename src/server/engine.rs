@@ -1,7 +1,9 @@
 //! The engine thread: it loads the model, opens the backend (IREE objects
-//! live and die on this one thread), and runs the queued requests one at a
-//! time (batch 1), checking between steps whether the client is still there,
-//! the request's deadline, and shutdown.
+//! live and die on this one thread), and runs the queued requests: with
+//! continuous batching on the IREE backends (every running sequence advances
+//! one token per batched step; new ones join between steps), one at a time on
+//! the CPU backend. Between steps it checks whether each client is still
+//! there, each request's deadline, and shutdown.
 
 use std::sync::atomic::Ordering;
 use std::sync::mpsc::{Receiver, RecvTimeoutError, SyncSender, TrySendError};
@@ -105,31 +107,47 @@ impl Queue {
 }
 
 /// What the engine serves: the model, its chat template if it has one, and
-/// how to open the backend. Built on the engine thread.
+/// the decoder. Built on the engine thread.
 pub struct Loaded<'m> {
     pub model: &'m Model,
     pub template: Option<ChatTemplate>,
-    pub backend: Box<dyn Backend + 'm>,
+    pub decoder: Decoder<'m>,
+}
+
+/// How the engine decodes.
+pub enum Decoder<'m> {
+    /// One request at a time: the CPU backend, or an IREE backend with
+    /// `--batch-slots 1`.
+    Single(Box<dyn Backend + 'm>),
+    /// Continuous batching over the IREE backend's sequence slots.
+    #[cfg(feature = "xla-iree")]
+    Batched(Box<kiln_xla::BatchedDecoder<'m>>),
+}
+
+impl Decoder<'_> {
+    fn max_context(&self) -> usize {
+        match self {
+            Decoder::Single(backend) => backend.max_context(),
+            #[cfg(feature = "xla-iree")]
+            Decoder::Batched(decoder) => decoder.max_context(),
+        }
+    }
 }
 
 /// Runs jobs until the queue's senders are all dropped. `shared.ready` is
 /// set by the caller once the backend is open.
 pub fn run(loaded: &mut Loaded, jobs: Receiver<Job>, shared: &Shared) {
+    #[cfg(feature = "xla-iree")]
+    if let Decoder::Batched(_) = loaded.decoder {
+        return batched::run(loaded, jobs, shared);
+    }
     loop {
-        let job = match jobs.recv_timeout(Duration::from_millis(100)) {
-            Ok(job) => job,
-            Err(RecvTimeoutError::Timeout) if shared.stopped.load(Ordering::Relaxed) => return,
-            Err(RecvTimeoutError::Timeout) => continue,
-            Err(RecvTimeoutError::Disconnected) => return,
+        let Some(job) = next_job(&jobs, shared, true) else {
+            return;
         };
-        shared.metrics.queue_depth.dec();
-        if shared.cancel_all.load(Ordering::Relaxed) {
-            let _ = job.events.send(Event::Failed(ApiError::unavailable(
-                "the server is shutting down",
-            )));
-            shared.metrics.outcome("shutdown");
+        let Some(job) = admissible(job, shared) else {
             continue;
-        }
+        };
         shared.metrics.active.inc();
         let outcome = serve(loaded, job, shared);
         shared.metrics.active.dec();
@@ -137,14 +155,58 @@ pub fn run(loaded: &mut Loaded, jobs: Receiver<Job>, shared: &Shared) {
     }
 }
 
+/// The next queued job: waits for one when `wait` (returning `None` once the
+/// server has stopped or the queue is closed), else only takes one that is
+/// there (`None` otherwise).
+fn next_job(jobs: &Receiver<Job>, shared: &Shared, wait: bool) -> Option<Job> {
+    loop {
+        let received = if wait {
+            jobs.recv_timeout(Duration::from_millis(100))
+        } else {
+            jobs.try_recv().map_err(|e| match e {
+                std::sync::mpsc::TryRecvError::Empty => RecvTimeoutError::Timeout,
+                std::sync::mpsc::TryRecvError::Disconnected => RecvTimeoutError::Disconnected,
+            })
+        };
+        match received {
+            Ok(job) => {
+                shared.metrics.queue_depth.dec();
+                return Some(job);
+            }
+            Err(RecvTimeoutError::Timeout) if !wait || shared.stopped.load(Ordering::Relaxed) => {
+                return None;
+            }
+            Err(RecvTimeoutError::Timeout) => continue,
+            Err(RecvTimeoutError::Disconnected) => return None,
+        }
+    }
+}
+
+/// `job`, unless shutdown's grace is over: then it is refused.
+fn admissible(job: Job, shared: &Shared) -> Option<Job> {
+    if shared.cancel_all.load(Ordering::Relaxed) {
+        let _ = job.events.send(Event::Failed(ApiError::unavailable(
+            "the server is shutting down",
+        )));
+        shared.metrics.outcome("shutdown");
+        return None;
+    }
+    Some(job)
+}
+
 /// Runs one job to its end; returns its outcome for the metrics.
 fn serve(loaded: &mut Loaded, job: Job, shared: &Shared) -> &'static str {
-    let Job {
-        request,
-        events,
-        deadline,
-    } = job;
-    match generate(loaded, request, &events, deadline, shared) {
+    let events = job.events.clone();
+    let result = generate(loaded, job, shared);
+    report(&events, result)
+}
+
+/// Sends a sequence's end to its client; returns its outcome for the metrics.
+fn report(
+    events: &UnboundedSender<Event>,
+    result: Result<Option<Finish>, ApiError>,
+) -> &'static str {
+    match result {
         Ok(Some(finish)) => {
             let _ = events.send(Event::Done(finish));
             "complete"
@@ -205,127 +267,376 @@ fn chat_stop_tokens(model: &Model, template: &ChatTemplate) -> Vec<u32> {
     stops
 }
 
-/// Generates; `Ok(None)` when the client left or the server is stopping.
-fn generate(
-    loaded: &mut Loaded,
-    request: Request,
-    events: &UnboundedSender<Event>,
+fn backend_failed(e: kiln_core::Error) -> ApiError {
+    ApiError::internal(format!("the backend failed: {e}"))
+}
+
+/// One request being generated: how its tokens are chosen, turned into text
+/// and stopped. Both decoders drive it one token at a time.
+struct Generation<'m> {
+    events: UnboundedSender<Event>,
     deadline: Instant,
-    shared: &Shared,
-) -> Result<Option<Finish>, ApiError> {
-    // A request that waited out its time in the queue is not started.
-    if Instant::now() >= deadline {
-        return Err(ApiError::timeout(shared.request_timeout.as_secs()));
-    }
-    let (prompt_ids, stop_tokens, param) = tokenize(loaded, request.prompt)?;
-    let context = loaded.backend.max_context();
-    if prompt_ids.len() >= context {
-        return Err(ApiError::context_length(
-            param,
-            format!(
-                "the prompt is {} tokens long and the model's context holds {context}; shorten it",
-                prompt_ids.len()
-            ),
-        ));
-    }
-    let room = context - prompt_ids.len();
-    let max_tokens = match request.max_tokens {
-        Some(max) if max > room => {
+    prompt_tokens: usize,
+    max_tokens: usize,
+    stop_tokens: Vec<u32>,
+    sampler: Sampler,
+    /// `None` once the text is finished.
+    text: Option<TextStream<'m>>,
+    stops: StopMatcher,
+    generated: usize,
+    started: Instant,
+    last: Instant,
+}
+
+impl<'m> Generation<'m> {
+    /// Validates `job` against the model and the context; tells the client
+    /// generation starts. Returns the generation and the prompt's ids.
+    fn start(
+        loaded: &Loaded<'m>,
+        job: Job,
+        shared: &Shared,
+    ) -> Result<(Generation<'m>, Vec<u32>), ApiError> {
+        let Job {
+            request,
+            events,
+            deadline,
+        } = job;
+        // A request that waited out its time in the queue is not started.
+        if Instant::now() >= deadline {
+            return Err(ApiError::timeout(shared.request_timeout.as_secs()));
+        }
+        let (prompt_ids, stop_tokens, param) = tokenize(loaded, request.prompt)?;
+        let context = loaded.decoder.max_context();
+        if prompt_ids.len() >= context {
             return Err(ApiError::context_length(
-                "max_tokens",
+                param,
                 format!(
-                    "the prompt ({} tokens) and max_tokens ({max}) need {} positions and the \
-                     model's context holds {context}; lower max_tokens or shorten the prompt",
-                    prompt_ids.len(),
-                    prompt_ids.len() + max
+                    "the prompt is {} tokens long and the model's context holds {context}; shorten it",
+                    prompt_ids.len()
                 ),
             ));
         }
-        Some(max) => max,
-        None => room,
-    };
-    let mut sampler =
-        Sampler::new(request.sampling).map_err(|e| ApiError::invalid(e.to_string()))?;
-    let _ = events.send(Event::Started {
-        prompt_tokens: prompt_ids.len(),
-    });
-    let failed = |e: kiln_core::Error| ApiError::internal(format!("the backend failed: {e}"));
-    let model = loaded.model;
-    let backend = loaded.backend.as_mut();
-    let mut text = TextStream::new(&model.tokenizer);
-    let mut stops = StopMatcher::new(request.stop);
-    let started = Instant::now();
-    let mut last = started;
-    let mut generated = 0;
-    let mut token = sampler
-        .sample(&backend.prefill(&prompt_ids).map_err(failed)?)
-        .map_err(failed)?;
-    let finish = |reason, generated| Finish {
-        reason,
-        prompt_tokens: prompt_ids.len(),
-        completion_tokens: generated,
-    };
-    loop {
-        generated += 1;
+        let room = context - prompt_ids.len();
+        let max_tokens = match request.max_tokens {
+            Some(max) if max > room => {
+                return Err(ApiError::context_length(
+                    "max_tokens",
+                    format!(
+                        "the prompt ({} tokens) and max_tokens ({max}) need {} positions and the \
+                         model's context holds {context}; lower max_tokens or shorten the prompt",
+                        prompt_ids.len(),
+                        prompt_ids.len() + max
+                    ),
+                ));
+            }
+            Some(max) => max,
+            None => room,
+        };
+        let sampler =
+            Sampler::new(request.sampling).map_err(|e| ApiError::invalid(e.to_string()))?;
+        let _ = events.send(Event::Started {
+            prompt_tokens: prompt_ids.len(),
+        });
+        let model: &'m Model = loaded.model;
         let now = Instant::now();
-        if generated == 1 {
-            shared.metrics.ttft.observe((now - started).as_secs_f64());
+        let generation = Generation {
+            events,
+            deadline,
+            prompt_tokens: prompt_ids.len(),
+            max_tokens,
+            stop_tokens,
+            sampler,
+            text: Some(TextStream::new(&model.tokenizer)),
+            stops: StopMatcher::new(request.stop),
+            generated: 0,
+            started: now,
+            last: now,
+        };
+        Ok((generation, prompt_ids))
+    }
+
+    /// Takes the next token: streams its text; returns the finish once the
+    /// request is complete.
+    fn accept(&mut self, token: u32, shared: &Shared) -> Result<Option<Finish>, ApiError> {
+        self.generated += 1;
+        let now = Instant::now();
+        if self.generated == 1 {
+            shared
+                .metrics
+                .ttft
+                .observe((now - self.started).as_secs_f64());
         } else {
-            shared.metrics.itl.observe((now - last).as_secs_f64());
+            shared.metrics.itl.observe((now - self.last).as_secs_f64());
         }
-        last = now;
+        self.last = now;
         shared.metrics.tokens.inc();
-        if stop_tokens.contains(&token) {
-            let rest = text.finish().map_err(failed)?;
-            let matched = stops.push(rest.as_deref().unwrap_or(""));
-            send_text(events, matched.text);
+        if self.stop_tokens.contains(&token) {
+            let matched = self.finish_text()?;
+            send_text(&self.events, matched.text);
             if !matched.stopped {
-                send_text(events, stops.finish());
+                send_text(&self.events, self.stops.finish());
             }
-            return Ok(Some(finish(FinishReason::Stop, generated)));
+            return Ok(Some(self.finish(FinishReason::Stop)));
         }
-        if let Some(piece) = text.push(token).map_err(failed)? {
-            let matched = stops.push(&piece);
-            send_text(events, matched.text);
+        let text = self.text.as_mut().expect("accept after finish");
+        if let Some(piece) = text.push(token).map_err(backend_failed)? {
+            let matched = self.stops.push(&piece);
+            send_text(&self.events, matched.text);
             if matched.stopped {
-                return Ok(Some(finish(FinishReason::Stop, generated)));
+                return Ok(Some(self.finish(FinishReason::Stop)));
             }
         }
-        if generated == max_tokens {
-            let rest = text.finish().map_err(failed)?;
-            let matched = stops.push(rest.as_deref().unwrap_or(""));
-            send_text(events, matched.text);
+        if self.generated == self.max_tokens {
+            let matched = self.finish_text()?;
+            send_text(&self.events, matched.text);
             if matched.stopped {
-                return Ok(Some(finish(FinishReason::Stop, generated)));
+                return Ok(Some(self.finish(FinishReason::Stop)));
             }
-            send_text(events, stops.finish());
-            return Ok(Some(finish(FinishReason::Length, generated)));
+            send_text(&self.events, self.stops.finish());
+            return Ok(Some(self.finish(FinishReason::Length)));
         }
-        // Checked once per step: a client that left, shutdown, the deadline.
-        if events.is_closed() {
-            return Ok(None);
+        Ok(None)
+    }
+
+    /// The text the stream held back, through the stop matcher.
+    fn finish_text(&mut self) -> Result<super::stop::Matched, ApiError> {
+        let text = self.text.take().expect("the text finishes once");
+        let rest = text.finish().map_err(backend_failed)?;
+        Ok(self.stops.push(rest.as_deref().unwrap_or("")))
+    }
+
+    fn finish(&self, reason: FinishReason) -> Finish {
+        Finish {
+            reason,
+            prompt_tokens: self.prompt_tokens,
+            completion_tokens: self.generated,
+        }
+    }
+
+    /// Checked once per step: `Ok(true)` when the client left; an error on
+    /// shutdown or at the deadline.
+    fn interrupted(&self, shared: &Shared) -> Result<bool, ApiError> {
+        if self.events.is_closed() {
+            return Ok(true);
         }
         if shared.cancel_all.load(Ordering::Relaxed) {
             return Err(ApiError::unavailable(
                 "the server is shutting down; the reply was cut short",
             ));
         }
-        if Instant::now() >= deadline {
+        if Instant::now() >= self.deadline {
             return Err(ApiError::timeout(shared.request_timeout.as_secs()));
         }
-        token = if sampler.is_greedy() {
-            backend.decode_greedy(token).map_err(failed)?
+        Ok(false)
+    }
+}
+
+/// Generates one request alone; `Ok(None)` when the client left or the
+/// server is stopping.
+fn generate(loaded: &mut Loaded, job: Job, shared: &Shared) -> Result<Option<Finish>, ApiError> {
+    let (mut generation, prompt_ids) = Generation::start(loaded, job, shared)?;
+    let Decoder::Single(backend) = &mut loaded.decoder else {
+        unreachable!("the batched decoder has its own loop");
+    };
+    let mut token = generation
+        .sampler
+        .sample(&backend.prefill(&prompt_ids).map_err(backend_failed)?)
+        .map_err(backend_failed)?;
+    loop {
+        if let Some(finish) = generation.accept(token, shared)? {
+            return Ok(Some(finish));
+        }
+        if generation.interrupted(shared)? {
+            return Ok(None);
+        }
+        token = if generation.sampler.is_greedy() {
+            backend.decode_greedy(token).map_err(backend_failed)?
         } else {
-            sampler
-                .sample(&backend.decode(token).map_err(failed)?)
-                .map_err(failed)?
+            generation
+                .sampler
+                .sample(&backend.decode(token).map_err(backend_failed)?)
+                .map_err(backend_failed)?
         };
+    }
+}
+
+/// The continuous-batching loop: queued requests are admitted into free
+/// slots between steps, every running sequence advances one token per step,
+/// and a finished, cancelled or failed one leaves its slot at once.
+#[cfg(feature = "xla-iree")]
+mod batched {
+    use kiln_xla::{BatchedDecoder, Choice, SlotOutput};
+
+    use super::*;
+
+    pub fn run(loaded: &mut Loaded, jobs: Receiver<Job>, shared: &Shared) {
+        let slots = match &loaded.decoder {
+            Decoder::Batched(decoder) => decoder.slot_count(),
+            Decoder::Single(_) => unreachable!("run only hands over the batched decoder"),
+        };
+        let mut running: Vec<Option<Generation>> = (0..slots).map(|_| None).collect();
+        let mut open = true;
+        loop {
+            // Admit what waits, while slots are free; wait only when idle.
+            while open && running.iter().any(Option::is_none) {
+                let idle = running.iter().all(Option::is_none);
+                let Some(job) = next_job(&jobs, shared, idle) else {
+                    // Idle and nothing came: the queue is closed or stopped.
+                    open = !idle;
+                    break;
+                };
+                if let Some(job) = admissible(job, shared) {
+                    admit(loaded, &mut running, job, shared);
+                }
+            }
+            if !open && running.iter().all(Option::is_none) {
+                return;
+            }
+            let Decoder::Batched(decoder) = &mut loaded.decoder else {
+                unreachable!()
+            };
+            step(decoder, &mut running, shared);
+        }
+    }
+
+    /// Starts `job` in a free slot: validation, prefill, first token.
+    fn admit<'m>(
+        loaded: &mut Loaded<'m>,
+        running: &mut [Option<Generation<'m>>],
+        job: Job,
+        shared: &Shared,
+    ) {
+        let events = job.events.clone();
+        let (mut generation, prompt_ids) = match Generation::start(loaded, job, shared) {
+            Ok(started) => started,
+            Err(error) => {
+                shared.metrics.outcome(report(&events, Err(error)));
+                return;
+            }
+        };
+        let Decoder::Batched(decoder) = &mut loaded.decoder else {
+            unreachable!()
+        };
+        let slot = decoder.free_slot().expect("admit runs with a free slot");
+        shared.metrics.active.inc();
+        let choice = if generation.sampler.is_greedy() {
+            Choice::Greedy
+        } else {
+            Choice::Sampled
+        };
+        let first = decoder
+            .admit(slot, &prompt_ids, choice)
+            .and_then(|logits| generation.sampler.sample(&logits))
+            .map_err(backend_failed);
+        match first.and_then(|token| advance(decoder, slot, &mut generation, token, shared)) {
+            Ok(true) => running[slot] = Some(generation),
+            Ok(false) => {
+                shared.metrics.active.dec();
+            }
+            Err(error) => {
+                decoder.release(slot);
+                shared.metrics.active.dec();
+                shared.metrics.outcome(report(&events, Err(error)));
+            }
+        }
+    }
+
+    /// Hands `token` to the slot's generation; feeds it to the decoder when
+    /// the sequence goes on (`Ok(true)`), else reports the end and frees the
+    /// slot (`Ok(false)`).
+    fn advance(
+        decoder: &mut BatchedDecoder,
+        slot: usize,
+        generation: &mut Generation,
+        token: u32,
+        shared: &Shared,
+    ) -> Result<bool, ApiError> {
+        let ended = match generation.accept(token, shared)? {
+            Some(finish) => Some(Ok(Some(finish))),
+            None if generation.interrupted(shared)? => Some(Ok(None)),
+            None => None,
+        };
+        if let Some(result) = ended {
+            decoder.release(slot);
+            shared.metrics.outcome(report(&generation.events, result));
+            return Ok(false);
+        }
+        decoder.feed(slot, token).map_err(backend_failed)?;
+        Ok(true)
+    }
+
+    /// One batched step of every running sequence.
+    fn step(decoder: &mut BatchedDecoder, running: &mut [Option<Generation>], shared: &Shared) {
+        let outputs = match decoder.step() {
+            Ok(outputs) => outputs,
+            Err(error) => {
+                // The decoder dropped the stepped sequences: they all fail.
+                let error = backend_failed(error);
+                for (slot, generation) in running.iter_mut().enumerate() {
+                    if let Some(generation) = generation.take() {
+                        decoder.release(slot);
+                        shared.metrics.active.dec();
+                        let result = Err(error.clone());
+                        shared.metrics.outcome(report(&generation.events, result));
+                    }
+                }
+                return;
+            }
+        };
+        for (slot, output) in outputs {
+            let Some(generation) = running[slot].as_mut() else {
+                continue;
+            };
+            let token = match output {
+                SlotOutput::Token(token) => Ok(token),
+                SlotOutput::Logits(logits) => {
+                    generation.sampler.sample(&logits).map_err(backend_failed)
+                }
+            };
+            let events = generation.events.clone();
+            match token.and_then(|token| advance(decoder, slot, generation, token, shared)) {
+                Ok(true) => {}
+                Ok(false) => {
+                    running[slot] = None;
+                    shared.metrics.active.dec();
+                }
+                Err(error) => {
+                    decoder.release(slot);
+                    running[slot] = None;
+                    shared.metrics.active.dec();
+                    shared.metrics.outcome(report(&events, Err(error)));
+                }
+            }
+        }
     }
 }
 
 fn send_text(events: &UnboundedSender<Event>, text: String) {
     if !text.is_empty() {
         let _ = events.send(Event::Text(text));
+    }
+}
+
+/// The decoder of `--backend`: IREE with `slots` > 1 batches, the rest run
+/// one request at a time. The batched decoder's modules are all loaded (or
+/// compiled) here, before the server says it is ready.
+pub fn open_decoder<'m>(
+    model: &'m Model,
+    args: &crate::backends::ModelArgs,
+    slots: usize,
+) -> Result<Decoder<'m>> {
+    use crate::backends::BackendKind;
+    match args.backend {
+        #[cfg(feature = "xla-iree")]
+        BackendKind::IreeCpu | BackendKind::IreeCuda if slots > 1 => {
+            let backend = crate::backends::open_iree(model, args.backend, &args.iree)?;
+            let mut decoder = kiln_xla::BatchedDecoder::new(backend, slots)?;
+            decoder.prepare(|_, _| {})?;
+            Ok(Decoder::Batched(Box::new(decoder)))
+        }
+        kind => Ok(Decoder::Single(crate::backends::open(
+            model, kind, &args.iree,
+        )?)),
     }
 }
 

@@ -5,6 +5,7 @@ pub mod api;
 pub mod auth;
 pub mod engine;
 pub mod error;
+pub mod listen;
 pub mod metrics;
 pub mod respond;
 pub mod routes;

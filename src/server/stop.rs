@@ -48,8 +48,8 @@ impl StopMatcher {
     }
 
     /// The text still held when the generation ends another way.
-    pub fn finish(self) -> String {
-        self.held
+    pub fn finish(&mut self) -> String {
+        std::mem::take(&mut self.held)
     }
 
     /// The length of the longest end of `held` that begins some stop string.

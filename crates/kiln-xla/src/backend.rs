@@ -49,6 +49,8 @@ impl Buckets {
 pub enum ModuleKind {
     Prefill(usize),
     Decode,
+    /// The batched decode step for this many sequence slots.
+    DecodeBatch(usize),
 }
 
 /// The weight arguments, in [`crate::llama::weight_shapes`] order, at the graph's
@@ -332,6 +334,133 @@ impl<'m> IreeBackend<'m> {
                 self.name
             ))
         })
+    }
+}
+
+/// What [`crate::BatchedDecoder`] needs beyond the [`Backend`] trait.
+impl<'m> IreeBackend<'m> {
+    pub(crate) fn model(&self) -> &'m Model {
+        self.model
+    }
+
+    /// Prefills one sequence and hands its caches over rather than keeping
+    /// them: they become a batch slot's.
+    pub(crate) fn prefill_caches(
+        &mut self,
+        tokens: &[u32],
+    ) -> kiln_core::Result<(Vec<f32>, DeviceTensor, DeviceTensor)> {
+        let logits = self.prefill(tokens)?;
+        let (k, v) = self
+            .kv
+            .take()
+            .ok_or_else(|| unexpected_output("prefill_ids", "no caches"))?;
+        Ok((logits, k, v))
+    }
+
+    /// Zeroed K and V caches of one sequence, the shapes prefill returns.
+    pub(crate) fn empty_caches(&self) -> kiln_core::Result<(DeviceTensor, DeviceTensor)> {
+        let c = &self.model.config;
+        let shape = [
+            c.num_layers as i64,
+            c.num_kv_heads as i64,
+            self.buckets.context as i64,
+            c.head_dim as i64,
+        ];
+        let n = shape.iter().product::<i64>() as usize;
+        let zeros = |shape: &[i64]| {
+            match self.graph.precision {
+                Precision::F32 => Tensor::f32(shape, vec![0.0; n]),
+                Precision::F16 => Tensor::f16(shape, vec![f16::ZERO; n]),
+                Precision::Bf16 => Tensor::bf16(shape, vec![bf16::ZERO; n]),
+            }
+            .and_then(|t| self.device.upload(&t))
+            .map_err(to_core)
+        };
+        // V is [L, KV, D, C]: the same element count, another shape.
+        let k = zeros(&shape)?;
+        let v = zeros(&[shape[0], shape[1], shape[3], shape[2]])?;
+        Ok((k, v))
+    }
+
+    pub(crate) fn upload_i32(&self, values: Vec<i32>) -> kiln_core::Result<DeviceTensor> {
+        let t = Tensor::i32(&[values.len() as i64], values).map_err(to_core)?;
+        self.device.upload(&t).map_err(to_core)
+    }
+
+    /// Runs `function` of `kind` on `head` followed by the RoPE tables and
+    /// the weights; checks the number of outputs.
+    pub(crate) fn call(
+        &mut self,
+        kind: ModuleKind,
+        function: &str,
+        head: &[&DeviceTensor],
+        outputs: usize,
+    ) -> kiln_core::Result<Vec<DeviceTensor>> {
+        self.load(kind)?;
+        let mut inputs: Vec<&DeviceTensor> = head.to_vec();
+        inputs.extend([&self.cos, &self.sin, &self.weights]);
+        let results = self.modules[&kind]
+            .invoke(function, &inputs)
+            .map_err(to_core)?;
+        if results.len() != outputs {
+            return Err(unexpected_output(
+                function,
+                format!("{} outputs, not {outputs}", results.len()),
+            ));
+        }
+        Ok(results)
+    }
+
+    /// `count` token ids a module chose, each checked against the vocabulary.
+    pub(crate) fn read_tokens(
+        &mut self,
+        function: &str,
+        tensor: &DeviceTensor,
+        count: usize,
+    ) -> kiln_core::Result<Vec<u32>> {
+        let host = self.reader.read(tensor).map_err(to_core)?;
+        let chosen = host.as_i32().map_err(|e| unexpected_output(function, e))?;
+        if chosen.len() != count {
+            return Err(unexpected_output(
+                function,
+                format!("{} tokens, not {count}", chosen.len()),
+            ));
+        }
+        let vocab = self.model.config.vocab_size;
+        chosen
+            .iter()
+            .map(|&t| {
+                u32::try_from(t)
+                    .ok()
+                    .filter(|&t| (t as usize) < vocab)
+                    .ok_or_else(|| {
+                        to_core(format!(
+                            "{function} chose token {t}, outside the vocabulary of {vocab}: \
+                             the logits are NaN (the weights or the precision overflowed)"
+                        ))
+                    })
+            })
+            .collect()
+    }
+
+    /// `rows` rows of logits a module returned, one f32 per vocabulary entry
+    /// each.
+    pub(crate) fn read_logit_rows(
+        &mut self,
+        function: &str,
+        tensor: &DeviceTensor,
+        rows: usize,
+    ) -> kiln_core::Result<Vec<Vec<f32>>> {
+        let host = self.reader.read(tensor).map_err(to_core)?;
+        let logits = host.as_f32().map_err(|e| unexpected_output(function, e))?;
+        let vocab = self.model.config.vocab_size;
+        if logits.len() != rows * vocab {
+            return Err(unexpected_output(
+                function,
+                format!("{} logits for {rows} rows of {vocab}", logits.len()),
+            ));
+        }
+        Ok(logits.chunks(vocab).map(<[f32]>::to_vec).collect())
     }
 }
 

@@ -2,6 +2,7 @@
 //! by the pinned `iree-compile` and run through [`kiln_iree`].
 
 mod backend;
+mod batched;
 mod cache_dir;
 mod compiler;
 mod error;
@@ -13,6 +14,7 @@ pub mod prepared;
 mod stablehlo;
 
 pub use backend::{Buckets, IreeBackend, ModuleKind};
+pub use batched::{BatchedDecoder, Choice, MAX_SLOTS, SlotOutput, batch_sizes};
 pub use compiler::{Compiler, Target};
 pub use error::{Error, Result};
 pub use graph::{GraphOptions, Precision, WeightLayout};

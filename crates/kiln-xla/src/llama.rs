@@ -22,6 +22,10 @@
 //!   `pos + 1` to the following step without an upload. `k` and `v` are
 //!   updated in place (`iree.abi.output`): no cache-sized buffer is
 //!   allocated per step.
+//! - `decode_batch(tokens: [B] i32, positions: [B] i32, k_0, v_0, …,
+//!   k_{B-1}, v_{B-1}, cos, sin, weights…) -> (logits[B, V], next: [B] i32,
+//!   positions + 1, k_0, v_0, …)`: one step of B independent sequences
+//!   (continuous batching), each slot's caches updated in place.
 
 use kiln_core::ModelConfig;
 
@@ -397,6 +401,81 @@ fn decode_step(c: &ModelConfig, g: &GraphOptions, context: usize) -> String {
     f.finish(&[&logits, &next, &next_pos, &k_cache, &v_cache])
 }
 
+/// The batched decode step over `batch` sequence slots, each with its own
+/// position and its own caches, of the shapes prefill returns (so a prefill's
+/// caches become a slot's as they are). Weight products run on all rows at
+/// once (the weights are read once per step, not once per sequence);
+/// attention runs per slot against that slot's cache only, masked to its own
+/// positions, so slots never see each other's rows.
+fn decode_batch(c: &ModelConfig, g: &GraphOptions, context: usize, batch: usize) -> String {
+    let dm = dims(c, g);
+    let mut f = Function::new("decode_batch");
+    let tokens = f.param(&[batch], Ty::I32);
+    let positions = f.param(&[batch], Ty::I32);
+    let (layers, kv) = (dm.layers, dm.kv_heads);
+    // Results 3 + 2b and 4 + 2b are slot b's updated caches, in place.
+    let mut caches: Vec<(Val, Val)> = (0..batch)
+        .map(|b| {
+            let k = f.param_output(&[layers, kv, context, dm.d], dm.storage, 3 + 2 * b);
+            let v = f.param_output(&[layers, kv, dm.d, context], dm.storage, 4 + 2 * b);
+            (k, v)
+        })
+        .collect();
+    let cos = f.param(&[context, dm.d / 2], Ty::F32);
+    let sin = f.param(&[context, dm.d / 2], Ty::F32);
+    let p = weight_params(&mut f, c, g);
+
+    let cos = f.take_rows(&cos, &positions);
+    let sin = f.take_rows(&sin, &positions);
+    let rope_tables = rope_factors(&mut f, &cos, &sin);
+    let zero = f.constant_i32(0, &[]);
+    let cols = f.iota(&[1, context], 1);
+    let mut slot_positions = Vec::new();
+    let mut visible = Vec::new();
+    for b in 0..batch {
+        let pos = f.slice(&positions, &[b], &[b + 1]);
+        let pos = f.reshape(&pos, &[]);
+        let row = f.broadcast(&pos, &[1, context], &[]);
+        visible.push(f.compare_i32("LE", &cols, &row));
+        slot_positions.push(pos);
+    }
+
+    let mut x = embed(&mut f, &p, &tokens);
+    for (l, w) in p.layers.iter().enumerate() {
+        let normed = rms_norm(&mut f, &x, &w[0], c.rms_norm_eps);
+        let (q, k, v) = project_qkv(&mut f, &dm, &normed, &w[1], &rope_tables);
+        let layer = f.constant_i32(l as i32, &[]);
+        let mut attended = Vec::new();
+        for (b, (k_cache, v_cache)) in caches.iter_mut().enumerate() {
+            let pos = &slot_positions[b];
+            let k_row = f.slice(&k, &[b, 0, 0], &[b + 1, kv, dm.d]);
+            let k_row = f.reshape(&k_row, &[1, kv, 1, dm.d]);
+            *k_cache = f.dynamic_update_slice(k_cache, &k_row, &[&layer, &zero, pos, &zero]);
+            let keys = f.slice(k_cache, &[l, 0, 0, 0], &[l + 1, kv, context, dm.d]);
+            let keys = f.reshape(&keys, &[kv, context, dm.d]);
+            let v_row = f.slice(&v, &[b, 0, 0], &[b + 1, kv, dm.d]);
+            let v_row = f.reshape(&v_row, &[1, kv, dm.d, 1]);
+            *v_cache = f.dynamic_update_slice(v_cache, &v_row, &[&layer, &zero, &zero, pos]);
+            let values = f.slice(v_cache, &[l, 0, 0, 0], &[l + 1, kv, dm.d, context]);
+            let values = f.reshape(&values, &[kv, dm.d, context]);
+            let q_row = f.slice(&q, &[b, 0, 0], &[b + 1, dm.heads, dm.d]);
+            attended.push(attention(&mut f, &dm, &q_row, &keys, &values, &visible[b]));
+        }
+        let attended = f.concatenate(&attended.iter().collect::<Vec<_>>(), 0);
+        x = finish_layer(&mut f, c, &dm, &x, &attended, w);
+    }
+    let normed = rms_norm(&mut f, &x, &p.final_norm, c.rms_norm_eps);
+    let logits = linear(&mut f, &dm, &normed, &p.lm_head);
+    let next = f.argmax_rows(&logits);
+    let ones = f.constant_i32(1, &[batch]);
+    let next_positions = f.binary("add", &positions, &ones);
+    let mut results = vec![&logits, &next, &next_positions];
+    for (k, v) in &caches {
+        results.extend([k, v]);
+    }
+    f.finish(&results)
+}
+
 /// The module of one prefill bucket: `prefill_ids` and `prefill_embeddings`.
 pub fn prefill_module(c: &ModelConfig, g: &GraphOptions, seq: usize, context: usize) -> String {
     module(&[
@@ -408,4 +487,14 @@ pub fn prefill_module(c: &ModelConfig, g: &GraphOptions, seq: usize, context: us
 /// The decode module: `decode_step`.
 pub fn decode_module(c: &ModelConfig, g: &GraphOptions, context: usize) -> String {
     module(&[decode_step(c, g, context)])
+}
+
+/// The batched decode module for `batch` slots: `decode_batch`.
+pub fn decode_batch_module(
+    c: &ModelConfig,
+    g: &GraphOptions,
+    context: usize,
+    batch: usize,
+) -> String {
+    module(&[decode_batch(c, g, context, batch)])
 }

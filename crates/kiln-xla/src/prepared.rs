@@ -27,6 +27,10 @@ pub fn source(
             llama::decode_module(config, graph, context),
             format!("decode:{context}"),
         ),
+        ModuleKind::DecodeBatch(batch) => (
+            llama::decode_batch_module(config, graph, context, batch),
+            format!("decode-batch:{batch}:{context}"),
+        ),
     }
 }
 
@@ -39,6 +43,18 @@ pub fn module_kinds(buckets: &Buckets) -> Vec<ModuleKind> {
         .collect();
     kinds.push(ModuleKind::Decode);
     kinds
+}
+
+/// The batched decode modules kiln-server's decoder of `slots` sequence
+/// slots uses (none for one slot: it runs the batch-1 `decode_step`).
+pub fn batch_module_kinds(slots: usize) -> Vec<ModuleKind> {
+    if slots <= 1 {
+        return Vec::new();
+    }
+    crate::batch_sizes(slots)
+        .into_iter()
+        .map(ModuleKind::DecodeBatch)
+        .collect()
 }
 
 /// The cache key of a module: the MLIR text, the target's flags and the
@@ -88,9 +104,27 @@ pub fn prepare(
     target: Target,
     compiler: &Compiler,
     cache: &ModuleCache,
+    on_ready: impl FnMut(ModuleKind, Origin, std::time::Duration),
+) -> Result<()> {
+    let kinds = module_kinds(buckets);
+    prepare_kinds(
+        config, graph, &kinds, buckets, target, compiler, cache, on_ready,
+    )
+}
+
+/// [`prepare`] of the given modules only.
+#[allow(clippy::too_many_arguments)]
+pub fn prepare_kinds(
+    config: &ModelConfig,
+    graph: &GraphOptions,
+    kinds: &[ModuleKind],
+    buckets: &Buckets,
+    target: Target,
+    compiler: &Compiler,
+    cache: &ModuleCache,
     mut on_ready: impl FnMut(ModuleKind, Origin, std::time::Duration),
 ) -> Result<()> {
-    for kind in module_kinds(buckets) {
+    for &kind in kinds {
         let started = std::time::Instant::now();
         let (_, origin) = obtain(config, graph, kind, buckets, target, Some(compiler), cache)?;
         on_ready(kind, origin, started.elapsed());

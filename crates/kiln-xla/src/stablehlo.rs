@@ -457,6 +457,30 @@ impl Function {
         self.reshape(&chosen, &[1])
     }
 
+    /// [`argmax`] of each row of a `[B, N]` f32 tensor, as `[B]` i32: the
+    /// same two stages, batched, and the same ties and NaN rule.
+    ///
+    /// [`argmax`]: Function::argmax
+    pub fn argmax_rows(&mut self, a: &Val) -> Val {
+        const ROW: usize = 256;
+        assert_eq!(a.ty, Ty::F32, "argmax takes f32 values");
+        let (batch, n) = (a.shape[0], a.shape[1]);
+        let rows = n.div_ceil(ROW);
+        let padded = self.pad_high(a, f64::NEG_INFINITY, &[0, rows * ROW - n]);
+        let shape = [batch, rows, ROW];
+        let values = self.reshape(&padded, &shape);
+        let index = self.iota(&shape, 2);
+        let row_start = self.iota(&shape, 1);
+        let width = self.constant_i32(ROW as i32, &shape);
+        let row_start = self.binary("multiply", &row_start, &width);
+        let index = self.binary("add", &row_start, &index);
+        let (row_max, row_at) = self.reduce_max_index(&values, &index, 2);
+        let (max, at) = self.reduce_max_index(&row_max, &row_at, 1);
+        let is_nan = self.compare_float("NE", &max, &max);
+        let none = self.constant_i32(-1, &[batch]);
+        self.select(&is_nan, &none, &at)
+    }
+
     /// The largest of `values` along `dim` and its `indices` entry: one
     /// variadic reduction (the form JAX emits for argmax). Ties go to the
     /// lower index; NaN wins.

@@ -1,0 +1,253 @@
+//! Continuous batching on IREE (`local-task`): greedy tokens of requests
+//! decoded together in a `BatchedDecoder` — of different prompt lengths and
+//! lengths, arriving at different steps, one cancelled midway, more requests
+//! than slots — equal each request decoded alone by the batch-1 backend,
+//! token for token; sampled slots get their own logits.
+//!
+//! Needs the `xla-iree` feature, `KILN_IREE_PREFIX` and `KILN_IREE_COMPILE`
+//! (`cargo xtask test` sets them up).
+
+use std::collections::VecDeque;
+use std::path::PathBuf;
+
+use kiln_core::sampling::argmax;
+use kiln_core::{Backend, Model};
+use kiln_xla::{
+    BatchedDecoder, Buckets, Choice, Compiler, GraphOptions, IreeBackend, ModuleCache, SlotOutput,
+    Target,
+};
+
+const CONTEXT: usize = 64;
+
+fn fixture(name: &str) -> Model {
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures")
+        .join(name);
+    Model::load(&dir).unwrap()
+}
+
+fn backend(model: &Model) -> IreeBackend<'_> {
+    let graph = GraphOptions::for_target(Target::LlvmCpu, None, None);
+    let compiler = Compiler::from_env().unwrap_or_else(|e| panic!("{e}"));
+    IreeBackend::new(
+        model,
+        "local-task",
+        Target::LlvmCpu,
+        graph,
+        Some(compiler),
+        ModuleCache::default_location().unwrap(),
+        Buckets::for_model(model, CONTEXT),
+    )
+    .unwrap_or_else(|e| panic!("{e}"))
+}
+
+struct Request {
+    prompt: Vec<u32>,
+    max_tokens: usize,
+    /// The step at which it is queued.
+    arrives: usize,
+    /// The client leaves after this many tokens.
+    cancel_after: Option<usize>,
+}
+
+/// Requests of several prompt lengths and lengths, arriving at different
+/// steps; more of them than `slots`, so some wait for a slot to free.
+fn requests(model: &Model) -> Vec<Request> {
+    let v = model.config.vocab_size as u32;
+    let prompt = |n: u32, seed: u32| (0..n).map(|i| (i * seed + 7 * seed) % v).collect();
+    vec![
+        Request {
+            prompt: prompt(5, 13),
+            max_tokens: 20,
+            arrives: 0,
+            cancel_after: None,
+        },
+        Request {
+            prompt: prompt(17, 29),
+            max_tokens: 9,
+            arrives: 0,
+            cancel_after: None,
+        },
+        Request {
+            prompt: prompt(1, 3),
+            max_tokens: 30,
+            arrives: 2,
+            cancel_after: Some(6),
+        },
+        Request {
+            prompt: prompt(40, 5),
+            max_tokens: 15,
+            arrives: 3,
+            cancel_after: None,
+        },
+        Request {
+            prompt: prompt(9, 11),
+            max_tokens: 12,
+            arrives: 3,
+            cancel_after: None,
+        },
+        Request {
+            prompt: prompt(3, 17),
+            max_tokens: 25,
+            arrives: 7,
+            cancel_after: None,
+        },
+    ]
+}
+
+/// Greedy tokens of `prompt` alone, through the batch-1 backend (prefill,
+/// host argmax, then the device's greedy decode step).
+fn alone(model: &Model, prompt: &[u32], max_tokens: usize) -> Vec<u32> {
+    let mut b = backend(model);
+    let mut token = argmax(&b.prefill(prompt).unwrap());
+    let mut tokens = vec![token];
+    while tokens.len() < max_tokens {
+        token = b.decode_greedy(token).unwrap();
+        tokens.push(token);
+    }
+    tokens
+}
+
+/// Runs `requests` through a decoder of `slots` slots, admitting each into
+/// a free slot once it has arrived; returns each request's tokens and the
+/// largest number of sequences that stepped together.
+fn batched(model: &Model, slots: usize, requests: &[Request]) -> (Vec<Vec<u32>>, usize) {
+    let mut decoder = BatchedDecoder::new(backend(model), slots).unwrap();
+    let mut out: Vec<Vec<u32>> = vec![Vec::new(); requests.len()];
+    let mut queue: VecDeque<usize> = VecDeque::new();
+    let mut in_slot: Vec<Option<usize>> = vec![None; slots];
+    let mut widest = 0;
+    let done = |r: &Request, n: usize| n >= r.max_tokens || r.cancel_after.is_some_and(|c| n >= c);
+    for step in 0.. {
+        queue.extend((0..requests.len()).filter(|&r| requests[r].arrives == step));
+        while let (Some(&r), Some(slot)) = (queue.front(), decoder.free_slot()) {
+            queue.pop_front();
+            let logits = decoder
+                .admit(slot, &requests[r].prompt, Choice::Greedy)
+                .unwrap();
+            let token = argmax(&logits);
+            out[r].push(token);
+            if done(&requests[r], 1) {
+                decoder.release(slot);
+            } else {
+                decoder.feed(slot, token).unwrap();
+                in_slot[slot] = Some(r);
+            }
+        }
+        let outputs = decoder.step().unwrap();
+        widest = widest.max(outputs.len());
+        for (slot, output) in outputs {
+            let r = in_slot[slot].expect("a stepped slot holds a request");
+            let SlotOutput::Token(token) = output else {
+                panic!("a greedy slot returned logits");
+            };
+            out[r].push(token);
+            if done(&requests[r], out[r].len()) {
+                decoder.release(slot);
+                in_slot[slot] = None;
+            } else {
+                decoder.feed(slot, token).unwrap();
+            }
+        }
+        let pending = requests.iter().any(|r| r.arrives > step);
+        if !pending && queue.is_empty() && decoder.active() == 0 {
+            break;
+        }
+    }
+    (out, widest)
+}
+
+fn batching_equals_alone(model: &Model) {
+    let requests = requests(model);
+    let (together, widest) = batched(model, 4, &requests);
+    assert_eq!(widest, 4, "the slots were all busy at some step");
+    for (r, (request, tokens)) in requests.iter().zip(&together).enumerate() {
+        let expected_len = request
+            .cancel_after
+            .unwrap_or(usize::MAX)
+            .min(request.max_tokens);
+        assert_eq!(tokens.len(), expected_len, "request {r}: length");
+        let reference = alone(model, &request.prompt, tokens.len());
+        assert_eq!(
+            tokens, &reference,
+            "request {r}: batched tokens differ from alone"
+        );
+    }
+}
+
+#[test]
+fn embedded_model_batched_equals_alone() {
+    batching_equals_alone(&Model::embedded());
+}
+
+#[test]
+fn untied_gqa_fixture_batched_equals_alone() {
+    batching_equals_alone(&fixture("llama-gqa-untied"));
+}
+
+#[test]
+fn tied_mqa_fixture_batched_equals_alone() {
+    batching_equals_alone(&fixture("llama-mqa-tied"));
+}
+
+/// A sampled slot gets its own logits, equal to the batch-1 decode logits
+/// of its sequence, while a greedy slot beside it gets its token.
+#[test]
+fn sampled_slots_get_their_own_logits() {
+    let model = Model::embedded();
+    let v = model.config.vocab_size as u32;
+    let (a, b): (Vec<u32>, Vec<u32>) = ((0..6).map(|i| (i * 7) % v).collect(), vec![3, 1, 4]);
+    let mut decoder = BatchedDecoder::new(backend(&model), 4).unwrap();
+    let first_a = argmax(&decoder.admit(0, &a, Choice::Sampled).unwrap());
+    let first_b = argmax(&decoder.admit(2, &b, Choice::Greedy).unwrap());
+    decoder.feed(0, first_a).unwrap();
+    decoder.feed(2, first_b).unwrap();
+    let outputs = decoder.step().unwrap();
+    assert_eq!(outputs.len(), 2);
+
+    let mut single = backend(&model);
+    single.prefill(&a).unwrap();
+    let expected_a = single.decode(first_a).unwrap();
+    single.prefill(&b).unwrap();
+    let expected_b = single.decode_greedy(first_b).unwrap();
+    match &outputs[0] {
+        (0, SlotOutput::Logits(logits)) => {
+            let diff = logits
+                .iter()
+                .zip(&expected_a)
+                .map(|(x, y)| (x - y).abs())
+                .fold(0.0f32, f32::max);
+            assert!(diff <= 1e-4, "slot 0 logits differ by {diff}");
+        }
+        other => panic!("slot 0: {other:?}"),
+    }
+    assert_eq!(outputs[1], (2, SlotOutput::Token(expected_b)));
+}
+
+/// Misuse is an error naming the problem, never a panic.
+#[test]
+fn misuse_is_a_clear_error() {
+    let model = Model::embedded();
+    let mut decoder = BatchedDecoder::new(backend(&model), 2).unwrap();
+    let error = decoder
+        .admit(5, &[1], Choice::Greedy)
+        .unwrap_err()
+        .to_string();
+    assert!(error.contains("slot 5 does not exist"), "{error}");
+    decoder.admit(0, &[1, 2], Choice::Greedy).unwrap();
+    let error = decoder
+        .admit(0, &[1], Choice::Greedy)
+        .unwrap_err()
+        .to_string();
+    assert!(error.contains("slot 0 is taken"), "{error}");
+    let error = decoder.feed(1, 1).unwrap_err().to_string();
+    assert!(error.contains("slot 1 holds no sequence"), "{error}");
+    assert!(
+        decoder.feed(0, u32::MAX).is_err(),
+        "a token outside the vocabulary"
+    );
+    assert!(
+        decoder.step().unwrap().is_empty(),
+        "nothing fed, nothing stepped"
+    );
+}
