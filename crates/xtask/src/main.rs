@@ -14,6 +14,7 @@ mod pins;
 mod prefix;
 mod repro;
 mod setup;
+mod target;
 mod test;
 mod tools;
 mod tree;
@@ -30,6 +31,7 @@ use clap::{Parser, Subcommand};
 use crate::cache::Cache;
 use crate::iree::Variant;
 use crate::pins::{Pins, default_pin_file};
+use crate::target::Target;
 
 #[derive(Parser)]
 #[command(
@@ -48,6 +50,10 @@ enum Task {
         /// Include the CUDA HAL driver (built against the pinned CUDA 12.9 headers).
         #[arg(long)]
         cuda: bool,
+        /// Cross-compile for this Rust target triple (aarch64-unknown-linux-gnu:
+        /// Debian's cross toolchain) instead of building for this machine.
+        #[arg(long)]
+        target: Option<String>,
     },
     /// Install the pinned iree-compile from its wheel and check its revision.
     Compiler,
@@ -56,6 +62,9 @@ enum Task {
         /// Point at the CPU-only prefix instead of the CUDA-enabled one.
         #[arg(long)]
         cpu: bool,
+        /// The prefix built for this Rust target triple (default: this machine's).
+        #[arg(long)]
+        target: Option<String>,
     },
     /// Download every pinned input, for every system, and check its sha256.
     VerifyPins,
@@ -74,6 +83,10 @@ enum Task {
         /// Run only the named mutation.
         #[arg(long)]
         mutation: Option<String>,
+        /// Link for this Rust target triple (aarch64-unknown-linux-gnu: with
+        /// Debian's cross toolchain, against `cargo xtask iree --cuda --target …`).
+        #[arg(long)]
+        target: Option<String>,
     },
     /// Check every Nix file: parse, nixpkgs-fmt, deadnix.
     LintNix,
@@ -94,6 +107,9 @@ enum Task {
         out: PathBuf,
         #[arg(long)]
         pins: Option<PathBuf>,
+        /// The Rust target triple the build compiled for (default: this machine's).
+        #[arg(long)]
+        target: Option<String>,
     },
 }
 
@@ -109,9 +125,10 @@ fn main() -> ExitCode {
 
 fn run(cli: Cli) -> Result<()> {
     match cli.task {
-        Task::Iree { cuda } => {
+        Task::Iree { cuda, target } => {
             let variant = if cuda { Variant::Cuda } else { Variant::Cpu };
-            let prefix = iree::build(&Cache::open()?, &load_pins()?, variant)?;
+            let target = Target::parse(target.as_deref())?;
+            let prefix = iree::build(&Cache::open()?, &load_pins()?, variant, &target)?;
             println!("{}", prefix.display());
         }
         Task::Compiler => {
@@ -119,9 +136,13 @@ fn run(cli: Cli) -> Result<()> {
             eprintln!("{version} (matches the pin)");
             println!("{}", binary.display());
         }
-        Task::Env { cpu } => {
+        Task::Env { cpu, target } => {
             let variant = if cpu { Variant::Cpu } else { Variant::Cuda };
-            print!("{}", env::exports(&Cache::open()?, &load_pins()?, variant)?);
+            let target = Target::parse(target.as_deref())?;
+            print!(
+                "{}",
+                env::exports(&Cache::open()?, &load_pins()?, variant, &target)?
+            );
         }
         Task::VerifyPins => verify_pins::run(&Cache::open()?, &load_pins()?)?,
         Task::Setup => {
@@ -131,11 +152,13 @@ fn run(cli: Cli) -> Result<()> {
         Task::Gate {
             link_only,
             mutation,
+            target,
         } => {
-            let prefix = prefix_for_gate()?;
-            gate::run(&prefix, link_only, mutation.as_deref())?;
+            let target = Target::parse(target.as_deref())?;
+            let prefix = prefix_for_gate(&target)?;
+            gate::run(&prefix, &target, link_only, mutation.as_deref())?;
         }
-        Task::Repro => repro::run(&prefix_for_gate()?)?,
+        Task::Repro => repro::run(&prefix_for_gate(&Target::host()?)?)?,
         Task::LintNix => lint_nix::run(&setup::Toolbox::installed(&Cache::open()?)?)?,
         Task::LintWorkflows => lint_workflows::run(&setup::Toolbox::installed(&Cache::open()?)?)?,
         Task::IreePrefixInstall {
@@ -143,11 +166,14 @@ fn run(cli: Cli) -> Result<()> {
             source,
             out,
             pins,
+            target,
         } => {
             let pins = Pins::load(&pins.unwrap_or_else(default_pin_file))?;
+            let target = Target::parse(target.as_deref())?;
             let id = prefix::Identity {
                 version: &pins.iree.version,
                 revision: &pins.iree.revision,
+                target: target.triple,
             };
             prefix::install(&build, &source, &out, &id)?;
         }
@@ -155,13 +181,14 @@ fn run(cli: Cli) -> Result<()> {
     Ok(())
 }
 
-/// The CUDA prefix the gate links against: `KILN_IREE_PREFIX` when the
-/// environment provides one (`nix develop`, the flake's checks), else the one
-/// `cargo xtask iree --cuda` builds for the current pins.
-fn prefix_for_gate() -> Result<PathBuf> {
+/// The CUDA prefix the gate links against: for the host, `KILN_IREE_PREFIX`
+/// when the environment provides one (`nix develop`, the flake's checks);
+/// otherwise the one `cargo xtask iree --cuda [--target T]` builds for the
+/// current pins (an environment's prefix is the host's, never a cross one).
+fn prefix_for_gate(target: &Target) -> Result<PathBuf> {
     match std::env::var_os("KILN_IREE_PREFIX") {
-        Some(prefix) if !prefix.is_empty() => Ok(PathBuf::from(prefix)),
-        _ => iree::build(&Cache::open()?, &load_pins()?, Variant::Cuda),
+        Some(prefix) if !prefix.is_empty() && !target.cross => Ok(PathBuf::from(prefix)),
+        _ => iree::build(&Cache::open()?, &load_pins()?, Variant::Cuda, target),
     }
 }
 

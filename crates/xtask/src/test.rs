@@ -10,6 +10,7 @@ use anyhow::{Context, Result, anyhow};
 use crate::cache::Cache;
 use crate::iree::{self, Variant};
 use crate::pins::{Pins, repo_root};
+use crate::target::{AARCH64, Target};
 use crate::{compiler, tools};
 
 /// Every step of the suite, in order; the first failure stops it.
@@ -22,12 +23,27 @@ pub fn run(cache: &Cache, pins: &Pins) -> Result<()> {
         "kiln-iree's build script reads the prefix's link description with it",
         "Debian/Ubuntu: apt-get install -y pkg-config",
     )?;
+    let host = Target::host()?;
     let cpu_prefix = step("IREE prefix, CPU drivers", || {
-        iree::build(cache, pins, Variant::Cpu)
+        iree::build(cache, pins, Variant::Cpu, &host)
     })?;
     let cuda_prefix = step("IREE prefix, CUDA driver", || {
-        iree::build(cache, pins, Variant::Cuda)
+        iree::build(cache, pins, Variant::Cuda, &host)
     })?;
+    // The GB10's architecture, cross-built here (unless this is one).
+    let aarch64 = Target::parse(Some(AARCH64))?;
+    let aarch64_prefixes = if aarch64.cross {
+        Some((
+            step("IREE prefix, CPU drivers, aarch64 (cross)", || {
+                iree::build(cache, pins, Variant::Cpu, &aarch64)
+            })?,
+            step("IREE prefix, CUDA driver, aarch64 (cross)", || {
+                iree::build(cache, pins, Variant::Cuda, &aarch64)
+            })?,
+        ))
+    } else {
+        None
+    };
     let (compiler, _) = step("iree-compile", || compiler::install(cache, pins))?;
 
     let env = |prefix: &Path| -> Vec<(&'static str, OsString)> {
@@ -78,9 +94,41 @@ pub fn run(cache: &Cache, pins: &Pins) -> Result<()> {
             &env(&cuda_prefix),
         )
     })?;
+    if let Some((cpu, _)) = &aarch64_prefixes {
+        step("aarch64 tests under qemu-aarch64: kiln-core", || {
+            cargo(
+                &["test", "--locked", "--target", AARCH64, "-p", "kiln-core"],
+                &env(cpu),
+            )
+        })?;
+        step(
+            "aarch64 tests under qemu-aarch64: xla_prepared_prefill on local-task",
+            || {
+                cargo(
+                    &[
+                        "test",
+                        "--locked",
+                        "--target",
+                        AARCH64,
+                        "--features",
+                        "xla-iree",
+                        "--test",
+                        "xla_prepared_prefill",
+                    ],
+                    &env(cpu),
+                )
+            },
+        )?;
+    }
     step("the gate: link check and mutation suite", || {
-        crate::gate::run(&cuda_prefix, false, None)
+        crate::gate::run(&cuda_prefix, &host, false, None)
     })?;
+    if let Some((_, cuda)) = &aarch64_prefixes {
+        step(
+            "the gate for aarch64: link check and mutation suite",
+            || crate::gate::run(cuda, &aarch64, false, None),
+        )?;
+    }
     step("reproducible release binaries", || {
         crate::repro::run(&cuda_prefix)
     })?;

@@ -18,6 +18,7 @@ use anyhow::{Context, Result, anyhow};
 use serde::Serialize;
 
 use crate::pins::repo_root;
+use crate::target::Target;
 use mutations::{Edit, LibsEdit, MUTATIONS, Mutation};
 
 const FEATURES: &str = "cuda,xla-iree";
@@ -32,21 +33,39 @@ struct Line {
     detail: String,
 }
 
+/// One gate run: the prefix it links against and the target it links for
+/// (a cross target is linked by its GNU toolchain, as on the machine itself).
+struct Build<'a> {
+    prefix: &'a Path,
+    target: &'a Target,
+    target_dir: &'a Path,
+}
+
 /// Runs the link check and, unless `link_only`, the mutation suite; prints the
 /// report and writes it as JSON. Fails if any line failed.
-pub fn run(prefix: &Path, link_only: bool, only: Option<&str>) -> Result<()> {
+pub fn run(prefix: &Path, target: &Target, link_only: bool, only: Option<&str>) -> Result<()> {
     let root = repo_root();
     let work = root.join("target").join("gate");
+    // One target folder for every target: cargo keeps each target's
+    // artifacts apart inside it, and the build scripts are shared.
     let target_dir = work.join("target");
     std::fs::create_dir_all(&work)?;
+    let build = Build {
+        prefix,
+        target,
+        target_dir: &target_dir,
+    };
     let mut report: Vec<Line> = Vec::new();
 
     let started = Instant::now();
-    let link = link_check(&root, prefix, &target_dir)?;
+    let link = link_check(&root, &build, prefix)?;
     let ok = link.success;
     report.push(Line {
         name: "link-check".into(),
-        models: "every release cuda,xla-iree target links".into(),
+        models: format!(
+            "every release cuda,xla-iree target links for {}",
+            target.triple
+        ),
         verdict: if ok { "PASS" } else { "FAIL" },
         seconds: started.elapsed().as_secs_f64(),
         detail: if ok {
@@ -65,7 +84,7 @@ pub fn run(prefix: &Path, link_only: bool, only: Option<&str>) -> Result<()> {
             .iter()
             .filter(|m| only.is_none_or(|o| o == m.name))
         {
-            let line = run_mutation(mutation, &root, prefix, &work, &target_dir)?;
+            let line = run_mutation(mutation, &root, &build, &work)?;
             print_line(&line);
             report.push(line);
         }
@@ -76,7 +95,7 @@ pub fn run(prefix: &Path, link_only: bool, only: Option<&str>) -> Result<()> {
         .filter(|l| !matches!(l.verdict, "PASS" | "CAUGHT" | "SKIPPED"))
         .count();
     let passed = report.iter().filter(|l| l.verdict != "SKIPPED").count() - failed;
-    let json = work.join("report.json");
+    let json = work.join(format!("report-{}.json", target.triple));
     std::fs::write(&json, serde_json::to_string_pretty(&report)?)?;
     println!(
         "gate: {passed} passed, {failed} failed (report: {})",
@@ -96,12 +115,13 @@ struct Outcome {
 }
 
 /// `cargo test --release --features cuda,xla-iree --workspace --all-targets
-/// --no-run --locked`, RUSTFLAGS untouched.
-fn link_check(tree: &Path, prefix: &Path, target_dir: &Path) -> Result<Outcome> {
+/// --no-run --locked [--target T]`, RUSTFLAGS untouched. `prefix` is the
+/// build's prefix or a mutant's copy of it.
+fn link_check(tree: &Path, build: &Build, prefix: &Path) -> Result<Outcome> {
     cargo(
         tree,
+        build,
         prefix,
-        target_dir,
         &[
             "test",
             "--release",
@@ -115,11 +135,11 @@ fn link_check(tree: &Path, prefix: &Path, target_dir: &Path) -> Result<Outcome> 
     )
 }
 
-fn check(tree: &Path, prefix: &Path, target_dir: &Path) -> Result<Outcome> {
+fn check(tree: &Path, build: &Build, prefix: &Path) -> Result<Outcome> {
     cargo(
         tree,
+        build,
         prefix,
-        target_dir,
         &[
             "check",
             "--features",
@@ -131,13 +151,18 @@ fn check(tree: &Path, prefix: &Path, target_dir: &Path) -> Result<Outcome> {
     )
 }
 
-fn cargo(tree: &Path, prefix: &Path, target_dir: &Path, args: &[&str]) -> Result<Outcome> {
+fn cargo(tree: &Path, build: &Build, prefix: &Path, args: &[&str]) -> Result<Outcome> {
     let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
-    let output = Command::new(cargo)
-        .args(args)
+    let mut command = Command::new(cargo);
+    command.args(args);
+    if build.target.cross {
+        // Its linker (the cross gcc, GNU ld) is the tree's .cargo/config.toml's.
+        command.args(["--target", build.target.triple]);
+    }
+    let output = command
         .current_dir(tree)
         .env("KILN_IREE_PREFIX", prefix)
-        .env("CARGO_TARGET_DIR", target_dir)
+        .env("CARGO_TARGET_DIR", build.target_dir)
         .env("CARGO_TERM_COLOR", "never")
         .output()
         .context("cannot run cargo")?;
@@ -148,13 +173,7 @@ fn cargo(tree: &Path, prefix: &Path, target_dir: &Path, args: &[&str]) -> Result
     })
 }
 
-fn run_mutation(
-    mutation: &Mutation,
-    root: &Path,
-    prefix: &Path,
-    work: &Path,
-    target_dir: &Path,
-) -> Result<Line> {
+fn run_mutation(mutation: &Mutation, root: &Path, build: &Build, work: &Path) -> Result<Line> {
     let line = |verdict, seconds, detail: String| Line {
         name: mutation.name.into(),
         models: mutation.models.into(),
@@ -163,9 +182,13 @@ fn run_mutation(
         detail,
     };
     if let Some(arch) = mutation.only_arch
-        && arch != std::env::consts::ARCH
+        && arch != build.target.arch()
     {
-        return Ok(line("SKIPPED", 0.0, format!("{arch} only")));
+        return Ok(line(
+            "SKIPPED",
+            0.0,
+            format!("{arch} only (run `cargo xtask gate --target {arch}-unknown-linux-gnu`)"),
+        ));
     }
     let started = Instant::now();
     // The same paths every time: cargo's fingerprints of the workspace crates
@@ -173,7 +196,7 @@ fn run_mutation(
     let tree = work.join("tree");
     let mutant_prefix = work.join("prefix");
     crate::tree::copy_checkout(root, &tree)?;
-    copy_dir(prefix, &mutant_prefix)?;
+    copy_dir(build.prefix, &mutant_prefix)?;
     if let Err(error) = apply(mutation.edits, &tree, &mutant_prefix) {
         return Ok(line(
             "BROKEN",
@@ -181,14 +204,17 @@ fn run_mutation(
             format!("{error:#}"),
         ));
     }
-    let checked = check(&tree, &mutant_prefix, target_dir)?;
+    let checked = check(&tree, build, &mutant_prefix)?;
     let verdict = if !checked.success {
         line("NOT LINK-ONLY", 0.0, first_error_line(&checked.output))
     } else {
-        let linked = link_check(&tree, &mutant_prefix, target_dir)?;
+        let linked = link_check(&tree, build, &mutant_prefix)?;
         let logs = work.join("logs");
         std::fs::create_dir_all(&logs)?;
-        std::fs::write(logs.join(format!("{}.log", mutation.name)), &linked.output)?;
+        std::fs::write(
+            logs.join(format!("{}-{}.log", build.target.triple, mutation.name)),
+            &linked.output,
+        )?;
         if linked.success {
             line(
                 "SURVIVED",
