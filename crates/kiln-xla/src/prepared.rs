@@ -55,7 +55,11 @@ pub fn obtain(
     cache: &ModuleCache,
 ) -> Result<(Vec<u8>, Origin)> {
     let (mlir, bucket) = source(config, graph, kind, buckets.context);
-    let flags = target.flags().join(" ");
+    // Without a compiler only the cache serves, with the key of modules
+    // compiled on a machine of kiln's own architecture.
+    let flags = target
+        .flags(compiler.is_none_or(Compiler::is_native))
+        .join(" ");
     let key = ModuleCache::key(&[&mlir, &flags, kiln_iree::RUNTIME_REVISION, &bucket]);
     cache.get_or_compile(&key, || match compiler {
         Some(compiler) => compiler.compile(&mlir, target),

@@ -125,13 +125,33 @@ pub const MUTATIONS: &[Mutation] = &[
         only_arch: None,
     },
     Mutation {
-        name: "aarch64-libc-after-stack-protector",
-        models: "aarch64 only: -lc ahead of the objects that need __stack_chk_guard",
-        edits: &[Edit::Tree {
-            file: BUILD_RS,
-            from: "        .define(\"_GNU_SOURCE\", None)",
-            to: "        .define(\"_GNU_SOURCE\", None)\n        .flag(\"-fstack-protector-all\")",
-        }],
+        // On aarch64 glibc the stack-protector canary is a global,
+        // `__stack_chk_guard`, defined by ld-linux-aarch64.so.1, which libc.so's
+        // linker script adds AS_NEEDED: only a reference made before `-lc`
+        // marks it needed. rustc ends every link with std's `-lc`, so an extra
+        // `-lc` ahead of the archives changes nothing (docs/gate.md, "the
+        // `__stack_chk_guard` break"); the break needs stack-protected code
+        // *after* the last `-lc`, which is where rustc puts link arguments.
+        // x86_64 reads its canary from %fs and links the same mutant fine.
+        name: "aarch64-stack-protected-archives-after-libc",
+        models: "aarch64 only: stack-protected archives given as link arguments, after rustc's -lc",
+        edits: &[
+            Edit::Tree {
+                file: BUILD_RS,
+                from: "        .define(\"_GNU_SOURCE\", None)",
+                to: "        .define(\"_GNU_SOURCE\", None)\n        .flag(\"-fstack-protector-all\")",
+            },
+            Edit::Tree {
+                file: BUILD_RS,
+                from: ".compile(\"kiln_iree_shim\");",
+                to: ".cargo_metadata(false).compile(\"kiln_iree_shim\");\n    println!(\"cargo::rustc-link-arg={}/libkiln_iree_shim.a\", std::env::var(\"OUT_DIR\").unwrap());",
+            },
+            Edit::Tree {
+                file: BUILD_RS,
+                from: "println!(\"cargo::rustc-link-lib=static:-bundle={name}\");",
+                to: "println!(\"cargo::rustc-link-arg={}\", path.display());",
+            },
+        ],
         expect: "__stack_chk_guard",
         only_arch: Some("aarch64"),
     },
