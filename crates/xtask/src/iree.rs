@@ -344,3 +344,49 @@ fn run_logged(
     eprintln!("{what}: done");
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::pins::default_pin_file;
+    use crate::target::AARCH64;
+
+    #[test]
+    fn a_cross_prefix_has_a_key_and_folder_of_its_own() {
+        let cache = tempfile::tempdir().unwrap();
+        let cache = Cache::at(cache.path());
+        let pins = Pins::load(&default_pin_file()).unwrap();
+        let host = Target::host().unwrap();
+        let aarch64 = Target::parse(Some(AARCH64)).unwrap();
+        if !aarch64.cross {
+            eprintln!("skipped: this machine is aarch64, so no cross prefix is built here");
+            return;
+        }
+        for variant in [Variant::Cpu, Variant::Cuda] {
+            let (native, native_inputs) = prefix_location(&cache, &pins, variant, &host).unwrap();
+            let (cross, cross_inputs) = prefix_location(&cache, &pins, variant, &aarch64).unwrap();
+            assert_ne!(native, cross);
+            let name = cross.file_name().unwrap().to_str().unwrap();
+            assert!(
+                name.starts_with(&format!("aarch64-linux-{}-", variant.name())),
+                "{name}"
+            );
+            assert_eq!(cross_inputs["target"], AARCH64);
+            assert_eq!(native_inputs["target"], host.triple);
+            // The cross compilers and the toolchain file are part of the key.
+            assert!(
+                cross_inputs["c_toolchain"][0]
+                    .as_str()
+                    .unwrap()
+                    .contains("aarch64-linux-gnu-gcc"),
+                "{}",
+                cross_inputs["c_toolchain"]
+            );
+            assert!(
+                cross_inputs["cmake_project"]
+                    .to_string()
+                    .contains("aarch64-linux-gnu.cmake")
+            );
+        }
+    }
+}

@@ -297,3 +297,43 @@ fn read_json<T: serde::de::DeserializeOwned>(path: &Path) -> Result<T> {
         std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))?;
     serde_json::from_str(&text).with_context(|| format!("{} is malformed", path.display()))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_link_description_names_the_target() {
+        let id = Identity {
+            version: "3.11.0",
+            revision: "abc",
+            target: "aarch64-unknown-linux-gnu",
+        };
+        let pc = pkg_config_file(&id, &["local-task".into()], &["-lfoo".into()]);
+        assert!(
+            pc.lines().any(|l| l == "target=aarch64-unknown-linux-gnu"),
+            "{pc}"
+        );
+    }
+
+    #[test]
+    fn the_code_generators_a_build_made_are_installed() {
+        let build = tempfile::tempdir().unwrap();
+        let tools = build.path().join("iree/tools");
+        std::fs::create_dir_all(&tools).unwrap();
+        std::fs::write(tools.join("iree-flatcc-cli"), "flatcc").unwrap();
+        let out = tempfile::tempdir().unwrap();
+        let bin = out.path().join(HOST_TOOLS_DIR);
+        // A cross build made none of them (it ran the host's).
+        assert!(copy_host_tools(out.path(), &bin).unwrap().is_empty());
+        assert!(!bin.exists());
+        assert_eq!(
+            copy_host_tools(build.path(), &bin).unwrap(),
+            ["iree-flatcc-cli"]
+        );
+        assert_eq!(
+            std::fs::read_to_string(bin.join("iree-flatcc-cli")).unwrap(),
+            "flatcc"
+        );
+    }
+}
