@@ -6,12 +6,22 @@
 , src
 , packages
 , iree-compiler
+, xtask
 ,
 }:
 let
-  inherit (packages) common cargoArtifacts kiln;
+  inherit (packages) common cargoArtifacts cpu;
   withArtifacts = common // {
     inherit cargoArtifacts;
+  };
+
+  nextestArgs.cargoNextestExtraArgs = "--workspace";
+  testEnv = {
+    KILN_IREE_COMPILE = lib.getExe iree-compiler;
+    preCheck = ''
+      export KILN_CACHE_DIR="$TMPDIR/kiln-cache"
+    '';
+    doInstallCargoArtifacts = false;
   };
 
   nixFiles = lib.fileset.toSource {
@@ -21,11 +31,12 @@ let
 in
 {
   # The link check: every target, release, cuda,xla-iree, nothing run.
-  link = craneLib.cargoTest (
+  # (crane's cargoTest would name it kiln-test: it sets its own suffix.)
+  link = craneLib.mkCargoDerivation (
     withArtifacts
     // {
       pnameSuffix = "-link";
-      cargoTestExtraArgs = "--workspace --all-targets --no-run";
+      buildPhaseCargoCommand = "cargoWithProfile test ${common.cargoExtraArgs} --workspace --all-targets --no-run";
       doInstallCargoArtifacts = false;
     }
   );
@@ -45,22 +56,35 @@ in
     withArtifacts
     // {
       cargoClippyExtraArgs = "--workspace --all-targets -- --deny warnings";
+      doInstallCargoArtifacts = false;
     }
   );
 
-  rustfmt = craneLib.cargoFmt { inherit src; };
+  rustfmt = craneLib.cargoFmt {
+    inherit src;
+    doInstallCargoArtifacts = false;
+  };
 
   # The tests on the CPU, xla_prepared_prefill among them (local-task), with
-  # modules compiled by the pinned compiler inside the sandbox.
-  tests = craneLib.cargoNextest (
-    withArtifacts
+  # modules compiled by the pinned compiler inside the sandbox: with
+  # cuda,xla-iree against the CUDA prefix, and with the default features
+  # against the CPU-only prefix, as `cargo xtask test` runs them.
+  tests = craneLib.cargoNextest (withArtifacts // testEnv // nextestArgs);
+  tests-cpu = craneLib.cargoNextest (
+    cpu
+    // testEnv
+    // nextestArgs
     // {
-      cargoNextestExtraArgs = "--workspace";
-      KILN_IREE_COMPILE = lib.getExe iree-compiler;
-      preCheck = ''
-        export KILN_CACHE_DIR="$TMPDIR/kiln-cache"
-      '';
-      doInstallCargoArtifacts = false;
+      pname = "kiln-cpu";
+    }
+  );
+
+  # The doctests, which nextest does not run.
+  doctests = craneLib.cargoDocTest (
+    cpu
+    // testEnv
+    // {
+      cargoTestExtraArgs = "--workspace";
     }
   );
 
@@ -80,16 +104,23 @@ in
         touch $out
       '';
 
-  # The release binaries built a second time, separately, must be identical
-  # (the non-Nix twin: `cargo xtask repro`).
-  reproducible =
-    let
-      again = kiln.overrideAttrs { KILN_REPRODUCIBILITY_BUILD = "second"; };
-    in
-    pkgs.runCommand "kiln-reproducible" { } ''
-      for bin in ${kiln}/bin/*; do
-        cmp "$bin" "${again}/bin/$(basename "$bin")"
-      done
-      touch $out
-    '';
+  # "sm_121" as a property of kiln's kernels: every module kiln prepares for
+  # its embedded model and TinyLlama's shape, assembled by the pinned CUDA's
+  # ptxas for each pinned capability (the twin: `cargo xtask ptxas`).
+  ptxas = pkgs.runCommand "kiln-ptxas" { nativeBuildInputs = [ xtask ]; } ''
+    xtask ptxas --pins ${./pins.json} --out $out \
+      --bench ${packages.kiln-unwrapped}/bin/kiln-bench-decode \
+      --compiler ${lib.getExe iree-compiler} \
+      --ptxas ${lib.getBin pkgs.cudaPackages.cuda_nvcc}/bin/ptxas
+  '';
+
+  # The release binaries built a second time, sharing nothing with the first
+  # build (dependencies, source folder, seed), must be identical (the non-Nix
+  # twin: `cargo xtask repro`).
+  reproducible = pkgs.runCommand "kiln-reproducible" { } ''
+    for bin in ${packages.kiln-unwrapped}/bin/*; do
+      cmp "$bin" "${packages.kiln-again}/bin/$(basename "$bin")"
+    done
+    touch $out
+  '';
 }

@@ -20,20 +20,45 @@ let
   iree-runtime = ireeRuntime false;
   iree-runtime-cuda = ireeRuntime true;
   iree-compiler = pkgs.callPackage ./iree-compiler.nix { inherit kilnLib; };
+  # Imported, not callPackage'd: callPackage would add `override` and
+  # `overrideDerivation` to this set of derivations, and they would land in
+  # `packages` as two non-derivations.
+  models = import ./models.nix {
+    inherit lib kilnLib;
+    inherit (pkgs) stdenvNoCC fetchurl unzip;
+  };
 
   packages = import ./packages.nix {
-    inherit lib pkgs craneLib src iree-runtime-cuda;
+    inherit
+      lib
+      pkgs
+      craneLib
+      src
+      iree-runtime
+      iree-runtime-cuda
+      iree-compiler
+      ;
   };
 in
 {
+  # The pinned models too, by name (`nix build .#smollm2-135m-instruct`).
   packages = {
     default = packages.kiln;
     inherit (packages) kiln;
     inherit iree-runtime iree-runtime-cuda iree-compiler;
-  };
+  }
+  // models;
 
   checks = import ./checks.nix {
-    inherit lib pkgs craneLib src packages iree-compiler;
+    inherit
+      lib
+      pkgs
+      craneLib
+      src
+      packages
+      iree-compiler
+      xtask
+      ;
   };
 
   formatter = pkgs.nixpkgs-fmt;

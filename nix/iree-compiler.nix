@@ -1,6 +1,6 @@
-# The pinned iree-compile, unpacked from its wheel (the native binary and
-# libIREECompiler.so; no Python), patched for the Nix store, and checked to
-# be the pinned revision.
+# The pinned iree-compile, unpacked from its wheel (the files nix/pins.json
+# lists: the native binary, libIREECompiler.so and iree-lld; no Python),
+# patched for the Nix store, and checked to be the pinned revision.
 { lib
 , stdenv
 , fetchurl
@@ -13,7 +13,7 @@
 let
   inherit (kilnLib) pins;
   wheel = kilnLib.forSystem "iree-base-compiler wheel" pins.iree.compiler.wheels stdenv.hostPlatform.system;
-  libs = dirOf pins.iree.compiler.binary;
+  inherit (pins.iree.compiler) files;
 in
 stdenv.mkDerivation {
   pname = "iree-compiler";
@@ -29,17 +29,18 @@ stdenv.mkDerivation {
     zlib
   ];
 
+  # Exactly the pinned files, the ones `cargo xtask compiler` unpacks too.
   unpackPhase = ''
     runHook preUnpack
-    unzip -q "$src" "${libs}/*" -d wheel
+    unzip -q "$src" ${lib.escapeShellArgs files} -d wheel
     runHook postUnpack
   '';
 
-  # iree-compile finds libIREECompiler.so beside itself.
+  # iree-compile finds libIREECompiler.so and iree-lld beside itself.
   installPhase = ''
     runHook preInstall
     mkdir -p $out/libexec/iree-compiler $out/bin
-    cp wheel/${pins.iree.compiler.binary} wheel/${libs}/libIREECompiler.so* $out/libexec/iree-compiler/
+    cp ${lib.concatMapStringsSep " " (f: "wheel/${lib.escapeShellArg f}") files} $out/libexec/iree-compiler/
     ln -s $out/libexec/iree-compiler/iree-compile $out/bin/iree-compile
     runHook postInstall
   '';

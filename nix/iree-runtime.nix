@@ -21,9 +21,22 @@ let
   # IREE_CUDA_DEPS_DIR: cuda.h, nvcc's crt headers, CCCL's nv headers and
   # libdevice — what the CUDA HAL driver compiles against (no nvcc run, no
   # libcuda linked).
+  # The same CUDA as the wheels `cargo xtask iree --cuda` uses: nixpkgs'
+  # packages at exactly the pinned versions.
+  versionMismatches = lib.filter (wheel: cudaPackages.${wheel.nixpkgs}.version != wheel.version) (
+    lib.attrValues pins.cuda.wheels
+  );
   cudaDeps =
     assert lib.assertMsg (cudaPackages.cudaMajorMinorVersion == pins.cuda.version)
       "cudaPackages is CUDA ${cudaPackages.cudaMajorMinorVersion}, nix/pins.json pins ${pins.cuda.version}";
+    assert lib.assertMsg (versionMismatches == [ ])
+      (
+        "nixpkgs' CUDA packages are not the versions nix/pins.json pins: "
+        + lib.concatMapStringsSep ", "
+          (wheel: "${wheel.nixpkgs} is ${cudaPackages.${wheel.nixpkgs}.version}, the pin ${wheel.version}")
+          versionMismatches
+        + ". Move the wheels in nix/pins.json to nixpkgs' versions (or the nixpkgs input)."
+      );
     runCommand "iree-cuda-deps-${cudaPackages.cudaMajorMinorVersion}" { } ''
       mkdir -p $out/include $out/nvvm/libdevice
       for dir in \

@@ -1,9 +1,37 @@
 //! Choosing a backend by name. A backend that was not compiled in, or whose
 //! device is absent, is an error: kiln never falls back to another one.
 
+use std::path::{Path, PathBuf};
+
 use anyhow::{Result, bail};
 use clap::ValueEnum;
 use kiln_core::{Backend, CpuBackend, Model};
+
+/// The model and backend options every command that runs a model takes
+/// (the CLI's commands and `kiln-server`).
+#[derive(Clone, Debug, clap::Args)]
+pub struct ModelArgs {
+    /// A GGUF file, a Hugging Face Llama folder (config.json, *.safetensors,
+    /// tokenizer.json), a pulled pinned model (`kiln list`) or `embedded`;
+    /// the embedded model when left out (chat: the pinned SmolLM2).
+    #[arg(long)]
+    pub model: Option<PathBuf>,
+    #[arg(long, value_enum, default_value_t = BackendKind::Cpu)]
+    pub backend: BackendKind,
+    #[command(flatten)]
+    pub iree: IreeOptions,
+}
+
+/// The name `--model` takes for kiln's embedded model (the default of every
+/// command but `chat`).
+pub const EMBEDDED: &str = "embedded";
+
+/// The model `--model` names: the embedded one when it is left out or named.
+pub fn load_model(spec: Option<&Path>) -> Result<Model> {
+    let spec = spec.filter(|s| *s != Path::new(EMBEDDED));
+    let path = spec.map(kiln_core::pinned::resolve).transpose()?;
+    Ok(Model::load_or_embedded(path.as_deref())?)
+}
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 pub enum BackendKind {
@@ -67,13 +95,9 @@ pub fn open_iree<'m>(
 ) -> Result<kiln_xla::IreeBackend<'m>> {
     use kiln_xla::{IreeBackend, ModuleCache, Target};
     let target = target(kind)?;
-    // IREE's flags are process-wide: restore the driver defaults first, so
-    // that one backend's --iree-flag does not leak into the next one opened.
-    let flags: Vec<&str> = DRIVER_DEFAULT_FLAGS
-        .iter()
-        .copied()
-        .chain(options.iree_flag.iter().map(String::as_str))
-        .collect();
+    // Process-wide: a backend opened later with other flags is an error
+    // while this one is open, never a silent mix of both.
+    let flags: Vec<&str> = options.iree_flag.iter().map(String::as_str).collect();
     kiln_iree::set_flags(&flags)?;
     let uri = if target == Target::Cuda {
         "cuda"
@@ -91,18 +115,6 @@ pub fn open_iree<'m>(
     )?;
     Ok(backend)
 }
-
-/// The IREE CUDA driver's own defaults for the flags kiln's measurements
-/// varied (see docs/gpu.md).
-#[cfg(all(feature = "xla-iree", feature = "cuda"))]
-const DRIVER_DEFAULT_FLAGS: &[&str] = &[
-    "--cuda_use_streams=true",
-    "--cuda_allow_inline_execution=false",
-    "--cuda_async_allocations=true",
-];
-
-#[cfg(all(feature = "xla-iree", not(feature = "cuda")))]
-const DRIVER_DEFAULT_FLAGS: &[&str] = &[];
 
 /// The IREE target of an IREE backend kind.
 #[cfg(feature = "xla-iree")]

@@ -2,3 +2,9 @@
 //! and what they share.
 
 pub mod backends;
+pub mod chat;
+pub mod pull;
+pub mod server;
+mod text_out;
+
+pub use text_out::print_text;

@@ -7,9 +7,10 @@ use std::time::Instant;
 
 use anyhow::Result;
 use clap::{Parser, Subcommand};
-use kiln_core::{Model, SamplingParams};
+use kiln_core::{Model, SamplingParams, TextStream};
 
-use kiln::backends::{self, BackendKind, IreeOptions};
+use kiln::backends::{self, ModelArgs};
+use kiln::print_text;
 
 #[derive(Parser)]
 #[command(
@@ -20,18 +21,6 @@ use kiln::backends::{self, BackendKind, IreeOptions};
 struct Cli {
     #[command(subcommand)]
     command: Command,
-}
-
-#[derive(clap::Args)]
-struct ModelArgs {
-    /// A Hugging Face Llama folder (config.json, *.safetensors, tokenizer.json);
-    /// the embedded default model when left out.
-    #[arg(long)]
-    model: Option<PathBuf>,
-    #[arg(long, value_enum, default_value_t = BackendKind::Cpu)]
-    backend: BackendKind,
-    #[command(flatten)]
-    iree: IreeOptions,
 }
 
 #[derive(Subcommand)]
@@ -57,6 +46,11 @@ enum Command {
         #[arg(long, default_value_t = 0)]
         seed: u64,
     },
+    /// Chat with a model through its chat template: answer QUESTION, or hold
+    /// a conversation on the terminal (Ctrl-D ends), or answer each line of
+    /// piped input in one conversation. Without --model: the pinned
+    /// smollm2-135m-instruct, pulled on first use (`kiln pull`).
+    Chat(ChatArgs),
     /// Run the prompt once and print the most likely next tokens and their logits.
     Prefill {
         #[command(flatten)]
@@ -72,12 +66,30 @@ enum Command {
         #[command(flatten)]
         model: ModelArgs,
     },
+    /// Download a pinned model into the cache (sha256-verified).
+    Pull {
+        /// The model's name, as `kiln list` prints it.
+        name: String,
+    },
+    /// List the pinned models and whether each is pulled.
+    List,
     /// Report the model, the IREE runtime and compiler, and the devices found.
     Inspect {
-        /// A model folder; the embedded model when left out.
+        /// A GGUF file, a model folder or a pulled model's name; the embedded
+        /// model when left out.
         #[arg(long)]
         model: Option<PathBuf>,
     },
+}
+
+#[derive(clap::Args)]
+struct ChatArgs {
+    #[command(flatten)]
+    model: ModelArgs,
+    /// The question; read turns from stdin when left out.
+    question: Option<String>,
+    #[command(flatten)]
+    options: kiln::chat::ChatOptions,
 }
 
 fn main() -> ExitCode {
@@ -91,7 +103,7 @@ fn main() -> ExitCode {
 }
 
 fn load(path: Option<&PathBuf>) -> Result<Model> {
-    Ok(Model::load_or_embedded(path.map(PathBuf::as_path))?)
+    backends::load_model(path.map(PathBuf::as_path))
 }
 
 fn run(cli: Cli) -> Result<()> {
@@ -113,8 +125,11 @@ fn run(cli: Cli) -> Result<()> {
             };
             generate(&model, &prompt, max_tokens, sampling)
         }
+        Command::Chat(args) => chat(&args),
         Command::Prefill { model, prompt, top } => prefill(&model, &prompt, top),
         Command::Prepare { model } => prepare(&model),
+        Command::Pull { name } => kiln::pull::pull(&name),
+        Command::List => kiln::pull::list(),
         Command::Inspect { model } => inspect(model.as_ref()),
     }
 }
@@ -130,8 +145,7 @@ fn generate(
     let mut backend = backends::open(&model, args.backend, &args.iree)?;
     let started = Instant::now();
     let mut first_token_at = None;
-    let mut generated = Vec::new();
-    let mut printed = 0;
+    let mut text = TextStream::new(&model.tokenizer);
     let mut stdout = std::io::stdout().lock();
     let tokens = kiln_core::generate(
         backend.as_mut(),
@@ -141,22 +155,10 @@ fn generate(
         &model.config.eos_token_ids,
         |token| {
             first_token_at.get_or_insert_with(Instant::now);
-            generated.push(token);
-            // Decode everything so far and print what is new: a token may
-            // complete a multi-byte character begun by an earlier one.
-            let text = model.tokenizer.decode(&generated)?;
-            if text.len() > printed && text.is_char_boundary(printed) {
-                let io = |error| kiln_core::Error::Write {
-                    what: "stdout",
-                    error,
-                };
-                stdout.write_all(&text.as_bytes()[printed..]).map_err(io)?;
-                stdout.flush().map_err(io)?;
-                printed = text.len();
-            }
-            Ok(())
+            print_text(&mut stdout, text.push(token)?.as_deref())
         },
     )?;
+    print_text(&mut stdout, text.finish()?.as_deref())?;
     writeln!(stdout)?;
     let total = started.elapsed().as_secs_f64();
     let prefill = first_token_at.map_or(total, |t| (t - started).as_secs_f64());
@@ -170,6 +172,21 @@ fn generate(
         (tokens.len().saturating_sub(1)) as f64 / (total - prefill).max(1e-9)
     );
     Ok(())
+}
+
+fn chat(args: &ChatArgs) -> Result<()> {
+    let (model, template) = match &args.model.model {
+        Some(path) => kiln::chat::load(path)?,
+        None => kiln::chat::default_model()?,
+    };
+    let mut backend = backends::open(&model, args.model.backend, &args.model.iree)?;
+    kiln::chat::run(
+        &model,
+        template,
+        backend.as_mut(),
+        args.question.as_deref(),
+        &args.options,
+    )
 }
 
 fn prefill(args: &ModelArgs, prompt: &str, top: usize) -> Result<()> {
@@ -186,7 +203,15 @@ fn prefill(args: &ModelArgs, prompt: &str, top: usize) -> Result<()> {
     );
     for &i in order.iter().take(top) {
         let text = model.tokenizer.decode(&[i as u32])?;
-        println!("{i:>8}  {:>12.6}  {text:?}", logits[i]);
+        // A token holding part of a character decodes alone as U+FFFD; its
+        // vocabulary entry tells such tokens apart.
+        let entry = model
+            .tokenizer
+            .vocabulary_entry(i as u32)
+            .filter(|_| text.contains('\u{fffd}'))
+            .map(|entry| format!(" (vocabulary entry {entry:?})"))
+            .unwrap_or_default();
+        println!("{i:>8}  {:>12.6}  {text:?}{entry}", logits[i]);
     }
     Ok(())
 }
@@ -198,7 +223,7 @@ fn prefill(args: &ModelArgs, prompt: &str, top: usize) -> Result<()> {
 fn prepare(args: &ModelArgs) -> Result<()> {
     use anyhow::Context;
     use indicatif::{ProgressBar, ProgressStyle};
-    if args.backend == BackendKind::Cpu {
+    if args.backend == backends::BackendKind::Cpu {
         anyhow::bail!(
             "the cpu backend has nothing to prepare; pass --backend iree-cpu or iree-cuda"
         );

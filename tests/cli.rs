@@ -99,6 +99,12 @@ fn bad_iree_options_are_named() {
         (&["--precision", "fp8"], "f32, f16 or bf16"),
         (&["--weight-layout", "rows"], "in-out or out-in"),
         (&["--iree-flag=--no_such_flag=1"], "not recognized"),
+        // IREE itself would exit(0) on --help and read "notanumber" as 0.
+        (&["--iree-flag=--help"], "kiln does not take it"),
+        (
+            &["--iree-flag=--task_worker_stack_size=notanumber"],
+            "takes an integer",
+        ),
     ];
     for (extra, expected) in cases {
         let mut args = vec!["generate", "--backend", "iree-cpu", "--max-context", "16"];
@@ -140,4 +146,75 @@ fn a_malformed_model_folder_names_the_file() {
         err.contains("config.json") && err.contains("hidden_size"),
         "{err}"
     );
+}
+
+/// `kiln` with its cache in `cache`.
+fn kiln_in(cache: &std::path::Path, args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_kiln"))
+        .args(args)
+        .env("KILN_CACHE_DIR", cache)
+        .output()
+        .unwrap()
+}
+
+#[test]
+fn pinned_models_are_listed_and_an_unpulled_one_names_the_pull_command() {
+    let cache = tempfile::tempdir().unwrap();
+    let out = kiln_in(cache.path(), &["list"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert!(
+        stdout(&out).contains("smollm2-135m-instruct")
+            && stdout(&out).contains("not pulled (kiln pull smollm2-135m-instruct)"),
+        "{}",
+        stdout(&out)
+    );
+    let out = kiln_in(
+        cache.path(),
+        &["generate", "--model", "smollm2-135m-instruct", "Hi"],
+    );
+    assert!(!out.status.success());
+    assert!(
+        stderr(&out).contains("is not pulled yet")
+            && stderr(&out).contains("run `kiln pull smollm2-135m-instruct`"),
+        "{}",
+        stderr(&out)
+    );
+    let out = kiln_in(cache.path(), &["pull", "no-such-model"]);
+    assert!(!out.status.success());
+    assert!(stderr(&out).contains("kiln list"), "{}", stderr(&out));
+    let out = kiln_in(
+        cache.path(),
+        &["generate", "--model", "no-such-model", "Hi"],
+    );
+    assert!(!out.status.success());
+    assert!(
+        stderr(&out).contains("no pinned model has that name"),
+        "{}",
+        stderr(&out)
+    );
+}
+
+#[test]
+fn a_pulled_name_resolves_to_the_cached_file() {
+    // A stand-in at the pulled path: resolution, not the download, is tested.
+    let cache = tempfile::tempdir().unwrap();
+    std::fs::create_dir_all(cache.path().join("models")).unwrap();
+    std::fs::write(
+        cache.path().join("models/smollm2-135m-instruct.gguf"),
+        b"not a gguf",
+    )
+    .unwrap();
+    let out = kiln_in(
+        cache.path(),
+        &["generate", "--model", "smollm2-135m-instruct", "Hi"],
+    );
+    assert!(!out.status.success());
+    let err = stderr(&out);
+    assert!(
+        err.contains(
+            "models/smollm2-135m-instruct.gguf is not a usable GGUF model: not a GGUF file"
+        ),
+        "{err}"
+    );
+    assert!(stdout(&kiln_in(cache.path(), &["list"])).contains("pulled: "));
 }

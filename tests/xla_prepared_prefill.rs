@@ -31,6 +31,7 @@ fn rounded_to_f16(model: &Model) -> Model {
         config: model.config.clone(),
         weights: kiln_core::weights::load_dir(dir.path(), &model.config).unwrap(),
         tokenizer: kiln_core::Tokenizer::Bytes(kiln_core::tokenizer::ByteTokenizer),
+        chat: Default::default(),
     }
 }
 
@@ -287,12 +288,25 @@ fn a_mismatched_cached_module_is_not_used() {
 /// The same checks on a CUDA device: f32 within 1e-4, f16 (against the
 /// reference on f16-rounded weights) within [`F16_BOUND`], 32 greedy steps
 /// each. Where no GPU or no libcuda.so is present they are skipped, saying
-/// why; on a GPU machine they run. Modules come from the compiler here, or
+/// why, unless `KILN_REQUIRE_GPU=1` (the GPU job) makes that a failure; on a
+/// GPU machine they run. Modules come from the compiler here, or
 /// from a module cache prepared elsewhere (`kiln prepare --backend iree-cuda
 /// --max-context 64 --precision f32|f16`).
 #[cfg(feature = "cuda")]
 mod cuda {
     use super::*;
+
+    /// No CUDA device: a skip that says why, or, where `KILN_REQUIRE_GPU=1`
+    /// says there must be one, a failure.
+    fn no_device(error: &dyn std::fmt::Display) {
+        let reason = error.to_string();
+        let reason = reason.lines().next().unwrap_or("");
+        assert!(
+            std::env::var("KILN_REQUIRE_GPU").as_deref() != Ok("1"),
+            "KILN_REQUIRE_GPU=1 but no CUDA device was found: {reason}"
+        );
+        println!("skipped: no CUDA device here ({reason})");
+    }
 
     fn on_gpu(model: &Model) {
         let graph = |p| GraphOptions::for_target(Target::Cuda, Some(p), None);
@@ -308,10 +322,7 @@ mod cuda {
                 println!("{}: f32 worst |gpu - cpu| = {worst:e}", model.name);
             }
             Err(error) if error.to_string().contains("is not available") => {
-                println!(
-                    "skipped: no CUDA device here ({})",
-                    error.to_string().lines().next().unwrap_or("")
-                );
+                no_device(&error);
                 return;
             }
             Err(error) => panic!("{error}"),
@@ -336,7 +347,7 @@ mod cuda {
             match open(&model, "cuda", Target::Cuda, graph, default_cache()) {
                 Ok(mut xla) => device_argmax_matches_host_argmax(&mut xla),
                 Err(error) if error.to_string().contains("is not available") => {
-                    println!("skipped: no CUDA device here");
+                    no_device(&error);
                     return;
                 }
                 Err(error) => panic!("{error}"),

@@ -29,8 +29,9 @@ struct Args {
     #[arg(long, value_enum, default_values_t = [BackendKind::Cpu])]
     backend: Vec<BackendKind>,
     /// `embedded`, `random-100m` or `tinyllama-1.1b` (random-weight Llamas of
-    /// those sizes, made on the fly), or a model folder (config.json and
-    /// safetensors; no tokenizer needed). Repeat for several.
+    /// those sizes, made on the fly), a model folder (config.json and
+    /// safetensors; no tokenizer needed), a GGUF file or a pulled model's
+    /// name (`kiln list`). Repeat for several.
     #[arg(long, default_values_t = ["embedded".to_string()])]
     model: Vec<String>,
     /// Prompt lengths for the prefill measurement (repeat for several); the
@@ -142,7 +143,13 @@ fn model(spec: &str) -> Result<Model> {
     Ok(match (spec, kiln_core::model::preset(spec)) {
         ("embedded", _) => Model::embedded(),
         (_, Some((config, seed))) => Model::random(spec, config, seed),
-        (dir, None) => load_folder(Path::new(dir))?,
+        (spec, None) => {
+            let path = kiln_core::pinned::resolve(Path::new(spec))?;
+            match path.is_file() {
+                true => Model::load(&path)?,
+                false => load_folder(&path)?,
+            }
+        }
     })
 }
 
@@ -156,6 +163,7 @@ fn load_folder(dir: &Path) -> Result<Model> {
         config,
         weights,
         tokenizer: Tokenizer::Bytes(ByteTokenizer),
+        chat: Default::default(),
     })
 }
 
@@ -165,7 +173,13 @@ fn config(spec: &str) -> Result<ModelConfig> {
     Ok(match (spec, kiln_core::model::preset(spec)) {
         ("embedded", _) => Model::embedded().config,
         (_, Some((config, _))) => config,
-        (dir, None) => ModelConfig::from_file(&PathBuf::from(dir).join("config.json"))?,
+        (spec, None) => {
+            let path = kiln_core::pinned::resolve(Path::new(spec))?;
+            match path.is_file() {
+                true => kiln_core::gguf::model_config(&kiln_core::gguf::GgufFile::open(&path)?)?,
+                false => ModelConfig::from_file(&path.join("config.json"))?,
+            }
+        }
     })
 }
 

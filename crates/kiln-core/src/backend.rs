@@ -65,9 +65,17 @@ impl<'m> CpuBackend<'m> {
             &self.model.weights,
             embeddings,
             &mut self.cache,
-        );
+        )?;
         let vocab = self.model.config.vocab_size;
-        Ok(logits[logits.len() - vocab..].to_vec())
+        let last = &logits[logits.len() - vocab..];
+        // Finite weights can still overflow; greedy decoding would read NaN
+        // logits as token 0. The IREE backends report the same.
+        if last.iter().any(|l| l.is_nan()) {
+            return Err(Error::Backend(
+                "the logits are NaN (the weights or the activations overflowed)".into(),
+            ));
+        }
+        Ok(last.to_vec())
     }
 
     /// Logits of every prompt position (`n * vocab`), for tests.
@@ -75,12 +83,12 @@ impl<'m> CpuBackend<'m> {
         check_tokens(self.model, tokens)?;
         self.cache = KvCache::new(self.model.config.num_layers);
         let embeddings = forward::embed(&self.model.weights, tokens);
-        Ok(forward::forward(
+        forward::forward(
             &self.model.config,
             &self.model.weights,
             &embeddings,
             &mut self.cache,
-        ))
+        )
     }
 }
 

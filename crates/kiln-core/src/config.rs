@@ -21,6 +21,24 @@ pub enum RopeScaling {
     },
 }
 
+/// The largest `config.json` kiln reads (real ones are a few KB).
+pub const CONFIG_FILE_LIMIT: u64 = 1 << 20;
+
+/// The largest value of each size, in [`ModelConfig::validate`]'s order:
+/// well above any released Llama-family model, and small enough that all
+/// products of sizes fit in 64 bits (the largest, layers × context × heads ×
+/// head_dim × 4 bytes, is 2^10 · 2^24 · 2^10 · 2^12 · 2^2 = 2^58).
+pub const LIMITS: [(&str, usize); 8] = [
+    ("hidden_size", 1 << 16),
+    ("intermediate_size", 1 << 20),
+    ("num_hidden_layers", 1 << 10),
+    ("num_attention_heads", 1 << 10),
+    ("num_key_value_heads", 1 << 10),
+    ("head_dim", 1 << 12),
+    ("vocab_size", 1 << 22),
+    ("max_position_embeddings", 1 << 24),
+];
+
 /// A Llama-architecture decoder's shape and constants.
 #[derive(Clone, Debug, PartialEq)]
 pub struct ModelConfig {
@@ -70,14 +88,45 @@ struct RawConfig {
 impl ModelConfig {
     /// Reads `config.json`.
     pub fn from_file(path: &Path) -> Result<ModelConfig> {
-        let text = std::fs::read_to_string(path).map_err(|error| Error::Io {
-            path: path.to_path_buf(),
-            error,
-        })?;
+        let text = crate::files::read_text_limited(path, CONFIG_FILE_LIMIT, "a config.json")?;
         ModelConfig::from_json(&text).map_err(|message| Error::Config {
             path: path.to_path_buf(),
             message,
         })
+    }
+
+    /// Adds the end-of-sequence ids of `generation_config.json` (when the
+    /// file exists): generation stops at all of them, as in transformers,
+    /// and instruct models often list their end-of-turn token only there.
+    pub fn add_generation_config_eos(&mut self, path: &Path) -> Result<()> {
+        let text = match std::fs::read_to_string(path) {
+            Ok(text) => text,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+            Err(error) => {
+                return Err(Error::Io {
+                    path: path.to_path_buf(),
+                    error,
+                });
+            }
+        };
+        let invalid = |message: String| Error::Config {
+            path: path.to_path_buf(),
+            message,
+        };
+        let json: serde_json::Value =
+            serde_json::from_str(&text).map_err(|e| invalid(format!("not valid JSON: {e}")))?;
+        for id in parse_eos(json.get("eos_token_id")).map_err(invalid)? {
+            if id as usize >= self.vocab_size {
+                return Err(invalid(format!(
+                    "eos_token_id {id} is outside the vocabulary ({})",
+                    self.vocab_size
+                )));
+            }
+            if !self.eos_token_ids.contains(&id) {
+                self.eos_token_ids.push(id);
+            }
+        }
+        Ok(())
     }
 
     /// Parses and checks config JSON; the error says which field is wrong.
@@ -142,21 +191,30 @@ impl ModelConfig {
         Ok(config)
     }
 
-    /// Checks the relations between the sizes.
+    /// Checks each size against [`LIMITS`] and the relations between them.
+    /// Within the limits every product of sizes kiln forms (weights, caches,
+    /// RoPE tables, in elements or bytes) fits in a `u64`, so a config that
+    /// passes cannot make arithmetic wrap. Every constructor of a config
+    /// from outside data must call it; backends call it again.
     pub fn validate(&self) -> std::result::Result<(), String> {
-        let positive = [
-            ("hidden_size", self.hidden_size),
-            ("intermediate_size", self.intermediate_size),
-            ("num_hidden_layers", self.num_layers),
-            ("num_attention_heads", self.num_heads),
-            ("num_key_value_heads", self.num_kv_heads),
-            ("head_dim", self.head_dim),
-            ("vocab_size", self.vocab_size),
-            ("max_position_embeddings", self.max_position_embeddings),
+        let sizes = [
+            self.hidden_size,
+            self.intermediate_size,
+            self.num_layers,
+            self.num_heads,
+            self.num_kv_heads,
+            self.head_dim,
+            self.vocab_size,
+            self.max_position_embeddings,
         ];
-        for (name, value) in positive {
+        for ((name, limit), value) in LIMITS.iter().zip(sizes) {
             if value == 0 {
                 return Err(format!("{name} must be positive"));
+            }
+            if value > *limit {
+                return Err(format!(
+                    "{name} is {value}, above kiln's limit of {limit} for it"
+                ));
             }
         }
         if !self.num_heads.is_multiple_of(self.num_kv_heads) {
@@ -230,10 +288,20 @@ impl ModelConfig {
 
     /// cos and sin tables for positions `0..positions`, `[positions, head_dim/2]`
     /// each, row-major; the angle is computed in f32 as Hugging Face does.
-    pub fn rope_tables(&self, positions: usize) -> (Vec<f32>, Vec<f32>) {
+    /// An allocation failure (a context too large for memory) is an error.
+    pub fn rope_tables(&self, positions: usize) -> Result<(Vec<f32>, Vec<f32>)> {
         let inv_freq = self.rope_inv_freq();
-        let mut cos = Vec::with_capacity(positions * inv_freq.len());
-        let mut sin = Vec::with_capacity(positions * inv_freq.len());
+        let too_large = || {
+            Error::Invalid(format!(
+                "no memory for RoPE tables of {positions} positions; lower --max-context"
+            ))
+        };
+        let len = positions
+            .checked_mul(inv_freq.len())
+            .ok_or_else(too_large)?;
+        let (mut cos, mut sin) = (Vec::new(), Vec::new());
+        cos.try_reserve_exact(len).map_err(|_| too_large())?;
+        sin.try_reserve_exact(len).map_err(|_| too_large())?;
         for p in 0..positions {
             for f in &inv_freq {
                 let angle = p as f32 * f;
@@ -241,7 +309,7 @@ impl ModelConfig {
                 sin.push(angle.sin());
             }
         }
-        (cos, sin)
+        Ok((cos, sin))
     }
 }
 
@@ -295,6 +363,24 @@ fn parse_eos(value: Option<&serde_json::Value>) -> std::result::Result<Vec<u32>,
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn generation_config_adds_its_eos_ids() {
+        let mut c = ModelConfig::from_json(BASE).unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("generation_config.json");
+        c.add_generation_config_eos(&path).unwrap(); // absent: nothing changes
+        assert_eq!(c.eos_token_ids, vec![2, 3]);
+        std::fs::write(&path, r#"{"eos_token_id": [3, 7], "temperature": 0.2}"#).unwrap();
+        c.add_generation_config_eos(&path).unwrap();
+        assert_eq!(c.eos_token_ids, vec![2, 3, 7]);
+        std::fs::write(&path, r#"{"eos_token_id": 99}"#).unwrap();
+        let error = c.add_generation_config_eos(&path).unwrap_err().to_string();
+        assert!(
+            error.contains("generation_config.json") && error.contains("99"),
+            "{error}"
+        );
+    }
 
     const BASE: &str = r#"{"model_type": "llama", "hidden_size": 64, "intermediate_size": 100,
         "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,

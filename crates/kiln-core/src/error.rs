@@ -10,6 +10,22 @@ pub enum Error {
         error: std::io::Error,
     },
 
+    #[error(
+        "{path} is {kind}; kiln reads model files only from regular files (or symlinks to them)"
+    )]
+    NotAFile { path: PathBuf, kind: &'static str },
+
+    #[error(
+        "{path} holds {size} bytes, more than the {limit} kiln accepts for {what}; \
+         is it the right file?"
+    )]
+    TooLarge {
+        path: PathBuf,
+        size: u64,
+        limit: u64,
+        what: &'static str,
+    },
+
     #[error("cannot write to {what}: {error}")]
     Write {
         what: &'static str,
@@ -22,11 +38,20 @@ pub enum Error {
     #[error("the weights in {path} do not fit the model: {message}")]
     Weights { path: PathBuf, message: String },
 
+    #[error("{path} is not a usable GGUF model: {message}")]
+    Gguf { path: PathBuf, message: String },
+
     #[error("{path} is not a usable tokenizer: {message}")]
     Tokenizer { path: PathBuf, message: String },
 
     #[error("cannot encode the prompt: {0}")]
     Encode(String),
+
+    #[error("cannot decode the generated tokens: {0}")]
+    Decode(String),
+
+    #[error("the chat template from {origin}: {message}")]
+    ChatTemplate { origin: String, message: String },
 
     #[error(
         "the prompt and generation need {needed} positions but the model's context holds {limit}; \

@@ -3,6 +3,7 @@
 //! backend is tested against.
 
 use crate::config::ModelConfig;
+use crate::error::Result;
 use crate::weights::{Matrix, Weights};
 
 /// Keys and values of the positions seen so far, per layer:
@@ -80,13 +81,13 @@ pub fn forward(
     weights: &Weights,
     embeddings: &[f32],
     cache: &mut KvCache,
-) -> Vec<f32> {
+) -> Result<Vec<f32>> {
     let h = config.hidden_size;
     let d = config.head_dim;
     let group = config.group_size();
     let n = embeddings.len() / h;
     let start = cache.len;
-    let (cos, sin) = config.rope_tables(start + n);
+    let (cos, sin) = config.rope_tables(start + n)?;
     let half = d / 2;
     let scale = 1.0 / (d as f32).sqrt();
 
@@ -145,12 +146,13 @@ pub fn forward(
         }
     }
     cache.len += n;
-    xs.iter()
+    Ok(xs
+        .iter()
         .flat_map(|x| {
             matvec(
                 weights.output(),
                 &rms_norm(x, &weights.final_norm, config.rms_norm_eps),
             )
         })
-        .collect()
+        .collect())
 }

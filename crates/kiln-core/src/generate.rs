@@ -14,7 +14,8 @@ pub fn generate(
     stop_tokens: &[u32],
     mut on_token: impl FnMut(u32) -> Result<()>,
 ) -> Result<Vec<u32>> {
-    let needed = prompt.len() + max_tokens;
+    // Saturating: a max_tokens near usize::MAX is simply more than fits.
+    let needed = prompt.len().saturating_add(max_tokens);
     if needed > backend.max_context() {
         return Err(Error::ContextFull {
             needed,
@@ -26,7 +27,7 @@ pub fn generate(
     if max_tokens == 0 {
         return Ok(generated);
     }
-    let mut token = sampler.sample(&backend.prefill(prompt)?);
+    let mut token = sampler.sample(&backend.prefill(prompt)?)?;
     loop {
         generated.push(token);
         on_token(token)?;
@@ -37,7 +38,7 @@ pub fn generate(
         token = if sampler.is_greedy() {
             backend.decode_greedy(token)?
         } else {
-            sampler.sample(&backend.decode(token)?)
+            sampler.sample(&backend.decode(token)?)?
         };
     }
 }

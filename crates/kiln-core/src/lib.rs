@@ -3,20 +3,33 @@
 //! [`Backend`] trait that the CPU reference and the IREE backend implement.
 
 pub mod backend;
+pub mod chat;
+pub mod chat_template;
 pub mod config;
+pub mod contained;
 mod error;
+pub mod files;
 pub mod forward;
 pub mod generate;
+pub mod gguf;
 pub mod model;
+pub mod pinned;
 pub mod sampling;
 pub mod save;
+pub mod stream;
 pub mod tokenizer;
 pub mod weights;
 
+#[cfg(any(test, feature = "testing"))]
+pub mod testing;
+
 pub use backend::{Backend, CpuBackend};
+pub use chat::{Chat, Reply};
+pub use chat_template::{ChatTemplate, Message};
 pub use config::{ModelConfig, RopeScaling};
 pub use error::{Error, Result};
 pub use generate::generate;
-pub use model::Model;
+pub use model::{ChatFormat, Model};
 pub use sampling::{Sampler, SamplingParams};
+pub use stream::TextStream;
 pub use tokenizer::Tokenizer;

@@ -16,21 +16,54 @@ pub struct Model {
     pub config: ModelConfig,
     pub weights: Weights,
     pub tokenizer: Tokenizer,
+    pub chat: ChatFormat,
+}
+
+/// What chat needs besides the tokenizer: the template and the special ids.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct ChatFormat {
+    pub bos: Option<u32>,
+    pub eos: Option<u32>,
+    /// End of turn (GGUF `tokenizer.ggml.eot_token_id`).
+    pub eot: Option<u32>,
+    /// End of message (GGUF `tokenizer.ggml.eom_token_id`).
+    pub eom: Option<u32>,
+    /// The chat template (GGUF `tokenizer.chat_template`), Jinja.
+    pub template: Option<String>,
+}
+
+impl ChatFormat {
+    /// The ids that end a generation: EOS, EOT and EOM, each once.
+    pub fn stop_ids(&self) -> Vec<u32> {
+        let mut ids = Vec::new();
+        for id in [self.eos, self.eot, self.eom].into_iter().flatten() {
+            if !ids.contains(&id) {
+                ids.push(id);
+            }
+        }
+        ids
+    }
 }
 
 /// The seed the embedded model's weights are drawn from: the bytes "kiln".
 pub const EMBEDDED_SEED: u64 = 0x6b69_6c6e;
 
 impl Model {
-    /// Loads `config.json`, `*.safetensors` and `tokenizer.json` from `dir`.
+    /// Loads a GGUF file, or `config.json`, `*.safetensors` and
+    /// `tokenizer.json` from the folder `dir`.
     pub fn load(dir: &Path) -> Result<Model> {
+        if dir.is_file() {
+            return crate::gguf::load_model(dir);
+        }
         if !dir.is_dir() {
             return Err(Error::Invalid(format!(
-                "model folder {} does not exist (expected config.json, *.safetensors, tokenizer.json)",
+                "model {} does not exist (expected a GGUF file, or a folder with config.json, \
+                 *.safetensors and tokenizer.json)",
                 dir.display()
             )));
         }
-        let config = ModelConfig::from_file(&dir.join("config.json"))?;
+        let mut config = ModelConfig::from_file(&dir.join("config.json"))?;
+        config.add_generation_config_eos(&dir.join("generation_config.json"))?;
         let weights = weights::load_dir(dir, &config)?;
         let tokenizer = Tokenizer::from_file(&dir.join("tokenizer.json"))?;
         Ok(Model {
@@ -38,6 +71,7 @@ impl Model {
             config,
             weights,
             tokenizer,
+            chat: ChatFormat::default(),
         })
     }
 
@@ -69,6 +103,7 @@ impl Model {
             config,
             weights,
             tokenizer: Tokenizer::Bytes(ByteTokenizer),
+            chat: ChatFormat::default(),
         }
     }
 
@@ -81,6 +116,7 @@ impl Model {
             config,
             weights,
             tokenizer: Tokenizer::Bytes(ByteTokenizer),
+            chat: ChatFormat::default(),
         }
     }
 

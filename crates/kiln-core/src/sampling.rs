@@ -69,9 +69,15 @@ impl Sampler {
         self.params.temperature == 0.0
     }
 
-    pub fn sample(&mut self, logits: &[f32]) -> u32 {
+    /// The next token; empty logits (a backend's fault) are an error.
+    pub fn sample(&mut self, logits: &[f32]) -> Result<u32> {
+        if logits.is_empty() {
+            return Err(Error::Backend(
+                "the backend returned no logits to sample from".into(),
+            ));
+        }
         if self.params.temperature == 0.0 {
-            return argmax(logits);
+            return Ok(argmax(logits));
         }
         // Candidates by descending logit (index order on ties: deterministic).
         let mut order: Vec<usize> = (0..logits.len()).collect();
@@ -98,11 +104,11 @@ impl Sampler {
         let mut draw = self.rng.random::<f64>() * kept_total;
         for (i, w) in weights[..kept].iter().enumerate() {
             if draw < *w {
-                return order[i] as u32;
+                return Ok(order[i] as u32);
             }
             draw -= w;
         }
-        order[kept - 1] as u32
+        Ok(order[kept - 1] as u32)
     }
 }
 
@@ -122,7 +128,7 @@ mod tests {
     #[test]
     fn greedy_takes_the_first_maximum() {
         let mut s = Sampler::new(SamplingParams::default()).unwrap();
-        assert_eq!(s.sample(&[0.1, 3.0, -1.0, 3.0]), 1);
+        assert_eq!(s.sample(&[0.1, 3.0, -1.0, 3.0]).unwrap(), 1);
     }
 
     #[test]
@@ -130,7 +136,9 @@ mod tests {
         let logits: Vec<f32> = (0..50).map(|i| ((i * 37) % 11) as f32 * 0.3).collect();
         let run = |seed| {
             let mut s = Sampler::new(params(1.0, 0, 1.0, seed)).unwrap();
-            (0..40).map(|_| s.sample(&logits)).collect::<Vec<_>>()
+            (0..40)
+                .map(|_| s.sample(&logits).unwrap())
+                .collect::<Vec<_>>()
         };
         assert_eq!(run(7), run(7));
         assert_ne!(run(7), run(8));
@@ -140,13 +148,23 @@ mod tests {
     fn top_k_and_top_p_restrict_the_candidates() {
         let logits = [5.0, 4.9, 4.8, -10.0, 0.0];
         let mut s = Sampler::new(params(1.0, 2, 1.0, 1)).unwrap();
-        assert!((0..200).map(|_| s.sample(&logits)).all(|t| t < 2));
+        assert!((0..200).map(|_| s.sample(&logits).unwrap()).all(|t| t < 2));
         // Token 0 alone holds ~36% of the mass, so top-p 0.3 keeps only it.
         let mut s = Sampler::new(params(1.0, 0, 0.3, 1)).unwrap();
-        assert!((0..200).map(|_| s.sample(&logits)).all(|t| t == 0));
+        assert!((0..200).map(|_| s.sample(&logits).unwrap()).all(|t| t == 0));
         let mut s = Sampler::new(params(1.0, 0, 1.0, 1)).unwrap();
-        let seen: std::collections::BTreeSet<u32> = (0..500).map(|_| s.sample(&logits)).collect();
+        let seen: std::collections::BTreeSet<u32> =
+            (0..500).map(|_| s.sample(&logits).unwrap()).collect();
         assert!(seen.contains(&2) && seen.contains(&4), "{seen:?}");
+    }
+
+    #[test]
+    fn empty_logits_are_an_error_not_a_panic() {
+        for temperature in [0.0, 1.0] {
+            let mut s = Sampler::new(params(temperature, 0, 1.0, 0)).unwrap();
+            let error = s.sample(&[]).unwrap_err().to_string();
+            assert!(error.contains("no logits"), "{error}");
+        }
     }
 
     #[test]

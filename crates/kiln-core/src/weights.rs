@@ -5,6 +5,7 @@ use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
 use half::{bf16, f16};
+use memmap2::Mmap;
 use safetensors::{Dtype, SafeTensors};
 
 use crate::config::ModelConfig;
@@ -64,27 +65,90 @@ impl Weights {
     }
 }
 
-/// Every tensor of the model's safetensors files, by name, as f32.
-struct TensorTable {
-    tensors: HashMap<String, (Vec<usize>, Vec<f32>)>,
+/// The tensors of a model's safetensors files, by name. Each file is mapped
+/// and its header validated (every tensor inside the file, the file no
+/// longer than its tensors) before any tensor is read; a tensor is decoded
+/// only when the model takes it.
+struct TensorTable<'a> {
+    files: Vec<(&'a Path, SafeTensors<'a>)>,
+    /// The file of each tensor name.
+    index: HashMap<String, usize>,
     origin: PathBuf,
 }
 
-impl TensorTable {
+impl<'a> TensorTable<'a> {
+    fn new(origin: &Path, files: &[(&'a Path, &'a [u8])]) -> Result<TensorTable<'a>> {
+        let mut table = TensorTable {
+            files: Vec::with_capacity(files.len()),
+            index: HashMap::new(),
+            origin: origin.to_path_buf(),
+        };
+        for &(path, bytes) in files {
+            let tensors = SafeTensors::deserialize(bytes).map_err(|e| Error::Weights {
+                path: path.to_path_buf(),
+                message: format!("not a safetensors file: {e}"),
+            })?;
+            for name in tensors.names() {
+                if table
+                    .index
+                    .insert(name.to_string(), table.files.len())
+                    .is_some()
+                {
+                    return Err(Error::Weights {
+                        path: path.to_path_buf(),
+                        message: format!("tensor {name} appears in more than one file"),
+                    });
+                }
+            }
+            table.files.push((path, tensors));
+        }
+        Ok(table)
+    }
+
+    /// Decodes tensor `name`, which must have `shape`, to f32.
     fn take(&mut self, name: &str, shape: &[usize]) -> Result<Vec<f32>> {
-        let (actual, data) = self.tensors.remove(name).ok_or_else(|| Error::Weights {
-            path: self.origin.clone(),
-            message: format!("tensor {name} is missing"),
-        })?;
-        if actual != shape {
+        let Some(file) = self.index.remove(name) else {
             return Err(Error::Weights {
                 path: self.origin.clone(),
-                message: format!(
-                    "tensor {name} has shape {actual:?}, the config implies {shape:?}"
-                ),
+                message: format!("tensor {name} is missing"),
             });
+        };
+        let (path, tensors) = &self.files[file];
+        let bad = |message: String| Error::Weights {
+            path: path.to_path_buf(),
+            message,
+        };
+        let view = tensors
+            .tensor(name)
+            .map_err(|e| bad(format!("tensor {name}: {e}")))?;
+        if view.shape() != shape {
+            return Err(bad(format!(
+                "tensor {name} has shape {:?}, the config implies {shape:?}",
+                view.shape()
+            )));
         }
-        Ok(data)
+        let data = view.data();
+        let values: Vec<f32> = match view.dtype() {
+            Dtype::F32 => data
+                .chunks_exact(4)
+                .map(|c| f32::from_le_bytes(c.try_into().expect("4 bytes")))
+                .collect(),
+            Dtype::F16 => data
+                .chunks_exact(2)
+                .map(|c| f16::from_le_bytes(c.try_into().expect("2 bytes")).to_f32())
+                .collect(),
+            Dtype::BF16 => data
+                .chunks_exact(2)
+                .map(|c| bf16::from_le_bytes(c.try_into().expect("2 bytes")).to_f32())
+                .collect(),
+            other => {
+                return Err(bad(format!(
+                    "tensor {name} is {other:?}; kiln reads f32, f16 and bf16"
+                )));
+            }
+        };
+        check_finite(name, &values).map_err(bad)?;
+        Ok(values)
     }
 
     fn matrix(&mut self, name: &str, rows: usize, cols: usize) -> Result<Matrix> {
@@ -93,6 +157,23 @@ impl TensorTable {
             cols,
             data: self.take(name, &[rows, cols])?,
         })
+    }
+
+    /// Drops a tensor the model does not use, if present.
+    fn skip(&mut self, name: &str) {
+        self.index.remove(name);
+    }
+}
+
+/// An error naming the first NaN or infinity of tensor `name`: such a
+/// weight makes every logit NaN, which greedy decoding would read as token 0.
+pub fn check_finite(name: &str, values: &[f32]) -> std::result::Result<(), String> {
+    match values.iter().position(|v| !v.is_finite()) {
+        None => Ok(()),
+        Some(i) => Err(format!(
+            "tensor {name} holds {} at index {i}; the checkpoint is corrupt",
+            values[i]
+        )),
     }
 }
 
@@ -113,59 +194,41 @@ pub fn load_dir(dir: &Path, config: &ModelConfig) -> Result<Weights> {
             message: "no *.safetensors file in the model folder".into(),
         });
     }
-    let mut table = TensorTable {
-        tensors: HashMap::new(),
-        origin: dir.to_path_buf(),
-    };
-    for file in &files {
-        read_file(file, &mut table.tensors)?;
-    }
-    from_table(table, config)
+    let maps = files
+        .into_iter()
+        .map(|path| map_file(&path).map(|map| (path, map)))
+        .collect::<Result<Vec<_>>>()?;
+    let files: Vec<(&Path, &[u8])> = maps.iter().map(|(p, m)| (p.as_path(), &m[..])).collect();
+    from_safetensors(dir, &files, config)
 }
 
-fn read_file(path: &Path, out: &mut HashMap<String, (Vec<usize>, Vec<f32>)>) -> Result<()> {
-    let bytes = std::fs::read(path).map_err(|error| Error::Io {
+/// The weights in the safetensors `files` (each a name for errors and its
+/// bytes) of the model in `dir`, checked against `config`.
+pub fn from_safetensors(
+    dir: &Path,
+    files: &[(&Path, &[u8])],
+    config: &ModelConfig,
+) -> Result<Weights> {
+    from_table(TensorTable::new(dir, files)?, config)
+}
+
+/// Maps a regular file read-only.
+fn map_file(path: &Path) -> Result<Mmap> {
+    let (file, _) = crate::files::open_regular(path)?;
+    // SAFETY: the mapping is read-only and private to kiln. Truncating or
+    // rewriting a model file while kiln loads it is outside what kiln
+    // defends against (whoever can do that chooses the model anyway).
+    unsafe { Mmap::map(&file) }.map_err(|error| Error::Io {
         path: path.to_path_buf(),
         error,
-    })?;
-    let bad = |message: String| Error::Weights {
-        path: path.to_path_buf(),
-        message,
-    };
-    let tensors = SafeTensors::deserialize(&bytes)
-        .map_err(|e| bad(format!("not a safetensors file: {e}")))?;
-    for (name, view) in tensors.tensors() {
-        let data = view.data();
-        let values = match view.dtype() {
-            Dtype::F32 => data
-                .chunks_exact(4)
-                .map(|c| f32::from_le_bytes(c.try_into().expect("4 bytes")))
-                .collect(),
-            Dtype::F16 => data
-                .chunks_exact(2)
-                .map(|c| f16::from_le_bytes(c.try_into().expect("2 bytes")).to_f32())
-                .collect(),
-            Dtype::BF16 => data
-                .chunks_exact(2)
-                .map(|c| bf16::from_le_bytes(c.try_into().expect("2 bytes")).to_f32())
-                .collect(),
-            other => {
-                return Err(bad(format!(
-                    "tensor {name} is {other:?}; kiln reads f32, f16 and bf16"
-                )));
-            }
-        };
-        if out
-            .insert(name.clone(), (view.shape().to_vec(), values))
-            .is_some()
-        {
-            return Err(bad(format!("tensor {name} appears in more than one file")));
-        }
-    }
-    Ok(())
+    })
 }
 
 fn from_table(mut t: TensorTable, c: &ModelConfig) -> Result<Weights> {
+    c.validate().map_err(|message| Error::Weights {
+        path: t.origin.clone(),
+        message: format!("invalid config: {message}"),
+    })?;
     let (h, i, v) = (c.hidden_size, c.intermediate_size, c.vocab_size);
     let q = c.num_heads * c.head_dim;
     let kv = c.num_kv_heads * c.head_dim;
@@ -188,7 +251,7 @@ fn from_table(mut t: TensorTable, c: &ModelConfig) -> Result<Weights> {
     let final_norm = t.take("model.norm.weight", &[h])?;
     let lm_head = if c.tie_word_embeddings {
         // A tied checkpoint may still carry a copy of the embedding; it is unused.
-        t.tensors.remove("lm_head.weight");
+        t.skip("lm_head.weight");
         None
     } else {
         Some(t.matrix("lm_head.weight", v, h)?)

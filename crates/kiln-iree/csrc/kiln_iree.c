@@ -92,15 +92,20 @@ void kiln_iree_error_free(kiln_iree_error* error) {
   free(error);
 }
 
-kiln_iree_error* kiln_iree_set_flags(size_t count, const char* const* flags) {
-  // iree_flags_parse takes a mutable argv with the program name first.
+kiln_iree_error* kiln_iree_set_flags(size_t count, char* const* flags) {
+  // iree_flags_parse takes a mutable argv with the program name first. It
+  // keeps pointers into the flag strings themselves (string and list flags)
+  // and writes NULs into them, so the caller keeps those alive and mutable
+  // for the life of the process; this argv array of pointers is only read
+  // during the call.
   char** argv = calloc(count + 2, sizeof(char*));
   if (!argv) {
     return kiln_iree_error_new(IREE_STATUS_RESOURCE_EXHAUSTED, "setting flags",
                                "out of memory");
   }
-  argv[0] = "kiln";
-  for (size_t i = 0; i < count; ++i) argv[i + 1] = (char*)flags[i];
+  static char program_name[] = "kiln";
+  argv[0] = program_name;
+  for (size_t i = 0; i < count; ++i) argv[i + 1] = flags[i];
   int argc = (int)count + 1;
   char** parsed = argv;
   iree_status_t status =
@@ -113,6 +118,27 @@ kiln_iree_error* kiln_iree_set_flags(size_t count, const char* const* flags) {
   free(argv);
   return kiln_iree_error_from_status(status, "setting IREE flags");
 }
+
+kiln_iree_error* kiln_iree_flags_dump(char** out_text, size_t* out_length) {
+  *out_text = NULL;
+  *out_length = 0;
+  FILE* file = open_memstream(out_text, out_length);
+  if (!file) {
+    return kiln_iree_error_new(IREE_STATUS_RESOURCE_EXHAUSTED,
+                               "listing IREE flags", "out of memory");
+  }
+  iree_flags_dump(IREE_FLAG_DUMP_MODE_DEFAULT, file);
+  if (fclose(file) != 0) {
+    free(*out_text);
+    *out_text = NULL;
+    *out_length = 0;
+    return kiln_iree_error_new(IREE_STATUS_RESOURCE_EXHAUSTED,
+                               "listing IREE flags", "out of memory");
+  }
+  return NULL;
+}
+
+void kiln_iree_text_free(char* text) { free(text); }
 
 kiln_iree_error* kiln_iree_instance_create(kiln_iree_instance** out_instance) {
   *out_instance = NULL;
@@ -215,17 +241,29 @@ kiln_iree_error* kiln_iree_module_load(kiln_iree_instance* instance,
   iree_status_t status = iree_runtime_session_create_with_device(
       instance->instance, &options, device->device, allocator,
       &module->session);
-  // The session takes ownership of this aligned copy and frees it with
-  // |allocator| — also when loading fails — so the caller's bytes need not
-  // outlive the call.
+  // The session takes ownership of this copy and frees it with the libc
+  // allocator (free(), which takes aligned_alloc's memory) — also when
+  // loading fails — so the caller's bytes need not outlive the call. IREE
+  // imports the module's constants in place, and imported heap buffers must
+  // be 64-byte aligned (IREE_HAL_HEAP_BUFFER_ALIGNMENT); malloc gives 16.
+  enum { kModuleAlignment = 64 };
   void* copy = NULL;
   if (iree_status_is_ok(status)) {
-    status = iree_allocator_malloc(allocator, length, &copy);
+    size_t rounded = (length + kModuleAlignment - 1) / kModuleAlignment *
+                     kModuleAlignment;
+    if (length == 0 || rounded < length) {
+      status = iree_make_status(IREE_STATUS_INVALID_ARGUMENT,
+                                "a module of %zu bytes", length);
+    } else if (!(copy = aligned_alloc(kModuleAlignment, rounded))) {
+      status = iree_make_status(IREE_STATUS_RESOURCE_EXHAUSTED,
+                                "no memory for a %zu-byte module", length);
+    }
   }
   if (iree_status_is_ok(status)) {
     memcpy(copy, data, length);
     status = iree_runtime_session_append_bytecode_module_from_memory(
-        module->session, iree_make_const_byte_span(copy, length), allocator);
+        module->session, iree_make_const_byte_span(copy, length),
+        iree_allocator_system());
   }
   if (!iree_status_is_ok(status)) {
     iree_runtime_session_release(module->session);

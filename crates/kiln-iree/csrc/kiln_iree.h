@@ -39,8 +39,17 @@ void kiln_iree_error_free(kiln_iree_error* error);
 
 // Sets IREE runtime flags, written as IREE's own tools take them
 // ("--cuda_use_streams=false"). They are process-wide and configure drivers
-// created after the call; an unknown flag or bad value is an error.
-kiln_iree_error* kiln_iree_set_flags(size_t count, const char* const* flags);
+// created after the call; an unknown flag is an error. IREE keeps pointers
+// into |flags|' strings and writes into them: they must stay valid and
+// mutable for the rest of the process. IREE does not check values (atoi) and
+// exits the process on action flags (--help): the caller validates first.
+// Not thread-safe: the caller serialises it with device creation.
+kiln_iree_error* kiln_iree_set_flags(size_t count, char* const* flags);
+// Every registered flag with its current value, one per line, as IREE prints
+// them ("--name=value"; "# --name..." for list and action flags). Free
+// |out_text| with kiln_iree_text_free.
+kiln_iree_error* kiln_iree_flags_dump(char** out_text, size_t* out_length);
+void kiln_iree_text_free(char* text);
 
 // An instance with every HAL driver compiled into the runtime registered.
 kiln_iree_error* kiln_iree_instance_create(kiln_iree_instance** out_instance);

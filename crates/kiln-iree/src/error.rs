@@ -49,6 +49,17 @@ pub enum Error {
     #[error("{what} contains a NUL byte: {value:?}")]
     Nul { what: &'static str, value: String },
 
+    /// An IREE runtime flag kiln will not pass to IREE.
+    #[error("IREE flag `{flag}`: {why}")]
+    Flag { flag: String, why: String },
+
+    /// New flags while a device exists (devices read them when created).
+    #[error(
+        "IREE flags are process-wide and a device is open with `{current}`; `{requested}` \
+         cannot apply until every device (backend) of this process is closed"
+    )]
+    FlagsInUse { current: String, requested: String },
+
     #[error("cannot read the module {path}: {error}")]
     ReadModule {
         path: PathBuf,

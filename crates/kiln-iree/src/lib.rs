@@ -16,11 +16,13 @@
 
 mod error;
 mod ffi;
+mod flags;
 mod runtime;
 mod tensor;
 
 pub use error::{Error, Result, StatusCode};
-pub use runtime::{Device, DeviceTensor, Instance, Module, Reader, set_flags};
+pub use flags::{flags_in_effect, set_flags};
+pub use runtime::{Device, DeviceTensor, Instance, Module, Reader};
 pub use tensor::{ElementType, Tensor, TensorData};
 
 /// The IREE revision of the runtime this crate was linked against (from the

@@ -1,12 +1,14 @@
 //! Instances, devices, modules and calls: the safe face of the shim.
 
 use std::ffi::CString;
+use std::marker::PhantomData;
 use std::path::Path;
 use std::ptr::NonNull;
 use std::sync::Arc;
 
 use crate::error::{Error, Result, STATUS_NOT_FOUND, STATUS_UNAVAILABLE, StatusCode};
 use crate::ffi;
+use crate::flags;
 use crate::tensor::{ElementType, Tensor};
 
 /// Takes ownership of a shim error; `Ok` for NULL.
@@ -29,6 +31,11 @@ fn check(raw: *mut ffi::kiln_iree_error) -> std::result::Result<(), (StatusCode,
 
 fn iree_error((code, message): (StatusCode, String)) -> Error {
     Error::Iree { code, message }
+}
+
+/// [`check`], as this crate's error.
+pub(crate) fn check_raw(raw: *mut ffi::kiln_iree_error) -> Result<()> {
+    check(raw).map_err(iree_error)
 }
 
 fn c_string(what: &'static str, value: &str) -> Result<CString> {
@@ -57,20 +64,6 @@ unsafe impl Sync for RawInstance {}
 #[derive(Clone)]
 pub struct Instance {
     raw: Arc<RawInstance>,
-}
-
-/// Sets IREE runtime flags as IREE's tools take them
-/// (`--cuda_use_streams=false`). They are process-wide and apply to devices
-/// opened afterwards.
-pub fn set_flags(flags: &[&str]) -> Result<()> {
-    let owned = flags
-        .iter()
-        .map(|f| c_string("an IREE flag", f))
-        .collect::<Result<Vec<_>>>()?;
-    let pointers: Vec<*const std::ffi::c_char> = owned.iter().map(|c| c.as_ptr()).collect();
-    // SAFETY: `pointers` holds `owned.len()` valid C strings that outlive the call.
-    check(unsafe { ffi::kiln_iree_set_flags(pointers.len(), pointers.as_ptr()) })
-        .map_err(iree_error)
 }
 
 impl Instance {
@@ -128,6 +121,9 @@ impl Instance {
         }
         let c_uri = c_string("device URI", uri)?;
         let mut raw = std::ptr::null_mut();
+        // Drivers read IREE's flags while creating a device: not while they
+        // change (see `set_flags`).
+        let mut flag_state = flags::lock();
         // SAFETY: the instance handle is live, the URI is NUL-terminated and
         // `raw` is a valid out-pointer.
         check(unsafe {
@@ -151,6 +147,8 @@ impl Instance {
             }
         })?;
         let raw = NonNull::new(raw).expect("the shim returns a handle on success");
+        flag_state.live_devices += 1;
+        drop(flag_state);
         Ok(Device {
             raw: Arc::new(RawDevice(raw)),
             instance: self.clone(),
@@ -163,9 +161,12 @@ struct RawDevice(NonNull<ffi::kiln_iree_device>);
 
 impl Drop for RawDevice {
     fn drop(&mut self) {
+        let mut flag_state = flags::lock();
         // SAFETY: the handle came from kiln_iree_device_create and is released
-        // once; modules hold their own IREE reference to the device.
+        // once, after everything of it that Rust holds (modules, tensors,
+        // readers keep the `RawDevice` alive).
         unsafe { ffi::kiln_iree_device_release(self.0.as_ptr()) }
+        flag_state.live_devices -= 1;
     }
 }
 
@@ -242,9 +243,7 @@ impl Device {
             )
         })
         .map_err(iree_error)?;
-        Ok(DeviceTensor {
-            raw: NonNull::new(raw).expect("the shim returns a handle on success"),
-        })
+        Ok(DeviceTensor::new(raw, &self.raw))
     }
 
     /// Loads a `.vmfb` file.
@@ -257,16 +256,14 @@ impl Device {
     }
 }
 
-/// A loaded module in its own session. Sessions are not thread-safe, so a
-/// module can move between threads but not be shared by them.
+/// A loaded module in its own session. Neither `Send` nor `Sync`: sessions
+/// are not thread-safe, and a module's outputs may share buffers with its
+/// inputs or its own state, which must stay on one thread with the tensors
+/// ([`DeviceTensor`]).
 pub struct Module {
     raw: NonNull<ffi::kiln_iree_module>,
     device: Device,
 }
-
-// SAFETY: a session may be used from any thread, one at a time; `Module` is
-// not `Sync`, so calls through `&Module` cannot overlap.
-unsafe impl Send for Module {}
 
 impl Drop for Module {
     fn drop(&mut self) {
@@ -287,15 +284,36 @@ impl Drop for Call {
 
 /// A tensor in device memory: a module's output, or an upload. Passing it to
 /// a call copies nothing, so weights and caches stay on the device.
+///
+/// Neither `Send` nor `Sync`: a call may write into an input's buffer (tied
+/// outputs, `iree.abi.output`), and its output then shares that buffer with
+/// the input. Reading one tensor while a call writes another that shares its
+/// buffer would be a data race, so tensors stay on the thread that made them.
+///
+/// ```compile_fail
+/// fn shared_across_threads<T: Sync>() {}
+/// shared_across_threads::<kiln_iree::DeviceTensor>();
+/// ```
+/// ```compile_fail
+/// fn moved_across_threads<T: Send>() {}
+/// moved_across_threads::<kiln_iree::DeviceTensor>();
+/// ```
 pub struct DeviceTensor {
     raw: NonNull<ffi::kiln_iree_tensor>,
+    /// Keeps the device alive (and its flags fixed) while the tensor is.
+    _device: Arc<RawDevice>,
+    _one_thread: PhantomData<*const ()>,
 }
 
-// SAFETY: IREE buffer views are reference-counted and immutable in shape;
-// reading and passing them is safe from any thread.
-unsafe impl Send for DeviceTensor {}
-// SAFETY: as above; every method takes `&self` and only reads.
-unsafe impl Sync for DeviceTensor {}
+impl DeviceTensor {
+    fn new(raw: *mut ffi::kiln_iree_tensor, device: &Arc<RawDevice>) -> DeviceTensor {
+        DeviceTensor {
+            raw: NonNull::new(raw).expect("the shim returns a handle on success"),
+            _device: Arc::clone(device),
+            _one_thread: PhantomData,
+        }
+    }
+}
 
 impl Drop for DeviceTensor {
     fn drop(&mut self) {
@@ -435,9 +453,7 @@ impl Module {
                 // SAFETY: the call is live and has outputs left (counted above).
                 check(unsafe { ffi::kiln_iree_call_pop_output(call.0.as_ptr(), &mut raw) })
                     .map_err(iree_error)?;
-                Ok(DeviceTensor {
-                    raw: NonNull::new(raw).expect("the shim returns a handle on success"),
-                })
+                Ok(DeviceTensor::new(raw, &self.device.raw))
             })
             .collect()
     }

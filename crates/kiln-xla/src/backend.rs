@@ -153,6 +153,8 @@ impl<'m> IreeBackend<'m> {
         cache: ModuleCache,
         buckets: Buckets,
     ) -> kiln_core::Result<IreeBackend<'m>> {
+        // Every size below is a product of the config's: bounded only if valid.
+        model.config.validate().map_err(kiln_core::Error::Invalid)?;
         let device = Instance::new()
             .and_then(|i| i.device(device_uri))
             .map_err(to_core)?;
@@ -164,7 +166,7 @@ impl<'m> IreeBackend<'m> {
         let weights = packed_weights(&model.weights, &graph)
             .and_then(|t| device.upload(&t))
             .map_err(to_core)?;
-        let (cos, sin) = model.config.rope_tables(buckets.context);
+        let (cos, sin) = model.config.rope_tables(buckets.context)?;
         let rows = [buckets.context as i64, model.config.head_dim as i64 / 2];
         let cos = upload(&rows, cos)?;
         let sin = upload(&rows, sin)?;
@@ -245,10 +247,10 @@ impl<'m> IreeBackend<'m> {
         inputs.push(&self.weights);
         let mut results = module.invoke(function, &inputs).map_err(to_core)?;
         if results.len() != outputs {
-            return Err(to_core(format!(
-                "{function} returned {} outputs, expected {outputs}",
-                results.len()
-            )));
+            return Err(unexpected_output(
+                function,
+                format!("{} outputs, not {outputs}", results.len()),
+            ));
         }
         let v = results.pop().expect("checked count");
         let k = results.pop().expect("checked count");
@@ -274,7 +276,7 @@ impl<'m> IreeBackend<'m> {
             3,
         )?;
         self.position = rows;
-        read_f32(&mut self.reader, &outputs[0])
+        self.read_logits(function, &outputs[0])
     }
 
     /// One decode step; returns its outputs `[logits, next token, next
@@ -333,9 +335,33 @@ impl<'m> IreeBackend<'m> {
     }
 }
 
-fn read_f32(reader: &mut Reader, tensor: &DeviceTensor) -> kiln_core::Result<Vec<f32>> {
-    let host = reader.read(tensor).map_err(to_core)?;
-    host.as_f32().map(<[f32]>::to_vec).map_err(to_core)
+impl IreeBackend<'_> {
+    /// The logits a module returned, which must be one f32 per token of the
+    /// vocabulary: a module is checked like any other input before use.
+    fn read_logits(
+        &mut self,
+        function: &str,
+        tensor: &DeviceTensor,
+    ) -> kiln_core::Result<Vec<f32>> {
+        let host = self.reader.read(tensor).map_err(to_core)?;
+        let logits = host.as_f32().map_err(|e| unexpected_output(function, e))?;
+        let vocab = self.model.config.vocab_size;
+        if logits.len() != vocab {
+            return Err(unexpected_output(
+                function,
+                format!("{} logits for a vocabulary of {vocab}", logits.len()),
+            ));
+        }
+        Ok(logits.to_vec())
+    }
+}
+
+/// An output that does not fit the model: the module is not this model's.
+fn unexpected_output(function: &str, what: impl std::fmt::Display) -> kiln_core::Error {
+    to_core(format!(
+        "{function} returned {what}: the module does not fit this model (a damaged or \
+         foreign module cache entry?); clear the module cache or run `kiln prepare`"
+    ))
 }
 
 impl Backend for IreeBackend<'_> {
@@ -378,7 +404,7 @@ impl Backend for IreeBackend<'_> {
 
     fn decode(&mut self, token: u32) -> kiln_core::Result<Vec<f32>> {
         let outputs = self.step(token)?;
-        read_f32(&mut self.reader, &outputs[0])
+        self.read_logits("decode_step", &outputs[0])
     }
 
     fn decode_greedy(&mut self, token: u32) -> kiln_core::Result<u32> {
@@ -386,7 +412,16 @@ impl Backend for IreeBackend<'_> {
         let position_tensor = outputs.pop().expect("three outputs");
         let token_tensor = outputs.pop().expect("three outputs");
         let host = self.reader.read(&token_tensor).map_err(to_core)?;
-        let chosen = host.as_i32().map_err(to_core)?[0];
+        let chosen = match host.as_i32() {
+            Ok(&[chosen]) => chosen,
+            Ok(other) => {
+                return Err(unexpected_output(
+                    "decode_step",
+                    format!("{} tokens, not one", other.len()),
+                ));
+            }
+            Err(e) => return Err(unexpected_output("decode_step", e)),
+        };
         let vocab = self.model.config.vocab_size;
         let next = u32::try_from(chosen)
             .ok()

@@ -28,6 +28,18 @@ const ELF_MACHINE: u16 = 62;
 const ELF_MACHINE: u16 = 183;
 
 impl Target {
+    /// What besides the flags decides the code compiled for this target:
+    /// for llvm-cpu from a native compiler, the host CPU (`host` in the flags
+    /// means this machine's); nothing for `generic` llvm-cpu code (the triple
+    /// in the flags names its architecture) nor for CUDA (sm_80 PTX runs on
+    /// any newer GPU).
+    pub fn machine_identity(self, native_compiler: bool) -> Result<&'static str> {
+        match (self, native_compiler) {
+            (Target::LlvmCpu, true) => crate::host_cpu::identity(),
+            (Target::LlvmCpu, false) | (Target::Cuda, _) => Ok(""),
+        }
+    }
+
     /// The iree-compile flags of this target. `native_compiler`: the compiler
     /// runs on the CPU kiln runs on, so llvm-cpu code may use that CPU's
     /// features (`host`); else — kiln for aarch64 under qemu on x86_64,

@@ -42,6 +42,22 @@ pub enum Error {
     Cache(String),
 
     #[error(
+        "the module cache folder {dir} is not safe to run modules from: {path} is {why}. \
+         Cached modules are native code; use a folder only you can write (set KILN_CACHE_DIR)"
+    )]
+    CacheUntrusted {
+        dir: PathBuf,
+        path: PathBuf,
+        why: String,
+    },
+
+    #[error("cannot identify the host CPU (the module cache key holds it): {0}")]
+    HostCpu(String),
+
+    #[error("invalid model config: {0}")]
+    Config(String),
+
+    #[error(
         "the {module} module is not in the module cache {cache} and no compiler is available \
          (KILN_IREE_COMPILE is unset); run `kiln prepare` where the pinned compiler is, and \
          carry the cache (KILN_CACHE_DIR) here"

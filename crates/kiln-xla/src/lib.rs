@@ -2,9 +2,11 @@
 //! by the pinned `iree-compile` and run through [`kiln_iree`].
 
 mod backend;
+mod cache_dir;
 mod compiler;
 mod error;
 mod graph;
+mod host_cpu;
 pub mod llama;
 mod module_cache;
 pub mod prepared;

@@ -41,10 +41,30 @@ pub fn module_kinds(buckets: &Buckets) -> Vec<ModuleKind> {
     kinds
 }
 
-/// The `.vmfb` of one module: from the cache, or compiled into it. The key
-/// covers the MLIR text, the target's flags, the compiler's identity — the
-/// IREE revision, which `Compiler` guarantees equals the runtime's — and the
-/// bucket. Without a compiler, only the cache can serve.
+/// The cache key of a module: the MLIR text, the target's flags (which
+/// depend on whether the compiler runs natively: see [`Target::flags`]) and
+/// the machine they resolve to (the host CPU for native llvm-cpu), the
+/// compiler's identity — the IREE revision, which `Compiler` guarantees
+/// equals the runtime's — and the bucket.
+pub fn key(mlir: &str, bucket: &str, target: Target, native_compiler: bool) -> Result<String> {
+    let machine = target.machine_identity(native_compiler)?;
+    Ok(key_on(mlir, bucket, target, native_compiler, machine))
+}
+
+/// [`key`] on a machine of the given identity.
+fn key_on(
+    mlir: &str,
+    bucket: &str,
+    target: Target,
+    native_compiler: bool,
+    machine: &str,
+) -> String {
+    let flags = target.flags(native_compiler).join(" ");
+    ModuleCache::key(&[mlir, &flags, machine, kiln_iree::RUNTIME_REVISION, bucket])
+}
+
+/// The `.vmfb` of one module: from the cache, or compiled into it (see
+/// [`key`]). Without a compiler, only the cache can serve.
 pub fn obtain(
     config: &ModelConfig,
     graph: &GraphOptions,
@@ -54,13 +74,13 @@ pub fn obtain(
     compiler: Option<&Compiler>,
     cache: &ModuleCache,
 ) -> Result<(Vec<u8>, Origin)> {
+    // The graph's sizes are products of the config's: bounded only if valid.
+    config.validate().map_err(Error::Config)?;
     let (mlir, bucket) = source(config, graph, kind, buckets.context);
     // Without a compiler only the cache serves, with the key of modules
     // compiled on a machine of kiln's own architecture.
-    let flags = target
-        .flags(compiler.is_none_or(Compiler::is_native))
-        .join(" ");
-    let key = ModuleCache::key(&[&mlir, &flags, kiln_iree::RUNTIME_REVISION, &bucket]);
+    let native_compiler = compiler.is_none_or(Compiler::is_native);
+    let key = key(&mlir, &bucket, target, native_compiler)?;
     cache.get_or_compile(&key, || match compiler {
         Some(compiler) => compiler.compile(&mlir, target),
         None => Err(Error::NotPrepared {
@@ -87,4 +107,29 @@ pub fn prepare(
         on_ready(kind, origin, started.elapsed());
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cpu_modules_of_different_cpus_have_different_keys() {
+        let avx512 = crate::host_cpu::from_cpuinfo("flags: sse2 avx2 avx512f").unwrap();
+        let avx2 = crate::host_cpu::from_cpuinfo("flags: sse2 avx2").unwrap();
+        let key = |target, machine| key_on("mlir", "decode:64", target, true, machine);
+        assert_ne!(key(Target::LlvmCpu, &avx512), key(Target::LlvmCpu, &avx2));
+    }
+
+    #[test]
+    fn generic_modules_of_another_architectures_compiler_have_their_own_key() {
+        let native = key("mlir", "decode:64", Target::LlvmCpu, true).unwrap();
+        let generic = key("mlir", "decode:64", Target::LlvmCpu, false).unwrap();
+        assert_ne!(native, generic);
+        // `generic` code does not depend on the CPU the compiler runs on.
+        assert_eq!(
+            generic,
+            key_on("mlir", "decode:64", Target::LlvmCpu, false, "")
+        );
+    }
 }

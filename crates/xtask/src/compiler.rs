@@ -6,7 +6,7 @@ use std::process::Command;
 
 use anyhow::{Context, Result, anyhow};
 
-use crate::cache::Cache;
+use crate::cache::{Cache, content_key};
 use crate::fetch::fetch;
 use crate::pins::{Download, Pins, for_system, host_system};
 use crate::unpack;
@@ -20,11 +20,14 @@ fn pinned_wheel(pins: &Pins) -> Result<&Download> {
     )
 }
 
-/// The folder the pinned compiler wheel unpacks to (it may not exist yet).
+/// The folder the pinned compiler files unpack to (it may not exist yet),
+/// named by the wheel and the file list.
 fn compiler_dir(cache: &Cache, pins: &Pins) -> Result<PathBuf> {
-    Ok(cache
-        .path("iree-compiler")
-        .join(&pinned_wheel(pins)?.sha256[..16]))
+    let key = content_key(&serde_json::json!({
+        "wheel": pinned_wheel(pins)?.sha256,
+        "files": pins.iree.compiler.files,
+    }));
+    Ok(cache.path("iree-compiler").join(&key[..16]))
 }
 
 /// Where the compiler of the current pins lives (it may not exist yet).
@@ -39,11 +42,29 @@ pub fn install(cache: &Cache, pins: &Pins) -> Result<(PathBuf, String)> {
     cache.publish(&compiler_dir(cache, pins)?, |staging| {
         let archive = fetch(cache, wheel)?;
         eprintln!("unpacking {}", wheel.name);
-        unpack::wheel(&archive, staging)
+        unpack_files(&archive, staging, pins)
     })?;
     let binary = compiler_location(cache, pins)?;
     let version = check_revision(&binary, pins)?;
     Ok((binary, version))
+}
+
+/// Unpacks exactly the files of the pin (`iree.compiler.files`), the ones
+/// the Nix package installs: the compiler tested here is the one Nix ships.
+fn unpack_files(archive: &Path, dest: &Path, pins: &Pins) -> Result<()> {
+    let compiler = &pins.iree.compiler;
+    let folder = Path::new(&compiler.binary).parent();
+    if !compiler.files.contains(&compiler.binary)
+        || compiler
+            .files
+            .iter()
+            .any(|f| Path::new(f).parent() != folder)
+    {
+        return Err(anyhow!(
+            "nix/pins.json: iree.compiler.files must hold `binary` and only files beside it (Nix installs them in one folder)"
+        ));
+    }
+    unpack::wheel_members(archive, dest, &compiler.files)
 }
 
 /// Runs `iree-compile --version` and compares the revision after `@` with
@@ -101,6 +122,57 @@ mod tests {
 
     use super::*;
     use crate::pins::default_pin_file;
+
+    /// With exactly the pinned files (what Nix installs), iree-compile builds
+    /// an llvm-cpu module: that target needs iree-lld beside the binary.
+    #[test]
+    fn the_pinned_files_compile_an_llvm_cpu_module() {
+        let pins = Pins::load(&default_pin_file()).unwrap();
+        let wheel = pinned_wheel(&pins).unwrap();
+        let cache = Cache::open().unwrap();
+        let archive = cache
+            .path("downloads")
+            .join(&wheel.sha256)
+            .join(&wheel.name);
+        if !archive.exists() {
+            eprintln!(
+                "skipped: the compiler wheel is not in the cache ({}); `cargo xtask compiler` fetches it",
+                archive.display()
+            );
+            return;
+        }
+        let dir = tempfile::tempdir().unwrap();
+        unpack_files(&archive, dir.path(), &pins).unwrap();
+        let module = dir.path().join("add.mlir");
+        std::fs::write(
+            &module,
+            "func.func @add(%a: tensor<4xf32>, %b: tensor<4xf32>) -> tensor<4xf32> {\n  \
+             %0 = arith.addf %a, %b : tensor<4xf32>\n  return %0 : tensor<4xf32>\n}\n",
+        )
+        .unwrap();
+        let output = Command::new(dir.path().join(&pins.iree.compiler.binary))
+            .args([
+                "--iree-hal-target-device=local",
+                "--iree-hal-local-target-device-backends=llvm-cpu",
+                "--iree-llvmcpu-target-cpu=generic",
+                "-o",
+            ])
+            .arg(dir.path().join("add.vmfb"))
+            .arg(&module)
+            .output()
+            .unwrap();
+        assert!(
+            output.status.success(),
+            "iree-compile failed with the pinned files:\n{}",
+            String::from_utf8_lossy(&output.stderr)
+        );
+        assert!(
+            std::fs::metadata(dir.path().join("add.vmfb"))
+                .unwrap()
+                .len()
+                > 0
+        );
+    }
 
     /// Serialises the tests that write and run a script: a fork by another
     /// test thread while a script is still open for writing would hold its

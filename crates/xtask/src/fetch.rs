@@ -36,50 +36,7 @@ pub fn fetch(cache: &Cache, pin: &Download) -> Result<PathBuf> {
 /// Streams `pin.url` into a temporary file beside `dest`, hashing as it goes;
 /// only a file with the pinned hash is renamed to `dest`.
 fn download_verified(pin: &Download, dir: &Path, dest: &Path) -> Result<()> {
-    let agent: ureq::Agent = ureq::Agent::config_builder()
-        .tls_config(
-            ureq::tls::TlsConfig::builder()
-                .root_certs(ureq::tls::RootCerts::PlatformVerifier)
-                .build(),
-        )
-        .build()
-        .into();
-    let response = agent
-        .get(&pin.url)
-        .call()
-        .with_context(|| format!("cannot download {} from {}", pin.name, pin.url))?;
-    let length = response
-        .headers()
-        .get("content-length")
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.parse::<u64>().ok());
-    let bar = match length {
-        Some(len) => ProgressBar::new(len).with_style(
-            ProgressStyle::with_template(
-                "{msg:40!} {bar:30} {bytes:>10}/{total_bytes:10} {bytes_per_sec:>12}",
-            )
-            .expect("valid template"),
-        ),
-        None => ProgressBar::new_spinner(),
-    };
-    bar.set_message(pin.name.clone());
-    let mut reader = response.into_body().into_reader();
-    let mut tmp = tempfile::NamedTempFile::new_in(dir)?;
-    let mut hasher = Sha256::new();
-    let mut buf = vec![0u8; 1 << 16];
-    loop {
-        let n = reader
-            .read(&mut buf)
-            .with_context(|| format!("download of {} broke off", pin.url))?;
-        if n == 0 {
-            break;
-        }
-        hasher.update(&buf[..n]);
-        tmp.write_all(&buf[..n])?;
-        bar.inc(n as u64);
-    }
-    bar.finish_and_clear();
-    let actual = hex::encode(hasher.finalize());
+    let (tmp, actual) = stream_to_temp(&pin.url, &pin.name, dir)?;
     if actual != pin.sha256 {
         return Err(anyhow!(
             "sha256 mismatch for {}\n  url:      {}\n  pinned:   {}\n  received: {actual}\n\
@@ -94,6 +51,62 @@ fn download_verified(pin: &Download, dir: &Path, dest: &Path) -> Result<()> {
         .with_context(|| format!("cannot store {}", dest.display()))?;
     eprintln!("fetched {} (sha256 verified)", pin.name);
     Ok(())
+}
+
+/// Downloads `url` into a temporary file in `dir` whose content the caller
+/// must verify before use (for inputs pinned by the hash of what they unpack
+/// to, as flake.lock's NAR hashes).
+pub fn download_unverified(url: &str, dir: &Path) -> Result<tempfile::NamedTempFile> {
+    std::fs::create_dir_all(dir)?;
+    Ok(stream_to_temp(url, url, dir)?.0)
+}
+
+/// Streams `url` into a temporary file in `dir`; returns it and its sha256.
+fn stream_to_temp(url: &str, label: &str, dir: &Path) -> Result<(tempfile::NamedTempFile, String)> {
+    let agent: ureq::Agent = ureq::Agent::config_builder()
+        .tls_config(
+            ureq::tls::TlsConfig::builder()
+                .root_certs(ureq::tls::RootCerts::PlatformVerifier)
+                .build(),
+        )
+        .build()
+        .into();
+    let response = agent
+        .get(url)
+        .call()
+        .with_context(|| format!("cannot download {label} from {url}"))?;
+    let length = response
+        .headers()
+        .get("content-length")
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    let bar = match length {
+        Some(len) => ProgressBar::new(len).with_style(
+            ProgressStyle::with_template(
+                "{msg:40!} {bar:30} {bytes:>10}/{total_bytes:10} {bytes_per_sec:>12}",
+            )
+            .expect("valid template"),
+        ),
+        None => ProgressBar::new_spinner(),
+    };
+    bar.set_message(label.to_string());
+    let mut reader = response.into_body().into_reader();
+    let mut tmp = tempfile::NamedTempFile::new_in(dir)?;
+    let mut hasher = Sha256::new();
+    let mut buf = vec![0u8; 1 << 16];
+    loop {
+        let n = reader
+            .read(&mut buf)
+            .with_context(|| format!("download of {url} broke off"))?;
+        if n == 0 {
+            break;
+        }
+        hasher.update(&buf[..n]);
+        tmp.write_all(&buf[..n])?;
+        bar.inc(n as u64);
+    }
+    bar.finish_and_clear();
+    Ok((tmp, hex::encode(hasher.finalize())))
 }
 
 /// Hex sha256 of a file's bytes.

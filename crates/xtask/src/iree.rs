@@ -238,29 +238,12 @@ fn cuda_deps_dir(cache: &Cache, pins: &Pins, system: &str) -> Result<PathBuf> {
             let unpacked = tempfile::tempdir_in(cache.path("staging"))?;
             unpack::wheel(&archive, unpacked.path())?;
             for (from, to) in &wheel.layout {
-                copy_tree(&unpacked.path().join(from), &staging.join(to))
+                crate::tree::copy_tree(&unpacked.path().join(from), &staging.join(to))
                     .with_context(|| format!("CUDA {name} wheel: cannot copy {from} to {to}"))?;
             }
         }
         Ok(())
     })
-}
-
-/// Copies the folder `from` to `to`, recursively.
-pub fn copy_tree(from: &Path, to: &Path) -> Result<()> {
-    if !from.is_dir() {
-        return Err(anyhow!("{} is not a folder", from.display()));
-    }
-    for entry in walkdir::WalkDir::new(from) {
-        let entry = entry?;
-        let target = to.join(entry.path().strip_prefix(from)?);
-        if entry.file_type().is_dir() {
-            std::fs::create_dir_all(&target)?;
-        } else {
-            std::fs::copy(entry.path(), &target)?;
-        }
-    }
-    Ok(())
 }
 
 /// Runs the freshly linked probe on `local-sync` (under emulation for another

@@ -5,13 +5,16 @@
 mod cache;
 mod compiler;
 mod env;
+mod eval_nix;
 mod fetch;
 mod gate;
 mod iree;
 mod lint_nix;
 mod lint_workflows;
+mod load;
 mod pins;
 mod prefix;
+mod ptxas;
 mod repro;
 mod setup;
 mod target;
@@ -19,6 +22,8 @@ mod test;
 mod tools;
 mod tree;
 mod unpack;
+#[cfg(test)]
+mod unprivileged;
 mod verify_pins;
 mod workflow_invariants;
 
@@ -71,6 +76,9 @@ enum Task {
     /// Install what the suite needs: the system packages (apt, as root or
     /// with sudo), nixpkgs-fmt and deadnix, the hash-pinned workflow linters.
     Setup,
+    /// A bounded load test of a running kiln-server: streamed greedy
+    /// completions, each checked complete and equal to its prompt alone, or 429.
+    Load(load::LoadArgs),
     /// Set up (as `setup`), then run the whole test suite: lint, both IREE
     /// variants, the tests, the gate.
     Test,
@@ -90,6 +98,40 @@ enum Task {
     },
     /// Check every Nix file: parse, nixpkgs-fmt, deadnix.
     LintNix,
+    /// Evaluate every flake output for every system and instantiate every
+    /// derivation with this machine's Nix (real nixpkgs lib, crane and
+    /// rust-overlay, a stand-in for nixpkgs' packages); write
+    /// nix/eval/summary.json.
+    EvalNix {
+        /// A folder with nixpkgs-lib/ (holding nixpkgs' lib/), crane/ and
+        /// rust-overlay/ at flake.lock's revisions; without it they are
+        /// downloaded from GitHub by flake.lock.
+        #[arg(long)]
+        inputs: Option<PathBuf>,
+        /// Only check that the committed summary is current (no Nix needed).
+        #[arg(long)]
+        check: bool,
+    },
+    /// Assemble the PTX of every module kiln prepares (embedded model and
+    /// TinyLlama's shape, f32 and f16) with the pinned CUDA's ptxas for each
+    /// pinned capability; report registers, spills and shared memory per kernel.
+    Ptxas {
+        /// kiln-bench-decode built with cuda,xla-iree (default: built here).
+        #[arg(long)]
+        bench: Option<PathBuf>,
+        /// iree-compile (default: the pinned one, installed here).
+        #[arg(long)]
+        compiler: Option<PathBuf>,
+        /// ptxas (default: the pinned nvcc wheel's).
+        #[arg(long)]
+        ptxas: Option<PathBuf>,
+        /// The pin file (default: this checkout's).
+        #[arg(long)]
+        pins: Option<PathBuf>,
+        /// Where report.json goes (default: target/ptxas).
+        #[arg(long)]
+        out: Option<PathBuf>,
+    },
     /// Check the GitHub workflows' security invariants; lint them with
     /// actionlint (shellcheck, pyflakes) and zizmor.
     LintWorkflows,
@@ -148,6 +190,7 @@ fn run(cli: Cli) -> Result<()> {
         Task::Setup => {
             setup::run(&Cache::open()?)?;
         }
+        Task::Load(args) => load::run(&args)?,
         Task::Test => test::run(&Cache::open()?, &load_pins()?)?,
         Task::Gate {
             link_only,
@@ -161,6 +204,38 @@ fn run(cli: Cli) -> Result<()> {
         Task::Repro => repro::run(&prefix_for_gate(&Target::host()?)?)?,
         Task::LintNix => lint_nix::run(&setup::Toolbox::installed(&Cache::open()?)?)?,
         Task::LintWorkflows => lint_workflows::run(&setup::Toolbox::installed(&Cache::open()?)?)?,
+        Task::EvalNix { inputs, check } => {
+            if check {
+                eval_nix::check()?;
+            } else {
+                eval_nix::run(&Cache::open()?, inputs.as_deref())?;
+            }
+        }
+        Task::Ptxas {
+            bench,
+            compiler,
+            ptxas,
+            pins,
+            out,
+        } => {
+            let pins = Pins::load(&pins.unwrap_or_else(default_pin_file))?;
+            let tools = ptxas::Tools {
+                bench: match bench {
+                    Some(path) => path,
+                    None => ptxas::build_bench(&prefix_for_gate(&Target::host()?)?)?,
+                },
+                compiler: match compiler {
+                    Some(path) => path,
+                    None => compiler::install(&Cache::open()?, &pins)?.0,
+                },
+                ptxas: match ptxas {
+                    Some(path) => path,
+                    None => ptxas::pinned_ptxas(&Cache::open()?, &pins)?,
+                },
+            };
+            let out = out.unwrap_or_else(|| crate::pins::repo_root().join("target/ptxas"));
+            ptxas::run(&tools, &pins.cuda.capabilities, &out)?;
+        }
         Task::IreePrefixInstall {
             build,
             source,

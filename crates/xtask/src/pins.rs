@@ -43,6 +43,9 @@ pub struct Source {
 pub struct Compiler {
     /// Path of the native `iree-compile` inside the wheel.
     pub binary: String,
+    /// The wheel members an installation consists of (the binary among them,
+    /// all in its folder): what Nix installs and what xtask unpacks.
+    pub files: Vec<String>,
     /// What `iree-compile --version` prints for the pinned build.
     pub version_line: String,
     /// One wheel per Nix system name (`x86_64-linux`, …).
@@ -57,12 +60,19 @@ pub struct CmakeOptions {
 
 #[derive(Debug, Deserialize)]
 pub struct Cuda {
+    /// The GPU capabilities kiln targets (`12.1` is sm_121).
+    pub capabilities: Vec<String>,
     pub wheels: BTreeMap<String, CudaWheel>,
 }
 
 #[derive(Debug, Deserialize, Serialize)]
 pub struct CudaWheel {
     pub version: String,
+    /// The nixpkgs package (of `cudaPackages`) this wheel stands for.
+    pub nixpkgs: String,
+    /// Where the wheel holds ptxas (the nvcc wheel only).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ptxas: Option<String>,
     /// `[from, to]` pairs: a folder of the unpacked wheel and where it goes in
     /// `IREE_CUDA_DEPS_DIR`.
     pub layout: Vec<(String, String)>,

@@ -5,7 +5,9 @@
 //! - nixpkgs-fmt and deadnix, built with `cargo install --locked` from their
 //!   crates, pinned here by version and sha256;
 //! - the workflow linters (`.ci/requirements-lint.txt`, hash-pinned) in a
-//!   virtual environment of their own.
+//!   virtual environment of their own;
+//! - the official OpenAI Python client (`.ci/requirements-openai.txt`,
+//!   hash-pinned) in another, for the kiln-server client test.
 //!
 //! The tools land in the cache (`$KILN_CACHE_DIR/tools`), named by what went
 //! into them; nothing is installed into `~/.cargo/bin` or the system Python.
@@ -23,7 +25,7 @@ use crate::pins::{Download, repo_root};
 use crate::unpack;
 
 /// Debian/Ubuntu packages the suite needs, and why.
-const SYSTEM_PACKAGES: [(&str, &str); 11] = [
+const SYSTEM_PACKAGES: [(&str, &str); 12] = [
     (
         "build-essential",
         "C/C++ compilers for the IREE runtime and the shim",
@@ -37,6 +39,10 @@ const SYSTEM_PACKAGES: [(&str, &str); 11] = [
     ("nix-bin", "nix-instantiate --parse for the Nix files"),
     ("python3-venv", "the workflow linters' virtual environment"),
     ("shellcheck", "actionlint's check of every `run:` script"),
+    (
+        "valgrind",
+        ".ci/hardening: an iree-cpu decode under memcheck",
+    ),
     (
         "gcc-aarch64-linux-gnu",
         "the aarch64 (GB10) IREE prefix and link, cross-compiled",
@@ -70,8 +76,23 @@ const CARGO_TOOLS: [CargoTool; 2] = [
     },
 ];
 
+/// A hash-pinned virtual environment: its folder's name and requirements.
+struct Venv {
+    name: &'static str,
+    requirements: &'static str,
+}
+
 /// The hash-pinned Python tools: actionlint, zizmor, pyflakes.
-const LINT_REQUIREMENTS: &str = ".ci/requirements-lint.txt";
+const LINT_VENV: Venv = Venv {
+    name: "lint-venv",
+    requirements: ".ci/requirements-lint.txt",
+};
+
+/// The `openai` package, for tests/openai_client.py.
+const OPENAI_VENV: Venv = Venv {
+    name: "openai-venv",
+    requirements: ".ci/requirements-openai.txt",
+};
 
 /// Written last into a finished virtual environment. A venv cannot be built
 /// elsewhere and renamed (its scripts name their interpreter by absolute
@@ -92,7 +113,7 @@ impl Toolbox {
             .iter()
             .map(|tool| cargo_tool_dir(cache, tool).join("bin"))
             .collect();
-        bin_dirs.push(lint_venv_dir(cache)?.join("bin"));
+        bin_dirs.push(venv_dir(cache, &LINT_VENV)?.join("bin"));
         bin_dirs.retain(|dir| dir.is_dir());
         Ok(Toolbox {
             bin_dirs,
@@ -137,7 +158,8 @@ pub fn run(cache: &Cache) -> Result<Toolbox> {
     for tool in &CARGO_TOOLS {
         install_cargo_tool(cache, tool)?;
     }
-    install_lint_venv(cache)?;
+    install_venv(cache, &LINT_VENV)?;
+    install_venv(cache, &OPENAI_VENV)?;
     let toolbox = Toolbox::installed(cache)?;
     eprintln!(
         "setup: system packages present; tools in {}",
@@ -289,6 +311,7 @@ fn install_cargo_tool(cache: &Cache, tool: &CargoTool) -> Result<()> {
         .context("cannot create a build folder in the cache")?;
     unpack::tar_gz(&archive, build.path())?;
     let source = build.path().join(&crate_name);
+    own_workspace(&source.join("Cargo.toml"))?;
     cache.publish(&dest, |staging| {
         eprintln!("setup: cargo install --locked {crate_name}");
         let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
@@ -315,9 +338,34 @@ fn install_cargo_tool(cache: &Cache, tool: &CargoTool) -> Result<()> {
     Ok(())
 }
 
+/// Makes an unpacked crate the root of its own workspace. The cache may lie
+/// inside a checkout (CI keeps it in `target/`), and cargo then takes the
+/// checkout's `[workspace]` for the crate's own and refuses to build it.
+fn own_workspace(manifest: &Path) -> Result<()> {
+    let text = std::fs::read_to_string(manifest)
+        .with_context(|| format!("cannot read {}", manifest.display()))?;
+    if !text.lines().any(|line| line.trim() == "[workspace]") {
+        std::fs::write(manifest, format!("{text}\n[workspace]\n"))
+            .with_context(|| format!("cannot write {}", manifest.display()))?;
+    }
+    Ok(())
+}
+
+/// The Python of the OpenAI client's venv (installed by [`run`]).
+pub fn openai_python(cache: &Cache) -> Result<PathBuf> {
+    let python = venv_dir(cache, &OPENAI_VENV)?.join("bin/python");
+    if !python.is_file() {
+        return Err(anyhow!(
+            "{} is missing; `cargo xtask setup` installs it",
+            python.display()
+        ));
+    }
+    Ok(python)
+}
+
 /// The venv's folder, named by the requirements and the Python that runs it.
-fn lint_venv_dir(cache: &Cache) -> Result<PathBuf> {
-    let requirements = repo_root().join(LINT_REQUIREMENTS);
+fn venv_dir(cache: &Cache, venv: &Venv) -> Result<PathBuf> {
+    let requirements = repo_root().join(venv.requirements);
     let python = Command::new("python3")
         .arg("--version")
         .output()
@@ -329,11 +377,11 @@ fn lint_venv_dir(cache: &Cache) -> Result<PathBuf> {
     }));
     Ok(cache
         .path("tools")
-        .join(format!("lint-venv-{}", &key[..16])))
+        .join(format!("{}-{}", venv.name, &key[..16])))
 }
 
-fn install_lint_venv(cache: &Cache) -> Result<()> {
-    let dir = lint_venv_dir(cache)?;
+fn install_venv(cache: &Cache, venv: &Venv) -> Result<()> {
+    let dir = venv_dir(cache, venv)?;
     if dir.join(VENV_COMPLETE).exists() {
         return Ok(());
     }
@@ -341,7 +389,7 @@ fn install_lint_venv(cache: &Cache) -> Result<()> {
         std::fs::remove_dir_all(&dir)
             .with_context(|| format!("cannot remove the half-made {}", dir.display()))?;
     }
-    let result = build_venv(&dir);
+    let result = build_venv(&dir, venv.requirements);
     if result.is_err() {
         // Leave nothing that looks like a venv behind.
         let _ = std::fs::remove_dir_all(&dir);
@@ -349,8 +397,8 @@ fn install_lint_venv(cache: &Cache) -> Result<()> {
     result
 }
 
-fn build_venv(dir: &Path) -> Result<()> {
-    eprintln!("setup: workflow linters into {}", dir.display());
+fn build_venv(dir: &Path, requirements: &str) -> Result<()> {
+    eprintln!("setup: {requirements} into {}", dir.display());
     run_checked(
         Command::new("python3").arg("-m").arg("venv").arg(dir),
         "python3 -m venv (Debian/Ubuntu: apt-get install -y python3-venv)",
@@ -358,8 +406,8 @@ fn build_venv(dir: &Path) -> Result<()> {
     run_checked(
         Command::new(dir.join("bin/pip"))
             .args(["install", "--quiet", "--require-hashes", "--no-deps", "-r"])
-            .arg(repo_root().join(LINT_REQUIREMENTS)),
-        "pip install --require-hashes -r .ci/requirements-lint.txt",
+            .arg(repo_root().join(requirements)),
+        &format!("pip install --require-hashes -r {requirements}"),
     )?;
     std::fs::write(dir.join(VENV_COMPLETE), b"")?;
     Ok(())
@@ -373,4 +421,55 @@ fn run_checked(command: &mut Command, what: &str) -> Result<()> {
         return Err(anyhow!("{what} failed ({status})"));
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `cargo metadata` on `manifest`: does cargo accept it as a package?
+    fn cargo_accepts(manifest: &Path) -> bool {
+        let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
+        Command::new(cargo)
+            .args([
+                "metadata",
+                "--offline",
+                "--no-deps",
+                "--format-version",
+                "1",
+            ])
+            .arg("--manifest-path")
+            .arg(manifest)
+            .output()
+            .is_ok_and(|out| out.status.success())
+    }
+
+    #[test]
+    fn a_tool_crate_unpacked_inside_a_checkout_builds_as_its_own_workspace() {
+        let checkout = tempfile::tempdir().unwrap();
+        std::fs::write(
+            checkout.path().join("Cargo.toml"),
+            "[workspace]\nmembers = []\n",
+        )
+        .unwrap();
+        // Where CI's cache puts an unpacked tool crate: below the checkout.
+        let source = checkout.path().join("target/kiln-cache/staging/tool-1.0.0");
+        std::fs::create_dir_all(source.join("src")).unwrap();
+        std::fs::write(source.join("src/main.rs"), "fn main() {}\n").unwrap();
+        let manifest = source.join("Cargo.toml");
+        std::fs::write(
+            &manifest,
+            "[package]\nname = \"tool\"\nversion = \"1.0.0\"\nedition = \"2021\"\n",
+        )
+        .unwrap();
+        assert!(
+            !cargo_accepts(&manifest),
+            "cargo took a crate below a workspace for a package of its own"
+        );
+        own_workspace(&manifest).unwrap();
+        assert!(cargo_accepts(&manifest));
+        // Idempotent: a second call adds no second table.
+        own_workspace(&manifest).unwrap();
+        assert!(cargo_accepts(&manifest));
+    }
 }

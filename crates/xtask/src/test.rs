@@ -56,6 +56,10 @@ pub fn run(cache: &Cache, pins: &Pins) -> Result<()> {
     step("Nix files: parse, format, dead code", || {
         crate::lint_nix::run(&toolbox)
     })?;
+    step(
+        "Nix evaluation summary matches the Nix files",
+        crate::eval_nix::check,
+    )?;
     step("GitHub workflows: invariants, actionlint, zizmor", || {
         crate::lint_workflows::run(&toolbox)
     })?;
@@ -93,6 +97,24 @@ pub fn run(cache: &Cache, pins: &Pins) -> Result<()> {
             ],
             &env(&cuda_prefix),
         )
+    })?;
+    step(
+        "ptxas: every prepared kernel for every pinned capability",
+        || {
+            let tools = crate::ptxas::Tools {
+                bench: crate::ptxas::build_bench(&cuda_prefix)?,
+                compiler: compiler.clone(),
+                ptxas: crate::ptxas::pinned_ptxas(cache, pins)?,
+            };
+            crate::ptxas::run(
+                &tools,
+                &pins.cuda.capabilities,
+                &repo_root().join("target/ptxas"),
+            )
+        },
+    )?;
+    step("kiln-server with the official OpenAI Python client", || {
+        openai_client(cache)
     })?;
     if let Some((cpu, _)) = &aarch64_prefixes {
         step("aarch64 tests under qemu-aarch64: kiln-core", || {
@@ -133,6 +155,32 @@ pub fn run(cache: &Cache, pins: &Pins) -> Result<()> {
         crate::repro::run(&cuda_prefix)
     })?;
     eprintln!("xtask test: every step succeeded");
+    Ok(())
+}
+
+/// Builds `kiln` and `kiln-server` (default features) and runs
+/// tests/openai_client.py against them in the `openai` venv.
+fn openai_client(cache: &Cache) -> Result<()> {
+    cargo(
+        &["build", "--locked", "--bin", "kiln", "--bin", "kiln-server"],
+        &[],
+    )?;
+    let python = crate::setup::openai_python(cache)?;
+    let root = repo_root();
+    let target = std::env::var_os("CARGO_TARGET_DIR")
+        .map(std::path::PathBuf::from)
+        .unwrap_or_else(|| root.join("target"));
+    let bin = target.join("debug");
+    let status = Command::new(&python)
+        .arg(root.join("tests/openai_client.py"))
+        .arg(bin.join("kiln-server"))
+        .arg(bin.join("kiln"))
+        .current_dir(&root)
+        .status()
+        .with_context(|| format!("cannot run {}", python.display()))?;
+    if !status.success() {
+        return Err(anyhow!("tests/openai_client.py failed ({status})"));
+    }
     Ok(())
 }
 

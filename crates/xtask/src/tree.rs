@@ -1,5 +1,9 @@
-//! Copies of the source tree: the gate mutates one, `repro` builds two.
+//! Copies of the source tree and of prefixes: the gate mutates one of each,
+//! `repro` builds two source trees. Copies are always writable by their owner:
+//! their originals may come read-only from the Nix store (0444, 0555), and a
+//! Nix build user, unlike root, cannot write through those modes.
 
+use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
@@ -62,10 +66,36 @@ pub fn copy_checkout(root: &Path, dest: &Path) -> Result<()> {
     for relative in files {
         let to = dest.join(&relative);
         std::fs::create_dir_all(to.parent().expect("a file has a parent"))?;
-        std::fs::copy(root.join(&relative), &to)
-            .with_context(|| format!("cannot copy {}", relative.display()))?;
+        copy_file_writable(&root.join(&relative), &to)?;
     }
     Ok(())
+}
+
+/// Copies the folder `from` to `to`, recursively, every copy writable.
+pub fn copy_tree(from: &Path, to: &Path) -> Result<()> {
+    if !from.is_dir() {
+        return Err(anyhow!("{} is not a folder", from.display()));
+    }
+    for entry in walkdir::WalkDir::new(from) {
+        let entry = entry?;
+        let target = to.join(entry.path().strip_prefix(from)?);
+        if entry.file_type().is_dir() {
+            std::fs::create_dir_all(&target)?;
+        } else {
+            copy_file_writable(entry.path(), &target)?;
+        }
+    }
+    Ok(())
+}
+
+/// `std::fs::copy`, which keeps the original's mode, plus the owner's write bit.
+fn copy_file_writable(from: &Path, to: &Path) -> Result<()> {
+    std::fs::copy(from, to)
+        .with_context(|| format!("cannot copy {} to {}", from.display(), to.display()))?;
+    let mut permissions = std::fs::metadata(to)?.permissions();
+    permissions.set_mode(permissions.mode() | 0o200);
+    std::fs::set_permissions(to, permissions)
+        .with_context(|| format!("cannot make {} writable", to.display()))
 }
 
 #[cfg(test)]

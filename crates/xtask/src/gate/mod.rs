@@ -5,8 +5,12 @@
 //! none. The mutation suite proves the check would catch link-only
 //! regressions: for each mutation, on a copy of the tree (and of the prefix),
 //! `cargo check` must still pass and the link check must fail with the
-//! expected text. Every run shares one target folder, so mutants reuse the
-//! baseline's compiled dependencies.
+//! expected text. Every run shares the checkout's own target folder (under
+//! Nix, the one crane filled with the dependency artifacts), so neither the
+//! link check nor the mutants compile a dependency again; the mutated tree
+//! lives outside the checkout, where cargo reads no second
+//! `.cargo/config.toml` (two would repeat the rustflags, and new rustflags
+//! mean every dependency recompiled).
 
 mod mutations;
 
@@ -45,11 +49,17 @@ struct Build<'a> {
 /// report and writes it as JSON. Fails if any line failed.
 pub fn run(prefix: &Path, target: &Target, link_only: bool, only: Option<&str>) -> Result<()> {
     let root = repo_root();
-    let work = root.join("target").join("gate");
-    // One target folder for every target: cargo keeps each target's
-    // artifacts apart inside it, and the build scripts are shared.
-    let target_dir = work.join("target");
+    let target_dir = match std::env::var_os("CARGO_TARGET_DIR") {
+        // Relative to where cargo runs, as cargo reads it (crane sets `target`).
+        Some(dir) => std::env::current_dir()?.join(dir),
+        None => root.join("target"),
+    };
+    let work = target_dir.join("gate");
     std::fs::create_dir_all(&work)?;
+    let scratch = scratch_folder()?;
+    // Every target shares the one target folder: cargo keeps each target's
+    // artifacts apart inside it (`target/TRIPLE/`), and the build scripts
+    // and proc macros, built for the host, are shared.
     let build = Build {
         prefix,
         target,
@@ -84,7 +94,7 @@ pub fn run(prefix: &Path, target: &Target, link_only: bool, only: Option<&str>) 
             .iter()
             .filter(|m| only.is_none_or(|o| o == m.name))
         {
-            let line = run_mutation(mutation, &root, &build, &work)?;
+            let line = run_mutation(mutation, &root, &build, scratch.path(), &work)?;
             print_line(&line);
             report.push(line);
         }
@@ -107,6 +117,15 @@ pub fn run(prefix: &Path, target: &Target, link_only: bool, only: Option<&str>) 
         ));
     }
     Ok(())
+}
+
+/// Where the mutants are made: outside the checkout, in the system's
+/// temporary folder.
+fn scratch_folder() -> Result<tempfile::TempDir> {
+    tempfile::Builder::new()
+        .prefix("kiln-gate-")
+        .tempdir()
+        .context("cannot create a scratch folder for the mutants")
 }
 
 struct Outcome {
@@ -173,7 +192,13 @@ fn cargo(tree: &Path, build: &Build, prefix: &Path, args: &[&str]) -> Result<Out
     })
 }
 
-fn run_mutation(mutation: &Mutation, root: &Path, build: &Build, work: &Path) -> Result<Line> {
+fn run_mutation(
+    mutation: &Mutation,
+    root: &Path,
+    build: &Build,
+    scratch: &Path,
+    work: &Path,
+) -> Result<Line> {
     let line = |verdict, seconds, detail: String| Line {
         name: mutation.name.into(),
         models: mutation.models.into(),
@@ -193,8 +218,8 @@ fn run_mutation(mutation: &Mutation, root: &Path, build: &Build, work: &Path) ->
     let started = Instant::now();
     // The same paths every time: cargo's fingerprints of the workspace crates
     // then differ only where the mutation edits.
-    let tree = work.join("tree");
-    let mutant_prefix = work.join("prefix");
+    let tree = scratch.join("tree");
+    let mutant_prefix = scratch.join("prefix");
     crate::tree::copy_checkout(root, &tree)?;
     copy_dir(build.prefix, &mutant_prefix)?;
     if let Err(error) = apply(mutation.edits, &tree, &mutant_prefix) {
@@ -317,7 +342,7 @@ fn copy_dir(from: &Path, to: &Path) -> Result<()> {
     if to.exists() {
         std::fs::remove_dir_all(to)?;
     }
-    crate::iree::copy_tree(from, to)
+    crate::tree::copy_tree(from, to)
 }
 
 /// The line that says why: an undefined symbol if there is one, else the
@@ -343,4 +368,92 @@ fn print_line(line: &Line) {
         "{:<14} {:<36} {:>7.1}s  {}",
         line.verdict, line.name, line.seconds, line.detail
     );
+}
+
+#[cfg(test)]
+mod tests {
+    use std::os::unix::fs::PermissionsExt;
+
+    use super::*;
+
+    /// Sets every file under `root` to `file` and every folder to `dir`.
+    fn set_modes(root: &Path, file: u32, dir: u32) {
+        // Folders last, bottom-up, so a read-only folder is not walked after.
+        for entry in walkdir::WalkDir::new(root).contents_first(true) {
+            let entry = entry.unwrap();
+            let mode = if entry.file_type().is_dir() {
+                dir
+            } else {
+                file
+            };
+            std::fs::set_permissions(entry.path(), std::fs::Permissions::from_mode(mode)).unwrap();
+        }
+    }
+
+    fn write(root: &Path, file: &str, text: &str) {
+        let path = root.join(file);
+        std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+        std::fs::write(path, text).unwrap();
+    }
+
+    /// Cargo merges every `.cargo/config.toml` from the working folder up;
+    /// the mutant tree must see its own only, or the rustflags double and
+    /// every dependency is compiled again.
+    #[test]
+    fn the_mutant_tree_sees_no_other_cargo_config() {
+        let scratch = scratch_folder().unwrap();
+        let tree = scratch.path().join("tree");
+        assert!(!tree.starts_with(repo_root()));
+        let others: Vec<_> = tree
+            .ancestors()
+            .skip(1)
+            .filter(|dir| dir.join(".cargo/config.toml").exists())
+            .collect();
+        assert!(others.is_empty(), "{others:?} hold a .cargo/config.toml");
+    }
+
+    /// The gate mutates copies of a prefix and of a tree that, under Nix,
+    /// come from the store: 0444 files in 0555 folders, and the gate runs as
+    /// a build user who cannot write through those modes.
+    #[test]
+    fn mutations_apply_to_copies_of_a_read_only_prefix_and_tree() {
+        if crate::unprivileged::rerun_without_dac_override(
+            "gate::tests::mutations_apply_to_copies_of_a_read_only_prefix_and_tree",
+        ) {
+            return;
+        }
+        let dir = tempfile::tempdir().unwrap();
+        let store = dir.path().join("store");
+        let (prefix, tree) = (store.join("prefix"), store.join("tree"));
+        let pc = format!("lib/pkgconfig/{}.pc", crate::prefix::PKG_CONFIG_NAME);
+        write(
+            &prefix,
+            &pc,
+            "prefix=/p\nLibs: -L${libdir} -la -lb -lc -lm\n",
+        );
+        for name in ["a", "b", "c"] {
+            write(&prefix, &format!("lib/lib{name}.a"), "!<arch>\n");
+        }
+        write(&tree, "src/lib.rs", "fn kept() {}\n");
+        set_modes(&store, 0o444, 0o555);
+
+        let (prefix_copy, tree_copy) = (dir.path().join("prefix"), dir.path().join("tree"));
+        copy_dir(&prefix, &prefix_copy).unwrap();
+        crate::tree::copy_checkout(&tree, &tree_copy).unwrap();
+        let edits = [
+            Edit::Libs(LibsEdit::Drop(1)),
+            Edit::Tree {
+                file: "src/lib.rs",
+                from: "kept",
+                to: "mutated",
+            },
+        ];
+        let applied = apply(&edits, &tree_copy, &prefix_copy);
+        set_modes(&store, 0o644, 0o755);
+        applied.unwrap();
+        let libs = std::fs::read_to_string(prefix_copy.join(&pc)).unwrap();
+        assert!(libs.contains("Libs: -L${libdir} -la -lc -lm"), "{libs}");
+        let source = std::fs::read_to_string(tree_copy.join("src/lib.rs")).unwrap();
+        assert_eq!(source, "fn mutated() {}\n");
+    }
 }

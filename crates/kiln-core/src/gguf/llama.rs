@@ -1,0 +1,261 @@
+//! A GGUF `llama` model: `llama.*` metadata to [`ModelConfig`], tensors to
+//! [`Weights`] (dequantized to f32), and the tokenizer from the metadata.
+
+use std::path::Path;
+
+use super::{GgufFile, TensorInfo, tokenizer_from_gguf};
+use crate::config::{ModelConfig, RopeScaling};
+use crate::error::Result;
+use crate::model::Model;
+use crate::tokenizer::Tokenizer;
+use crate::weights::{LayerWeights, Matrix, Weights};
+
+/// Loads a GGUF Llama model: configuration, weights and tokenizer.
+pub fn load_model(path: &Path) -> Result<Model> {
+    let file = GgufFile::open(path)?;
+    let mut config = model_config(&file)?;
+    let (tokenizer, chat) = tokenizer_from_gguf(&file)?;
+    config.bos_token_id = chat.bos;
+    config.eos_token_ids = chat.stop_ids();
+    config.validate().map_err(|m| file.error(m))?;
+    let weights = weights(&file, &config)?;
+    let name = file
+        .get("general.name")
+        .and_then(|v| v.as_str())
+        .map_or_else(|| path.display().to_string(), str::to_string);
+    Ok(Model {
+        name,
+        config,
+        weights,
+        tokenizer: Tokenizer::from_hugging_face(tokenizer),
+        chat,
+    })
+}
+
+fn usize_key(file: &GgufFile, key: &str) -> Result<usize> {
+    let value = file.require_u64(key)?;
+    usize::try_from(value).map_err(|_| file.error(format!("{key} is {value}, too large")))
+}
+
+fn optional_usize(file: &GgufFile, key: &str) -> Result<Option<usize>> {
+    Ok(file
+        .optional(key, "an unsigned integer", |v| v.as_u64())?
+        .map(|v| usize::try_from(v).unwrap_or(usize::MAX)))
+}
+
+/// The model configuration from `llama.*` metadata (without the special
+/// token ids, which come with the tokenizer).
+pub fn model_config(file: &GgufFile) -> Result<ModelConfig> {
+    let arch = file.require_str("general.architecture")?;
+    if arch != "llama" {
+        return Err(file.error(format!(
+            "general.architecture is {arch:?}; kiln runs Llama-architecture models (\"llama\")"
+        )));
+    }
+    let hidden_size = usize_key(file, "llama.embedding_length")?;
+    let num_heads = usize_key(file, "llama.attention.head_count")?;
+    let num_kv_heads = optional_usize(file, "llama.attention.head_count_kv")?.unwrap_or(num_heads);
+    let head_dim = match optional_usize(file, "llama.attention.key_length")? {
+        Some(d) => d,
+        None if num_heads > 0 => hidden_size / num_heads,
+        None => 0,
+    };
+    if let Some(rope_dims) = optional_usize(file, "llama.rope.dimension_count")?
+        && rope_dims != head_dim
+    {
+        return Err(file.error(format!(
+            "llama.rope.dimension_count is {rope_dims} but heads have {head_dim} dimensions; \
+             kiln rotates whole heads"
+        )));
+    }
+    if file.tensor("rope_freqs.weight").is_some() {
+        return Err(file.error(
+            "the model has a rope_freqs tensor (Llama 3.1 frequency factors), which kiln does not apply yet",
+        ));
+    }
+    let rope_scaling = match file.optional("llama.rope.scaling.type", "a string", |v| v.as_str())? {
+        None | Some("none") => None,
+        Some("linear") => {
+            let factor = file
+                .optional("llama.rope.scaling.factor", "a number", |v| v.as_f64())?
+                .ok_or_else(|| {
+                    file.error("linear RoPE scaling without llama.rope.scaling.factor")
+                })?;
+            Some(RopeScaling::Linear { factor })
+        }
+        Some(other) => {
+            return Err(file.error(format!(
+                "llama.rope.scaling.type {other:?} is not supported (kiln knows none and linear)"
+            )));
+        }
+    };
+    let vocab_size = match optional_usize(file, "llama.vocab_size")? {
+        Some(v) => v,
+        None => file
+            .require("tokenizer.ggml.tokens")?
+            .as_array()
+            .map(<[_]>::len)
+            .ok_or_else(|| file.error("tokenizer.ggml.tokens is not an array"))?,
+    };
+    let rms_norm_eps = file
+        .optional("llama.attention.layer_norm_rms_epsilon", "a number", |v| {
+            v.as_f64()
+        })?
+        .ok_or_else(|| {
+            file.error("metadata key llama.attention.layer_norm_rms_epsilon is missing")
+        })? as f32;
+    let config = ModelConfig {
+        hidden_size,
+        intermediate_size: usize_key(file, "llama.feed_forward_length")?,
+        num_layers: usize_key(file, "llama.block_count")?,
+        num_heads,
+        num_kv_heads,
+        head_dim,
+        vocab_size,
+        rms_norm_eps,
+        rope_theta: file
+            .optional("llama.rope.freq_base", "a number", |v| v.as_f64())?
+            .unwrap_or(10_000.0),
+        rope_scaling,
+        tie_word_embeddings: file.tensor("output.weight").is_none(),
+        max_position_embeddings: usize_key(file, "llama.context_length")?,
+        bos_token_id: None,
+        eos_token_ids: Vec::new(),
+    };
+    config.validate().map_err(|m| file.error(m))?;
+    // Each product sizes a weight matrix; none can hold more values than the
+    // file has bytes (the tensors' own sizes are checked against it later).
+    let bytes = file.len();
+    for (what, a, b) in [
+        ("head_count x key_length", config.num_heads, config.head_dim),
+        (
+            "head_count_kv x key_length",
+            config.num_kv_heads,
+            config.head_dim,
+        ),
+        (
+            "vocab_size x embedding_length",
+            config.vocab_size,
+            config.hidden_size,
+        ),
+        (
+            "feed_forward_length x embedding_length",
+            config.intermediate_size,
+            config.hidden_size,
+        ),
+    ] {
+        if a.checked_mul(b).is_none_or(|n| n > bytes) {
+            return Err(file.error(format!(
+                "llama.* metadata make {what} = {a} x {b} weights, more than the file's {bytes} bytes hold"
+            )));
+        }
+    }
+    Ok(config)
+}
+
+/// A tensor of the expected GGUF dims (fastest first), dequantized.
+fn take(file: &GgufFile, name: &str, dims: &[usize]) -> Result<Vec<f32>> {
+    let info: &TensorInfo = file
+        .tensor(name)
+        .ok_or_else(|| file.error(format!("tensor {name} is missing")))?;
+    if info.dims.len() != dims.len() || info.dims.iter().zip(dims).any(|(&a, &b)| a != b as u64) {
+        return Err(file.error(format!(
+            "tensor {name} has dims {:?}, the metadata implies {dims:?}",
+            info.dims
+        )));
+    }
+    file.tensor_f32(info)
+}
+
+/// A `[rows, cols]` matrix: GGUF dims `[cols, rows]`.
+fn matrix(file: &GgufFile, name: &str, rows: usize, cols: usize) -> Result<Matrix> {
+    Ok(Matrix {
+        rows,
+        cols,
+        data: take(file, name, &[cols, rows])?,
+    })
+}
+
+/// Undoes the row permutation llama.cpp's converter applies to q and k
+/// projections, so that RoPE pairs `(i, i + head_dim/2)` as Hugging Face
+/// does: within each head, GGUF row `2i + j` is Hugging Face row
+/// `j * head_dim/2 + i`.
+pub fn unpermute_rows(m: &mut Matrix, heads: usize) {
+    let head_dim = m.rows / heads;
+    let half = head_dim / 2;
+    let mut out = vec![0f32; m.data.len()];
+    for h in 0..heads {
+        for i in 0..half {
+            for j in 0..2 {
+                let from = (h * head_dim + 2 * i + j) * m.cols;
+                let to = (h * head_dim + j * half + i) * m.cols;
+                out[to..to + m.cols].copy_from_slice(&m.data[from..from + m.cols]);
+            }
+        }
+    }
+    m.data = out;
+}
+
+fn weights(file: &GgufFile, c: &ModelConfig) -> Result<Weights> {
+    let (h, i, v) = (c.hidden_size, c.intermediate_size, c.vocab_size);
+    let q = c.num_heads * c.head_dim;
+    let kv = c.num_kv_heads * c.head_dim;
+    let embed = matrix(file, "token_embd.weight", v, h)?;
+    let mut layers = Vec::with_capacity(c.num_layers.min(file.tensors.len()));
+    for l in 0..c.num_layers {
+        let p = format!("blk.{l}");
+        let mut wq = matrix(file, &format!("{p}.attn_q.weight"), q, h)?;
+        let mut wk = matrix(file, &format!("{p}.attn_k.weight"), kv, h)?;
+        unpermute_rows(&mut wq, c.num_heads);
+        unpermute_rows(&mut wk, c.num_kv_heads);
+        layers.push(LayerWeights {
+            attn_norm: take(file, &format!("{p}.attn_norm.weight"), &[h])?,
+            wq,
+            wk,
+            wv: matrix(file, &format!("{p}.attn_v.weight"), kv, h)?,
+            wo: matrix(file, &format!("{p}.attn_output.weight"), h, q)?,
+            mlp_norm: take(file, &format!("{p}.ffn_norm.weight"), &[h])?,
+            w_gate: matrix(file, &format!("{p}.ffn_gate.weight"), i, h)?,
+            w_up: matrix(file, &format!("{p}.ffn_up.weight"), i, h)?,
+            w_down: matrix(file, &format!("{p}.ffn_down.weight"), h, i)?,
+        });
+    }
+    let final_norm = take(file, "output_norm.weight", &[h])?;
+    let lm_head = match c.tie_word_embeddings {
+        true => None,
+        false => Some(matrix(file, "output.weight", v, h)?),
+    };
+    Ok(Weights {
+        embed,
+        layers,
+        final_norm,
+        lm_head,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn unpermute_inverts_the_converters_permutation() {
+        // The converter: reshape(heads, 2, head_dim/2, cols).swapaxes(1, 2).
+        let (heads, head_dim, cols) = (2, 4, 1);
+        let hf: Vec<f32> = (0..heads * head_dim).map(|r| r as f32).collect();
+        let mut gguf = vec![0f32; hf.len()];
+        for h in 0..heads {
+            for j in 0..2 {
+                for i in 0..head_dim / 2 {
+                    gguf[h * head_dim + i * 2 + j] = hf[h * head_dim + j * head_dim / 2 + i];
+                }
+            }
+        }
+        let mut m = Matrix {
+            rows: heads * head_dim,
+            cols,
+            data: gguf,
+        };
+        unpermute_rows(&mut m, heads);
+        assert_eq!(m.data, hf);
+    }
+}

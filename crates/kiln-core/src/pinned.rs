@@ -1,0 +1,132 @@
+//! Pinned real models: the `models` section of `nix/pins.json` (compiled in,
+//! the one pin file Nix and xtask read too), where a pulled model lives in
+//! the cache, and how `--model` resolves a name.
+
+use std::path::{Path, PathBuf};
+
+use serde::Deserialize;
+
+use crate::error::{Error, Result};
+
+const PINS_JSON: &str = include_str!("../../../nix/pins.json");
+
+/// A model pinned by the archive that carries it.
+#[derive(Clone, Debug, Deserialize, PartialEq)]
+pub struct PinnedModel {
+    #[serde(skip)]
+    pub id: String,
+    pub description: String,
+    /// The archive's file name.
+    pub name: String,
+    pub url: String,
+    pub sha256: String,
+    /// The GGUF file's path inside the archive.
+    pub member: String,
+    pub member_size: u64,
+    pub member_sha256: String,
+}
+
+/// Every pinned model, in name order.
+pub fn models() -> Vec<PinnedModel> {
+    #[derive(Deserialize)]
+    struct Pins {
+        models: std::collections::BTreeMap<String, serde_json::Value>,
+    }
+    let pins: Pins = serde_json::from_str(PINS_JSON).expect("nix/pins.json is checked by tests");
+    pins.models
+        .into_iter()
+        .filter(|(id, _)| !id.starts_with('_'))
+        .map(|(id, value)| PinnedModel {
+            id,
+            ..serde_json::from_value(value).expect("nix/pins.json is checked by tests")
+        })
+        .collect()
+}
+
+pub fn find(id: &str) -> Option<PinnedModel> {
+    models().into_iter().find(|m| m.id == id)
+}
+
+/// `$KILN_CACHE_DIR`, else `$XDG_CACHE_HOME/kiln`, else `~/.cache/kiln`
+/// (the root `cargo xtask` and the module cache use).
+pub fn cache_root() -> Result<PathBuf> {
+    let var = |name| std::env::var_os(name).filter(|v| !v.is_empty());
+    if let Some(dir) = var("KILN_CACHE_DIR") {
+        Ok(PathBuf::from(dir))
+    } else if let Some(dir) = var("XDG_CACHE_HOME") {
+        Ok(PathBuf::from(dir).join("kiln"))
+    } else if let Some(home) = var("HOME") {
+        Ok(PathBuf::from(home).join(".cache/kiln"))
+    } else {
+        Err(Error::Invalid(
+            "no cache folder: set KILN_CACHE_DIR (or HOME) to where kiln may keep models".into(),
+        ))
+    }
+}
+
+/// Where pulled models live: `<cache>/models`.
+pub fn models_dir() -> Result<PathBuf> {
+    Ok(cache_root()?.join("models"))
+}
+
+impl PinnedModel {
+    /// The pulled file: `<cache>/models/<id>.gguf`. It exists only once a
+    /// pull has verified and extracted it completely.
+    pub fn path(&self) -> Result<PathBuf> {
+        Ok(models_dir()?.join(format!("{}.gguf", self.id)))
+    }
+
+    /// The pulled file, or an error that says how to pull it.
+    pub fn pulled(&self) -> Result<PathBuf> {
+        let path = self.path()?;
+        if path.is_file() {
+            Ok(path)
+        } else {
+            Err(Error::Invalid(format!(
+                "model {} is not pulled yet (no {}); run `kiln pull {}`",
+                self.id,
+                path.display(),
+                self.id
+            )))
+        }
+    }
+}
+
+/// What `--model` names: an existing file or folder, else a pinned model
+/// that has been pulled.
+pub fn resolve(spec: &Path) -> Result<PathBuf> {
+    if spec.exists() {
+        return Ok(spec.to_path_buf());
+    }
+    if let Some(model) = spec.to_str().and_then(find) {
+        return model.pulled();
+    }
+    let names: Vec<String> = models().into_iter().map(|m| m.id).collect();
+    Err(Error::Invalid(format!(
+        "model {} does not exist: no such file or folder, and no pinned model has that name \
+         (pinned: {}; see `kiln list`)",
+        spec.display(),
+        names.join(", ")
+    )))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_pin_file_lists_smollm2() {
+        let model = find("smollm2-135m-instruct").expect("pinned");
+        assert_eq!(model.sha256.len(), 64);
+        assert!(model.url.ends_with(&model.name), "{}", model.url);
+        assert!(model.member.ends_with(".gguf"));
+        assert!(models().iter().all(|m| !m.id.starts_with('_')));
+    }
+
+    #[test]
+    fn unknown_names_are_explained() {
+        let error = resolve(Path::new("no-such-model")).unwrap_err().to_string();
+        assert!(error.contains("smollm2-135m-instruct"), "{error}");
+        assert!(error.contains("kiln list"), "{error}");
+    }
+}

@@ -1,0 +1,196 @@
+//! The flake's GitHub inputs for `eval-nix`: nixpkgs' `lib`, crane and
+//! rust-overlay at the revisions `flake.lock` pins, from a folder the user
+//! names or downloaded by the lock file's URL. Each tree is checked against
+//! the lock file's NAR hash before use (nixpkgs' `lib/` alone cannot be: its
+//! hash is recorded in the summary instead).
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use anyhow::{Context, Result, anyhow};
+use serde::Deserialize;
+use serde_json::{Value, json};
+
+use crate::cache::Cache;
+use crate::pins::repo_root;
+
+/// Where each input lies on this machine.
+pub struct Inputs {
+    /// A folder with nixpkgs' `lib/` in it (a nixpkgs tree, or nixpkgs.lib).
+    pub nixpkgs_lib: PathBuf,
+    pub crane: PathBuf,
+    pub rust_overlay: PathBuf,
+    /// What the summary says about them.
+    pub provenance: Value,
+}
+
+#[derive(Deserialize)]
+struct Lock {
+    nodes: std::collections::BTreeMap<String, Node>,
+}
+
+#[derive(Deserialize)]
+struct Node {
+    locked: Option<Locked>,
+}
+
+#[derive(Deserialize, Clone)]
+#[serde(rename_all = "camelCase")]
+struct Locked {
+    nar_hash: String,
+    owner: String,
+    repo: String,
+    rev: String,
+}
+
+fn locked(name: &str) -> Result<Locked> {
+    let path = repo_root().join("flake.lock");
+    let text = std::fs::read_to_string(&path)
+        .with_context(|| format!("cannot read {}", path.display()))?;
+    let lock: Lock = serde_json::from_str(&text).context("flake.lock is malformed")?;
+    lock.nodes
+        .get(name)
+        .and_then(|n| n.locked.clone())
+        .ok_or_else(|| anyhow!("flake.lock has no locked input `{name}`"))
+}
+
+/// The NAR hash of a tree, as hex (`nix-hash`, Debian's nix-bin).
+fn nar_hash_hex(dir: &Path) -> Result<String> {
+    nix_hash(&["--type".as_ref(), "sha256".as_ref(), dir.as_os_str()])
+}
+
+fn sri_to_hex(sri: &str) -> Result<String> {
+    nix_hash(&[
+        "--type".as_ref(),
+        "sha256".as_ref(),
+        "--to-base16".as_ref(),
+        sri.as_ref(),
+    ])
+}
+
+fn nix_hash(args: &[&std::ffi::OsStr]) -> Result<String> {
+    let output = Command::new("nix-hash")
+        .args(args)
+        .output()
+        .context("cannot run nix-hash (Debian/Ubuntu: apt-get install -y nix-bin)")?;
+    if !output.status.success() {
+        return Err(anyhow!(
+            "nix-hash failed: {}",
+            String::from_utf8_lossy(&output.stderr)
+        ));
+    }
+    Ok(String::from_utf8_lossy(&output.stdout).trim().to_string())
+}
+
+/// Fails unless `dir` is the locked input `name`, byte for byte.
+fn verify(name: &str, dir: &Path, lock: &Locked) -> Result<()> {
+    if !dir.is_dir() {
+        return Err(anyhow!(
+            "{} is missing: put {}/{} at rev {} there (e.g. `git -C MIRROR archive {} | tar x -C {}`)",
+            dir.display(),
+            lock.owner,
+            lock.repo,
+            lock.rev,
+            lock.rev,
+            dir.display()
+        ));
+    }
+    let (found, wanted) = (nar_hash_hex(dir)?, sri_to_hex(&lock.nar_hash)?);
+    if found != wanted {
+        return Err(anyhow!(
+            "{} is not {name} at the locked revision {}: its NAR hash is {found}, flake.lock's is {wanted} ({}). \
+             Extract exactly that revision there.",
+            dir.display(),
+            lock.rev,
+            lock.nar_hash
+        ));
+    }
+    Ok(())
+}
+
+/// The inputs from `dir`: `dir/nixpkgs-lib` (a folder holding nixpkgs'
+/// `lib/`), `dir/crane` and `dir/rust-overlay`.
+pub fn from_folder(dir: &Path) -> Result<Inputs> {
+    let crane = locked("crane")?;
+    let overlay = locked("rust-overlay")?;
+    let nixpkgs = locked("nixpkgs")?;
+    let inputs = Inputs {
+        nixpkgs_lib: dir.join("nixpkgs-lib"),
+        crane: dir.join("crane"),
+        rust_overlay: dir.join("rust-overlay"),
+        provenance: json!(null),
+    };
+    verify("crane", &inputs.crane, &crane)?;
+    verify("rust-overlay", &inputs.rust_overlay, &overlay)?;
+    let lib = inputs.nixpkgs_lib.join("lib");
+    if !lib.join("default.nix").is_file() {
+        return Err(anyhow!(
+            "{} has no lib/default.nix: put nixpkgs' lib/ (nixpkgs at {}, or nix-community/nixpkgs.lib at the matching commit) there",
+            inputs.nixpkgs_lib.display(),
+            nixpkgs.rev
+        ));
+    }
+    let version = std::fs::read_to_string(lib.join(".version")).unwrap_or_default();
+    let provenance = json!({
+        "crane": format!("{}/{} {} (NAR hash verified against flake.lock)", crane.owner, crane.repo, crane.rev),
+        "rust-overlay": format!("{}/{} {} (NAR hash verified against flake.lock)", overlay.owner, overlay.repo, overlay.rev),
+        "nixpkgs-lib": format!(
+            "lib/ {} with NAR hash sha256:{} from a folder (flake.lock pins nixpkgs {}; lib/ alone has no locked hash)",
+            version.trim(),
+            nar_hash_hex(&lib)?,
+            nixpkgs.rev
+        ),
+    });
+    Ok(Inputs {
+        provenance,
+        ..inputs
+    })
+}
+
+/// The inputs downloaded from GitHub by the lock file (owner, repo, rev),
+/// each unpacked into the cache and checked against its NAR hash; nixpkgs
+/// is the whole tree, of which the evaluation reads `lib/`.
+pub fn download(cache: &Cache) -> Result<Inputs> {
+    let mut dirs = Vec::new();
+    for name in ["nixpkgs", "crane", "rust-overlay"] {
+        let lock = locked(name)?;
+        let dest = cache
+            .path("nix-inputs")
+            .join(format!("{name}-{}", &lock.rev[..12]));
+        let dest = cache.publish(&dest, |staging| {
+            let url = format!(
+                "https://github.com/{}/{}/archive/{}.tar.gz",
+                lock.owner, lock.repo, lock.rev
+            );
+            let tarball = crate::fetch::download_unverified(&url, &cache.path("staging"))?;
+            let unpacked = staging.join("unpacked");
+            crate::unpack::tar_gz(tarball.path(), &unpacked)?;
+            // GitHub's tarballs hold one top folder, `REPO-REV`.
+            let top = std::fs::read_dir(&unpacked)?
+                .next()
+                .ok_or_else(|| anyhow!("{url} is an empty tarball"))??
+                .path();
+            std::fs::rename(&top, staging.join("tree"))?;
+            std::fs::remove_dir_all(&unpacked)?;
+            verify(name, &staging.join("tree"), &lock)
+        })?;
+        dirs.push((name, dest.join("tree"), lock));
+    }
+    let provenance = json!(
+        dirs.iter()
+            .map(|(name, _, l)| (
+                name.to_string(),
+                format!(
+                    "{}/{} {} (downloaded, NAR hash verified against flake.lock)",
+                    l.owner, l.repo, l.rev
+                )
+            ))
+            .collect::<std::collections::BTreeMap<_, _>>()
+    );
+    Ok(Inputs {
+        nixpkgs_lib: dirs[0].1.clone(),
+        crane: dirs[1].1.clone(),
+        rust_overlay: dirs[2].1.clone(),
+        provenance,
+    })
+}

@@ -1,0 +1,227 @@
+//! `kiln-server`: an OpenAI-compatible HTTP server for one model.
+
+use std::future::IntoFuture;
+use std::net::{IpAddr, SocketAddr};
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use anyhow::{Context, Result, bail};
+use clap::Parser;
+use tokio::sync::{oneshot, watch};
+
+use kiln::backends::{self, ModelArgs};
+use kiln::server::engine::{self, Loaded};
+use kiln::server::{AppState, Shared, auth::ApiKey, router};
+
+#[derive(Parser)]
+#[command(
+    name = "kiln-server",
+    version,
+    about = "An OpenAI-compatible server (chat and text completions) for one kiln model"
+)]
+struct Args {
+    #[command(flatten)]
+    model: ModelArgs,
+    /// Address to listen on; only this machine can connect by default.
+    #[arg(long, default_value = "127.0.0.1")]
+    host: IpAddr,
+    /// Port to listen on (0: any free port, printed at start).
+    #[arg(long, default_value_t = 8000)]
+    port: u16,
+    /// Require `Authorization: Bearer KEY` on every route but /health (also
+    /// read from KILN_API_KEY).
+    #[arg(long)]
+    api_key: Option<String>,
+    /// Requests that may wait for the engine; more are answered 429.
+    #[arg(long, default_value_t = 16)]
+    queue_size: usize,
+    /// Largest request body accepted (bytes); larger ones are answered 413.
+    #[arg(long, default_value_t = 1 << 20)]
+    max_body_bytes: usize,
+    /// Seconds a request may take from arrival to its last token.
+    #[arg(long, default_value_t = 300)]
+    request_timeout: u64,
+    /// Seconds in-flight requests get to finish after SIGINT/SIGTERM before
+    /// they are cut short.
+    #[arg(long, default_value_t = 10)]
+    shutdown_grace: u64,
+}
+
+fn main() -> ExitCode {
+    let args = Args::parse();
+    let runtime = match tokio::runtime::Runtime::new() {
+        Ok(runtime) => runtime,
+        Err(error) => {
+            eprintln!("error: cannot start the async runtime: {error}");
+            return ExitCode::FAILURE;
+        }
+    };
+    match runtime.block_on(run(args)) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(error) => {
+            eprintln!("error: {error:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+async fn run(args: Args) -> Result<()> {
+    if args.queue_size == 0 {
+        bail!("--queue-size must be at least 1");
+    }
+    if args.request_timeout == 0 {
+        bail!("--request-timeout must be at least 1 second");
+    }
+    let api_key = match args.api_key.clone() {
+        Some(key) => Some(key),
+        None => std::env::var("KILN_API_KEY").ok(),
+    };
+    if api_key.as_deref() == Some("") {
+        bail!("the API key (--api-key or KILN_API_KEY) is empty; give a key or leave both unset");
+    }
+    let model_id = match &args.model.model {
+        None => "embedded".to_string(),
+        Some(path) => path
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_else(|| path.display().to_string()),
+    };
+    let shared = Arc::new(Shared::new(Duration::from_secs(args.request_timeout)));
+    let (queue, jobs) = engine::queue(args.queue_size);
+
+    // The engine thread loads the model and opens the backend itself: the
+    // backend is not Send, and /health says "loading" meanwhile.
+    let (loaded_tx, loaded_rx) = oneshot::channel::<Result<()>>();
+    let engine = {
+        let shared = shared.clone();
+        let model_args = args.model.clone();
+        std::thread::Builder::new()
+            .name("kiln-engine".into())
+            .spawn(move || {
+                let (model, template) = match engine::load_model(model_args.model.as_deref()) {
+                    Ok(opened) => opened,
+                    Err(error) => {
+                        let _ = loaded_tx.send(Err(error));
+                        return;
+                    }
+                };
+                let backend = match backends::open(&model, model_args.backend, &model_args.iree) {
+                    Ok(backend) => backend,
+                    Err(error) => {
+                        let _ = loaded_tx.send(Err(error));
+                        return;
+                    }
+                };
+                let mut loaded = Loaded {
+                    model: &model,
+                    template,
+                    backend,
+                };
+                shared.ready.store(true, Ordering::Release);
+                let _ = loaded_tx.send(Ok(()));
+                engine::run(&mut loaded, jobs, &shared);
+            })
+            .context("cannot start the engine thread")?
+    };
+
+    let listener = tokio::net::TcpListener::bind(SocketAddr::new(args.host, args.port))
+        .await
+        .with_context(|| format!("cannot listen on {}:{}", args.host, args.port))?;
+    let address = listener.local_addr()?;
+    let app = router(AppState {
+        shared: shared.clone(),
+        queue,
+        model_id: model_id.clone(),
+        api_key: api_key.as_deref().map(ApiKey::new),
+        body_limit: args.max_body_bytes,
+    });
+    eprintln!(
+        "kiln-server: listening on http://{address} (model {model_id}, backend {:?}{})",
+        args.model.backend,
+        if api_key.is_some() {
+            ", API key required"
+        } else {
+            ""
+        }
+    );
+
+    let (stopping_tx, mut stopping_rx) = watch::channel(false);
+    let grace = Duration::from_secs(args.shutdown_grace);
+    let shutdown = {
+        let shared = shared.clone();
+        async move {
+            stop_signal().await;
+            eprintln!(
+                "kiln-server: stopping; in-flight requests have {}s to finish",
+                grace.as_secs()
+            );
+            let _ = stopping_tx.send(true);
+            tokio::spawn(async move {
+                tokio::time::sleep(grace).await;
+                shared.cancel_all.store(true, Ordering::Relaxed);
+            });
+        }
+    };
+    let server = axum::serve(listener, app)
+        .with_graceful_shutdown(shutdown)
+        .into_future();
+    // After the signal the engine ends every sequence within `grace` plus
+    // one step; idle keep-alive connections get a few seconds more at most.
+    let hard_stop = async {
+        let _ = stopping_rx.wait_for(|stopping| *stopping).await;
+        tokio::time::sleep(grace + Duration::from_secs(5)).await;
+    };
+    let mut loaded_rx = loaded_rx;
+    let mut loading = true;
+    tokio::pin!(server);
+    tokio::pin!(hard_stop);
+    loop {
+        tokio::select! {
+            served = &mut server => { served.context("the HTTP server failed")?; break; }
+            _ = &mut hard_stop => break,
+            loaded = &mut loaded_rx, if loading => {
+                loading = false;
+                match loaded {
+                    Ok(Ok(())) => eprintln!("kiln-server: model loaded; ready"),
+                    Ok(Err(error)) => return Err(error.context("cannot load the model")),
+                    Err(_) => bail!("the engine thread ended while loading the model"),
+                }
+            }
+        }
+    }
+    shared.cancel_all.store(true, Ordering::Relaxed);
+    shared.stopped.store(true, Ordering::Relaxed);
+    tokio::task::spawn_blocking(move || engine.join())
+        .await
+        .ok()
+        .and_then(Result::ok)
+        .context("the engine thread panicked")?;
+    eprintln!("kiln-server: stopped");
+    Ok(())
+}
+
+/// SIGINT (Ctrl-C) or SIGTERM.
+async fn stop_signal() {
+    let interrupt = tokio::signal::ctrl_c();
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{SignalKind, signal};
+        match signal(SignalKind::terminate()) {
+            Ok(mut terminate) => {
+                tokio::select! {
+                    _ = interrupt => {},
+                    _ = terminate.recv() => {},
+                }
+            }
+            Err(_) => {
+                let _ = interrupt.await;
+            }
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = interrupt.await;
+    }
+}

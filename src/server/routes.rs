@@ -1,0 +1,213 @@
+//! The HTTP handlers: validate, queue, then answer from the engine's events
+//! as one JSON body or as server-sent events.
+
+use std::convert::Infallible;
+use std::sync::atomic::Ordering;
+use std::time::Instant;
+
+use axum::Json;
+use axum::body::Bytes;
+use axum::extract::State;
+use axum::extract::rejection::BytesRejection;
+use axum::http::{StatusCode, Uri, header};
+use axum::response::sse::{Event as SseEvent, Sse};
+use axum::response::{IntoResponse, Response};
+use serde_json::json;
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::ReceiverStream;
+
+use super::AppState;
+use super::api;
+use super::engine::{Event, Finish, Job, Request};
+use super::error::ApiError;
+use super::respond::{Endpoint, Ids, Piece};
+
+pub async fn health(State(state): State<AppState>) -> Response {
+    if state.shared.ready.load(Ordering::Acquire) {
+        Json(json!({"status": "ok"})).into_response()
+    } else {
+        (
+            StatusCode::SERVICE_UNAVAILABLE,
+            Json(json!({"status": "loading"})),
+        )
+            .into_response()
+    }
+}
+
+pub async fn models(State(state): State<AppState>) -> Json<serde_json::Value> {
+    Json(json!({
+        "object": "list",
+        "data": [{"id": state.model_id, "object": "model", "created": 0, "owned_by": "kiln"}],
+    }))
+}
+
+pub async fn metrics(State(state): State<AppState>) -> Response {
+    (
+        [(
+            header::CONTENT_TYPE,
+            "application/openmetrics-text; version=1.0.0; charset=utf-8",
+        )],
+        state.shared.metrics.render(),
+    )
+        .into_response()
+}
+
+pub async fn not_found(uri: Uri) -> ApiError {
+    ApiError::not_found(uri.path())
+}
+
+pub async fn chat_completions(
+    State(state): State<AppState>,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
+    complete(state, Endpoint::Chat, body).await
+}
+
+pub async fn completions(
+    State(state): State<AppState>,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
+    complete(state, Endpoint::Completion, body).await
+}
+
+/// A validated request, how to answer it, and the model it named.
+struct Parsed {
+    request: Request,
+    stream: bool,
+    include_usage: bool,
+    model: String,
+}
+
+fn parse(
+    state: &AppState,
+    endpoint: Endpoint,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Parsed, ApiError> {
+    let body = body.map_err(|rejection| {
+        if rejection.status() == StatusCode::PAYLOAD_TOO_LARGE {
+            ApiError::too_large(state.body_limit)
+        } else {
+            ApiError::invalid(format!("cannot read the request body: {rejection}"))
+        }
+    })?;
+    let body = api::parse(&body)?;
+    let model = body.model.clone();
+    let (request, stream, include_usage) = match endpoint {
+        Endpoint::Chat => body.into_chat_request()?,
+        Endpoint::Completion => body.into_completion_request()?,
+    };
+    if model != state.model_id {
+        return Err(ApiError::model_not_found(&model, &state.model_id));
+    }
+    Ok(Parsed {
+        request,
+        stream,
+        include_usage,
+        model,
+    })
+}
+
+async fn complete(
+    state: AppState,
+    endpoint: Endpoint,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
+    let metrics = &state.shared.metrics;
+    let parsed = match parse(&state, endpoint, body) {
+        Ok(parsed) => parsed,
+        Err(error) => {
+            metrics.outcome(if error.status == StatusCode::PAYLOAD_TOO_LARGE {
+                "too_large"
+            } else {
+                "invalid"
+            });
+            return error.into_response();
+        }
+    };
+    let (events, mut received) = mpsc::unbounded_channel();
+    let job = Job {
+        request: parsed.request,
+        events,
+        deadline: Instant::now() + state.shared.request_timeout,
+    };
+    if let Err(error) = state.queue.submit(job, metrics) {
+        metrics.outcome(if error.status == StatusCode::TOO_MANY_REQUESTS {
+            "queue_full"
+        } else {
+            "shutdown"
+        });
+        return error.into_response();
+    }
+    // Errors found by the engine (a prompt too long) come before any output.
+    match received.recv().await {
+        Some(Event::Started { .. }) => {}
+        Some(Event::Failed(error)) => return error.into_response(),
+        Some(_) | None => {
+            return ApiError::internal("the engine stopped before answering").into_response();
+        }
+    }
+    let ids = Ids::new(endpoint, &parsed.model);
+    if parsed.stream {
+        stream(ids, received, parsed.include_usage).into_response()
+    } else {
+        whole(ids, received).await
+    }
+}
+
+async fn whole(ids: Ids, mut received: mpsc::UnboundedReceiver<Event>) -> Response {
+    let mut text = String::new();
+    while let Some(event) = received.recv().await {
+        match event {
+            Event::Text(piece) => text.push_str(&piece),
+            Event::Done(finish) => return Json(ids.response(&text, &finish)).into_response(),
+            Event::Failed(error) => return error.into_response(),
+            Event::Started { .. } => {}
+        }
+    }
+    ApiError::internal("the engine stopped before the end of the reply").into_response()
+}
+
+/// Server-sent events: a task turns engine events into chunks. When the
+/// client goes, the response body (and the receiver of the chunks) is
+/// dropped, the task's send fails, it drops the engine's receiver, and the
+/// engine cancels the sequence at its next step.
+fn stream(
+    ids: Ids,
+    mut received: mpsc::UnboundedReceiver<Event>,
+    include_usage: bool,
+) -> Sse<ReceiverStream<Result<SseEvent, Infallible>>> {
+    let (chunks, out) = mpsc::channel::<Result<SseEvent, Infallible>>(16);
+    tokio::spawn(async move {
+        let data = |value: serde_json::Value| Ok(SseEvent::default().data(value.to_string()));
+        if chunks
+            .send(data(ids.chunk(Piece::Start, include_usage)))
+            .await
+            .is_err()
+        {
+            return;
+        }
+        let mut finish: Option<Finish> = None;
+        while let Some(event) = received.recv().await {
+            let chunk = match &event {
+                Event::Text(piece) => ids.chunk(Piece::Text(piece), include_usage),
+                Event::Done(done) => {
+                    finish = Some(*done);
+                    ids.chunk(Piece::End(done), include_usage)
+                }
+                Event::Failed(error) => error.body(),
+                Event::Started { .. } => continue,
+            };
+            if chunks.send(data(chunk)).await.is_err() {
+                return;
+            }
+            if !matches!(event, Event::Text(_)) {
+                break;
+            }
+        }
+        if let Some(finish) = finish.filter(|_| include_usage) {
+            let _ = chunks.send(data(ids.usage_chunk(&finish))).await;
+        }
+        let _ = chunks.send(Ok(SseEvent::default().data("[DONE]"))).await;
+    });
+    Sse::new(ReceiverStream::new(out))
+}

@@ -1,0 +1,486 @@
+//! GGUF files without a real model: the synthetic fixture (one tensor of each
+//! type, expected values from the `gguf` package's dequantizers, made by
+//! scripts/gguf_dequant_fixture.py), a tiny Llama written here, and bad files
+//! of each kind, which must be named errors rather than panics.
+
+use std::path::{Path, PathBuf};
+
+use kiln_core::gguf::GgufFile;
+use kiln_core::{Error, Model};
+
+fn fixture(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures/gguf")
+        .join(name)
+}
+
+#[test]
+fn every_type_dequantizes_as_the_reference_does() {
+    let file = GgufFile::open(&fixture("synthetic.gguf")).unwrap();
+    let expected: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(fixture("synthetic.json")).unwrap()).unwrap();
+    let expected = expected.as_object().unwrap();
+    assert_eq!(expected.len(), 11, "one tensor per supported type");
+    for (name, case) in expected {
+        let info = file
+            .tensor(name)
+            .unwrap_or_else(|| panic!("{name} missing"));
+        assert_eq!(info.ty.name(), case["type"].as_str().unwrap(), "{name}");
+        let bits: Vec<u32> = file
+            .tensor_f32(info)
+            .unwrap()
+            .iter()
+            .map(|v| v.to_bits())
+            .collect();
+        let want: Vec<u32> = case["bits"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|b| b.as_u64().unwrap() as u32)
+            .collect();
+        assert_eq!(bits.len(), want.len(), "{name}");
+        if let Some(i) = (0..bits.len()).find(|&i| bits[i] != want[i]) {
+            panic!(
+                "{name}: value {i} is {} ({:#010x}), the reference says {} ({:#010x})",
+                f32::from_bits(bits[i]),
+                bits[i],
+                f32::from_bits(want[i]),
+                want[i]
+            );
+        }
+    }
+}
+
+/// A GGUF v3 file, written by hand.
+#[derive(Default)]
+struct Writer {
+    kv: Vec<u8>,
+    kv_count: u64,
+    infos: Vec<u8>,
+    data: Vec<u8>,
+    tensor_count: u64,
+}
+
+fn string(out: &mut Vec<u8>, s: &str) {
+    out.extend((s.len() as u64).to_le_bytes());
+    out.extend(s.as_bytes());
+}
+
+enum V<'a> {
+    U32(u32),
+    U64(u64),
+    F32(f32),
+    Bool(bool),
+    Str(&'a str),
+    Strs(Vec<String>),
+    I32s(Vec<i32>),
+    F32s(Vec<f32>),
+}
+
+impl Writer {
+    fn kv(&mut self, key: &str, value: V) -> &mut Self {
+        string(&mut self.kv, key);
+        let out = &mut self.kv;
+        match value {
+            V::U32(v) => {
+                out.extend(4u32.to_le_bytes());
+                out.extend(v.to_le_bytes());
+            }
+            V::U64(v) => {
+                out.extend(10u32.to_le_bytes());
+                out.extend(v.to_le_bytes());
+            }
+            V::F32(v) => {
+                out.extend(6u32.to_le_bytes());
+                out.extend(v.to_le_bytes());
+            }
+            V::Bool(v) => {
+                out.extend(7u32.to_le_bytes());
+                out.push(v as u8);
+            }
+            V::Str(v) => {
+                out.extend(8u32.to_le_bytes());
+                string(out, v);
+            }
+            V::Strs(v) => {
+                out.extend(9u32.to_le_bytes());
+                out.extend(8u32.to_le_bytes());
+                out.extend((v.len() as u64).to_le_bytes());
+                v.iter().for_each(|s| string(out, s));
+            }
+            V::I32s(v) => {
+                out.extend(9u32.to_le_bytes());
+                out.extend(5u32.to_le_bytes());
+                out.extend((v.len() as u64).to_le_bytes());
+                v.iter().for_each(|i| out.extend(i.to_le_bytes()));
+            }
+            V::F32s(v) => {
+                out.extend(9u32.to_le_bytes());
+                out.extend(6u32.to_le_bytes());
+                out.extend((v.len() as u64).to_le_bytes());
+                v.iter().for_each(|f| out.extend(f.to_le_bytes()));
+            }
+        }
+        self.kv_count += 1;
+        self
+    }
+
+    /// An F32 tensor of GGUF dims `dims` (fastest first).
+    fn tensor(&mut self, name: &str, dims: &[u64], values: &[f32]) -> &mut Self {
+        while !self.data.len().is_multiple_of(32) {
+            self.data.push(0);
+        }
+        string(&mut self.infos, name);
+        self.infos.extend((dims.len() as u32).to_le_bytes());
+        dims.iter().for_each(|d| self.infos.extend(d.to_le_bytes()));
+        self.infos.extend(0u32.to_le_bytes());
+        self.infos.extend((self.data.len() as u64).to_le_bytes());
+        values
+            .iter()
+            .for_each(|v| self.data.extend(v.to_le_bytes()));
+        self.tensor_count += 1;
+        self
+    }
+
+    fn bytes(&self) -> Vec<u8> {
+        let mut out = b"GGUF".to_vec();
+        out.extend(3u32.to_le_bytes());
+        out.extend(self.tensor_count.to_le_bytes());
+        out.extend(self.kv_count.to_le_bytes());
+        out.extend(&self.kv);
+        out.extend(&self.infos);
+        while !out.len().is_multiple_of(32) {
+            out.push(0);
+        }
+        out.extend(&self.data);
+        out
+    }
+}
+
+/// GPT-2's byte-to-character map: printable bytes are themselves, the rest
+/// are shifted past 255.
+fn byte_char(b: u8) -> char {
+    let printable = |b: u8| (b'!'..=b'~').contains(&b) || (0xa1..=0xac).contains(&b) || b >= 0xae;
+    if printable(b) {
+        return char::from(b);
+    }
+    let shifted = (0..b).filter(|&x| !printable(x)).count() as u32;
+    char::from_u32(256 + shifted).unwrap()
+}
+
+/// The `llama.*` keys of the one-layer model.
+fn llama_header(w: &mut Writer) {
+    w.kv("general.architecture", V::Str("llama"))
+        .kv("llama.block_count", V::U32(1))
+        .kv("llama.context_length", V::U32(64))
+        .kv("llama.embedding_length", V::U32(HIDDEN as u32))
+        .kv("llama.feed_forward_length", V::U32(FFN as u32))
+        .kv("llama.attention.head_count", V::U32(2))
+        .kv("llama.attention.head_count_kv", V::U32(1))
+        .kv("llama.attention.layer_norm_rms_epsilon", V::F32(1e-5))
+        .kv("llama.rope.freq_base", V::F32(10_000.0));
+}
+
+/// The one-layer model's tensors (F32, tied output) for `vocab` tokens.
+fn llama_tensors(w: &mut Writer, vocab: u64) {
+    let ramp = |n: u64| {
+        (0..n)
+            .map(|i| ((i % 7) as f32 - 3.0) * 0.05)
+            .collect::<Vec<_>>()
+    };
+    let (q, kv) = (HIDDEN, HIDDEN / 2);
+    w.tensor("token_embd.weight", &[HIDDEN, vocab], &ramp(HIDDEN * vocab))
+        .tensor("blk.0.attn_norm.weight", &[HIDDEN], &[1.0; HIDDEN as usize])
+        .tensor("blk.0.attn_q.weight", &[HIDDEN, q], &ramp(HIDDEN * q))
+        .tensor("blk.0.attn_k.weight", &[HIDDEN, kv], &ramp(HIDDEN * kv))
+        .tensor("blk.0.attn_v.weight", &[HIDDEN, kv], &ramp(HIDDEN * kv))
+        .tensor("blk.0.attn_output.weight", &[q, HIDDEN], &ramp(HIDDEN * q))
+        .tensor("blk.0.ffn_norm.weight", &[HIDDEN], &[1.0; HIDDEN as usize])
+        .tensor("blk.0.ffn_gate.weight", &[HIDDEN, FFN], &ramp(HIDDEN * FFN))
+        .tensor("blk.0.ffn_up.weight", &[HIDDEN, FFN], &ramp(HIDDEN * FFN))
+        .tensor("blk.0.ffn_down.weight", &[FFN, HIDDEN], &ramp(HIDDEN * FFN))
+        .tensor("output_norm.weight", &[HIDDEN], &[1.0; HIDDEN as usize]);
+}
+
+const HIDDEN: u64 = 8;
+const FFN: u64 = 16;
+
+/// A one-layer Llama over a byte-level vocabulary of 256 bytes, "<|im_end|>"
+/// (a control token) and one merge, with `edit` applied to the metadata.
+fn tiny_llama(edit: impl FnOnce(&mut Writer)) -> Writer {
+    let mut w = Writer::default();
+    let mut tokens: Vec<String> = (0..=255u8).map(|b| byte_char(b).to_string()).collect();
+    tokens.push("<|im_end|>".into());
+    tokens.push("ab".into());
+    let vocab = tokens.len() as u64;
+    let mut types = vec![1; tokens.len()];
+    types[256] = 3;
+    llama_header(&mut w);
+    w.kv("tokenizer.ggml.model", V::Str("gpt2"))
+        .kv("tokenizer.ggml.pre", V::Str("smollm"))
+        .kv("tokenizer.ggml.eos_token_id", V::U32(256))
+        .kv("tokenizer.ggml.add_bos_token", V::Bool(false))
+        .kv("tokenizer.chat_template", V::Str("{{ messages }}"));
+    edit(&mut w);
+    if !w.kv.windows(21).any(|k| k == b"tokenizer.ggml.tokens") {
+        w.kv("tokenizer.ggml.tokens", V::Strs(tokens));
+    }
+    if !w.kv.windows(25).any(|k| k == b"tokenizer.ggml.token_type") {
+        w.kv("tokenizer.ggml.token_type", V::I32s(types));
+    }
+    if !w.kv.windows(21).any(|k| k == b"tokenizer.ggml.merges") {
+        w.kv("tokenizer.ggml.merges", V::Strs(vec!["a b".into()]));
+    }
+    llama_tensors(&mut w, vocab);
+    w
+}
+
+fn write(dir: &Path, name: &str, bytes: &[u8]) -> PathBuf {
+    let path = dir.join(name);
+    std::fs::write(&path, bytes).unwrap();
+    path
+}
+
+#[test]
+fn a_tiny_gguf_llama_loads_tokenizes_and_runs() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = write(dir.path(), "tiny.gguf", &tiny_llama(|_| {}).bytes());
+    let model = Model::load(&path).unwrap();
+    assert_eq!(model.config.vocab_size, 258);
+    assert_eq!(model.config.num_kv_heads, 1);
+    assert!(model.config.tie_word_embeddings);
+    assert_eq!(model.config.eos_token_ids, vec![256]);
+    assert_eq!(model.chat.template.as_deref(), Some("{{ messages }}"));
+    // The merge applies, digits and the control token are split out, and the
+    // control token is left out of decoded text.
+    let ids = model.tokenizer.encode("ab1<|im_end|>é").unwrap();
+    assert_eq!(ids[0], 257, "{ids:?}");
+    assert_eq!(ids[1], u32::from(b'1'));
+    assert_eq!(ids[2], 256);
+    assert_eq!(model.tokenizer.decode(&ids).unwrap(), "ab1é");
+    let mut backend = kiln_core::CpuBackend::new(&model);
+    let logits = kiln_core::Backend::prefill(&mut backend, &ids).unwrap();
+    assert_eq!(logits.len(), 258);
+    assert!(logits.iter().all(|v| v.is_finite()));
+}
+
+/// The error of loading `bytes`, which must name the file and `expected`.
+fn assert_rejected(bytes: &[u8], expected: &str) {
+    let dir = tempfile::tempdir().unwrap();
+    let path = write(dir.path(), "bad.gguf", bytes);
+    let error = match Model::load(&path) {
+        Ok(_) => panic!("loaded a bad file; expected an error containing {expected:?}"),
+        Err(e) => e,
+    };
+    assert!(matches!(error, Error::Gguf { .. }), "{error:?}");
+    let message = error.to_string();
+    assert!(message.contains("bad.gguf"), "{message}");
+    assert!(
+        message.contains(expected),
+        "expected {expected:?} in: {message}"
+    );
+}
+
+fn patch_u64_after(bytes: &mut [u8], needle: &[u8], skip: usize, value: u64) {
+    let at = bytes
+        .windows(needle.len())
+        .position(|w| w == needle)
+        .unwrap()
+        + needle.len()
+        + skip;
+    bytes[at..at + 8].copy_from_slice(&value.to_le_bytes());
+}
+
+#[test]
+fn bad_files_are_named_errors() {
+    let good = tiny_llama(|_| {}).bytes();
+
+    assert_rejected(b"GGML\x03\0\0\0", "not a GGUF file");
+    assert_rejected(&good[..6], "truncated");
+    for cut in [100, good.len() / 2, good.len() - 1] {
+        assert_rejected(&good[..cut], "truncated");
+    }
+
+    let mut absurd_count = good.clone();
+    absurd_count[8..16].copy_from_slice(&u64::MAX.to_le_bytes());
+    assert_rejected(&absurd_count, "claims 18446744073709551615 tensors");
+
+    let mut absurd_kv = good.clone();
+    absurd_kv[16..24].copy_from_slice(&(1u64 << 40).to_le_bytes());
+    assert_rejected(&absurd_kv, "metadata entries");
+
+    // A dimension of 2^62 rows: far more elements than the file holds.
+    let mut absurd_dims = good.clone();
+    patch_u64_after(&mut absurd_dims, b"token_embd.weight", 4 + 8, 1 << 62);
+    assert_rejected(&absurd_dims, "more elements than the file holds");
+
+    let mut past_end = good.clone();
+    // The offset field of output_norm (the last tensor): after dims and type.
+    patch_u64_after(&mut past_end, b"output_norm.weight", 4 + 8 + 4, 1 << 20);
+    assert_rejected(&past_end, "runs past the end");
+
+    let mut unknown_type = good.clone();
+    let at = unknown_type
+        .windows(18)
+        .position(|w| w == b"output_norm.weight")
+        .unwrap()
+        + 18
+        + 4
+        + 8;
+    unknown_type[at..at + 4].copy_from_slice(&99u32.to_le_bytes());
+    assert_rejected(&unknown_type, "tensor type 99");
+
+    let mut long_string = good.clone();
+    patch_u64_after(
+        &mut long_string,
+        b"general.architecture\x08\0\0\0",
+        0,
+        u64::MAX / 2,
+    );
+    assert_rejected(&long_string, "claims");
+
+    let mut long_array = good.clone();
+    patch_u64_after(
+        &mut long_array,
+        b"tokenizer.ggml.tokens\x09\0\0\0\x08\0\0\0",
+        0,
+        1 << 60,
+    );
+    assert_rejected(&long_array, "the length of tokenizer.ggml.tokens");
+
+    // Missing metadata: the file lacks the key.
+    let without = |key: &str| {
+        let mut w = tiny_llama(|_| {});
+        let needle = {
+            let mut n = (key.len() as u64).to_le_bytes().to_vec();
+            n.extend(key.as_bytes());
+            n
+        };
+        let at =
+            w.kv.windows(needle.len())
+                .position(|x| x == needle.as_slice())
+                .unwrap();
+        // Rename the key so that it is no longer the one looked up.
+        w.kv[at + 8] = b'X';
+        w.bytes()
+    };
+    assert_rejected(
+        &without("llama.block_count"),
+        "llama.block_count is missing",
+    );
+    assert_rejected(
+        &without("tokenizer.ggml.tokens"),
+        "tokenizer.ggml.tokens is missing",
+    );
+
+    let short_types = tiny_llama(|w| {
+        w.kv("tokenizer.ggml.token_type", V::I32s(vec![1; 10]));
+    });
+    assert_rejected(
+        &short_types.bytes(),
+        "tokenizer.ggml.token_type has 10 entries",
+    );
+
+    let vocab_mismatch = tiny_llama(|w| {
+        w.kv("llama.vocab_size", V::U32(300));
+    });
+    assert_rejected(
+        &vocab_mismatch.bytes(),
+        "tokenizer.ggml.tokens has 258 entries but llama.vocab_size is 300",
+    );
+
+    let bad_pre = tiny_llama(|w| {
+        w.kv("tokenizer.ggml.pre", V::Str("mystery"));
+    });
+    // The key is written twice: the reader refuses duplicates first.
+    assert_rejected(&bad_pre.bytes(), "tokenizer.ggml.pre appears twice");
+
+    // head_count x key_length would overflow: the config's bounds refuse the
+    // head size first, naming it (an error, not an arithmetic panic).
+    let mut huge_heads = tiny_llama(|w| {
+        w.kv("llama.attention.key_length", V::U64(1 << 62));
+    });
+    let at = huge_heads
+        .kv
+        .windows(26)
+        .position(|k| k == b"llama.attention.head_count")
+        .unwrap()
+        + 26
+        + 4;
+    huge_heads.kv[at..at + 4].copy_from_slice(&8u32.to_le_bytes());
+    let huge_heads = huge_heads.bytes();
+    assert_rejected(
+        &huge_heads,
+        "head_dim is 4611686018427387904, above kiln's limit",
+    );
+
+    let bos_outside = tiny_llama(|w| {
+        w.kv("tokenizer.ggml.bos_token_id", V::U32(100_000));
+    });
+    assert_rejected(&bos_outside.bytes(), "outside the vocabulary");
+}
+
+#[test]
+fn an_unknown_pre_tokenizer_is_named() {
+    let mut w = tiny_llama(|_| {});
+    let at = w.kv.windows(6).position(|x| x == b"smollm").unwrap();
+    w.kv[at..at + 6].copy_from_slice(b"zzzzzz");
+    let dir = tempfile::tempdir().unwrap();
+    let path = write(dir.path(), "pre.gguf", &w.bytes());
+    let message = Model::load(&path).err().unwrap().to_string();
+    assert!(
+        message.contains("tokenizer.ggml.pre \"zzzzzz\" is not supported"),
+        "{message}"
+    );
+}
+
+#[test]
+fn a_sentencepiece_vocabulary_merges_by_score_and_falls_back_to_bytes() {
+    let mut tokens: Vec<String> = vec!["<unk>".into(), "<s>".into(), "</s>".into()];
+    let mut types = vec![2, 3, 3];
+    tokens.extend((0..=255u8).map(|b| format!("<0x{b:02X}>")));
+    types.extend([6; 256]);
+    let pieces = [
+        ("▁", -1.0),
+        ("h", -2.0),
+        ("i", -3.0),
+        ("▁h", -4.0),
+        ("hi", -5.0),
+        ("▁hi", -6.0),
+    ];
+    let mut scores = vec![0.0; tokens.len()];
+    for (piece, score) in pieces {
+        tokens.push(piece.into());
+        types.push(1);
+        scores.push(score);
+    }
+    let id = |t: &str| tokens.iter().position(|x| x == t).unwrap() as u32;
+    let (bos, space, hi, space_hi) = (id("<s>"), id("▁"), id("hi"), id("▁hi"));
+    let vocab = tokens.len() as u64;
+    let mut w = Writer::default();
+    llama_header(&mut w);
+    w.kv("tokenizer.ggml.model", V::Str("llama"))
+        .kv("tokenizer.ggml.bos_token_id", V::U32(1))
+        .kv("tokenizer.ggml.eos_token_id", V::U32(2))
+        .kv("tokenizer.ggml.unknown_token_id", V::U32(0))
+        .kv("tokenizer.ggml.tokens", V::Strs(tokens.clone()))
+        .kv("tokenizer.ggml.token_type", V::I32s(types))
+        .kv("tokenizer.ggml.scores", V::F32s(scores));
+    llama_tensors(&mut w, vocab);
+    let dir = tempfile::tempdir().unwrap();
+    let model = Model::load(&write(dir.path(), "spm.gguf", &w.bytes())).unwrap();
+    // BOS by default; a space prefix; "▁hi" is made through the higher
+    // scored "▁h" + "i"; "é" is not a piece, so it is its two UTF-8 bytes.
+    let ids = model.tokenizer.encode("hi hi é").unwrap();
+    assert_eq!(
+        ids,
+        vec![bos, space_hi, space_hi, space, id("<0xC3>"), id("<0xA9>")],
+        "{ids:?}"
+    );
+    assert_eq!(model.tokenizer.decode(&ids).unwrap(), "hi hi é");
+    assert_eq!(
+        model.tokenizer.encode("hihi").unwrap(),
+        vec![bos, space_hi, hi]
+    );
+    assert_eq!(model.config.bos_token_id, Some(bos));
+}

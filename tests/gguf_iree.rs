@@ -1,0 +1,71 @@
+//! The pinned SmolLM2-135M-Instruct GGUF on IREE (`local-task`, f32) against
+//! the CPU reference: prefill and decode logits within 1e-4, as for every
+//! other model (tests/xla_prepared_prefill.rs).
+//!
+//! Needs the `xla-iree` feature, `KILN_IREE_PREFIX` and `KILN_IREE_COMPILE`,
+//! and the model (`kiln pull smollm2-135m-instruct`): without it the test
+//! skips and says so, with `KILN_REQUIRE_MODELS=1` it fails instead.
+
+use kiln_core::sampling::argmax;
+use kiln_core::{Backend, CpuBackend, Model};
+use kiln_xla::{Buckets, Compiler, GraphOptions, IreeBackend, ModuleCache, Precision, Target};
+
+const MODEL: &str = "smollm2-135m-instruct";
+
+fn load() -> Option<Model> {
+    let path = kiln_core::pinned::find(MODEL).unwrap().path().unwrap();
+    if !path.is_file() {
+        let reason = format!(
+            "{} is not pulled (run `cargo run -- pull {MODEL}`)",
+            path.display()
+        );
+        if std::env::var_os("KILN_REQUIRE_MODELS").is_some_and(|v| v == "1") {
+            panic!("KILN_REQUIRE_MODELS=1 but {reason}");
+        }
+        eprintln!("skipped: {reason}");
+        return None;
+    }
+    Some(Model::load(&path).unwrap())
+}
+
+fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f32::max)
+}
+
+#[test]
+fn smollm2_on_iree_cpu_matches_the_cpu_reference() {
+    let Some(model) = load() else { return };
+    let prompt = model
+        .tokenizer
+        .encode(
+            "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n",
+        )
+        .unwrap();
+    let graph = GraphOptions::for_target(Target::LlvmCpu, Some(Precision::F32), None);
+    let mut xla = IreeBackend::new(
+        &model,
+        "local-task",
+        Target::LlvmCpu,
+        graph,
+        Some(Compiler::from_env().unwrap()),
+        ModuleCache::default_location().unwrap(),
+        Buckets::for_model(&model, 64),
+    )
+    .unwrap_or_else(|e| panic!("{e}"));
+    let mut cpu = CpuBackend::new(&model);
+    let (mut want, mut got) = (cpu.prefill(&prompt).unwrap(), xla.prefill(&prompt).unwrap());
+    let mut worst = max_abs_diff(&want, &got);
+    for _ in 0..8 {
+        let token = argmax(&want);
+        assert_eq!(argmax(&got), token);
+        want = cpu.decode(token).unwrap();
+        got = xla.decode(token).unwrap();
+        worst = worst.max(max_abs_diff(&want, &got));
+    }
+    eprintln!("largest |iree-cpu - cpu| logit difference on SmolLM2: {worst:.3e}");
+    assert!(worst <= 1e-4, "{worst}");
+}

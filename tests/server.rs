@@ -1,0 +1,595 @@
+//! kiln-server end to end: the binary started on 127.0.0.1:0 with the
+//! embedded model (and, where a request must take a while, a larger random
+//! model), spoken to over HTTP.
+
+use std::io::{BufRead, BufReader};
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use serde_json::{Value, json};
+
+struct Server {
+    child: Child,
+    base: String,
+}
+
+impl Server {
+    fn start(args: &[&str]) -> Server {
+        Server::start_with_env(args, &[])
+    }
+
+    fn start_with_env(args: &[&str], env: &[(&str, &str)]) -> Server {
+        let mut command = Command::new(env!("CARGO_BIN_EXE_kiln-server"));
+        command
+            .args(["--port", "0"])
+            .args(args)
+            .env_remove("KILN_API_KEY")
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped());
+        for (k, v) in env {
+            command.env(k, v);
+        }
+        let mut child = command.spawn().expect("start kiln-server");
+        let mut stderr = BufReader::new(child.stderr.take().unwrap());
+        let mut line = String::new();
+        let base = loop {
+            line.clear();
+            if stderr.read_line(&mut line).unwrap() == 0 {
+                panic!("kiln-server exited before listening: {:?}", child.wait());
+            }
+            if let Some(rest) = line.split("listening on ").nth(1) {
+                break rest.split_whitespace().next().unwrap().to_string();
+            }
+        };
+        // Keep draining stderr so that the server never blocks on it.
+        std::thread::spawn(move || {
+            for line in stderr.lines() {
+                let Ok(line) = line else { break };
+                eprintln!("[server] {line}");
+            }
+        });
+        Server { child, base }
+    }
+
+    fn url(&self, path: &str) -> String {
+        format!("{}{path}", self.base)
+    }
+
+    async fn wait_ready(&self) {
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            if let Ok(r) = reqwest::get(self.url("/health")).await
+                && r.status() == 200
+            {
+                return;
+            }
+            assert!(Instant::now() < deadline, "the server never became ready");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    async fn post(&self, path: &str, body: &Value) -> (u16, Value) {
+        let r = reqwest::Client::new()
+            .post(self.url(path))
+            .json(body)
+            .send()
+            .await
+            .unwrap();
+        let status = r.status().as_u16();
+        (status, r.json().await.unwrap())
+    }
+
+    /// A streamed request: each `data:` payload, in order.
+    async fn stream(&self, path: &str, body: &Value) -> Vec<String> {
+        let r = reqwest::Client::new()
+            .post(self.url(path))
+            .json(body)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200);
+        assert_eq!(r.headers()["content-type"], "text/event-stream");
+        let text = r.text().await.unwrap();
+        text.split("\n\n")
+            .filter(|e| !e.trim().is_empty())
+            .map(|e| {
+                e.strip_prefix("data: ")
+                    .unwrap_or_else(|| panic!("not data: {e:?}"))
+                    .to_string()
+            })
+            .collect()
+    }
+
+    async fn metric(&self, name: &str) -> f64 {
+        let text = reqwest::get(self.url("/metrics"))
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap();
+        text.lines()
+            .find_map(|l| l.strip_prefix(name).and_then(|v| v.trim().parse().ok()))
+            .unwrap_or(0.0)
+    }
+
+    /// Sends SIGTERM and returns the exit status.
+    fn terminate(&mut self) -> std::process::ExitStatus {
+        let status = Command::new("kill")
+            .args(["-TERM", &self.child.id().to_string()])
+            .status()
+            .unwrap();
+        assert!(status.success());
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            if let Some(status) = self.child.try_wait().unwrap() {
+                return status;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "kiln-server did not stop within 30 s"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// What `kiln ARGS` prints on stdout, without the final newline.
+fn kiln(args: &[&str]) -> String {
+    let out = Command::new(env!("CARGO_BIN_EXE_kiln"))
+        .args(args)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let text = String::from_utf8(out.stdout).unwrap();
+    text.strip_suffix('\n').unwrap().to_string()
+}
+
+/// The text and final chunk of a stream of chat or text chunks.
+fn streamed_text(events: &[String], chat: bool) -> (String, Vec<Value>) {
+    assert_eq!(events.last().map(String::as_str), Some("[DONE]"));
+    let chunks: Vec<Value> = events[..events.len() - 1]
+        .iter()
+        .map(|e| serde_json::from_str(e).unwrap())
+        .collect();
+    let mut text = String::new();
+    for c in &chunks {
+        for choice in c["choices"].as_array().unwrap() {
+            let piece = if chat {
+                &choice["delta"]["content"]
+            } else {
+                &choice["text"]
+            };
+            text.push_str(piece.as_str().unwrap_or(""));
+        }
+    }
+    (text, chunks)
+}
+
+#[tokio::test]
+async fn completions_equal_kiln_generate_streamed_or_not() {
+    let server = Server::start(&[]);
+    server.wait_ready().await;
+    let expected = kiln(&["generate", "--max-tokens", "24", "Hello"]);
+    let body = json!({"model": "embedded", "prompt": "Hello", "max_tokens": 24, "temperature": 0});
+    let (status, r) = server.post("/v1/completions", &body).await;
+    assert_eq!(status, 200, "{r}");
+    assert_eq!(r["object"], "text_completion");
+    assert_eq!(r["choices"][0]["text"], expected.as_str());
+    assert_eq!(r["choices"][0]["finish_reason"], "length");
+    // The byte tokenizer: BOS plus one token per byte.
+    assert_eq!(
+        r["usage"],
+        json!({"prompt_tokens": 6, "completion_tokens": 24, "total_tokens": 30})
+    );
+
+    let mut streamed = body.clone();
+    streamed["stream"] = json!(true);
+    streamed["stream_options"] = json!({"include_usage": true});
+    let events = server.stream("/v1/completions", &streamed).await;
+    let (text, chunks) = streamed_text(&events, false);
+    assert_eq!(text, expected);
+    let last = chunks.last().unwrap();
+    assert_eq!(last["choices"], json!([]));
+    assert_eq!(last["usage"]["completion_tokens"], 24);
+    let end = &chunks[chunks.len() - 2];
+    assert_eq!(end["choices"][0]["finish_reason"], "length");
+    assert!(
+        chunks[..chunks.len() - 1]
+            .iter()
+            .all(|c| c["usage"].is_null())
+    );
+    // Without include_usage, no usage chunk.
+    streamed["stream_options"] = json!(null);
+    let events = server.stream("/v1/completions", &streamed).await;
+    let (text, chunks) = streamed_text(&events, false);
+    assert_eq!(text, expected);
+    assert_eq!(
+        chunks.last().unwrap()["choices"][0]["finish_reason"],
+        "length"
+    );
+}
+
+#[tokio::test]
+async fn chat_equals_kiln_chat_streamed_or_not() {
+    let server = Server::start(&[]);
+    server.wait_ready().await;
+    let expected = kiln(&[
+        "chat",
+        "--model",
+        "embedded",
+        "--max-tokens",
+        "16",
+        "Say hi",
+    ]);
+    let body = json!({"model": "embedded", "max_completion_tokens": 16, "temperature": 0,
+                      "messages": [{"role": "user", "content": "Say hi"}]});
+    let (status, r) = server.post("/v1/chat/completions", &body).await;
+    assert_eq!(status, 200, "{r}");
+    assert_eq!(r["object"], "chat.completion");
+    assert_eq!(r["choices"][0]["message"]["role"], "assistant");
+    assert_eq!(r["choices"][0]["message"]["content"], expected.as_str());
+
+    let mut streamed = body.clone();
+    streamed["stream"] = json!(true);
+    let events = server.stream("/v1/chat/completions", &streamed).await;
+    let (text, chunks) = streamed_text(&events, true);
+    assert_eq!(text, expected);
+    assert_eq!(chunks[0]["object"], "chat.completion.chunk");
+    assert_eq!(chunks[0]["choices"][0]["delta"]["role"], "assistant");
+    assert!(!chunks.last().unwrap()["choices"][0]["finish_reason"].is_null());
+}
+
+#[tokio::test]
+async fn a_stop_string_across_tokens_ends_the_text_before_it() {
+    let server = Server::start(&[]);
+    server.wait_ready().await;
+    let full = kiln(&["generate", "--max-tokens", "40", "Once"]);
+    // Each byte is a token here, so a 3-character stop spans 3 tokens.
+    let chars: Vec<char> = full.chars().collect();
+    let stop: String = chars[10..13].iter().collect();
+    let before = &full[..full.find(&stop).unwrap()];
+    let body = json!({"model": "embedded", "prompt": "Once", "max_tokens": 40,
+                      "temperature": 0, "stop": [stop]});
+    let (status, r) = server.post("/v1/completions", &body).await;
+    assert_eq!(status, 200, "{r}");
+    assert_eq!(r["choices"][0]["text"], before);
+    assert_eq!(r["choices"][0]["finish_reason"], "stop");
+    let mut streamed = body.clone();
+    streamed["stream"] = json!(true);
+    let (text, chunks) = streamed_text(&server.stream("/v1/completions", &streamed).await, false);
+    assert_eq!(text, before);
+    assert_eq!(
+        chunks.last().unwrap()["choices"][0]["finish_reason"],
+        "stop"
+    );
+}
+
+#[tokio::test]
+async fn sampling_is_reproducible_by_seed() {
+    let server = Server::start(&[]);
+    server.wait_ready().await;
+    let body = |seed| {
+        json!({"model": "embedded", "prompt": "Hi", "max_tokens": 24,
+                             "temperature": 1.5, "top_p": 0.9, "seed": seed})
+    };
+    let (_, a) = server.post("/v1/completions", &body(7)).await;
+    let (_, b) = server.post("/v1/completions", &body(7)).await;
+    let (_, c) = server.post("/v1/completions", &body(8)).await;
+    assert_eq!(a["choices"][0]["text"], b["choices"][0]["text"]);
+    assert_ne!(a["choices"][0]["text"], c["choices"][0]["text"]);
+}
+
+#[tokio::test]
+async fn models_health_metrics_and_the_api_key() {
+    let server = Server::start_with_env(&[], &[("KILN_API_KEY", "sesame")]);
+    server.wait_ready().await;
+    let client = reqwest::Client::new();
+    for path in ["/v1/models", "/metrics"] {
+        let r = client.get(server.url(path)).send().await.unwrap();
+        assert_eq!(r.status(), 401, "{path}");
+        let body: Value = r.json().await.unwrap();
+        assert_eq!(body["error"]["code"], "invalid_api_key");
+        let r = client
+            .get(server.url(path))
+            .bearer_auth("sesam")
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 401, "{path}");
+    }
+    let r = client
+        .post(server.url("/v1/completions"))
+        .json(&json!({"model": "embedded", "prompt": "x"}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 401);
+    let models: Value = client
+        .get(server.url("/v1/models"))
+        .bearer_auth("sesame")
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(models["data"][0]["id"], "embedded");
+    let r = client
+        .post(server.url("/v1/completions"))
+        .bearer_auth("sesame")
+        .json(&json!({"model": "embedded", "prompt": "x", "max_tokens": 3}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    let metrics = client
+        .get(server.url("/metrics"))
+        .bearer_auth("sesame")
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    for name in [
+        "kiln_requests_total{outcome=\"complete\"} 1",
+        "kiln_requests_total{outcome=\"unauthorized\"} 5",
+        "kiln_queue_depth 0",
+        "kiln_active_sequences 0",
+        "kiln_time_to_first_token_seconds_count 1",
+        "kiln_inter_token_latency_seconds_count 2",
+        "kiln_generated_tokens_total 3",
+    ] {
+        assert!(metrics.contains(name), "{name} missing from\n{metrics}");
+    }
+}
+
+#[tokio::test]
+async fn errors_are_openai_shaped_with_the_right_status() {
+    let server = Server::start(&["--max-body-bytes", "2000"]);
+    server.wait_ready().await;
+    let client = reqwest::Client::new();
+    let send = |path: &'static str, body: String| {
+        let client = client.clone();
+        let url = server.url(path);
+        async move {
+            let r = client
+                .post(url)
+                .header("content-type", "application/json")
+                .body(body)
+                .send()
+                .await
+                .unwrap();
+            let status = r.status().as_u16();
+            let retry = r.headers().get("retry-after").cloned();
+            let body: Value = r.json().await.unwrap();
+            (status, body, retry)
+        }
+    };
+    let cases: Vec<(&str, String, u16, &str)> = vec![
+        ("/v1/completions", "{not json".into(), 400, "not a valid request"),
+        ("/v1/completions", json!({"model": "embedded", "prompt": "x", "max_tokens": "ten"}).to_string(), 400, "max_tokens"),
+        ("/v1/completions", json!({"model": "embedded", "prompt": 5}).to_string(), 400, "not a valid request"),
+        ("/v1/chat/completions", json!({"model": "embedded", "messages": [{"role": "user", "content": "x"}], "n": 2}).to_string(), 400, "`n`"),
+        ("/v1/chat/completions", json!({"model": "embedded", "messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}).to_string(), 400, "`tools`"),
+        ("/v1/chat/completions", json!({"model": "embedded", "messages": []}).to_string(), 400, "messages"),
+        ("/v1/completions", json!({"model": "gpt-4", "prompt": "x"}).to_string(), 404, "serves `embedded`"),
+        ("/v1/completions", json!({"model": "embedded", "prompt": "x".repeat(300)}).to_string(), 400, "301 tokens long and the model's context holds 256"),
+        ("/v1/completions", json!({"model": "embedded", "prompt": "x", "max_tokens": 1000}).to_string(), 400, "1002 positions"),
+        ("/v1/completions", json!({"model": "embedded", "prompt": "x".repeat(3000)}).to_string(), 413, "limit of 2000 bytes"),
+        ("/v1/nothing", "{}".into(), 404, "no route /v1/nothing"),
+    ];
+    for (path, body, status, needle) in cases {
+        let (got, error, _) = send(path, body.clone()).await;
+        assert_eq!(got, status, "{body}: {error}");
+        let message = error["error"]["message"]
+            .as_str()
+            .unwrap_or_else(|| panic!("{error}"));
+        assert!(message.contains(needle), "{message:?} lacks {needle:?}");
+        assert!(error["error"]["type"].is_string());
+    }
+    let (_, error, _) = send(
+        "/v1/chat/completions",
+        json!({"model": "embedded", "messages": [{"role": "user", "content": "x"}], "n": 2})
+            .to_string(),
+    )
+    .await;
+    assert_eq!(error["error"]["param"], "n");
+    let (_, error, _) = send(
+        "/v1/completions",
+        json!({"model": "embedded", "prompt": "x".repeat(300)}).to_string(),
+    )
+    .await;
+    assert_eq!(error["error"]["code"], "context_length_exceeded");
+}
+
+/// A model folder whose CPU decode takes milliseconds per token even in a
+/// debug build, so that requests are still running when the test acts.
+fn slow_model(dir: &Path) {
+    use kiln_core::testing;
+    let tokenizer = testing::byte_level_json(&[]);
+    let vocab = match testing::tokenizer(&tokenizer) {
+        kiln_core::Tokenizer::HuggingFace(t) => t.get_vocab_size(true),
+        kiln_core::Tokenizer::Bytes(_) => unreachable!(),
+    };
+    let config = kiln_core::ModelConfig {
+        hidden_size: 256,
+        intermediate_size: 1024,
+        num_layers: 4,
+        num_heads: 4,
+        num_kv_heads: 4,
+        head_dim: 64,
+        vocab_size: vocab,
+        rms_norm_eps: 1e-5,
+        rope_theta: 10_000.0,
+        rope_scaling: None,
+        tie_word_embeddings: true,
+        max_position_embeddings: 2048,
+        bos_token_id: None,
+        eos_token_ids: Vec::new(),
+    };
+    let weights = kiln_core::model::random_weights(&config, 1);
+    kiln_core::save::save_f16(dir, &config, &weights).unwrap();
+    std::fs::write(dir.join("tokenizer.json"), tokenizer.to_string()).unwrap();
+}
+
+#[tokio::test]
+async fn a_full_queue_is_429_and_a_client_that_leaves_is_cancelled() {
+    let dir = tempfile::tempdir().unwrap();
+    slow_model(dir.path());
+    let model = dir.path().to_str().unwrap();
+    let id = dir
+        .path()
+        .file_name()
+        .unwrap()
+        .to_str()
+        .unwrap()
+        .to_string();
+    let server = Server::start(&["--model", model, "--queue-size", "1"]);
+    server.wait_ready().await;
+    let long = json!({"model": id, "prompt": "a", "max_tokens": 2000, "stream": true});
+    // A: running. Read its first chunk, so the engine is on it.
+    let client = reqwest::Client::new();
+    let mut a = client
+        .post(server.url("/v1/completions"))
+        .json(&long)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(a.status(), 200);
+    a.chunk().await.unwrap().unwrap();
+    // B: waiting in the queue (its one place).
+    let b = tokio::spawn({
+        let client = client.clone();
+        let url = server.url("/v1/completions");
+        let body = json!({"model": id, "prompt": "b", "max_tokens": 2});
+        async move { client.post(url).json(&body).send().await.unwrap().status() }
+    });
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while server.metric("kiln_queue_depth").await < 1.0 {
+        assert!(Instant::now() < deadline, "B never queued");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // C: no room.
+    let (status, error) = server
+        .post("/v1/completions", &json!({"model": id, "prompt": "c"}))
+        .await;
+    assert_eq!(status, 429, "{error}");
+    assert_eq!(error["error"]["type"], "rate_limit_error");
+    let r = client
+        .post(server.url("/v1/completions"))
+        .json(&json!({"model": id, "prompt": "c"}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.headers()["retry-after"], "1");
+    // A leaves: its sequence is cancelled at the next step, far from 2000 tokens.
+    drop(a);
+    assert_eq!(b.await.unwrap(), 200);
+    let cancelled = server
+        .metric("kiln_requests_total{outcome=\"cancelled\"}")
+        .await;
+    assert_eq!(cancelled, 1.0);
+    let tokens = server.metric("kiln_generated_tokens_total").await;
+    assert!(
+        tokens < 1000.0,
+        "A ran on after its client left: {tokens} tokens"
+    );
+}
+
+#[tokio::test]
+async fn sigterm_finishes_in_flight_work_then_exits_zero() {
+    let mut server = Server::start(&[]);
+    server.wait_ready().await;
+    let body = json!({"model": "embedded", "prompt": "Hi", "max_tokens": 200});
+    let url = server.url("/v1/completions");
+    let pending = tokio::spawn(async move {
+        reqwest::Client::new()
+            .post(url)
+            .json(&body)
+            .send()
+            .await
+            .unwrap()
+            .json::<Value>()
+            .await
+            .unwrap()
+    });
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    let status = server.terminate();
+    assert!(status.success(), "{status:?}");
+    let reply = pending.await.unwrap();
+    assert_eq!(reply["choices"][0]["finish_reason"], "length", "{reply}");
+}
+
+#[tokio::test]
+async fn sigterm_cuts_short_what_outlasts_the_grace_period() {
+    let dir = tempfile::tempdir().unwrap();
+    slow_model(dir.path());
+    let id = dir
+        .path()
+        .file_name()
+        .unwrap()
+        .to_str()
+        .unwrap()
+        .to_string();
+    let mut server = Server::start(&[
+        "--model",
+        dir.path().to_str().unwrap(),
+        "--shutdown-grace",
+        "1",
+    ]);
+    server.wait_ready().await;
+    let client = reqwest::Client::new();
+    let mut a = client
+        .post(server.url("/v1/completions"))
+        .json(&json!({"model": id, "prompt": "a", "max_tokens": 2000, "stream": true}))
+        .send()
+        .await
+        .unwrap();
+    a.chunk().await.unwrap().unwrap();
+    let started = Instant::now();
+    let status = server.terminate();
+    assert!(status.success(), "{status:?}");
+    assert!(
+        started.elapsed() < Duration::from_secs(10),
+        "{:?}",
+        started.elapsed()
+    );
+    let mut rest = String::new();
+    while let Ok(Some(chunk)) = a.chunk().await {
+        rest.push_str(&String::from_utf8_lossy(&chunk));
+    }
+    assert!(rest.contains("shutting down"), "{rest}");
+}
+
+#[test]
+fn bad_options_are_errors_that_name_them() {
+    let out = Command::new(env!("CARGO_BIN_EXE_kiln-server"))
+        .args(["--port", "0", "--queue-size", "0"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--queue-size must be at least 1"));
+    let missing = Command::new(env!("CARGO_BIN_EXE_kiln-server"))
+        .args(["--port", "0", "--model", "/nonexistent/model"])
+        .output()
+        .unwrap();
+    assert!(!missing.status.success());
+    assert!(
+        String::from_utf8_lossy(&missing.stderr).contains("does not exist"),
+        "{}",
+        String::from_utf8_lossy(&missing.stderr)
+    );
+}
