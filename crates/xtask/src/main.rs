@@ -4,6 +4,7 @@
 
 mod cache;
 mod compiler;
+mod emulated;
 mod env;
 mod eval_nix;
 mod fetch;
@@ -95,6 +96,14 @@ enum Task {
         /// Debian's cross toolchain, against `cargo xtask iree --cuda --target …`).
         #[arg(long)]
         target: Option<String>,
+    },
+    /// Run another architecture's kiln-core tests and xla_prepared_prefill
+    /// (local-task) under qemu: the executables the gate's link check built
+    /// for it (the link check runs first if they are not current).
+    EmulatedTests {
+        /// The cross target (default: aarch64-unknown-linux-gnu, the GB10's).
+        #[arg(long, default_value = target::AARCH64)]
+        target: String,
     },
     /// Check every Nix file: parse, nixpkgs-fmt, deadnix.
     LintNix,
@@ -200,6 +209,12 @@ fn run(cli: Cli) -> Result<()> {
             let target = Target::parse(target.as_deref())?;
             let prefix = prefix_for_gate(&target)?;
             gate::run(&prefix, &target, link_only, mutation.as_deref())?;
+        }
+        Task::EmulatedTests { target } => {
+            let target = Target::parse(Some(&target))?;
+            let prefix = prefix_for_gate(&target)?;
+            let (compiler, _) = compiler::install(&Cache::open()?, &load_pins()?)?;
+            emulated::run(&prefix, &compiler, &target)?;
         }
         Task::Repro => repro::run(&prefix_for_gate(&Target::host()?)?)?,
         Task::LintNix => lint_nix::run(&setup::Toolbox::installed(&Cache::open()?)?)?,

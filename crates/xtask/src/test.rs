@@ -30,17 +30,14 @@ pub fn run(cache: &Cache, pins: &Pins) -> Result<()> {
     let cuda_prefix = step("IREE prefix, CUDA driver", || {
         iree::build(cache, pins, Variant::Cuda, &host)
     })?;
-    // The GB10's architecture, cross-built here (unless this is one).
+    // The GB10's architecture, cross-built here (unless this is one): its
+    // CUDA prefix serves both its gate and its emulated tests, which run the
+    // gate's own test executables.
     let aarch64 = Target::parse(Some(AARCH64))?;
-    let aarch64_prefixes = if aarch64.cross {
-        Some((
-            step("IREE prefix, CPU drivers, aarch64 (cross)", || {
-                iree::build(cache, pins, Variant::Cpu, &aarch64)
-            })?,
-            step("IREE prefix, CUDA driver, aarch64 (cross)", || {
-                iree::build(cache, pins, Variant::Cuda, &aarch64)
-            })?,
-        ))
+    let aarch64_prefix = if aarch64.cross {
+        Some(step("IREE prefix, CUDA driver, aarch64 (cross)", || {
+            iree::build(cache, pins, Variant::Cuda, &aarch64)
+        })?)
     } else {
         None
     };
@@ -116,39 +113,17 @@ pub fn run(cache: &Cache, pins: &Pins) -> Result<()> {
     step("kiln-server with the official OpenAI Python client", || {
         openai_client(cache)
     })?;
-    if let Some((cpu, _)) = &aarch64_prefixes {
-        step("aarch64 tests under qemu-aarch64: kiln-core", || {
-            cargo(
-                &["test", "--locked", "--target", AARCH64, "-p", "kiln-core"],
-                &env(cpu),
-            )
-        })?;
-        step(
-            "aarch64 tests under qemu-aarch64: xla_prepared_prefill on local-task",
-            || {
-                cargo(
-                    &[
-                        "test",
-                        "--locked",
-                        "--target",
-                        AARCH64,
-                        "--features",
-                        "xla-iree",
-                        "--test",
-                        "xla_prepared_prefill",
-                    ],
-                    &env(cpu),
-                )
-            },
-        )?;
-    }
     step("the gate: link check and mutation suite", || {
         crate::gate::run(&cuda_prefix, &host, false, None)
     })?;
-    if let Some((_, cuda)) = &aarch64_prefixes {
+    if let Some(prefix) = &aarch64_prefix {
         step(
             "the gate for aarch64: link check and mutation suite",
-            || crate::gate::run(cuda, &aarch64, false, None),
+            || crate::gate::run(prefix, &aarch64, false, None),
+        )?;
+        step(
+            "aarch64 tests under qemu-aarch64: kiln-core, xla_prepared_prefill on local-task",
+            || crate::emulated::run(prefix, &compiler, &aarch64),
         )?;
     }
     step("reproducible release binaries", || {

@@ -4,8 +4,11 @@
 //! benches, examples) in the release profile with `cuda,xla-iree`, running
 //! none. The mutation suite proves the check would catch link-only
 //! regressions: for each mutation, on a copy of the tree (and of the prefix),
-//! `cargo check` must still pass and the link check must fail with the
-//! expected text. Every run shares the checkout's own target folder (under
+//! `cargo check` must still pass and the link must fail with the expected
+//! text. A mutant is checked and linked for the targets of the one package the
+//! mutations edit (kiln-iree: its tests link everything the link check links
+//! of IREE), which are among the link check's targets: its failure is the link
+//! check's, at a fraction of the cost of relinking every target. Every run shares the checkout's own target folder (under
 //! Nix, the one crane filled with the dependency artifacts), so neither the
 //! link check nor the mutants compile a dependency again; the mutated tree
 //! lives outside the checkout, where cargo reads no second
@@ -14,7 +17,7 @@
 
 mod mutations;
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Instant;
 
@@ -23,7 +26,7 @@ use serde::Serialize;
 
 use crate::pins::repo_root;
 use crate::target::Target;
-use mutations::{Edit, LibsEdit, MUTATIONS, Mutation};
+use mutations::{Edit, LibsEdit, MUTATED_PACKAGE, MUTATIONS, Mutation};
 
 const FEATURES: &str = "cuda,xla-iree";
 
@@ -49,11 +52,7 @@ struct Build<'a> {
 /// report and writes it as JSON. Fails if any line failed.
 pub fn run(prefix: &Path, target: &Target, link_only: bool, only: Option<&str>) -> Result<()> {
     let root = repo_root();
-    let target_dir = match std::env::var_os("CARGO_TARGET_DIR") {
-        // Relative to where cargo runs, as cargo reads it (crane sets `target`).
-        Some(dir) => std::env::current_dir()?.join(dir),
-        None => root.join("target"),
-    };
+    let target_dir = target_dir(&root)?;
     let work = target_dir.join("gate");
     std::fs::create_dir_all(&work)?;
     let scratch = scratch_folder()?;
@@ -68,7 +67,7 @@ pub fn run(prefix: &Path, target: &Target, link_only: bool, only: Option<&str>) 
     let mut report: Vec<Line> = Vec::new();
 
     let started = Instant::now();
-    let link = link_check(&root, &build, prefix)?;
+    let link = link_check(&root, &build, prefix, Scope::Workspace)?;
     let ok = link.success;
     report.push(Line {
         name: "link-check".into(),
@@ -119,6 +118,93 @@ pub fn run(prefix: &Path, target: &Target, link_only: bool, only: Option<&str>) 
     Ok(())
 }
 
+/// A test executable the link check builds.
+pub struct TestExecutable {
+    /// The cargo target's kind (`lib`, `test`, …) and name (`kiln_core`).
+    pub kind: String,
+    pub name: String,
+    pub path: PathBuf,
+    /// The folder of its package's Cargo.toml (cargo runs tests there).
+    pub package_dir: PathBuf,
+}
+
+/// The test executables of the link check for `target`, against `prefix`:
+/// the link check's own command (so nothing is built that it did not build),
+/// asked to list what it made.
+pub fn test_executables(prefix: &Path, target: &Target) -> Result<Vec<TestExecutable>> {
+    let root = repo_root();
+    let target_dir = target_dir(&root)?;
+    let build = Build {
+        prefix,
+        target,
+        target_dir: &target_dir,
+    };
+    let mut args = link_check_args(Scope::Workspace);
+    args.push("--message-format=json-render-diagnostics");
+    let outcome = cargo(&root, &build, prefix, &args)?;
+    if !outcome.success {
+        return Err(anyhow!(
+            "the link check for {} failed:\n{}",
+            target.triple,
+            tail(&outcome.output, 40)
+        ));
+    }
+    parse_test_executables(&outcome.output)
+}
+
+/// The test executables among cargo's JSON messages (one object a line).
+fn parse_test_executables(messages: &str) -> Result<Vec<TestExecutable>> {
+    #[derive(serde::Deserialize)]
+    struct Artifact {
+        reason: String,
+        target: Option<ArtifactTarget>,
+        profile: Option<ArtifactProfile>,
+        executable: Option<PathBuf>,
+        manifest_path: Option<PathBuf>,
+    }
+    #[derive(serde::Deserialize)]
+    struct ArtifactTarget {
+        kind: Vec<String>,
+        name: String,
+    }
+    #[derive(serde::Deserialize)]
+    struct ArtifactProfile {
+        test: bool,
+    }
+    let mut found = Vec::new();
+    for line in messages.lines().filter(|l| l.starts_with('{')) {
+        let artifact: Artifact = serde_json::from_str(line)
+            .with_context(|| format!("cargo printed a message xtask cannot read: {line}"))?;
+        let (Some(target), Some(profile), Some(path), Some(manifest)) = (
+            artifact.target,
+            artifact.profile,
+            artifact.executable,
+            artifact.manifest_path,
+        ) else {
+            continue;
+        };
+        if artifact.reason != "compiler-artifact" || !profile.test {
+            continue;
+        }
+        found.push(TestExecutable {
+            kind: target.kind.first().cloned().unwrap_or_default(),
+            name: target.name,
+            path,
+            package_dir: manifest.parent().map(Path::to_path_buf).unwrap_or_default(),
+        });
+    }
+    Ok(found)
+}
+
+/// The target folder cargo uses here: `CARGO_TARGET_DIR` (relative to where
+/// cargo runs, as cargo reads it; crane sets `target`) or the checkout's.
+fn target_dir(root: &Path) -> Result<PathBuf> {
+    Ok(match std::env::var_os("CARGO_TARGET_DIR") {
+        Some(dir) => std::env::current_dir()?.join(dir),
+        None => root.join("target"),
+    })
+}
+
 /// Where the mutants are made: outside the checkout, in the system's
 /// temporary folder.
 fn scratch_folder() -> Result<tempfile::TempDir> {
@@ -133,41 +219,51 @@ struct Outcome {
     output: String,
 }
 
-/// `cargo test --release --features cuda,xla-iree --workspace --all-targets
-/// --no-run --locked [--target T]`, RUSTFLAGS untouched. `prefix` is the
-/// build's prefix or a mutant's copy of it.
-fn link_check(tree: &Path, build: &Build, prefix: &Path) -> Result<Outcome> {
-    cargo(
-        tree,
-        build,
-        prefix,
-        &[
-            "test",
-            "--release",
-            "--features",
-            FEATURES,
-            "--workspace",
-            "--all-targets",
-            "--no-run",
-            "--locked",
-        ],
-    )
+/// The targets a cargo command builds: every target of the workspace with the
+/// gate's features (the link check), or every target of the package the
+/// mutations edit (a mutant; see [`mutations::MUTATED_PACKAGE`]).
+#[derive(Clone, Copy)]
+enum Scope {
+    Workspace,
+    MutatedPackage,
 }
 
-fn check(tree: &Path, build: &Build, prefix: &Path) -> Result<Outcome> {
-    cargo(
-        tree,
-        build,
-        prefix,
-        &[
-            "check",
-            "--features",
-            FEATURES,
-            "--workspace",
-            "--all-targets",
-            "--locked",
-        ],
-    )
+impl Scope {
+    fn args(self) -> Vec<&'static str> {
+        match self {
+            Scope::Workspace => vec!["--features", FEATURES, "--workspace", "--all-targets"],
+            Scope::MutatedPackage => {
+                let (package, features) = MUTATED_PACKAGE;
+                vec![
+                    "--package",
+                    package,
+                    "--features",
+                    features,
+                    "--all-targets",
+                ]
+            }
+        }
+    }
+}
+
+/// `cargo test --release --locked --no-run [--target T]` over `scope`,
+/// RUSTFLAGS untouched: the link check over the workspace is
+/// `cargo test --release --features cuda,xla-iree --workspace --all-targets
+/// --no-run --locked`. `prefix` is the build's prefix or a mutant's copy.
+fn link_check(tree: &Path, build: &Build, prefix: &Path, scope: Scope) -> Result<Outcome> {
+    cargo(tree, build, prefix, &link_check_args(scope))
+}
+
+fn link_check_args(scope: Scope) -> Vec<&'static str> {
+    let mut args = vec!["test", "--release", "--no-run", "--locked"];
+    args.extend(scope.args());
+    args
+}
+
+fn check(tree: &Path, build: &Build, prefix: &Path, scope: Scope) -> Result<Outcome> {
+    let mut args = vec!["check", "--locked"];
+    args.extend(scope.args());
+    cargo(tree, build, prefix, &args)
 }
 
 fn cargo(tree: &Path, build: &Build, prefix: &Path, args: &[&str]) -> Result<Outcome> {
@@ -229,11 +325,11 @@ fn run_mutation(
             format!("{error:#}"),
         ));
     }
-    let checked = check(&tree, build, &mutant_prefix)?;
+    let checked = check(&tree, build, &mutant_prefix, Scope::MutatedPackage)?;
     let verdict = if !checked.success {
         line("NOT LINK-ONLY", 0.0, first_error_line(&checked.output))
     } else {
-        let linked = link_check(&tree, build, &mutant_prefix)?;
+        let linked = link_check(&tree, build, &mutant_prefix, Scope::MutatedPackage)?;
         let logs = work.join("logs");
         std::fs::create_dir_all(&logs)?;
         std::fs::write(
@@ -394,6 +490,35 @@ mod tests {
         let path = root.join(file);
         std::fs::create_dir_all(path.parent().unwrap()).unwrap();
         std::fs::write(path, text).unwrap();
+    }
+
+    #[test]
+    fn test_executables_are_read_from_cargos_messages() {
+        let messages = [
+            r#"{"reason":"compiler-artifact","manifest_path":"/w/crates/kiln-core/Cargo.toml","target":{"kind":["lib"],"name":"kiln_core"},"profile":{"test":true},"executable":"/t/kiln_core-1"}"#,
+            // The library itself, not its tests: no executable.
+            r#"{"reason":"compiler-artifact","manifest_path":"/w/crates/kiln-core/Cargo.toml","target":{"kind":["lib"],"name":"kiln_core"},"profile":{"test":false},"executable":null}"#,
+            // A binary: an executable, but not a test.
+            r#"{"reason":"compiler-artifact","manifest_path":"/w/Cargo.toml","target":{"kind":["bin"],"name":"kiln"},"profile":{"test":false},"executable":"/t/kiln"}"#,
+            r#"{"reason":"compiler-artifact","manifest_path":"/w/Cargo.toml","target":{"kind":["test"],"name":"xla_prepared_prefill"},"profile":{"test":true},"executable":"/t/xla_prepared_prefill-2"}"#,
+            r#"{"reason":"build-finished","success":true}"#,
+            "   Finished `release` profile",
+        ]
+        .join("\n");
+        let found = parse_test_executables(&messages).unwrap();
+        let seen: Vec<_> = found
+            .iter()
+            .map(|t| (t.kind.as_str(), t.name.as_str(), t.path.to_str().unwrap()))
+            .collect();
+        assert_eq!(
+            seen,
+            [
+                ("lib", "kiln_core", "/t/kiln_core-1"),
+                ("test", "xla_prepared_prefill", "/t/xla_prepared_prefill-2")
+            ]
+        );
+        assert_eq!(found[0].package_dir, Path::new("/w/crates/kiln-core"));
+        assert!(parse_test_executables("{not json").is_err());
     }
 
     /// Cargo merges every `.cargo/config.toml` from the working folder up;

@@ -34,6 +34,17 @@ pub struct Mutation {
     pub only_arch: Option<&'static str>,
 }
 
+/// The package every mutation edits (its build script, C shim and FFI) or
+/// whose link description it edits (the prefix's, which that package's build
+/// script reads), with the features the gate's `cuda,xla-iree` turns on in it.
+/// A mutant is checked and linked for this package's targets only: they are
+/// among the link check's targets and link the mutated code, so their failing
+/// link is the link check failing, and no other package is rebuilt per mutant.
+pub const MUTATED_PACKAGE: (&str, &str) = ("kiln-iree", "cuda");
+/// That package's folder: every `Edit::Tree` lies under it.
+#[cfg(test)]
+const MUTATED_PACKAGE_DIR: &str = "crates/kiln-iree/";
+
 const SHIM_C: &str = "crates/kiln-iree/csrc/kiln_iree.c";
 const BUILD_RS: &str = "crates/kiln-iree/build.rs";
 
@@ -156,3 +167,40 @@ pub const MUTATIONS: &[Mutation] = &[
         only_arch: Some("aarch64"),
     },
 ];
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A mutant is linked for [`MUTATED_PACKAGE`]'s targets only, so an edit
+    /// elsewhere would go unlinked and survive for the wrong reason.
+    #[test]
+    fn every_edit_is_in_the_package_a_mutant_links() {
+        for mutation in MUTATIONS {
+            for edit in mutation.edits {
+                if let Edit::Tree { file, .. } = edit {
+                    assert!(
+                        file.starts_with(MUTATED_PACKAGE_DIR),
+                        "{}: {file} is outside {MUTATED_PACKAGE_DIR}",
+                        mutation.name
+                    );
+                }
+            }
+        }
+        let manifest = std::fs::read_to_string(
+            crate::pins::repo_root()
+                .join(MUTATED_PACKAGE_DIR)
+                .join("Cargo.toml"),
+        )
+        .unwrap();
+        let (name, feature) = MUTATED_PACKAGE;
+        assert!(
+            manifest.contains(&format!("name = \"{name}\"")),
+            "{manifest}"
+        );
+        assert!(manifest.contains(&format!("\n{feature} = ")), "{manifest}");
+        // The feature is the one the gate's features turn on in the package.
+        let root = std::fs::read_to_string(crate::pins::repo_root().join("Cargo.toml")).unwrap();
+        assert!(root.contains(&format!("\"{name}/{feature}\"")), "{root}");
+    }
+}
