@@ -5,10 +5,10 @@
 //! none. The mutation suite proves the check would catch link-only
 //! regressions: for each mutation, on a copy of the tree (and of the prefix),
 //! `cargo check` must still pass and the link must fail with the expected
-//! text. A mutant is checked and linked for the targets of the one package the
-//! mutations edit (kiln-iree: its tests link everything the link check links
-//! of IREE), which are among the link check's targets: its failure is the link
-//! check's, at a fraction of the cost of relinking every target. Every run shares the checkout's own target folder (under
+//! text. A mutant is checked and linked for the smallest set of the link
+//! check's targets that links and reaches the mutated code (kiln-iree's
+//! tests, or kiln-xla's `iree_runtime` test): its failure is the link check's,
+//! at a fraction of the cost of relinking every target. Every run shares the checkout's own target folder (under
 //! Nix, the one crane filled with the dependency artifacts), so neither the
 //! link check nor the mutants compile a dependency again; the mutated tree
 //! lives outside the checkout, where cargo reads no second
@@ -26,7 +26,7 @@ use serde::Serialize;
 
 use crate::pins::repo_root;
 use crate::target::Target;
-use mutations::{Edit, LibsEdit, MUTATED_PACKAGE, MUTATIONS, Mutation};
+use mutations::{Edit, LibsEdit, MUTATIONS, Mutation, Targets};
 
 const FEATURES: &str = "cuda,xla-iree";
 
@@ -220,27 +220,21 @@ struct Outcome {
 }
 
 /// The targets a cargo command builds: every target of the workspace with the
-/// gate's features (the link check), or every target of the package the
-/// mutations edit (a mutant; see [`mutations::MUTATED_PACKAGE`]).
+/// gate's features (the link check), or a mutant's (see [`Targets`]).
 #[derive(Clone, Copy)]
 enum Scope {
     Workspace,
-    MutatedPackage,
+    Mutant(&'static Targets),
 }
 
 impl Scope {
     fn args(self) -> Vec<&'static str> {
         match self {
             Scope::Workspace => vec!["--features", FEATURES, "--workspace", "--all-targets"],
-            Scope::MutatedPackage => {
-                let (package, features) = MUTATED_PACKAGE;
-                vec![
-                    "--package",
-                    package,
-                    "--features",
-                    features,
-                    "--all-targets",
-                ]
+            Scope::Mutant(targets) => {
+                let mut args = vec!["--package", targets.package, "--features", targets.features];
+                args.extend(targets.select);
+                args
             }
         }
     }
@@ -325,11 +319,21 @@ fn run_mutation(
             format!("{error:#}"),
         ));
     }
-    let checked = check(&tree, build, &mutant_prefix, Scope::MutatedPackage)?;
+    let checked = check(
+        &tree,
+        build,
+        &mutant_prefix,
+        Scope::Mutant(mutation.targets),
+    )?;
     let verdict = if !checked.success {
         line("NOT LINK-ONLY", 0.0, first_error_line(&checked.output))
     } else {
-        let linked = link_check(&tree, build, &mutant_prefix, Scope::MutatedPackage)?;
+        let linked = link_check(
+            &tree,
+            build,
+            &mutant_prefix,
+            Scope::Mutant(mutation.targets),
+        )?;
         let logs = work.join("logs");
         std::fs::create_dir_all(&logs)?;
         std::fs::write(

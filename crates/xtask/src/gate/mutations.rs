@@ -32,16 +32,41 @@ pub struct Mutation {
     pub expect: &'static str,
     /// Only on this architecture (`std::env::consts::ARCH`), if set.
     pub only_arch: Option<&'static str>,
+    /// The targets its mutant is checked and linked for.
+    pub targets: &'static Targets,
 }
 
-/// The package every mutation edits (its build script, C shim and FFI) or
-/// whose link description it edits (the prefix's, which that package's build
-/// script reads), with the features the gate's `cuda,xla-iree` turns on in it.
-/// A mutant is checked and linked for this package's targets only: they are
-/// among the link check's targets and link the mutated code, so their failing
-/// link is the link check failing, and no other package is rebuilt per mutant.
-pub const MUTATED_PACKAGE: (&str, &str) = ("kiln-iree", "cuda");
-/// That package's folder: every `Edit::Tree` lies under it.
+/// The targets a mutant is checked and linked for: the smallest set of the
+/// link check's targets that links the mutated code and reaches it (a link
+/// drops unreached code, and with it the undefined references a mutation
+/// makes there). They are built as the link check builds them (release, with
+/// the feature the gate's `cuda,xla-iree` turns on in their package), so
+/// their failing link is the link check failing, and no other package is
+/// rebuilt per mutant.
+pub struct Targets {
+    pub package: &'static str,
+    pub features: &'static str,
+    /// Cargo's target selection within the package.
+    pub select: &'static [&'static str],
+}
+
+/// kiln-iree's own tests: the shim, the prefix's archives, the instance,
+/// devices and flags.
+pub const KILN_IREE: Targets = Targets {
+    package: "kiln-iree",
+    features: "cuda",
+    select: &["--all-targets"],
+};
+
+/// kiln-xla's `iree_runtime` test: the smallest target that loads a module
+/// and calls into it (`Module::invoke`), which kiln-iree's tests do not.
+pub const KILN_XLA_RUNTIME_TEST: Targets = Targets {
+    package: "kiln-xla",
+    features: "cuda",
+    select: &["--test", "iree_runtime"],
+};
+
+/// The folder of the package every mutation edits; both target sets link it.
 #[cfg(test)]
 const MUTATED_PACKAGE_DIR: &str = "crates/kiln-iree/";
 
@@ -55,6 +80,7 @@ pub const MUTATIONS: &[Mutation] = &[
         edits: &[Edit::Libs(LibsEdit::Drop(1))],
         expect: "flatcc_verify",
         only_arch: None,
+        targets: &KILN_IREE,
     },
     Mutation {
         name: "archives-out-of-order",
@@ -62,6 +88,7 @@ pub const MUTATIONS: &[Mutation] = &[
         edits: &[Edit::Libs(LibsEdit::Swap(0, 1))],
         expect: "flatcc_verify",
         only_arch: None,
+        targets: &KILN_IREE,
     },
     Mutation {
         name: "printf-archive-dropped",
@@ -69,6 +96,7 @@ pub const MUTATIONS: &[Mutation] = &[
         edits: &[Edit::Libs(LibsEdit::Drop(2))],
         expect: "vsnprintf_",
         only_arch: None,
+        targets: &KILN_IREE,
     },
     Mutation {
         name: "shim-calls-unlinked-driver",
@@ -80,6 +108,7 @@ pub const MUTATIONS: &[Mutation] = &[
         }],
         expect: "iree_hal_vulkan_driver_module_register",
         only_arch: None,
+        targets: &KILN_IREE,
     },
     Mutation {
         // Leaving the define out entirely is not link-only for kiln: without
@@ -94,6 +123,7 @@ pub const MUTATIONS: &[Mutation] = &[
         }],
         expect: "iree_allocator_mimalloc_ctl",
         only_arch: None,
+        targets: &KILN_IREE,
     },
     Mutation {
         name: "shim-not-linked",
@@ -105,6 +135,7 @@ pub const MUTATIONS: &[Mutation] = &[
         }],
         expect: "kiln_iree_",
         only_arch: None,
+        targets: &KILN_IREE,
     },
     Mutation {
         name: "shim-symbol-renamed-in-c",
@@ -116,6 +147,7 @@ pub const MUTATIONS: &[Mutation] = &[
         }],
         expect: "kiln_iree_call_invoke",
         only_arch: None,
+        targets: &KILN_XLA_RUNTIME_TEST,
     },
     Mutation {
         name: "rust-extern-undefined",
@@ -134,6 +166,7 @@ pub const MUTATIONS: &[Mutation] = &[
         ],
         expect: "kiln_iree_instance_reset",
         only_arch: None,
+        targets: &KILN_IREE,
     },
     Mutation {
         // On aarch64 glibc the stack-protector canary is a global,
@@ -165,6 +198,7 @@ pub const MUTATIONS: &[Mutation] = &[
         ],
         expect: "__stack_chk_guard",
         only_arch: Some("aarch64"),
+        targets: &KILN_IREE,
     },
 ];
 
@@ -172,8 +206,8 @@ pub const MUTATIONS: &[Mutation] = &[
 mod tests {
     use super::*;
 
-    /// A mutant is linked for [`MUTATED_PACKAGE`]'s targets only, so an edit
-    /// elsewhere would go unlinked and survive for the wrong reason.
+    /// A mutant is linked for its targets only, so an edit outside the
+    /// package they link would go unlinked and survive for the wrong reason.
     #[test]
     fn every_edit_is_in_the_package_a_mutant_links() {
         for mutation in MUTATIONS {
@@ -187,20 +221,31 @@ mod tests {
                 }
             }
         }
-        let manifest = std::fs::read_to_string(
-            crate::pins::repo_root()
-                .join(MUTATED_PACKAGE_DIR)
-                .join("Cargo.toml"),
-        )
-        .unwrap();
-        let (name, feature) = MUTATED_PACKAGE;
+        let root = crate::pins::repo_root();
+        let manifest =
+            |dir: &str| std::fs::read_to_string(root.join(dir).join("Cargo.toml")).unwrap();
+        let root_manifest = manifest(".");
+        for (targets, dir) in [
+            (&KILN_IREE, MUTATED_PACKAGE_DIR),
+            (&KILN_XLA_RUNTIME_TEST, "crates/kiln-xla/"),
+        ] {
+            let text = manifest(dir);
+            assert!(
+                text.contains(&format!("name = \"{}\"", targets.package)),
+                "{text}"
+            );
+            assert!(
+                text.contains("kiln-iree"),
+                "{} does not link kiln-iree",
+                targets.package
+            );
+            // The feature is the one the gate's features turn on there.
+            let feature = format!("\"{}/{}\"", targets.package, targets.features);
+            assert!(root_manifest.contains(&feature), "{feature}");
+        }
         assert!(
-            manifest.contains(&format!("name = \"{name}\"")),
-            "{manifest}"
+            root.join("crates/kiln-xla/tests/iree_runtime.rs").is_file(),
+            "kiln-xla's iree_runtime test was renamed: update KILN_XLA_RUNTIME_TEST"
         );
-        assert!(manifest.contains(&format!("\n{feature} = ")), "{manifest}");
-        // The feature is the one the gate's features turn on in the package.
-        let root = std::fs::read_to_string(crate::pins::repo_root().join("Cargo.toml")).unwrap();
-        assert!(root.contains(&format!("\"{name}/{feature}\"")), "{root}");
     }
 }
