@@ -117,13 +117,19 @@ pub fn run(cache: &Cache, pins: &Pins) -> Result<()> {
         crate::gate::run(&cuda_prefix, &host, false, None)
     })?;
     if let Some(prefix) = &aarch64_prefix {
-        step(
-            "the gate for aarch64: link check and mutation suite",
-            || crate::gate::run(prefix, &aarch64, false, None),
-        )?;
+        // The emulated tests run the link check's executables, before the
+        // mutants: they share the link check's artifact names, so after them
+        // the workspace crates would be rebuilt.
+        step("the aarch64 link check", || {
+            crate::gate::run(prefix, &aarch64, true, None)
+        })?;
         step(
             "aarch64 tests under qemu-aarch64: kiln-core, xla_prepared_prefill on local-task",
             || crate::emulated::run(prefix, &compiler, &aarch64),
+        )?;
+        step(
+            "the gate for aarch64: link check (current) and mutation suite",
+            || crate::gate::run(prefix, &aarch64, false, None),
         )?;
     }
     step("reproducible release binaries", || {

@@ -26,7 +26,7 @@ use serde::Serialize;
 
 use crate::pins::repo_root;
 use crate::target::Target;
-use mutations::{Edit, LibsEdit, MUTATIONS, Mutation, Targets};
+use mutations::{Edit, LibsEdit, MUTANT_BUILT_PACKAGES, MUTATIONS, Mutation, Targets};
 
 const FEATURES: &str = "cuda,xla-iree";
 
@@ -89,14 +89,20 @@ pub fn run(prefix: &Path, target: &Target, link_only: bool, only: Option<&str>) 
     }
 
     if ok && !link_only {
-        for mutation in MUTATIONS
-            .iter()
-            .filter(|m| only.is_none_or(|o| o == m.name))
-        {
-            let line = run_mutation(mutation, &root, &build, scratch.path(), &work)?;
-            print_line(&line);
-            report.push(line);
-        }
+        let suite = (|| -> Result<()> {
+            for mutation in MUTATIONS
+                .iter()
+                .filter(|m| only.is_none_or(|o| o == m.name))
+            {
+                let line = run_mutation(mutation, &root, &build, scratch.path(), &work)?;
+                print_line(&line);
+                report.push(line);
+            }
+            Ok(())
+        })();
+        let forgotten = forget_mutant_artifacts(&root, &build);
+        suite?;
+        forgotten?;
     }
 
     let failed = report
@@ -113,6 +119,29 @@ pub fn run(prefix: &Path, target: &Target, link_only: bool, only: Option<&str>) 
     if failed > 0 {
         return Err(anyhow!(
             "the gate failed: {failed} line(s) above are not PASS/CAUGHT"
+        ));
+    }
+    Ok(())
+}
+
+/// Mutants share the checkout's target folder, and cargo names a workspace
+/// crate's artifacts after its path relative to the workspace root, which is
+/// the same in a mutant's copy: a mutant's kiln-iree replaces the checkout's,
+/// and cargo, finding the checkout's sources older than it, would take it as
+/// current — the next link check would link the last mutant. So the release
+/// artifacts of the packages mutants build are removed once the suite ends,
+/// and the checkout's next build makes its own.
+fn forget_mutant_artifacts(root: &Path, build: &Build) -> Result<()> {
+    let mut args = vec!["clean", "--release"];
+    for package in MUTANT_BUILT_PACKAGES {
+        args.extend(["--package", package]);
+    }
+    let outcome = cargo(root, build, build.prefix, &args)?;
+    if !outcome.success {
+        return Err(anyhow!(
+            "cannot remove the mutants' artifacts from {} (remove them with `cargo clean`): {}",
+            build.target_dir.display(),
+            tail(&outcome.output, 10)
         ));
     }
     Ok(())
@@ -231,11 +260,7 @@ impl Scope {
     fn args(self) -> Vec<&'static str> {
         match self {
             Scope::Workspace => vec!["--features", FEATURES, "--workspace", "--all-targets"],
-            Scope::Mutant(targets) => {
-                let mut args = vec!["--package", targets.package, "--features", targets.features];
-                args.extend(targets.select);
-                args
-            }
+            Scope::Mutant(targets) => targets.select.to_vec(),
         }
     }
 }
@@ -338,7 +363,12 @@ fn run_mutation(
         std::fs::create_dir_all(&logs)?;
         std::fs::write(
             logs.join(format!("{}-{}.log", build.target.triple, mutation.name)),
-            &linked.output,
+            format!(
+                "{}'s targets: cargo {}\n{}",
+                mutation.targets.package,
+                link_check_args(Scope::Mutant(mutation.targets)).join(" "),
+                linked.output
+            ),
         )?;
         if linked.success {
             line(

@@ -44,27 +44,44 @@ pub struct Mutation {
 /// their failing link is the link check failing, and no other package is
 /// rebuilt per mutant.
 pub struct Targets {
+    /// The package whose targets these are.
     pub package: &'static str,
-    pub features: &'static str,
-    /// Cargo's target selection within the package.
+    /// Cargo's package, feature and target selection.
     pub select: &'static [&'static str],
 }
 
 /// kiln-iree's own tests: the shim, the prefix's archives, the instance,
-/// devices and flags.
+/// devices and flags. Its only dependencies are two small crates, so
+/// selecting the package alone (its features resolved for it) costs little.
 pub const KILN_IREE: Targets = Targets {
     package: "kiln-iree",
-    features: "cuda",
-    select: &["--all-targets"],
+    select: &[
+        "--package",
+        "kiln-iree",
+        "--features",
+        "cuda",
+        "--all-targets",
+    ],
 };
 
 /// kiln-xla's `iree_runtime` test: the smallest target that loads a module
 /// and calls into it (`Module::invoke`), which kiln-iree's tests do not.
+/// Selected within the workspace, with the gate's features, so that its
+/// dependencies resolve to the link check's features and are reused.
 pub const KILN_XLA_RUNTIME_TEST: Targets = Targets {
     package: "kiln-xla",
-    features: "cuda",
-    select: &["--test", "iree_runtime"],
+    select: &[
+        "--workspace",
+        "--features",
+        "cuda,xla-iree",
+        "--test",
+        "iree_runtime",
+    ],
 };
+
+/// The workspace packages a mutant builds: those of every [`Targets`] and the
+/// workspace crates they depend on.
+pub const MUTANT_BUILT_PACKAGES: &[&str] = &["kiln-core", "kiln-iree", "kiln-xla"];
 
 /// The folder of the package every mutation edits; both target sets link it.
 #[cfg(test)]
@@ -239,9 +256,21 @@ mod tests {
                 "{} does not link kiln-iree",
                 targets.package
             );
-            // The feature is the one the gate's features turn on there.
-            let feature = format!("\"{}/{}\"", targets.package, targets.features);
-            assert!(root_manifest.contains(&feature), "{feature}");
+        }
+        // kiln-iree's feature is the one the gate's features turn on there.
+        assert!(root_manifest.contains("\"kiln-iree/cuda\""));
+        assert_eq!(KILN_IREE.select[3], "cuda");
+        for targets in [&KILN_IREE, &KILN_XLA_RUNTIME_TEST] {
+            assert!(MUTANT_BUILT_PACKAGES.contains(&targets.package));
+        }
+        // kiln-xla's workspace dependencies are built with it.
+        let kiln_xla = manifest("crates/kiln-xla/");
+        for package in ["kiln-core", "kiln-iree"] {
+            assert!(
+                kiln_xla.contains(&format!("{package}.workspace = true")),
+                "{kiln_xla}"
+            );
+            assert!(MUTANT_BUILT_PACKAGES.contains(&package));
         }
         assert!(
             root.join("crates/kiln-xla/tests/iree_runtime.rs").is_file(),
