@@ -80,7 +80,9 @@ stdenv.mkDerivation (
 
     buildPhase = ''
       runHook preBuild
-      ninja -C build -j "$NIX_BUILD_CORES" kiln_iree_link_probe
+      # The code generators too: the installer puts them in bin/ (xtask's
+      # prefix::HOST_TOOLS), as `cargo xtask iree` does for host builds.
+      ninja -C build -j "$NIX_BUILD_CORES" kiln_iree_link_probe iree-flatcc-cli iree-c-embed-data
       runHook postBuild
     '';
 

@@ -292,6 +292,7 @@ fn prepare(args: &ModelArgs, _batch_slots: usize) -> Result<()> {
 }
 
 fn inspect(model: Option<&PathBuf>) -> Result<()> {
+    println!("kiln built for:        {}", env!("KILN_TARGET"));
     let model = load(model)?;
     let c = &model.config;
     let parameters = model.parameter_count();
@@ -319,6 +320,7 @@ fn iree_report() -> Result<()> {
     use kiln_xla::Compiler;
     println!("IREE runtime revision: {}", kiln_iree::RUNTIME_REVISION);
     println!("IREE prefix drivers:   {}", kiln_iree::PREFIX_HAL_DRIVERS);
+    println!("IREE prefix target:    {}", kiln_iree::PREFIX_TARGET);
     match Compiler::from_env() {
         Ok(compiler) => println!(
             "iree-compile:          {} ({})",

@@ -21,7 +21,9 @@
 //!   prefix's `Libs:` line in order: archives found in the prefix's `lib/` as
 //!   static libraries, the rest (`m`, `dl`, …) as system libraries;
 //! - `$OUT_DIR/bindings.rs`, the bindings of `csrc/kiln_iree.h` only;
-//! - `KILN_IREE_RUNTIME_REVISION` and `KILN_IREE_HAL_DRIVERS` for the crate.
+//! - `KILN_IREE_RUNTIME_REVISION`, `KILN_IREE_HAL_DRIVERS` and
+//!   `KILN_IREE_PREFIX_TARGET` (the Rust target triple the prefix was built
+//!   for, which must be this build's `TARGET`) for the crate.
 
 use std::path::PathBuf;
 
@@ -66,6 +68,34 @@ fn build() -> Result<(), Vec<String>> {
             prefix.display()
         )]
     })?;
+    let prefix_target = pkg_config::get_variable(pc_arg, "target").map_err(|e| {
+        vec![
+            format!(
+                "{} names no `target` (the triple its archives were built for): {e}",
+                pc_file.display()
+            ),
+            "It predates kiln's cross builds; rebuild it with `cargo xtask iree --cuda`.".into(),
+        ]
+    })?;
+    let target = std::env::var("TARGET").expect("cargo sets TARGET");
+    if prefix_target != target {
+        return Err(vec![
+            format!(
+                "KILN_IREE_PREFIX={} was built for {prefix_target}, but this build is for {target}.",
+                prefix.display()
+            ),
+            format!(
+                "Build a prefix for {target} with `cargo xtask iree --cuda --target {target}` and point KILN_IREE_PREFIX at it (`eval \"$(cargo xtask env --target {target})\"`)."
+            ),
+        ]);
+    }
+    if std::env::var("HOST").ok().as_deref() != Some(target.as_str()) {
+        // pkg-config refuses cross builds unless told otherwise, for fear of
+        // the host's packages; this one reads a prefix given by path, and its
+        // target was just checked.
+        // SAFETY: a build script is single-threaded.
+        unsafe { std::env::set_var("PKG_CONFIG_ALLOW_CROSS", "1") };
+    }
     let library = pkg_config::Config::new()
         .statik(true)
         .cargo_metadata(false)
@@ -100,6 +130,7 @@ fn build() -> Result<(), Vec<String>> {
     }
     println!("cargo::rustc-env=KILN_IREE_RUNTIME_REVISION={revision}");
     println!("cargo::rustc-env=KILN_IREE_HAL_DRIVERS={drivers}");
+    println!("cargo::rustc-env=KILN_IREE_PREFIX_TARGET={prefix_target}");
 
     compile_shim(&library.include_paths);
     generate_bindings()?;

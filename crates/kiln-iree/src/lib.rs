@@ -32,3 +32,7 @@ pub const RUNTIME_REVISION: &str = env!("KILN_IREE_RUNTIME_REVISION");
 
 /// The HAL drivers of the prefix this crate was linked against.
 pub const PREFIX_HAL_DRIVERS: &str = env!("KILN_IREE_HAL_DRIVERS");
+
+/// The Rust target triple the prefix was built for (the build script checks
+/// that it is this build's target).
+pub const PREFIX_TARGET: &str = env!("KILN_IREE_PREFIX_TARGET");

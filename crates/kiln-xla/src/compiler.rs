@@ -15,26 +15,50 @@ pub enum Target {
     Cuda,
 }
 
+/// llvm-cpu code is generated for the architecture kiln itself was built for,
+/// whatever machine the compiler runs on.
+#[cfg(target_arch = "x86_64")]
+const LLVMCPU_TRIPLE: &str = "--iree-llvmcpu-target-triple=x86_64-unknown-linux-gnu";
+#[cfg(target_arch = "aarch64")]
+const LLVMCPU_TRIPLE: &str = "--iree-llvmcpu-target-triple=aarch64-unknown-linux-gnu";
+/// The ELF machine (`e_machine`) of a compiler that runs on that architecture.
+#[cfg(target_arch = "x86_64")]
+const ELF_MACHINE: u16 = 62;
+#[cfg(target_arch = "aarch64")]
+const ELF_MACHINE: u16 = 183;
+
 impl Target {
     /// What besides the flags decides the code compiled for this target:
-    /// the host CPU for llvm-cpu (`host` in the flags means this machine's),
-    /// nothing for CUDA (sm_80 PTX runs on any newer GPU).
-    pub fn machine_identity(self) -> Result<&'static str> {
-        match self {
-            Target::LlvmCpu => crate::host_cpu::identity(),
-            Target::Cuda => Ok(""),
+    /// for llvm-cpu from a native compiler, the host CPU (`host` in the flags
+    /// means this machine's); nothing for `generic` llvm-cpu code (the triple
+    /// in the flags names its architecture) nor for CUDA (sm_80 PTX runs on
+    /// any newer GPU).
+    pub fn machine_identity(self, native_compiler: bool) -> Result<&'static str> {
+        match (self, native_compiler) {
+            (Target::LlvmCpu, true) => crate::host_cpu::identity(),
+            (Target::LlvmCpu, false) | (Target::Cuda, _) => Ok(""),
         }
     }
 
-    /// The iree-compile flags of this target.
-    pub fn flags(self) -> &'static [&'static str] {
-        match self {
-            Target::LlvmCpu => &[
+    /// The iree-compile flags of this target. `native_compiler`: the compiler
+    /// runs on the CPU kiln runs on, so llvm-cpu code may use that CPU's
+    /// features (`host`); else — kiln for aarch64 under qemu on x86_64,
+    /// driving the x86_64 compiler — the architecture's baseline (`generic`).
+    pub fn flags(self, native_compiler: bool) -> &'static [&'static str] {
+        match (self, native_compiler) {
+            (Target::LlvmCpu, true) => &[
                 "--iree-hal-target-device=local",
                 "--iree-hal-local-target-device-backends=llvm-cpu",
+                LLVMCPU_TRIPLE,
                 "--iree-llvmcpu-target-cpu=host",
             ],
-            Target::Cuda => &["--iree-hal-target-device=cuda", "--iree-cuda-target=sm_80"],
+            (Target::LlvmCpu, false) => &[
+                "--iree-hal-target-device=local",
+                "--iree-hal-local-target-device-backends=llvm-cpu",
+                LLVMCPU_TRIPLE,
+                "--iree-llvmcpu-target-cpu=generic",
+            ],
+            (Target::Cuda, _) => &["--iree-hal-target-device=cuda", "--iree-cuda-target=sm_80"],
         }
     }
 }
@@ -45,6 +69,7 @@ pub struct Compiler {
     path: PathBuf,
     version_line: String,
     revision: String,
+    native: bool,
 }
 
 impl Compiler {
@@ -90,6 +115,7 @@ impl Compiler {
             path: path.to_path_buf(),
             version_line: line.trim().to_string(),
             revision,
+            native: runs_natively(path),
         })
     }
 
@@ -106,6 +132,11 @@ impl Compiler {
         &self.revision
     }
 
+    /// Whether the compiler runs on the architecture kiln was built for.
+    pub fn is_native(&self) -> bool {
+        self.native
+    }
+
     /// Compiles MLIR (StableHLO) text for `target`; returns the `.vmfb`.
     pub fn compile(&self, mlir: &str, target: Target) -> Result<Vec<u8>> {
         let dir = tempfile::tempdir().map_err(Error::Temp)?;
@@ -114,7 +145,7 @@ impl Compiler {
         std::fs::write(&input, mlir).map_err(Error::Temp)?;
         let result = Command::new(&self.path)
             .arg(&input)
-            .args(target.flags())
+            .args(target.flags(self.native))
             .arg("-o")
             .arg(&output)
             .output()
@@ -129,5 +160,65 @@ impl Compiler {
             });
         }
         std::fs::read(&output).map_err(Error::Temp)
+    }
+}
+
+/// False only for an ELF program of another architecture than kiln's (a
+/// wrapper script is taken to start a compiler of this machine).
+fn runs_natively(path: &Path) -> bool {
+    let mut header = [0u8; 20];
+    let read =
+        std::fs::File::open(path).and_then(|mut f| std::io::Read::read_exact(&mut f, &mut header));
+    if read.is_err() || &header[..4] != b"\x7fELF" {
+        return true;
+    }
+    // e_machine; the pinned compilers are little-endian ELF.
+    u16::from_le_bytes([header[18], header[19]]) == ELF_MACHINE
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn llvm_cpu_code_is_for_kilns_own_architecture() {
+        let triple = format!(
+            "--iree-llvmcpu-target-triple={}-unknown-linux-gnu",
+            std::env::consts::ARCH
+        );
+        for native in [true, false] {
+            assert!(Target::LlvmCpu.flags(native).contains(&triple.as_str()));
+        }
+        assert!(
+            Target::LlvmCpu
+                .flags(true)
+                .contains(&"--iree-llvmcpu-target-cpu=host")
+        );
+        assert!(
+            Target::LlvmCpu
+                .flags(false)
+                .contains(&"--iree-llvmcpu-target-cpu=generic")
+        );
+    }
+
+    #[test]
+    fn a_program_of_another_architecture_is_not_native() {
+        let dir = tempfile::tempdir().unwrap();
+        let elf = |machine: u16| {
+            let mut header = vec![0x7f, b'E', b'L', b'F', 2, 1, 1];
+            header.resize(18, 0);
+            header.extend_from_slice(&machine.to_le_bytes());
+            header
+        };
+        let this = dir.path().join("this");
+        std::fs::write(&this, elf(ELF_MACHINE)).unwrap();
+        assert!(runs_natively(&this));
+        let other = dir.path().join("other");
+        let other_machine = if ELF_MACHINE == 62 { 183 } else { 62 };
+        std::fs::write(&other, elf(other_machine)).unwrap();
+        assert!(!runs_natively(&other));
+        let script = dir.path().join("script");
+        std::fs::write(&script, "#!/bin/sh\nexec iree-compile \"$@\"\n").unwrap();
+        assert!(runs_natively(&script));
     }
 }

@@ -57,17 +57,25 @@ pub fn batch_module_kinds(slots: usize) -> Vec<ModuleKind> {
         .collect()
 }
 
-/// The cache key of a module: the MLIR text, the target's flags and the
-/// machine they resolve to (the host CPU for llvm-cpu), the compiler's
-/// identity — the IREE revision, which `Compiler` guarantees equals the
-/// runtime's — and the bucket.
-pub fn key(mlir: &str, bucket: &str, target: Target) -> Result<String> {
-    Ok(key_on(mlir, bucket, target, target.machine_identity()?))
+/// The cache key of a module: the MLIR text, the target's flags (which
+/// depend on whether the compiler runs natively: see [`Target::flags`]) and
+/// the machine they resolve to (the host CPU for native llvm-cpu), the
+/// compiler's identity — the IREE revision, which `Compiler` guarantees
+/// equals the runtime's — and the bucket.
+pub fn key(mlir: &str, bucket: &str, target: Target, native_compiler: bool) -> Result<String> {
+    let machine = target.machine_identity(native_compiler)?;
+    Ok(key_on(mlir, bucket, target, native_compiler, machine))
 }
 
 /// [`key`] on a machine of the given identity.
-fn key_on(mlir: &str, bucket: &str, target: Target, machine: &str) -> String {
-    let flags = target.flags().join(" ");
+fn key_on(
+    mlir: &str,
+    bucket: &str,
+    target: Target,
+    native_compiler: bool,
+    machine: &str,
+) -> String {
+    let flags = target.flags(native_compiler).join(" ");
     ModuleCache::key(&[mlir, &flags, machine, kiln_iree::RUNTIME_REVISION, bucket])
 }
 
@@ -85,7 +93,10 @@ pub fn obtain(
     // The graph's sizes are products of the config's: bounded only if valid.
     config.validate().map_err(Error::Config)?;
     let (mlir, bucket) = source(config, graph, kind, buckets.context);
-    let key = key(&mlir, &bucket, target)?;
+    // Without a compiler only the cache serves, with the key of modules
+    // compiled on a machine of kiln's own architecture.
+    let native_compiler = compiler.is_none_or(Compiler::is_native);
+    let key = key(&mlir, &bucket, target, native_compiler)?;
     cache.get_or_compile(&key, || match compiler {
         Some(compiler) => compiler.compile(&mlir, target),
         None => Err(Error::NotPrepared {
@@ -140,7 +151,19 @@ mod tests {
     fn cpu_modules_of_different_cpus_have_different_keys() {
         let avx512 = crate::host_cpu::from_cpuinfo("flags: sse2 avx2 avx512f").unwrap();
         let avx2 = crate::host_cpu::from_cpuinfo("flags: sse2 avx2").unwrap();
-        let key = |target, machine| key_on("mlir", "decode:64", target, machine);
+        let key = |target, machine| key_on("mlir", "decode:64", target, true, machine);
         assert_ne!(key(Target::LlvmCpu, &avx512), key(Target::LlvmCpu, &avx2));
+    }
+
+    #[test]
+    fn generic_modules_of_another_architectures_compiler_have_their_own_key() {
+        let native = key("mlir", "decode:64", Target::LlvmCpu, true).unwrap();
+        let generic = key("mlir", "decode:64", Target::LlvmCpu, false).unwrap();
+        assert_ne!(native, generic);
+        // `generic` code does not depend on the CPU the compiler runs on.
+        assert_eq!(
+            generic,
+            key_on("mlir", "decode:64", Target::LlvmCpu, false, "")
+        );
     }
 }

@@ -50,7 +50,8 @@ fn backend_with(model: &Model, mlir: &str, cache_dir: &std::path::Path) -> IreeB
     let cache = ModuleCache::at(cache_dir);
     for kind in [ModuleKind::Prefill(16), ModuleKind::Decode] {
         let (real, bucket) = kiln_xla::prepared::source(&model.config, &graph, kind, CONTEXT);
-        let key = kiln_xla::prepared::key(&real, &bucket, Target::LlvmCpu).unwrap();
+        let key =
+            kiln_xla::prepared::key(&real, &bucket, Target::LlvmCpu, compiler.is_native()).unwrap();
         cache.get_or_compile(&key, || Ok(vmfb.clone())).unwrap();
     }
     let model: &'static Model = Box::leak(Box::new(Model::embedded()));

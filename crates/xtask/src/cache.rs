@@ -29,6 +29,14 @@ impl Cache {
         Ok(Cache { root })
     }
 
+    /// A cache at `root` (for tests).
+    #[cfg(test)]
+    pub fn at(root: &Path) -> Cache {
+        Cache {
+            root: root.to_path_buf(),
+        }
+    }
+
     pub fn path(&self, relative: impl AsRef<Path>) -> PathBuf {
         self.root.join(relative)
     }

@@ -9,16 +9,20 @@ use crate::cache::Cache;
 use crate::compiler::compiler_location;
 use crate::iree::{Variant, prefix_location};
 use crate::pins::Pins;
+use crate::target::Target;
 
 /// The exports, one `export NAME=VALUE` line each, values shell-quoted.
-pub fn exports(cache: &Cache, pins: &Pins, variant: Variant) -> Result<String> {
-    let (prefix, _) = prefix_location(cache, pins, variant)?;
+pub fn exports(cache: &Cache, pins: &Pins, variant: Variant, target: &Target) -> Result<String> {
+    let (prefix, _) = prefix_location(cache, pins, variant, target)?;
     if !prefix.exists() {
-        let flag = if variant == Variant::Cuda {
-            " --cuda"
+        let mut flag = if variant == Variant::Cuda {
+            " --cuda".to_string()
         } else {
-            ""
+            String::new()
         };
+        if target.cross {
+            flag.push_str(&format!(" --target {}", target.triple));
+        }
         return Err(anyhow!(
             "no IREE prefix ({}) for the current pins at {}; build it with `cargo xtask iree{flag}`",
             variant.name(),

@@ -15,7 +15,8 @@ use crate::cache::{Cache, content_key};
 use crate::fetch::fetch;
 use crate::pins::{Pins, for_system, host_system, repo_root};
 use crate::prefix::{self, Identity};
-use crate::tools::{host_c_toolchain, pinned_tool};
+use crate::target::Target;
+use crate::tools::pinned_tool;
 use crate::unpack;
 
 /// Which runtime to build: CPU drivers only, or with the CUDA HAL driver.
@@ -39,14 +40,24 @@ fn cmake_project() -> PathBuf {
     repo_root().join("nix").join("iree-prefix")
 }
 
+/// The CMake toolchain file of a cross build (in nix/iree-prefix).
+fn cross_toolchain_file(target: &Target) -> String {
+    format!("{}.cmake", target.gnu())
+}
+
 /// The prefix's folder for the current pins, and the inputs its name hashes.
 pub fn prefix_location(
     cache: &Cache,
     pins: &Pins,
     variant: Variant,
+    target: &Target,
 ) -> Result<(PathBuf, serde_json::Value)> {
-    let system = host_system()?;
-    let project_files: Vec<(String, String)> = ["CMakeLists.txt", "link_probe.c"]
+    let system = target.system;
+    let mut project = vec!["CMakeLists.txt".to_string(), "link_probe.c".to_string()];
+    if target.cross {
+        project.push(cross_toolchain_file(target));
+    }
+    let project_files: Vec<(String, String)> = project
         .iter()
         .map(|name| {
             let text = std::fs::read_to_string(cmake_project().join(name))
@@ -61,6 +72,7 @@ pub fn prefix_location(
     let inputs = json!({
         "variant": variant.name(),
         "system": system,
+        "target": target.triple,
         "iree": { "version": pins.iree.version, "revision": pins.iree.revision, "source": pins.iree.source },
         "cmake_options": pins.cmake_options(variant == Variant::Cuda),
         "cuda_wheels": cuda_wheels,
@@ -68,34 +80,43 @@ pub fn prefix_location(
         "cmake_project": project_files,
         // The installer decides the layout; a change to it is a new prefix.
         "installer": include_str!("prefix.rs"),
-        "host_c_toolchain": host_c_toolchain()?,
+        "c_toolchain": target.c_toolchain()?,
     });
     let key = content_key(&inputs);
-    let dir = cache
-        .path("iree-runtime")
-        .join(format!("{}-{}", variant.name(), &key[..16]));
+    let dir = cache.path("iree-runtime").join(format!(
+        "{}{}-{}",
+        target.cache_tag(),
+        variant.name(),
+        &key[..16]
+    ));
     Ok((dir, inputs))
 }
 
 /// Builds (or finds) the prefix; returns its path.
-pub fn build(cache: &Cache, pins: &Pins, variant: Variant) -> Result<PathBuf> {
-    let (dest, inputs) = prefix_location(cache, pins, variant)?;
+pub fn build(cache: &Cache, pins: &Pins, variant: Variant, target: &Target) -> Result<PathBuf> {
+    let (dest, inputs) = prefix_location(cache, pins, variant, target)?;
+    let what = format!("{}{}", target.cache_tag(), variant.name());
     if dest.exists() {
-        eprintln!(
-            "IREE prefix ({}) is up to date: {}",
-            variant.name(),
-            dest.display()
-        );
+        eprintln!("IREE prefix ({what}) is up to date: {}", dest.display());
         return Ok(dest);
     }
+    // A cross build runs IREE's code generators (iree-flatcc-cli,
+    // iree-c-embed-data) from the host's CPU prefix, which installs them.
+    let host_tools = if target.cross {
+        let host = build(cache, pins, Variant::Cpu, &Target::host()?)?;
+        Some(host.join(prefix::HOST_TOOLS_DIR))
+    } else {
+        None
+    };
     let started = Instant::now();
+    // The build tools run here; the CUDA headers are the target's.
     let system = host_system()?;
     let source = iree_source(cache, pins)?;
     let cmake = pinned_tool(cache, &pins.tools.cmake, "cmake", &system)?;
     let ninja = pinned_tool(cache, &pins.tools.ninja, "ninja", &system)?;
     let cuda_deps = match variant {
         Variant::Cpu => None,
-        Variant::Cuda => Some(cuda_deps_dir(cache, pins, &system)?),
+        Variant::Cuda => Some(cuda_deps_dir(cache, pins, target.system)?),
     };
 
     let build_dir = cache
@@ -124,6 +145,14 @@ pub fn build(cache: &Cache, pins: &Pins, variant: Variant) -> Result<PathBuf> {
     for (name, value) in pins.cmake_options(variant == Variant::Cuda) {
         configure.arg(format!("-D{name}={value}"));
     }
+    if let Some(tools) = &host_tools {
+        configure
+            .arg(format!(
+                "-DCMAKE_TOOLCHAIN_FILE={}",
+                cmake_project().join(cross_toolchain_file(target)).display()
+            ))
+            .arg(format!("-DIREE_HOST_BIN_DIR={}", tools.display()));
+    }
     if let Some(deps) = &cuda_deps {
         configure.env("IREE_CUDA_DEPS_DIR", deps);
     }
@@ -140,6 +169,9 @@ pub fn build(cache: &Cache, pins: &Pins, variant: Variant) -> Result<PathBuf> {
         .arg(&build_dir)
         .arg("kiln_iree_link_probe")
         .env("NINJA_STATUS", "[%f/%t] ");
+    if !target.cross {
+        ninja_cmd.args(prefix::HOST_TOOLS);
+    }
     run_logged(
         ninja_cmd,
         &build_dir.join("kiln-build.log"),
@@ -147,12 +179,13 @@ pub fn build(cache: &Cache, pins: &Pins, variant: Variant) -> Result<PathBuf> {
         Some(parse_ninja_status),
     )?;
 
-    smoke_test_probe(&build_dir)?;
+    smoke_test_probe(&build_dir, target)?;
 
     let dest = cache.publish(&dest, |staging| {
         let id = Identity {
             version: &pins.iree.version,
             revision: &pins.iree.revision,
+            target: target.triple,
         };
         prefix::install(&build_dir, &source, staging, &id)?;
         let share = staging.join("share").join("kiln");
@@ -166,8 +199,7 @@ pub fn build(cache: &Cache, pins: &Pins, variant: Variant) -> Result<PathBuf> {
     })?;
     std::fs::remove_dir_all(&build_dir).ok();
     eprintln!(
-        "built the IREE prefix ({}) in {:.1}s: {}",
-        variant.name(),
+        "built the IREE prefix ({what}) in {:.1}s: {}",
         started.elapsed().as_secs_f64(),
         dest.display()
     );
@@ -214,11 +246,16 @@ fn cuda_deps_dir(cache: &Cache, pins: &Pins, system: &str) -> Result<PathBuf> {
     })
 }
 
-/// Runs the freshly linked probe on `local-sync`: the runtime must create a
-/// device and a session before it becomes a prefix.
-fn smoke_test_probe(build_dir: &Path) -> Result<()> {
+/// Runs the freshly linked probe on `local-sync` (under emulation for another
+/// architecture): the runtime must create a device and a session before it
+/// becomes a prefix.
+fn smoke_test_probe(build_dir: &Path, target: &Target) -> Result<()> {
     let probe = build_dir.join("kiln_iree_link_probe");
-    let output = Command::new(&probe).arg("local-sync").output()?;
+    let output = target
+        .runner(&probe)?
+        .arg("local-sync")
+        .output()
+        .with_context(|| format!("cannot run {}", probe.display()))?;
     if !output.status.success() {
         return Err(anyhow!(
             "the IREE link probe built but failed to run on local-sync:\n{}",
@@ -289,4 +326,50 @@ fn run_logged(
     }
     eprintln!("{what}: done");
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::pins::default_pin_file;
+    use crate::target::AARCH64;
+
+    #[test]
+    fn a_cross_prefix_has_a_key_and_folder_of_its_own() {
+        let cache = tempfile::tempdir().unwrap();
+        let cache = Cache::at(cache.path());
+        let pins = Pins::load(&default_pin_file()).unwrap();
+        let host = Target::host().unwrap();
+        let aarch64 = Target::parse(Some(AARCH64)).unwrap();
+        if !aarch64.cross {
+            eprintln!("skipped: this machine is aarch64, so no cross prefix is built here");
+            return;
+        }
+        for variant in [Variant::Cpu, Variant::Cuda] {
+            let (native, native_inputs) = prefix_location(&cache, &pins, variant, &host).unwrap();
+            let (cross, cross_inputs) = prefix_location(&cache, &pins, variant, &aarch64).unwrap();
+            assert_ne!(native, cross);
+            let name = cross.file_name().unwrap().to_str().unwrap();
+            assert!(
+                name.starts_with(&format!("aarch64-linux-{}-", variant.name())),
+                "{name}"
+            );
+            assert_eq!(cross_inputs["target"], AARCH64);
+            assert_eq!(native_inputs["target"], host.triple);
+            // The cross compilers and the toolchain file are part of the key.
+            assert!(
+                cross_inputs["c_toolchain"][0]
+                    .as_str()
+                    .unwrap()
+                    .contains("aarch64-linux-gnu-gcc"),
+                "{}",
+                cross_inputs["c_toolchain"]
+            );
+            assert!(
+                cross_inputs["cmake_project"]
+                    .to_string()
+                    .contains("aarch64-linux-gnu.cmake")
+            );
+        }
+    }
 }

@@ -4,6 +4,7 @@
 
 mod cache;
 mod compiler;
+mod emulated;
 mod env;
 mod eval_nix;
 mod fetch;
@@ -17,6 +18,7 @@ mod prefix;
 mod ptxas;
 mod repro;
 mod setup;
+mod target;
 mod test;
 mod tools;
 mod tree;
@@ -35,6 +37,7 @@ use clap::{Parser, Subcommand};
 use crate::cache::Cache;
 use crate::iree::Variant;
 use crate::pins::{Pins, default_pin_file};
+use crate::target::Target;
 
 #[derive(Parser)]
 #[command(
@@ -53,6 +56,10 @@ enum Task {
         /// Include the CUDA HAL driver (built against the pinned CUDA 12.9 headers).
         #[arg(long)]
         cuda: bool,
+        /// Cross-compile for this Rust target triple (aarch64-unknown-linux-gnu:
+        /// Debian's cross toolchain) instead of building for this machine.
+        #[arg(long)]
+        target: Option<String>,
     },
     /// Install the pinned iree-compile from its wheel and check its revision.
     Compiler,
@@ -61,6 +68,9 @@ enum Task {
         /// Point at the CPU-only prefix instead of the CUDA-enabled one.
         #[arg(long)]
         cpu: bool,
+        /// The prefix built for this Rust target triple (default: this machine's).
+        #[arg(long)]
+        target: Option<String>,
     },
     /// Download every pinned input, for every system, and check its sha256.
     VerifyPins,
@@ -82,6 +92,18 @@ enum Task {
         /// Run only the named mutation.
         #[arg(long)]
         mutation: Option<String>,
+        /// Link for this Rust target triple (aarch64-unknown-linux-gnu: with
+        /// Debian's cross toolchain, against `cargo xtask iree --cuda --target …`).
+        #[arg(long)]
+        target: Option<String>,
+    },
+    /// Run another architecture's kiln-core tests and xla_prepared_prefill
+    /// (local-task) under qemu: the executables the gate's link check built
+    /// for it (the link check runs first if they are not current).
+    EmulatedTests {
+        /// The cross target (default: aarch64-unknown-linux-gnu, the GB10's).
+        #[arg(long, default_value = target::AARCH64)]
+        target: String,
     },
     /// Check every Nix file: parse, nixpkgs-fmt, deadnix.
     LintNix,
@@ -136,6 +158,9 @@ enum Task {
         out: PathBuf,
         #[arg(long)]
         pins: Option<PathBuf>,
+        /// The Rust target triple the build compiled for (default: this machine's).
+        #[arg(long)]
+        target: Option<String>,
     },
 }
 
@@ -151,9 +176,10 @@ fn main() -> ExitCode {
 
 fn run(cli: Cli) -> Result<()> {
     match cli.task {
-        Task::Iree { cuda } => {
+        Task::Iree { cuda, target } => {
             let variant = if cuda { Variant::Cuda } else { Variant::Cpu };
-            let prefix = iree::build(&Cache::open()?, &load_pins()?, variant)?;
+            let target = Target::parse(target.as_deref())?;
+            let prefix = iree::build(&Cache::open()?, &load_pins()?, variant, &target)?;
             println!("{}", prefix.display());
         }
         Task::Compiler => {
@@ -161,9 +187,13 @@ fn run(cli: Cli) -> Result<()> {
             eprintln!("{version} (matches the pin)");
             println!("{}", binary.display());
         }
-        Task::Env { cpu } => {
+        Task::Env { cpu, target } => {
             let variant = if cpu { Variant::Cpu } else { Variant::Cuda };
-            print!("{}", env::exports(&Cache::open()?, &load_pins()?, variant)?);
+            let target = Target::parse(target.as_deref())?;
+            print!(
+                "{}",
+                env::exports(&Cache::open()?, &load_pins()?, variant, &target)?
+            );
         }
         Task::VerifyPins => verify_pins::run(&Cache::open()?, &load_pins()?)?,
         Task::Setup => {
@@ -174,11 +204,19 @@ fn run(cli: Cli) -> Result<()> {
         Task::Gate {
             link_only,
             mutation,
+            target,
         } => {
-            let prefix = prefix_for_gate()?;
-            gate::run(&prefix, link_only, mutation.as_deref())?;
+            let target = Target::parse(target.as_deref())?;
+            let prefix = prefix_for_gate(&target)?;
+            gate::run(&prefix, &target, link_only, mutation.as_deref())?;
         }
-        Task::Repro => repro::run(&prefix_for_gate()?)?,
+        Task::EmulatedTests { target } => {
+            let target = Target::parse(Some(&target))?;
+            let prefix = prefix_for_gate(&target)?;
+            let (compiler, _) = compiler::install(&Cache::open()?, &load_pins()?)?;
+            emulated::run(&prefix, &compiler, &target)?;
+        }
+        Task::Repro => repro::run(&prefix_for_gate(&Target::host()?)?)?,
         Task::LintNix => lint_nix::run(&setup::Toolbox::installed(&Cache::open()?)?)?,
         Task::LintWorkflows => lint_workflows::run(&setup::Toolbox::installed(&Cache::open()?)?)?,
         Task::EvalNix { inputs, check } => {
@@ -199,7 +237,7 @@ fn run(cli: Cli) -> Result<()> {
             let tools = ptxas::Tools {
                 bench: match bench {
                     Some(path) => path,
-                    None => ptxas::build_bench(&prefix_for_gate()?)?,
+                    None => ptxas::build_bench(&prefix_for_gate(&Target::host()?)?)?,
                 },
                 compiler: match compiler {
                     Some(path) => path,
@@ -218,11 +256,14 @@ fn run(cli: Cli) -> Result<()> {
             source,
             out,
             pins,
+            target,
         } => {
             let pins = Pins::load(&pins.unwrap_or_else(default_pin_file))?;
+            let target = Target::parse(target.as_deref())?;
             let id = prefix::Identity {
                 version: &pins.iree.version,
                 revision: &pins.iree.revision,
+                target: target.triple,
             };
             prefix::install(&build, &source, &out, &id)?;
         }
@@ -230,13 +271,14 @@ fn run(cli: Cli) -> Result<()> {
     Ok(())
 }
 
-/// The CUDA prefix the gate links against: `KILN_IREE_PREFIX` when the
-/// environment provides one (`nix develop`, the flake's checks), else the one
-/// `cargo xtask iree --cuda` builds for the current pins.
-fn prefix_for_gate() -> Result<PathBuf> {
+/// The CUDA prefix the gate links against: for the host, `KILN_IREE_PREFIX`
+/// when the environment provides one (`nix develop`, the flake's checks);
+/// otherwise the one `cargo xtask iree --cuda [--target T]` builds for the
+/// current pins (an environment's prefix is the host's, never a cross one).
+fn prefix_for_gate(target: &Target) -> Result<PathBuf> {
     match std::env::var_os("KILN_IREE_PREFIX") {
-        Some(prefix) if !prefix.is_empty() => Ok(PathBuf::from(prefix)),
-        _ => iree::build(&Cache::open()?, &load_pins()?, Variant::Cuda),
+        Some(prefix) if !prefix.is_empty() && !target.cross => Ok(PathBuf::from(prefix)),
+        _ => iree::build(&Cache::open()?, &load_pins()?, Variant::Cuda, target),
     }
 }
 

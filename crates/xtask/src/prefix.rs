@@ -5,7 +5,9 @@
 //! ```text
 //! include/iree/...            the runtime's public headers (runtime/src/**/*.h)
 //! lib/lib*.a                  the archives the link needs, and no others
-//! lib/pkgconfig/iree-runtime.pc   how to link them, in order
+//! lib/pkgconfig/iree-runtime.pc   how to link them, in order, and the target
+//! bin/iree-flatcc-cli, bin/iree-c-embed-data   IREE's code generators (a
+//!                             host build only: cross builds run them from here)
 //! ```
 //!
 //! The archive list comes from the build, never from a list typed here: the
@@ -28,10 +30,18 @@ pub const PKG_CONFIG_NAME: &str = "iree-runtime";
 /// The CMake target whose link line is the recipe (see nix/iree-prefix).
 const PROBE: &str = "kiln_iree_link_probe";
 
+/// The code generators IREE's build runs, installed from a host build so that
+/// a cross build can run them (its `IREE_HOST_BIN_DIR`).
+pub const HOST_TOOLS: [&str; 2] = ["iree-flatcc-cli", "iree-c-embed-data"];
+/// Where the prefix keeps them.
+pub const HOST_TOOLS_DIR: &str = "bin";
+
 /// Everything the installer needs to know that the build does not record.
 pub struct Identity<'a> {
     pub version: &'a str,
     pub revision: &'a str,
+    /// The Rust target triple the archives were compiled for.
+    pub target: &'a str,
 }
 
 pub fn install(build: &Path, iree_source: &Path, out: &Path, id: &Identity) -> Result<()> {
@@ -78,6 +88,7 @@ pub fn install(build: &Path, iree_source: &Path, out: &Path, id: &Identity) -> R
         &iree_source.join("runtime").join("src"),
         &out.join("include"),
     )?;
+    let tools = copy_host_tools(build, &out.join(HOST_TOOLS_DIR))?;
     let pc = pkg_config_file(id, &drivers, &libs);
     std::fs::write(
         libdir
@@ -86,10 +97,12 @@ pub fn install(build: &Path, iree_source: &Path, out: &Path, id: &Identity) -> R
         pc,
     )?;
     eprintln!(
-        "installed the IREE prefix: {} headers, link: {}, drivers: {}",
+        "installed the IREE prefix for {}: {} headers, link: {}, drivers: {}, tools: {}",
+        id.target,
         headers,
         libs.join(" "),
-        drivers.join(" ")
+        drivers.join(" "),
+        tools.join(" ")
     );
     Ok(())
 }
@@ -103,6 +116,7 @@ fn pkg_config_file(id: &Identity, drivers: &[String], libs: &[String]) -> String
     let _ = writeln!(pc, "includedir=${{prefix}}/include");
     let _ = writeln!(pc, "iree_version={}", id.version);
     let _ = writeln!(pc, "iree_revision={}", id.revision);
+    let _ = writeln!(pc, "target={}", id.target);
     let _ = writeln!(pc, "hal_drivers={}", drivers.join(" "));
     let _ = writeln!(pc);
     let _ = writeln!(pc, "Name: {PKG_CONFIG_NAME}");
@@ -236,6 +250,22 @@ fn enabled_hal_drivers(cache: &Path) -> Result<Vec<String>> {
     Ok(drivers)
 }
 
+/// Copies the code generators a build made (IREE writes them to
+/// `iree/tools`); a cross build makes none. Returns the names copied.
+fn copy_host_tools(build: &Path, dest: &Path) -> Result<Vec<&'static str>> {
+    let mut copied = Vec::new();
+    for tool in HOST_TOOLS {
+        let built = build.join("iree").join("tools").join(tool);
+        if built.is_file() {
+            std::fs::create_dir_all(dest)?;
+            std::fs::copy(&built, dest.join(tool))
+                .with_context(|| format!("cannot copy {}", built.display()))?;
+            copied.push(tool);
+        }
+    }
+    Ok(copied)
+}
+
 /// Copies every `*.h` under `src` to the same relative path under `dest`.
 fn copy_headers(src: &Path, dest: &Path) -> Result<usize> {
     let mut count = 0;
@@ -266,4 +296,44 @@ fn read_json<T: serde::de::DeserializeOwned>(path: &Path) -> Result<T> {
     let text =
         std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))?;
     serde_json::from_str(&text).with_context(|| format!("{} is malformed", path.display()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_link_description_names_the_target() {
+        let id = Identity {
+            version: "3.11.0",
+            revision: "abc",
+            target: "aarch64-unknown-linux-gnu",
+        };
+        let pc = pkg_config_file(&id, &["local-task".into()], &["-lfoo".into()]);
+        assert!(
+            pc.lines().any(|l| l == "target=aarch64-unknown-linux-gnu"),
+            "{pc}"
+        );
+    }
+
+    #[test]
+    fn the_code_generators_a_build_made_are_installed() {
+        let build = tempfile::tempdir().unwrap();
+        let tools = build.path().join("iree/tools");
+        std::fs::create_dir_all(&tools).unwrap();
+        std::fs::write(tools.join("iree-flatcc-cli"), "flatcc").unwrap();
+        let out = tempfile::tempdir().unwrap();
+        let bin = out.path().join(HOST_TOOLS_DIR);
+        // A cross build made none of them (it ran the host's).
+        assert!(copy_host_tools(out.path(), &bin).unwrap().is_empty());
+        assert!(!bin.exists());
+        assert_eq!(
+            copy_host_tools(build.path(), &bin).unwrap(),
+            ["iree-flatcc-cli"]
+        );
+        assert_eq!(
+            std::fs::read_to_string(bin.join("iree-flatcc-cli")).unwrap(),
+            "flatcc"
+        );
+    }
 }

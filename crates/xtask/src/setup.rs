@@ -25,7 +25,7 @@ use crate::pins::{Download, repo_root};
 use crate::unpack;
 
 /// Debian/Ubuntu packages the suite needs, and why.
-const SYSTEM_PACKAGES: [(&str, &str); 8] = [
+const SYSTEM_PACKAGES: [(&str, &str); 12] = [
     (
         "build-essential",
         "C/C++ compilers for the IREE runtime and the shim",
@@ -43,6 +43,16 @@ const SYSTEM_PACKAGES: [(&str, &str); 8] = [
         "valgrind",
         ".ci/hardening: an iree-cpu decode under memcheck",
     ),
+    (
+        "gcc-aarch64-linux-gnu",
+        "the aarch64 (GB10) IREE prefix and link, cross-compiled",
+    ),
+    (
+        "g++-aarch64-linux-gnu",
+        "the aarch64 IREE prefix's C++ (CMake)",
+    ),
+    ("libc6-dev-arm64-cross", "the aarch64 sysroot"),
+    ("qemu-user", "the aarch64 tests, under qemu-aarch64"),
 ];
 
 /// A crates.io binary crate, pinned by version and the sha256 of its `.crate`
@@ -144,6 +154,7 @@ impl Toolbox {
 /// Installs everything; returns where the tools are.
 pub fn run(cache: &Cache) -> Result<Toolbox> {
     system_packages()?;
+    rust_targets()?;
     for tool in &CARGO_TOOLS {
         install_cargo_tool(cache, tool)?;
     }
@@ -155,6 +166,21 @@ pub fn run(cache: &Cache) -> Result<Toolbox> {
         cache.path("tools").display()
     );
     Ok(toolbox)
+}
+
+/// The targets rust-toolchain.toml lists (the aarch64 standard library):
+/// rustup installs them with a toolchain, not into one already installed.
+fn rust_targets() -> Result<()> {
+    if which::which("rustup").is_err() {
+        // Nix's toolchain comes with the file's targets.
+        return Ok(());
+    }
+    run_checked(
+        Command::new("rustup")
+            .args(["target", "add", crate::target::AARCH64])
+            .current_dir(repo_root()),
+        "rustup target add (the aarch64 standard library)",
+    )
 }
 
 /// Installs the missing system packages, or says how to.

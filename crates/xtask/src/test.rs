@@ -10,6 +10,7 @@ use anyhow::{Context, Result, anyhow};
 use crate::cache::Cache;
 use crate::iree::{self, Variant};
 use crate::pins::{Pins, repo_root};
+use crate::target::{AARCH64, Target};
 use crate::{compiler, tools};
 
 /// Every step of the suite, in order; the first failure stops it.
@@ -22,12 +23,24 @@ pub fn run(cache: &Cache, pins: &Pins) -> Result<()> {
         "kiln-iree's build script reads the prefix's link description with it",
         "Debian/Ubuntu: apt-get install -y pkg-config",
     )?;
+    let host = Target::host()?;
     let cpu_prefix = step("IREE prefix, CPU drivers", || {
-        iree::build(cache, pins, Variant::Cpu)
+        iree::build(cache, pins, Variant::Cpu, &host)
     })?;
     let cuda_prefix = step("IREE prefix, CUDA driver", || {
-        iree::build(cache, pins, Variant::Cuda)
+        iree::build(cache, pins, Variant::Cuda, &host)
     })?;
+    // The GB10's architecture, cross-built here (unless this is one): its
+    // CUDA prefix serves both its gate and its emulated tests, which run the
+    // gate's own test executables.
+    let aarch64 = Target::parse(Some(AARCH64))?;
+    let aarch64_prefix = if aarch64.cross {
+        Some(step("IREE prefix, CUDA driver, aarch64 (cross)", || {
+            iree::build(cache, pins, Variant::Cuda, &aarch64)
+        })?)
+    } else {
+        None
+    };
     let (compiler, _) = step("iree-compile", || compiler::install(cache, pins))?;
 
     let env = |prefix: &Path| -> Vec<(&'static str, OsString)> {
@@ -101,8 +114,24 @@ pub fn run(cache: &Cache, pins: &Pins) -> Result<()> {
         openai_client(cache)
     })?;
     step("the gate: link check and mutation suite", || {
-        crate::gate::run(&cuda_prefix, false, None)
+        crate::gate::run(&cuda_prefix, &host, false, None)
     })?;
+    if let Some(prefix) = &aarch64_prefix {
+        // The emulated tests run the link check's executables, before the
+        // mutants: they share the link check's artifact names, so after them
+        // the workspace crates would be rebuilt.
+        step("the aarch64 link check", || {
+            crate::gate::run(prefix, &aarch64, true, None)
+        })?;
+        step(
+            "aarch64 tests under qemu-aarch64: kiln-core, xla_prepared_prefill on local-task",
+            || crate::emulated::run(prefix, &compiler, &aarch64),
+        )?;
+        step(
+            "the gate for aarch64: link check (current) and mutation suite",
+            || crate::gate::run(prefix, &aarch64, false, None),
+        )?;
+    }
     step("reproducible release binaries", || {
         crate::repro::run(&cuda_prefix)
     })?;

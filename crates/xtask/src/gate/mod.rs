@@ -4,8 +4,11 @@
 //! benches, examples) in the release profile with `cuda,xla-iree`, running
 //! none. The mutation suite proves the check would catch link-only
 //! regressions: for each mutation, on a copy of the tree (and of the prefix),
-//! `cargo check` must still pass and the link check must fail with the
-//! expected text. Every run shares the checkout's own target folder (under
+//! `cargo check` must still pass and the link must fail with the expected
+//! text. A mutant is checked and linked for the smallest set of the link
+//! check's targets that links and reaches the mutated code (kiln-iree's
+//! tests, or kiln-xla's `iree_runtime` test): its failure is the link check's,
+//! at a fraction of the cost of relinking every target. Every run shares the checkout's own target folder (under
 //! Nix, the one crane filled with the dependency artifacts), so neither the
 //! link check nor the mutants compile a dependency again; the mutated tree
 //! lives outside the checkout, where cargo reads no second
@@ -14,7 +17,7 @@
 
 mod mutations;
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Instant;
 
@@ -22,7 +25,8 @@ use anyhow::{Context, Result, anyhow};
 use serde::Serialize;
 
 use crate::pins::repo_root;
-use mutations::{Edit, LibsEdit, MUTATIONS, Mutation};
+use crate::target::Target;
+use mutations::{Edit, LibsEdit, MUTANT_BUILT_PACKAGES, MUTATIONS, Mutation, Targets};
 
 const FEATURES: &str = "cuda,xla-iree";
 
@@ -36,26 +40,41 @@ struct Line {
     detail: String,
 }
 
+/// One gate run: the prefix it links against and the target it links for
+/// (a cross target is linked by its GNU toolchain, as on the machine itself).
+struct Build<'a> {
+    prefix: &'a Path,
+    target: &'a Target,
+    target_dir: &'a Path,
+}
+
 /// Runs the link check and, unless `link_only`, the mutation suite; prints the
 /// report and writes it as JSON. Fails if any line failed.
-pub fn run(prefix: &Path, link_only: bool, only: Option<&str>) -> Result<()> {
+pub fn run(prefix: &Path, target: &Target, link_only: bool, only: Option<&str>) -> Result<()> {
     let root = repo_root();
-    let target_dir = match std::env::var_os("CARGO_TARGET_DIR") {
-        // Relative to where cargo runs, as cargo reads it (crane sets `target`).
-        Some(dir) => std::env::current_dir()?.join(dir),
-        None => root.join("target"),
-    };
+    let target_dir = target_dir(&root)?;
     let work = target_dir.join("gate");
     std::fs::create_dir_all(&work)?;
     let scratch = scratch_folder()?;
+    // Every target shares the one target folder: cargo keeps each target's
+    // artifacts apart inside it (`target/TRIPLE/`), and the build scripts
+    // and proc macros, built for the host, are shared.
+    let build = Build {
+        prefix,
+        target,
+        target_dir: &target_dir,
+    };
     let mut report: Vec<Line> = Vec::new();
 
     let started = Instant::now();
-    let link = link_check(&root, prefix, &target_dir)?;
+    let link = link_check(&root, &build, prefix, Scope::Workspace)?;
     let ok = link.success;
     report.push(Line {
         name: "link-check".into(),
-        models: "every release cuda,xla-iree target links".into(),
+        models: format!(
+            "every release cuda,xla-iree target links for {}",
+            target.triple
+        ),
         verdict: if ok { "PASS" } else { "FAIL" },
         seconds: started.elapsed().as_secs_f64(),
         detail: if ok {
@@ -70,14 +89,20 @@ pub fn run(prefix: &Path, link_only: bool, only: Option<&str>) -> Result<()> {
     }
 
     if ok && !link_only {
-        for mutation in MUTATIONS
-            .iter()
-            .filter(|m| only.is_none_or(|o| o == m.name))
-        {
-            let line = run_mutation(mutation, &root, prefix, scratch.path(), &work, &target_dir)?;
-            print_line(&line);
-            report.push(line);
-        }
+        let suite = (|| -> Result<()> {
+            for mutation in MUTATIONS
+                .iter()
+                .filter(|m| only.is_none_or(|o| o == m.name))
+            {
+                let line = run_mutation(mutation, &root, &build, scratch.path(), &work)?;
+                print_line(&line);
+                report.push(line);
+            }
+            Ok(())
+        })();
+        let forgotten = forget_mutant_artifacts(&root, &build);
+        suite?;
+        forgotten?;
     }
 
     let failed = report
@@ -85,7 +110,7 @@ pub fn run(prefix: &Path, link_only: bool, only: Option<&str>) -> Result<()> {
         .filter(|l| !matches!(l.verdict, "PASS" | "CAUGHT" | "SKIPPED"))
         .count();
     let passed = report.iter().filter(|l| l.verdict != "SKIPPED").count() - failed;
-    let json = work.join("report.json");
+    let json = work.join(format!("report-{}.json", target.triple));
     std::fs::write(&json, serde_json::to_string_pretty(&report)?)?;
     println!(
         "gate: {passed} passed, {failed} failed (report: {})",
@@ -97,6 +122,116 @@ pub fn run(prefix: &Path, link_only: bool, only: Option<&str>) -> Result<()> {
         ));
     }
     Ok(())
+}
+
+/// Mutants share the checkout's target folder, and cargo names a workspace
+/// crate's artifacts after its path relative to the workspace root, which is
+/// the same in a mutant's copy: a mutant's kiln-iree replaces the checkout's,
+/// and cargo, finding the checkout's sources older than it, would take it as
+/// current — the next link check would link the last mutant. So the release
+/// artifacts of the packages mutants build are removed once the suite ends,
+/// and the checkout's next build makes its own.
+fn forget_mutant_artifacts(root: &Path, build: &Build) -> Result<()> {
+    let mut args = vec!["clean", "--release"];
+    for package in MUTANT_BUILT_PACKAGES {
+        args.extend(["--package", package]);
+    }
+    let outcome = cargo(root, build, build.prefix, &args)?;
+    if !outcome.success {
+        return Err(anyhow!(
+            "cannot remove the mutants' artifacts from {} (remove them with `cargo clean`): {}",
+            build.target_dir.display(),
+            tail(&outcome.output, 10)
+        ));
+    }
+    Ok(())
+}
+
+/// A test executable the link check builds.
+pub struct TestExecutable {
+    /// The cargo target's kind (`lib`, `test`, …) and name (`kiln_core`).
+    pub kind: String,
+    pub name: String,
+    pub path: PathBuf,
+    /// The folder of its package's Cargo.toml (cargo runs tests there).
+    pub package_dir: PathBuf,
+}
+
+/// The test executables of the link check for `target`, against `prefix`:
+/// the link check's own command (so nothing is built that it did not build),
+/// asked to list what it made.
+pub fn test_executables(prefix: &Path, target: &Target) -> Result<Vec<TestExecutable>> {
+    let root = repo_root();
+    let target_dir = target_dir(&root)?;
+    let build = Build {
+        prefix,
+        target,
+        target_dir: &target_dir,
+    };
+    let mut args = link_check_args(Scope::Workspace);
+    args.push("--message-format=json-render-diagnostics");
+    let outcome = cargo(&root, &build, prefix, &args)?;
+    if !outcome.success {
+        return Err(anyhow!(
+            "the link check for {} failed:\n{}",
+            target.triple,
+            tail(&outcome.output, 40)
+        ));
+    }
+    parse_test_executables(&outcome.output)
+}
+
+/// The test executables among cargo's JSON messages (one object a line).
+fn parse_test_executables(messages: &str) -> Result<Vec<TestExecutable>> {
+    #[derive(serde::Deserialize)]
+    struct Artifact {
+        reason: String,
+        target: Option<ArtifactTarget>,
+        profile: Option<ArtifactProfile>,
+        executable: Option<PathBuf>,
+        manifest_path: Option<PathBuf>,
+    }
+    #[derive(serde::Deserialize)]
+    struct ArtifactTarget {
+        kind: Vec<String>,
+        name: String,
+    }
+    #[derive(serde::Deserialize)]
+    struct ArtifactProfile {
+        test: bool,
+    }
+    let mut found = Vec::new();
+    for line in messages.lines().filter(|l| l.starts_with('{')) {
+        let artifact: Artifact = serde_json::from_str(line)
+            .with_context(|| format!("cargo printed a message xtask cannot read: {line}"))?;
+        let (Some(target), Some(profile), Some(path), Some(manifest)) = (
+            artifact.target,
+            artifact.profile,
+            artifact.executable,
+            artifact.manifest_path,
+        ) else {
+            continue;
+        };
+        if artifact.reason != "compiler-artifact" || !profile.test {
+            continue;
+        }
+        found.push(TestExecutable {
+            kind: target.kind.first().cloned().unwrap_or_default(),
+            name: target.name,
+            path,
+            package_dir: manifest.parent().map(Path::to_path_buf).unwrap_or_default(),
+        });
+    }
+    Ok(found)
+}
+
+/// The target folder cargo uses here: `CARGO_TARGET_DIR` (relative to where
+/// cargo runs, as cargo reads it; crane sets `target`) or the checkout's.
+fn target_dir(root: &Path) -> Result<PathBuf> {
+    Ok(match std::env::var_os("CARGO_TARGET_DIR") {
+        Some(dir) => std::env::current_dir()?.join(dir),
+        None => root.join("target"),
+    })
 }
 
 /// Where the mutants are made: outside the checkout, in the system's
@@ -113,49 +248,55 @@ struct Outcome {
     output: String,
 }
 
+/// The targets a cargo command builds: every target of the workspace with the
+/// gate's features (the link check), or a mutant's (see [`Targets`]).
+#[derive(Clone, Copy)]
+enum Scope {
+    Workspace,
+    Mutant(&'static Targets),
+}
+
+impl Scope {
+    fn args(self) -> Vec<&'static str> {
+        match self {
+            Scope::Workspace => vec!["--features", FEATURES, "--workspace", "--all-targets"],
+            Scope::Mutant(targets) => targets.select.to_vec(),
+        }
+    }
+}
+
+/// `cargo test --release --locked --no-run [--target T]` over `scope`,
+/// RUSTFLAGS untouched: the link check over the workspace is
 /// `cargo test --release --features cuda,xla-iree --workspace --all-targets
-/// --no-run --locked`, RUSTFLAGS untouched.
-fn link_check(tree: &Path, prefix: &Path, target_dir: &Path) -> Result<Outcome> {
-    cargo(
-        tree,
-        prefix,
-        target_dir,
-        &[
-            "test",
-            "--release",
-            "--features",
-            FEATURES,
-            "--workspace",
-            "--all-targets",
-            "--no-run",
-            "--locked",
-        ],
-    )
+/// --no-run --locked`. `prefix` is the build's prefix or a mutant's copy.
+fn link_check(tree: &Path, build: &Build, prefix: &Path, scope: Scope) -> Result<Outcome> {
+    cargo(tree, build, prefix, &link_check_args(scope))
 }
 
-fn check(tree: &Path, prefix: &Path, target_dir: &Path) -> Result<Outcome> {
-    cargo(
-        tree,
-        prefix,
-        target_dir,
-        &[
-            "check",
-            "--features",
-            FEATURES,
-            "--workspace",
-            "--all-targets",
-            "--locked",
-        ],
-    )
+fn link_check_args(scope: Scope) -> Vec<&'static str> {
+    let mut args = vec!["test", "--release", "--no-run", "--locked"];
+    args.extend(scope.args());
+    args
 }
 
-fn cargo(tree: &Path, prefix: &Path, target_dir: &Path, args: &[&str]) -> Result<Outcome> {
+fn check(tree: &Path, build: &Build, prefix: &Path, scope: Scope) -> Result<Outcome> {
+    let mut args = vec!["check", "--locked"];
+    args.extend(scope.args());
+    cargo(tree, build, prefix, &args)
+}
+
+fn cargo(tree: &Path, build: &Build, prefix: &Path, args: &[&str]) -> Result<Outcome> {
     let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
-    let output = Command::new(cargo)
-        .args(args)
+    let mut command = Command::new(cargo);
+    command.args(args);
+    if build.target.cross {
+        // Its linker (the cross gcc, GNU ld) is the tree's .cargo/config.toml's.
+        command.args(["--target", build.target.triple]);
+    }
+    let output = command
         .current_dir(tree)
         .env("KILN_IREE_PREFIX", prefix)
-        .env("CARGO_TARGET_DIR", target_dir)
+        .env("CARGO_TARGET_DIR", build.target_dir)
         .env("CARGO_TERM_COLOR", "never")
         .output()
         .context("cannot run cargo")?;
@@ -169,10 +310,9 @@ fn cargo(tree: &Path, prefix: &Path, target_dir: &Path, args: &[&str]) -> Result
 fn run_mutation(
     mutation: &Mutation,
     root: &Path,
-    prefix: &Path,
+    build: &Build,
     scratch: &Path,
     work: &Path,
-    target_dir: &Path,
 ) -> Result<Line> {
     let line = |verdict, seconds, detail: String| Line {
         name: mutation.name.into(),
@@ -182,9 +322,13 @@ fn run_mutation(
         detail,
     };
     if let Some(arch) = mutation.only_arch
-        && arch != std::env::consts::ARCH
+        && arch != build.target.arch()
     {
-        return Ok(line("SKIPPED", 0.0, format!("{arch} only")));
+        return Ok(line(
+            "SKIPPED",
+            0.0,
+            format!("{arch} only (run `cargo xtask gate --target {arch}-unknown-linux-gnu`)"),
+        ));
     }
     let started = Instant::now();
     // The same paths every time: cargo's fingerprints of the workspace crates
@@ -192,7 +336,7 @@ fn run_mutation(
     let tree = scratch.join("tree");
     let mutant_prefix = scratch.join("prefix");
     crate::tree::copy_checkout(root, &tree)?;
-    copy_dir(prefix, &mutant_prefix)?;
+    copy_dir(build.prefix, &mutant_prefix)?;
     if let Err(error) = apply(mutation.edits, &tree, &mutant_prefix) {
         return Ok(line(
             "BROKEN",
@@ -200,14 +344,32 @@ fn run_mutation(
             format!("{error:#}"),
         ));
     }
-    let checked = check(&tree, &mutant_prefix, target_dir)?;
+    let checked = check(
+        &tree,
+        build,
+        &mutant_prefix,
+        Scope::Mutant(mutation.targets),
+    )?;
     let verdict = if !checked.success {
         line("NOT LINK-ONLY", 0.0, first_error_line(&checked.output))
     } else {
-        let linked = link_check(&tree, &mutant_prefix, target_dir)?;
+        let linked = link_check(
+            &tree,
+            build,
+            &mutant_prefix,
+            Scope::Mutant(mutation.targets),
+        )?;
         let logs = work.join("logs");
         std::fs::create_dir_all(&logs)?;
-        std::fs::write(logs.join(format!("{}.log", mutation.name)), &linked.output)?;
+        std::fs::write(
+            logs.join(format!("{}-{}.log", build.target.triple, mutation.name)),
+            format!(
+                "{}'s targets: cargo {}\n{}",
+                mutation.targets.package,
+                link_check_args(Scope::Mutant(mutation.targets)).join(" "),
+                linked.output
+            ),
+        )?;
         if linked.success {
             line(
                 "SURVIVED",
@@ -362,6 +524,35 @@ mod tests {
         let path = root.join(file);
         std::fs::create_dir_all(path.parent().unwrap()).unwrap();
         std::fs::write(path, text).unwrap();
+    }
+
+    #[test]
+    fn test_executables_are_read_from_cargos_messages() {
+        let messages = [
+            r#"{"reason":"compiler-artifact","manifest_path":"/w/crates/kiln-core/Cargo.toml","target":{"kind":["lib"],"name":"kiln_core"},"profile":{"test":true},"executable":"/t/kiln_core-1"}"#,
+            // The library itself, not its tests: no executable.
+            r#"{"reason":"compiler-artifact","manifest_path":"/w/crates/kiln-core/Cargo.toml","target":{"kind":["lib"],"name":"kiln_core"},"profile":{"test":false},"executable":null}"#,
+            // A binary: an executable, but not a test.
+            r#"{"reason":"compiler-artifact","manifest_path":"/w/Cargo.toml","target":{"kind":["bin"],"name":"kiln"},"profile":{"test":false},"executable":"/t/kiln"}"#,
+            r#"{"reason":"compiler-artifact","manifest_path":"/w/Cargo.toml","target":{"kind":["test"],"name":"xla_prepared_prefill"},"profile":{"test":true},"executable":"/t/xla_prepared_prefill-2"}"#,
+            r#"{"reason":"build-finished","success":true}"#,
+            "   Finished `release` profile",
+        ]
+        .join("\n");
+        let found = parse_test_executables(&messages).unwrap();
+        let seen: Vec<_> = found
+            .iter()
+            .map(|t| (t.kind.as_str(), t.name.as_str(), t.path.to_str().unwrap()))
+            .collect();
+        assert_eq!(
+            seen,
+            [
+                ("lib", "kiln_core", "/t/kiln_core-1"),
+                ("test", "xla_prepared_prefill", "/t/xla_prepared_prefill-2")
+            ]
+        );
+        assert_eq!(found[0].package_dir, Path::new("/w/crates/kiln-core"));
+        assert!(parse_test_executables("{not json").is_err());
     }
 
     /// Cargo merges every `.cargo/config.toml` from the working folder up;

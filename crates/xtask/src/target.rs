@@ -1,0 +1,184 @@
+//! The machine a build is for: this host, or another architecture built here
+//! with Debian's cross toolchain (`aarch64-linux-gnu-gcc`, GNU ld) and run
+//! under user-mode emulation (`qemu-aarch64`). The GB10 is aarch64.
+
+use std::path::PathBuf;
+use std::process::Command;
+
+use anyhow::{Result, anyhow};
+
+use crate::tools::{host_c_toolchain, require_host_program};
+
+/// The Rust target triples kiln builds for, with the Nix system that names
+/// their pins and the GNU triple of their C toolchain.
+const KNOWN: [(&str, &str, &str); 2] = [
+    (
+        "x86_64-unknown-linux-gnu",
+        "x86_64-linux",
+        "x86_64-linux-gnu",
+    ),
+    (
+        "aarch64-unknown-linux-gnu",
+        "aarch64-linux",
+        "aarch64-linux-gnu",
+    ),
+];
+
+/// The GB10's target.
+pub const AARCH64: &str = "aarch64-unknown-linux-gnu";
+
+/// The Debian packages of a cross build and its emulated runs.
+pub const CROSS_PACKAGES: &str =
+    "gcc-aarch64-linux-gnu g++-aarch64-linux-gnu libc6-dev-arm64-cross qemu-user";
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Target {
+    /// The Rust triple (`aarch64-unknown-linux-gnu`).
+    pub triple: &'static str,
+    /// The Nix system that names this target's pins (`aarch64-linux`).
+    pub system: &'static str,
+    /// The GNU triple: the cross tools' prefix and the sysroot's name.
+    gnu: &'static str,
+    /// Built on another architecture than this one.
+    pub cross: bool,
+}
+
+impl Target {
+    /// This machine's own target.
+    pub fn host() -> Result<Target> {
+        if std::env::consts::OS != "linux" {
+            return Err(anyhow!(
+                "kiln builds IREE on Linux only; this is {}",
+                std::env::consts::OS
+            ));
+        }
+        let arch = std::env::consts::ARCH;
+        Self::find(|triple| triple.starts_with(&format!("{arch}-")), false).ok_or_else(|| {
+            anyhow!("kiln knows no Linux target for this machine's architecture, {arch}")
+        })
+    }
+
+    /// `--target TRIPLE`, or the host without one.
+    pub fn parse(triple: Option<&str>) -> Result<Target> {
+        let host = Self::host()?;
+        let Some(triple) = triple else {
+            return Ok(host);
+        };
+        Self::find(|t| t == triple, triple != host.triple).ok_or_else(|| {
+            let known: Vec<&str> = KNOWN.iter().map(|k| k.0).collect();
+            anyhow!(
+                "kiln does not build for the target {triple}; it builds for: {}",
+                known.join(", ")
+            )
+        })
+    }
+
+    fn find(matches: impl Fn(&str) -> bool, cross: bool) -> Option<Target> {
+        KNOWN
+            .iter()
+            .find(|(triple, _, _)| matches(triple))
+            .map(|&(triple, system, gnu)| Target {
+                triple,
+                system,
+                gnu,
+                cross,
+            })
+    }
+
+    /// `aarch64` from `aarch64-unknown-linux-gnu`.
+    pub fn arch(&self) -> &'static str {
+        self.triple.split('-').next().expect("a triple has parts")
+    }
+
+    /// The prefix folders' and logs' name for this target: empty for the host.
+    pub fn cache_tag(&self) -> String {
+        if self.cross {
+            format!("{}-", self.system)
+        } else {
+            String::new()
+        }
+    }
+
+    /// The C and C++ compilers that build for this target, with their
+    /// identities (part of a prefix's cache key).
+    pub fn c_toolchain(&self) -> Result<Vec<String>> {
+        if !self.cross {
+            return host_c_toolchain();
+        }
+        let hint = format!("Debian/Ubuntu: apt-get install -y {CROSS_PACKAGES}");
+        Ok(vec![
+            require_host_program(&self.cc(), "the cross C compiler", &hint)?,
+            require_host_program(&self.cxx(), "the cross C++ compiler", &hint)?,
+        ])
+    }
+
+    /// The GNU triple (`aarch64-linux-gnu`).
+    pub fn gnu(&self) -> &'static str {
+        self.gnu
+    }
+
+    pub fn cc(&self) -> String {
+        format!("{}-gcc", self.gnu)
+    }
+
+    pub fn cxx(&self) -> String {
+        format!("{}-g++", self.gnu)
+    }
+
+    /// Debian's sysroot of the cross libc (`libc6-dev-arm64-cross`).
+    pub fn sysroot(&self) -> PathBuf {
+        PathBuf::from("/usr").join(self.gnu)
+    }
+
+    /// A command that runs a program built for this target: the program
+    /// itself on the host, under `qemu-ARCH` with the cross sysroot otherwise.
+    pub fn runner(&self, program: impl Into<PathBuf>) -> Result<Command> {
+        if !self.cross {
+            return Ok(Command::new(program.into()));
+        }
+        let qemu = format!("qemu-{}", self.arch());
+        let hint = format!("Debian/Ubuntu: apt-get install -y {CROSS_PACKAGES}");
+        require_host_program(&qemu, "user-mode emulation of the target", &hint)?;
+        let mut command = Command::new(qemu);
+        command.arg("-L").arg(self.sysroot()).arg(program.into());
+        Ok(command)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn no_target_is_the_host() {
+        let host = Target::parse(None).unwrap();
+        assert!(!host.cross);
+        assert!(host.triple.starts_with(std::env::consts::ARCH));
+        assert_eq!(host.cache_tag(), "");
+    }
+
+    #[test]
+    fn the_host_triple_named_is_not_cross() {
+        let host = Target::host().unwrap();
+        assert_eq!(Target::parse(Some(host.triple)).unwrap(), host);
+    }
+
+    #[test]
+    fn aarch64_is_known_with_its_system_and_tools() {
+        let target = Target::parse(Some("aarch64-unknown-linux-gnu")).unwrap();
+        assert_eq!(target.system, "aarch64-linux");
+        assert_eq!(target.arch(), "aarch64");
+        assert_eq!(target.cc(), "aarch64-linux-gnu-gcc");
+        assert_eq!(target.sysroot(), PathBuf::from("/usr/aarch64-linux-gnu"));
+        assert_eq!(target.cross, std::env::consts::ARCH != "aarch64");
+    }
+
+    #[test]
+    fn an_unknown_target_is_named_with_the_known_ones() {
+        let error = Target::parse(Some("riscv64gc-unknown-linux-gnu"))
+            .unwrap_err()
+            .to_string();
+        assert!(error.contains("riscv64gc-unknown-linux-gnu"), "{error}");
+        assert!(error.contains("aarch64-unknown-linux-gnu"), "{error}");
+    }
+}
