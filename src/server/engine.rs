@@ -435,6 +435,8 @@ impl<'m> Generation<'m> {
 /// server is stopping.
 fn generate(loaded: &mut Loaded, job: Job, shared: &Shared) -> Result<Option<Finish>, ApiError> {
     let (mut generation, prompt_ids) = Generation::start(loaded, job, shared)?;
+    // Without the xla-iree feature `Single` is the only variant.
+    #[allow(irrefutable_let_patterns)]
     let Decoder::Single(backend) = &mut loaded.decoder else {
         unreachable!("the batched decoder has its own loop");
     };
@@ -625,19 +627,27 @@ pub fn open_decoder<'m>(
     args: &crate::backends::ModelArgs,
     slots: usize,
 ) -> Result<Decoder<'m>> {
-    use crate::backends::BackendKind;
-    match args.backend {
-        #[cfg(feature = "xla-iree")]
-        BackendKind::IreeCpu | BackendKind::IreeCuda if slots > 1 => {
-            let backend = crate::backends::open_iree(model, args.backend, &args.iree)?;
-            let mut decoder = kiln_xla::BatchedDecoder::new(backend, slots)?;
-            decoder.prepare(|_, _| {})?;
-            Ok(Decoder::Batched(Box::new(decoder)))
-        }
-        kind => Ok(Decoder::Single(crate::backends::open(
-            model, kind, &args.iree,
-        )?)),
+    #[cfg(feature = "xla-iree")]
+    if slots > 1
+        && matches!(
+            args.backend,
+            crate::backends::BackendKind::IreeCpu | crate::backends::BackendKind::IreeCuda
+        )
+    {
+        let backend = crate::backends::open_iree(model, args.backend, &args.iree)?;
+        let mut decoder = kiln_xla::BatchedDecoder::new(backend, slots)?;
+        decoder.prepare(|_, _| {})?;
+        return Ok(Decoder::Batched(Box::new(decoder)));
     }
+    // Batching needs the IREE backends; without them every slot count runs
+    // one request at a time.
+    #[cfg(not(feature = "xla-iree"))]
+    let _ = slots;
+    Ok(Decoder::Single(crate::backends::open(
+        model,
+        args.backend,
+        &args.iree,
+    )?))
 }
 
 /// Loads the model `--model` names and its chat template (kiln's ChatML for
