@@ -24,7 +24,7 @@ def main():
     parser.add_argument("--requests-per-client", type=int, default=4)
     parser.add_argument("--prompt-tokens", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--attn", default="sdpa_paged",
+    parser.add_argument("--attn", default="paged|sdpa",
                         help="the paged attention generate_batch runs on")
     args = parser.parse_args()
 

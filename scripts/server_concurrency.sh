@@ -9,7 +9,8 @@
 #       SERVER_ARGS="--backend iree-cpu --max-context 256" SLOTS="1 8 32" \
 #       CONCURRENCY="1 8 32" scripts/server_concurrency.sh
 #
-# LOAD is the xtask binary (its `load` command); the table is printed last.
+# LOAD is the xtask binary (its `load` command), LOAD_ARGS extra options for it
+# (e.g. --allow-divergence); the table is printed last.
 set -euo pipefail
 : "${SERVER:?set SERVER to a kiln-server binary}" "${LOAD:?set LOAD to an xtask binary}"
 slots_list=${SLOTS:-1 8 32}
@@ -35,7 +36,8 @@ for slots in $slots_list; do
         sleep 0.5
     done
     for c in $concurrency_list; do
-        out=$("$LOAD" load --url "http://127.0.0.1:$port" --model "$model_id" \
+        # shellcheck disable=SC2086
+        out=$("$LOAD" load ${LOAD_ARGS:-} --url "http://127.0.0.1:$port" --model "$model_id" \
             --requests $((per_client * c)) --concurrency "$c" --max-tokens "$max_tokens")
         echo "== slots $slots, concurrency $c"
         echo "$out"
