@@ -13,8 +13,9 @@ use crate::pins::{Pins, repo_root};
 use crate::target::{AARCH64, Target};
 use crate::{compiler, tools};
 
-/// Every step of the suite, in order; the first failure stops it.
-pub fn run(cache: &Cache, pins: &Pins) -> Result<()> {
+/// Every step of the suite, in order; the first failure stops it. With
+/// `with_aarch64`, the GB10's architecture too (cross-built, emulated).
+pub fn run(cache: &Cache, pins: &Pins, with_aarch64: bool) -> Result<()> {
     let toolbox = step("setup: system packages and pinned tools", || {
         crate::setup::run(cache)
     })?;
@@ -34,7 +35,7 @@ pub fn run(cache: &Cache, pins: &Pins) -> Result<()> {
     // CUDA prefix serves both its gate and its emulated tests, which run the
     // gate's own test executables.
     let aarch64 = Target::parse(Some(AARCH64))?;
-    let aarch64_prefix = if aarch64.cross {
+    let aarch64_prefix = if with_aarch64 && aarch64.cross {
         Some(step("IREE prefix, CUDA driver, aarch64 (cross)", || {
             iree::build(cache, pins, Variant::Cuda, &aarch64)
         })?)
