@@ -129,21 +129,12 @@ impl<'m> BatchedDecoder<'m> {
         self.backend.model()
     }
 
-    pub fn backend_name(&self) -> &str {
-        kiln_core::Backend::name(&self.backend)
-    }
-
     pub fn max_context(&self) -> usize {
         self.backend.buckets().context
     }
 
     pub fn slot_count(&self) -> usize {
         self.slots.len()
-    }
-
-    /// The compiled batch sizes, ascending.
-    pub fn batch_sizes(&self) -> &[usize] {
-        &self.sizes
     }
 
     /// Every module a step or an admission can need: the prefill buckets and
