@@ -168,7 +168,7 @@ pub fn test_executables(prefix: &Path, target: &Target) -> Result<Vec<TestExecut
         target,
         target_dir: &target_dir,
     };
-    let mut args = link_check_args(Scope::Workspace);
+    let mut args = link_check_args(Scope::Workspace, target);
     args.push("--message-format=json-render-diagnostics");
     let outcome = cargo(&root, &build, prefix, &args)?;
     if !outcome.success {
@@ -257,8 +257,19 @@ enum Scope {
 }
 
 impl Scope {
-    fn args(self) -> Vec<&'static str> {
+    fn args(self, target: &Target) -> Vec<&'static str> {
         match self {
+            // xtask is the build host's tool and is never built for another
+            // target: a cross link check leaves it (and its own
+            // dependencies) out.
+            Scope::Workspace if target.cross => vec![
+                "--features",
+                FEATURES,
+                "--workspace",
+                "--exclude",
+                "xtask",
+                "--all-targets",
+            ],
             Scope::Workspace => vec!["--features", FEATURES, "--workspace", "--all-targets"],
             Scope::Mutant(targets) => targets.select.to_vec(),
         }
@@ -270,18 +281,18 @@ impl Scope {
 /// `cargo test --release --features cuda,xla-iree --workspace --all-targets
 /// --no-run --locked`. `prefix` is the build's prefix or a mutant's copy.
 fn link_check(tree: &Path, build: &Build, prefix: &Path, scope: Scope) -> Result<Outcome> {
-    cargo(tree, build, prefix, &link_check_args(scope))
+    cargo(tree, build, prefix, &link_check_args(scope, build.target))
 }
 
-fn link_check_args(scope: Scope) -> Vec<&'static str> {
+fn link_check_args(scope: Scope, target: &Target) -> Vec<&'static str> {
     let mut args = vec!["test", "--release", "--no-run", "--locked"];
-    args.extend(scope.args());
+    args.extend(scope.args(target));
     args
 }
 
 fn check(tree: &Path, build: &Build, prefix: &Path, scope: Scope) -> Result<Outcome> {
     let mut args = vec!["check", "--locked"];
-    args.extend(scope.args());
+    args.extend(scope.args(build.target));
     cargo(tree, build, prefix, &args)
 }
 
@@ -366,7 +377,7 @@ fn run_mutation(
             format!(
                 "{}'s targets: cargo {}\n{}",
                 mutation.targets.package,
-                link_check_args(Scope::Mutant(mutation.targets)).join(" "),
+                link_check_args(Scope::Mutant(mutation.targets), build.target).join(" "),
                 linked.output
             ),
         )?;
