@@ -190,6 +190,34 @@ fn tied_mqa_fixture_batched_equals_alone() {
     batching_equals_alone(&fixture("llama-mqa-tied"));
 }
 
+/// The most slots a decoder takes, all busy at once: 40 requests of
+/// different lengths on 32 slots, the later ones waiting for a slot.
+#[test]
+fn thirty_two_slots_batched_equal_alone() {
+    let model = Model::embedded();
+    let v = model.config.vocab_size as u32;
+    let requests: Vec<Request> = (0..40u32)
+        .map(|r| Request {
+            prompt: (0..1 + r % 7).map(|i| (i * 11 + r * 5 + 1) % v).collect(),
+            max_tokens: 4 + (r as usize * 3) % 9,
+            arrives: if r < 34 { 0 } else { 2 },
+            cancel_after: None,
+        })
+        .collect();
+    let (together, widest) = batched(&model, kiln_xla::MAX_SLOTS, &requests);
+    assert_eq!(widest, 32, "every slot stepped together at some step");
+    for (r, (request, tokens)) in requests.iter().zip(&together).enumerate() {
+        assert_eq!(tokens.len(), request.max_tokens, "request {r}: length");
+        let reference = alone(&model, &request.prompt, tokens.len());
+        assert_eq!(tokens, &reference, "request {r}: batched differs from alone");
+    }
+    let error = BatchedDecoder::new(backend(&model), kiln_xla::MAX_SLOTS + 1)
+        .err()
+        .expect("more slots than MAX_SLOTS")
+        .to_string();
+    assert!(error.contains("lower --batch-slots"), "{error}");
+}
+
 /// A sampled slot gets its own logits, equal to the batch-1 decode logits
 /// of its sequence, while a greedy slot beside it gets its token.
 #[test]

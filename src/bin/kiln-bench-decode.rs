@@ -276,7 +276,8 @@ fn export(
         let module = match kind {
             ModuleKind::Prefill(seq) => format!("prefill{seq}"),
             ModuleKind::Decode => "decode".into(),
-            ModuleKind::DecodeBatch(batch) => format!("decode-batch{batch}"),
+            ModuleKind::DecodeBatch { rows, slots } => format!("decode-batch{rows}of{slots}"),
+            ModuleKind::AdmitSlot { slots } => format!("admit-slot{slots}"),
         };
         let stem = format!(
             "{model}-{target:?}-{}-{}-{module}",

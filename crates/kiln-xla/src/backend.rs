@@ -49,8 +49,11 @@ impl Buckets {
 pub enum ModuleKind {
     Prefill(usize),
     Decode,
-    /// The batched decode step for this many sequence slots.
-    DecodeBatch(usize),
+    /// The batched decode step over the first `rows` of `slots` sequence
+    /// slots.
+    DecodeBatch { rows: usize, slots: usize },
+    /// Admits a prefilled sequence into one of `slots` sequence slots.
+    AdmitSlot { slots: usize },
 }
 
 /// The weight arguments, in [`crate::llama::weight_shapes`] order, at the graph's
@@ -316,7 +319,7 @@ impl<'m> IreeBackend<'m> {
         Ok(outputs)
     }
 
-    fn scalar(&self, value: usize) -> kiln_core::Result<DeviceTensor> {
+    pub(crate) fn scalar(&self, value: usize) -> kiln_core::Result<DeviceTensor> {
         let t = Tensor::i32(&[], vec![value as i32]).map_err(to_core)?;
         self.device.upload(&t).map_err(to_core)
     }
@@ -357,17 +360,21 @@ impl<'m> IreeBackend<'m> {
         Ok((logits, k, v))
     }
 
-    /// Zeroed K and V caches of one sequence, the shapes prefill returns.
-    pub(crate) fn empty_caches(&self) -> kiln_core::Result<(DeviceTensor, DeviceTensor)> {
+    /// Zeroed K and V caches of `slots` sequences: `[L, S, KV, C, D]` and
+    /// `[L, S, KV, D, C]`.
+    pub(crate) fn empty_slot_caches(
+        &self,
+        slots: usize,
+    ) -> kiln_core::Result<(DeviceTensor, DeviceTensor)> {
         let c = &self.model.config;
-        let shape = [
+        let (layers, kv, context, d) = (
             c.num_layers as i64,
             c.num_kv_heads as i64,
             self.buckets.context as i64,
             c.head_dim as i64,
-        ];
-        let n = shape.iter().product::<i64>() as usize;
+        );
         let zeros = |shape: &[i64]| {
+            let n = shape.iter().product::<i64>() as usize;
             match self.graph.precision {
                 Precision::F32 => Tensor::f32(shape, vec![0.0; n]),
                 Precision::F16 => Tensor::f16(shape, vec![f16::ZERO; n]),
@@ -376,9 +383,9 @@ impl<'m> IreeBackend<'m> {
             .and_then(|t| self.device.upload(&t))
             .map_err(to_core)
         };
-        // V is [L, KV, D, C]: the same element count, another shape.
-        let k = zeros(&shape)?;
-        let v = zeros(&[shape[0], shape[1], shape[3], shape[2]])?;
+        let slots = slots as i64;
+        let k = zeros(&[layers, slots, kv, context, d])?;
+        let v = zeros(&[layers, slots, kv, d, context])?;
         Ok((k, v))
     }
 
@@ -401,6 +408,28 @@ impl<'m> IreeBackend<'m> {
         inputs.extend([&self.cos, &self.sin, &self.weights]);
         let results = self.modules[&kind]
             .invoke(function, &inputs)
+            .map_err(to_core)?;
+        if results.len() != outputs {
+            return Err(unexpected_output(
+                function,
+                format!("{} outputs, not {outputs}", results.len()),
+            ));
+        }
+        Ok(results)
+    }
+
+    /// Runs `function` of `kind` on exactly `inputs` (a module that takes
+    /// no tables or weights); checks the number of outputs.
+    pub(crate) fn call_alone(
+        &mut self,
+        kind: ModuleKind,
+        function: &str,
+        inputs: &[&DeviceTensor],
+        outputs: usize,
+    ) -> kiln_core::Result<Vec<DeviceTensor>> {
+        self.load(kind)?;
+        let results = self.modules[&kind]
+            .invoke(function, inputs)
             .map_err(to_core)?;
         if results.len() != outputs {
             return Err(unexpected_output(

@@ -1,16 +1,17 @@
 //! Continuous batching: a fixed number of sequence slots, each with its own
-//! KV cache on the device and its own position, decoded together one step at
-//! a time. A sequence is admitted into a free slot (prefilled alone, its
-//! caches becoming the slot's), joins the batch at the next step, and leaves
-//! it when released; the other slots never pause for it beyond its prefill.
+//! rows of one KV cache on the device and its own position, decoded together
+//! one step at a time. A sequence is admitted into the lowest free slot
+//! (prefilled alone, its caches then copied into the slot's rows on the
+//! device), joins the batch at the next step, and leaves it when released;
+//! the other slots never pause for it beyond its prefill.
 //!
-//! A step runs the `decode_batch` module of the smallest compiled batch size
-//! that holds the slots to decode ([`batch_sizes`]); spare rows are filled
-//! with other slots, fed positions whose rows nobody reads. The caches never
-//! leave the device: each step updates them in place. When the same slots
-//! step again with the tokens the device chose, the step's own token and
-//! position outputs are fed back without an upload, as in batch-1 greedy
-//! decoding.
+//! A step runs the `decode_batch` module over the first `rows` slots, for the
+//! smallest compiled row count ([`batch_sizes`]) that covers every slot to
+//! decode; slots among them that are not decoded are fed positions whose rows
+//! nobody reads. The caches never leave the device: each step updates them in
+//! place. When the same slots step again with the tokens the device chose,
+//! the step's own token and position outputs are fed back without an upload,
+//! as in batch-1 greedy decoding.
 
 use kiln_core::Model;
 use kiln_iree::DeviceTensor;
@@ -18,11 +19,8 @@ use kiln_iree::DeviceTensor;
 use crate::backend::{IreeBackend, ModuleKind};
 use crate::module_cache::Origin;
 
-/// The most sequence slots a decoder takes. Larger batched steps (16 and 32
-/// rows) compile but fail at run time on IREE 3.11's `local-task` device
-/// (`ABORTED` from the step's fence, or a crash), measured with the embedded
-/// model; until that is understood they are refused rather than risked.
-pub const MAX_SLOTS: usize = 8;
+/// The most sequence slots a decoder takes.
+pub const MAX_SLOTS: usize = 32;
 
 /// How a slot's next token is chosen.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -42,10 +40,11 @@ pub enum SlotOutput {
     Logits(Vec<f32>),
 }
 
-/// The batch sizes compiled for `slots` slots: 1 (a lone sequence steps at
-/// batch-1 cost), then powers of two from 4, and `slots` itself. Decode reads
-/// every weight once per step whatever the batch, so a few spare rows cost
-/// little; skipping 2 saves a module that 4 covers.
+/// The row counts compiled for `slots` slots: 1 (a lone sequence, admitted
+/// into slot 0, steps at batch-1 cost), then powers of two from 4, and
+/// `slots` itself. Decode reads every weight once per step whatever the
+/// batch, so a few spare rows cost little; skipping 2 saves a module that 4
+/// covers.
 pub fn batch_sizes(slots: usize) -> Vec<usize> {
     let mut sizes = vec![1];
     let mut size = 4;
@@ -59,13 +58,6 @@ pub fn batch_sizes(slots: usize) -> Vec<usize> {
     sizes
 }
 
-struct Slot {
-    /// `[L, KV, C, D]` keys and `[L, KV, D, C]` values, on the device.
-    k: DeviceTensor,
-    v: DeviceTensor,
-    sequence: Option<Sequence>,
-}
-
 /// The sequence in a slot.
 struct Sequence {
     /// Positions held: the next token is written at this one.
@@ -77,10 +69,10 @@ struct Sequence {
 
 /// What the last step left on the device for the next one.
 struct Carry {
-    /// The slot of each row; the first `real` rows were decoded.
-    rows: Vec<usize>,
-    real: usize,
-    /// The greedy choice of each decoded row (`None`: sampled).
+    /// The rows it ran and the slots among them it decoded.
+    rows: usize,
+    real: Vec<usize>,
+    /// The greedy choice of each decoded slot (`None`: sampled).
     chosen: Vec<Option<u32>>,
     tokens: DeviceTensor,
     positions: DeviceTensor,
@@ -90,7 +82,11 @@ struct Carry {
 pub struct BatchedDecoder<'m> {
     backend: IreeBackend<'m>,
     sizes: Vec<usize>,
-    slots: Vec<Slot>,
+    slots: Vec<Option<Sequence>>,
+    /// Every slot's caches: `[L, S, KV, C, D]` keys, `[L, S, KV, D, C]`
+    /// values.
+    k: DeviceTensor,
+    v: DeviceTensor,
     carry: Option<Carry>,
 }
 
@@ -107,20 +103,25 @@ impl<'m> BatchedDecoder<'m> {
                  lower --batch-slots"
             )));
         }
-        let slots = (0..slots)
-            .map(|_| {
-                let (k, v) = backend.empty_caches()?;
-                Ok(Slot {
-                    k,
-                    v,
-                    sequence: None,
-                })
-            })
-            .collect::<kiln_core::Result<Vec<_>>>()?;
+        // The step addresses the caches with i32 flat indices.
+        let c = &backend.model().config;
+        let elements = [c.num_layers, c.num_kv_heads, c.head_dim, slots]
+            .iter()
+            .try_fold(backend.buckets().context, |n, &d| n.checked_mul(d));
+        if elements.is_none_or(|n| n > i32::MAX as usize) {
+            return Err(invalid(format!(
+                "{slots} sequence slots of {} positions: the caches would hold more than \
+                 2^31 values per tensor; lower --batch-slots or --max-context",
+                backend.buckets().context
+            )));
+        }
+        let (k, v) = backend.empty_slot_caches(slots)?;
         Ok(BatchedDecoder {
-            sizes: batch_sizes(slots.len()),
+            sizes: batch_sizes(slots),
             backend,
-            slots,
+            slots: (0..slots).map(|_| None).collect(),
+            k,
+            v,
             carry: None,
         })
     }
@@ -137,15 +138,22 @@ impl<'m> BatchedDecoder<'m> {
         self.slots.len()
     }
 
-    /// Every module a step or an admission can need: the prefill buckets and
-    /// the batch sizes' decode steps. Loads (compiling where needed) them all.
+    /// Every module a step or an admission can need: the prefill buckets,
+    /// the row counts' decode steps and the admission. Loads (compiling where
+    /// needed) them all.
     pub fn prepare(
         &mut self,
         mut on_ready: impl FnMut(ModuleKind, Origin),
     ) -> kiln_core::Result<()> {
+        let slots = self.slots.len();
         let mut kinds = self.backend.module_kinds();
         kinds.retain(|k| matches!(k, ModuleKind::Prefill(_)));
-        kinds.extend(self.sizes.iter().map(|&b| ModuleKind::DecodeBatch(b)));
+        kinds.extend(
+            self.sizes
+                .iter()
+                .map(|&rows| ModuleKind::DecodeBatch { rows, slots }),
+        );
+        kinds.push(ModuleKind::AdmitSlot { slots });
         for kind in kinds {
             let origin = self.backend.load(kind)?;
             on_ready(kind, origin);
@@ -153,13 +161,13 @@ impl<'m> BatchedDecoder<'m> {
         Ok(())
     }
 
-    /// The lowest free slot.
+    /// The lowest free slot: admitting there keeps the rows a step runs few.
     pub fn free_slot(&self) -> Option<usize> {
-        self.slots.iter().position(|s| s.sequence.is_none())
+        self.slots.iter().position(Option::is_none)
     }
 
     pub fn active(&self) -> usize {
-        self.slots.iter().filter(|s| s.sequence.is_some()).count()
+        self.slots.iter().filter(|s| s.is_some()).count()
     }
 
     /// Prefills `prompt` into the free slot `slot`; returns the logits of its
@@ -181,23 +189,32 @@ impl<'m> BatchedDecoder<'m> {
                     self.slots.len()
                 )));
             }
-            Some(s) if s.sequence.is_some() => {
+            Some(Some(_)) => {
                 return Err(invalid(format!("slot {slot} is taken; release it first")));
             }
-            Some(_) => {}
+            Some(None) => {}
         }
         let (logits, k, v) = self.backend.prefill_caches(prompt)?;
-        // The slot's old caches are dropped: a stale carry must not feed them.
+        // A carry fed the slot positions as a free one; it must not again.
         self.carry = None;
-        self.slots[slot] = Slot {
-            k,
-            v,
-            sequence: Some(Sequence {
-                position: prompt.len(),
-                choice,
-                pending: None,
-            }),
-        };
+        let index = self.backend.scalar(slot)?;
+        let slots = self.slots.len();
+        let mut caches = self
+            .backend
+            .call_alone(
+                ModuleKind::AdmitSlot { slots },
+                "admit_slot",
+                &[&self.k, &self.v, &k, &v, &index],
+                2,
+            )?
+            .into_iter();
+        self.k = caches.next().expect("checked count");
+        self.v = caches.next().expect("checked count");
+        self.slots[slot] = Some(Sequence {
+            position: prompt.len(),
+            choice,
+            pending: None,
+        });
         Ok(logits)
     }
 
@@ -209,7 +226,7 @@ impl<'m> BatchedDecoder<'m> {
         let sequence = self
             .slots
             .get_mut(slot)
-            .and_then(|s| s.sequence.as_mut())
+            .and_then(Option::as_mut)
             .ok_or_else(|| invalid(format!("slot {slot} holds no sequence")))?;
         if sequence.position >= context {
             return Err(kiln_core::Error::ContextFull {
@@ -224,7 +241,7 @@ impl<'m> BatchedDecoder<'m> {
     /// Frees `slot`; its sequence leaves the batch.
     pub fn release(&mut self, slot: usize) {
         if let Some(s) = self.slots.get_mut(slot) {
-            s.sequence = None;
+            *s = None;
         }
     }
 
@@ -232,32 +249,23 @@ impl<'m> BatchedDecoder<'m> {
     /// slot's output, in slot order. Slots not fed sit this step out.
     pub fn step(&mut self) -> kiln_core::Result<Vec<(usize, SlotOutput)>> {
         let real: Vec<usize> = (0..self.slots.len())
-            .filter(|&s| matches!(&self.slots[s].sequence, Some(q) if q.pending.is_some()))
+            .filter(|&s| matches!(&self.slots[s], Some(q) if q.pending.is_some()))
             .collect();
-        if real.is_empty() {
+        let Some(&last) = real.last() else {
             return Ok(Vec::new());
-        }
-        let size = self
+        };
+        let rows = self
             .sizes
             .iter()
             .copied()
-            .find(|&b| b >= real.len())
+            .find(|&b| b > last)
             .expect("the largest batch size is the slot count");
-        // Spare rows: other slots, free ones first. A free slot's cache is
-        // overwritten on admission; a waiting slot is fed its own next
-        // position, a row it writes again before it can read it.
-        let mut rows = real.clone();
-        let mut spare: Vec<usize> = (0..self.slots.len())
-            .filter(|s| !real.contains(s))
-            .collect();
-        spare.sort_by_key(|&s| self.slots[s].sequence.is_some());
-        rows.extend(spare.into_iter().take(size - real.len()));
 
         let (tokens, positions) = match self.carry.take() {
             Some(carry)
-                if carry.rows == rows && carry.real == real.len() && {
+                if carry.rows == rows && carry.real == real && {
                     real.iter().zip(&carry.chosen).all(|(&s, &chosen)| {
-                        let pending = self.slots[s].sequence.as_ref().and_then(|q| q.pending);
+                        let pending = self.slots[s].as_ref().and_then(|q| q.pending);
                         chosen.is_some() && chosen == pending
                     })
                 } =>
@@ -265,16 +273,16 @@ impl<'m> BatchedDecoder<'m> {
                 (carry.tokens, carry.positions)
             }
             _ => {
-                let mut tokens = Vec::with_capacity(size);
-                let mut positions = Vec::with_capacity(size);
-                for &s in &rows {
-                    let (token, position) = match &self.slots[s].sequence {
-                        Some(q) => (q.pending.unwrap_or(0), q.position),
+                // A slot that waits is fed its own next position, a row it
+                // writes again before it can read it; a free slot's rows are
+                // overwritten on admission.
+                let (tokens, positions) = self.slots[..rows]
+                    .iter()
+                    .map(|s| match s {
+                        Some(q) => (q.pending.unwrap_or(0) as i32, q.position as i32),
                         None => (0, 0),
-                    };
-                    tokens.push(token as i32);
-                    positions.push(position as i32);
-                }
+                    })
+                    .unzip();
                 (
                     self.backend.upload_i32(tokens)?,
                     self.backend.upload_i32(positions)?,
@@ -282,22 +290,19 @@ impl<'m> BatchedDecoder<'m> {
             }
         };
 
-        let mut head: Vec<&DeviceTensor> = vec![&tokens, &positions];
-        for &s in &rows {
-            head.extend([&self.slots[s].k, &self.slots[s].v]);
-        }
+        let slots = self.slots.len();
         let outputs = self.backend.call(
-            ModuleKind::DecodeBatch(size),
+            ModuleKind::DecodeBatch { rows, slots },
             "decode_batch",
-            &head,
-            3 + 2 * size,
+            &[&tokens, &positions, &self.k, &self.v],
+            5,
         );
         let mut outputs = match outputs {
             Ok(outputs) => outputs.into_iter(),
             Err(error) => {
                 // The caches may be half-written: no slot can go on.
                 for s in &real {
-                    self.slots[*s].sequence = None;
+                    self.slots[*s] = None;
                 }
                 return Err(error);
             }
@@ -305,45 +310,43 @@ impl<'m> BatchedDecoder<'m> {
         let logits = outputs.next().expect("checked count");
         let next_tokens = outputs.next().expect("checked count");
         let next_positions = outputs.next().expect("checked count");
-        for &s in &rows {
-            self.slots[s].k = outputs.next().expect("checked count");
-            self.slots[s].v = outputs.next().expect("checked count");
-        }
+        self.k = outputs.next().expect("checked count");
+        self.v = outputs.next().expect("checked count");
 
         let chosen = self
             .backend
-            .read_tokens("decode_batch", &next_tokens, size)?;
+            .read_tokens("decode_batch", &next_tokens, rows)?;
         let sampled = real
             .iter()
-            .any(|&s| matches!(&self.slots[s].sequence, Some(q) if q.choice == Choice::Sampled));
+            .any(|&s| matches!(&self.slots[s], Some(q) if q.choice == Choice::Sampled));
         let mut logit_rows = if sampled {
             Some(
                 self.backend
-                    .read_logit_rows("decode_batch", &logits, size)?,
+                    .read_logit_rows("decode_batch", &logits, rows)?,
             )
         } else {
             None
         };
         let mut results = Vec::with_capacity(real.len());
         let mut carried = Vec::with_capacity(real.len());
-        for (row, &s) in real.iter().enumerate() {
-            let q = self.slots[s].sequence.as_mut().expect("a decoded slot");
+        for &s in &real {
+            let q = self.slots[s].as_mut().expect("a decoded slot");
             q.position += 1;
             q.pending = None;
             match (q.choice, logit_rows.as_mut()) {
                 (Choice::Sampled, Some(rows)) => {
-                    results.push((s, SlotOutput::Logits(std::mem::take(&mut rows[row]))));
+                    results.push((s, SlotOutput::Logits(std::mem::take(&mut rows[s]))));
                     carried.push(None);
                 }
                 _ => {
-                    results.push((s, SlotOutput::Token(chosen[row])));
-                    carried.push(Some(chosen[row]));
+                    results.push((s, SlotOutput::Token(chosen[s])));
+                    carried.push(Some(chosen[s]));
                 }
             }
         }
         self.carry = Some(Carry {
             rows,
-            real: real.len(),
+            real,
             chosen: carried,
             tokens: next_tokens,
             positions: next_positions,

@@ -206,24 +206,62 @@ fn attention(f: &mut Function, dm: &Dims, q: &Val, k: &Val, v_t: &Val, visible: 
     let q = f.reshape(&q, &[n, dm.kv_heads, group, dm.d]);
     let q = f.transpose(&q, &[1, 2, 0, 3]);
     let scores = f.dot(&q, k, (&[0], &[0]), (&[3], &[2]), Ty::F32);
-    let scale = f.constant(1.0 / (dm.d as f64).sqrt(), &scores.shape, Ty::F32);
-    let scores = f.binary("multiply", &scores, &scale);
-    let shape = scores.shape.clone();
-    let visible = f.broadcast(visible, &shape, &[2, 3]);
-    let masked = f.constant(f64::NEG_INFINITY, &shape, Ty::F32);
-    let scores = f.select(&visible, &scores, &masked);
-    let max = f.reduce("maximum", &scores, &[3], f64::NEG_INFINITY);
-    let max = f.broadcast(&max, &shape, &[0, 1, 2]);
-    let shifted = f.binary("subtract", &scores, &max);
-    let exps = f.unary("exponential", &shifted);
-    let total = f.reduce("add", &exps, &[3], 0.0);
-    let total = f.broadcast(&total, &shape, &[0, 1, 2]);
-    let probs = f.binary("divide", &exps, &total);
-    let probs = f.convert(&probs, dm.storage);
+    let probs = masked_softmax(f, dm, &scores, visible, &[2, 3]);
     debug_assert_eq!(v_t.shape[2], t);
     let out = f.dot(&probs, v_t, (&[0], &[0]), (&[3], &[2]), Ty::F32);
     let out = f.transpose(&out, &[2, 0, 1, 3]);
     f.reshape(&out, &[n, dm.heads * dm.d])
+}
+
+/// Attention of one query row per sequence slot: `q` `[b, heads, d]` against
+/// slot b's own keys `[b, kv, t, d]` and values `[b, kv, d, t]`, where
+/// `visible` (`[b, t]`) allows. The slots are a batch dimension of each
+/// product, so a step runs one set of attention kernels for all of them.
+/// Returns f32 `[b, heads * d]`.
+fn slot_attention(
+    f: &mut Function,
+    dm: &Dims,
+    q: &Val,
+    k: &Val,
+    v_t: &Val,
+    visible: &Val,
+) -> Val {
+    let b = q.shape[0];
+    let group = dm.heads / dm.kv_heads;
+    let q = f.convert(q, dm.storage);
+    let q = f.reshape(&q, &[b, dm.kv_heads, group, dm.d]);
+    let scores = f.dot(&q, k, (&[0, 1], &[0, 1]), (&[3], &[3]), Ty::F32);
+    let probs = masked_softmax(f, dm, &scores, visible, &[0, 3]);
+    let out = f.dot(&probs, v_t, (&[0, 1], &[0, 1]), (&[3], &[3]), Ty::F32);
+    f.reshape(&out, &[b, dm.heads * dm.d])
+}
+
+/// Scaled, masked softmax of f32 `scores` along their last dimension, where
+/// `visible` (i1, spread over `scores` along `visible_dims`) allows; the
+/// probabilities at the storage precision, the second product's operand.
+fn masked_softmax(
+    f: &mut Function,
+    dm: &Dims,
+    scores: &Val,
+    visible: &Val,
+    visible_dims: &[usize],
+) -> Val {
+    let shape = scores.shape.clone();
+    let last = shape.len() - 1;
+    let kept: Vec<usize> = (0..last).collect();
+    let scale = f.constant(1.0 / (dm.d as f64).sqrt(), &shape, Ty::F32);
+    let scores = f.binary("multiply", scores, &scale);
+    let visible = f.broadcast(visible, &shape, visible_dims);
+    let masked = f.constant(f64::NEG_INFINITY, &shape, Ty::F32);
+    let scores = f.select(&visible, &scores, &masked);
+    let max = f.reduce("maximum", &scores, &[last], f64::NEG_INFINITY);
+    let max = f.broadcast(&max, &shape, &kept);
+    let shifted = f.binary("subtract", &scores, &max);
+    let exps = f.unary("exponential", &shifted);
+    let total = f.reduce("add", &exps, &[last], 0.0);
+    let total = f.broadcast(&total, &shape, &kept);
+    let probs = f.binary("divide", &exps, &total);
+    f.convert(&probs, dm.storage)
 }
 
 fn mlp(f: &mut Function, dm: &Dims, x: &Val, gate_up: &Val, down: &Val) -> Val {
@@ -401,79 +439,129 @@ fn decode_step(c: &ModelConfig, g: &GraphOptions, context: usize) -> String {
     f.finish(&[&logits, &next, &next_pos, &k_cache, &v_cache])
 }
 
-/// The batched decode step over `batch` sequence slots, each with its own
-/// position and its own caches, of the shapes prefill returns (so a prefill's
-/// caches become a slot's as they are). Weight products run on all rows at
-/// once (the weights are read once per step, not once per sequence);
-/// attention runs per slot against that slot's cache only, masked to its own
-/// positions, so slots never see each other's rows.
-fn decode_batch(c: &ModelConfig, g: &GraphOptions, context: usize, batch: usize) -> String {
+/// The batched decode step over the first `rows` of `slots` sequence slots.
+/// Every slot's caches are one pair of tensors, `[L, S, KV, C, D]` keys and
+/// `[L, S, KV, D, C]` values, updated in place: row r is slot r, with its own
+/// position. Weight products run on all rows at once (the weights are read
+/// once per step, not once per sequence); each row's new key and value are
+/// scattered into its slot at its position, and attention runs over the
+/// slots as a batch dimension, each row masked to its own slot's positions,
+/// so slots never see each other's rows and the kernel count does not grow
+/// with the rows.
+fn decode_batch(
+    c: &ModelConfig,
+    g: &GraphOptions,
+    context: usize,
+    rows: usize,
+    slots: usize,
+) -> String {
     let dm = dims(c, g);
     let mut f = Function::new("decode_batch");
-    let tokens = f.param(&[batch], Ty::I32);
-    let positions = f.param(&[batch], Ty::I32);
-    let (layers, kv) = (dm.layers, dm.kv_heads);
-    // Results 3 + 2b and 4 + 2b are slot b's updated caches, in place.
-    let mut caches: Vec<(Val, Val)> = (0..batch)
-        .map(|b| {
-            let k = f.param_output(&[layers, kv, context, dm.d], dm.storage, 3 + 2 * b);
-            let v = f.param_output(&[layers, kv, dm.d, context], dm.storage, 4 + 2 * b);
-            (k, v)
-        })
-        .collect();
-    let cos = f.param(&[context, dm.d / 2], Ty::F32);
-    let sin = f.param(&[context, dm.d / 2], Ty::F32);
+    let tokens = f.param(&[rows], Ty::I32);
+    let positions = f.param(&[rows], Ty::I32);
+    let (layers, kv, d) = (dm.layers, dm.kv_heads, dm.d);
+    // Results 3 and 4 are the updated caches, written over these arguments.
+    let mut k_cache = f.param_output(&[layers, slots, kv, context, d], dm.storage, 3);
+    let mut v_cache = f.param_output(&[layers, slots, kv, d, context], dm.storage, 4);
+    let cos = f.param(&[context, d / 2], Ty::F32);
+    let sin = f.param(&[context, d / 2], Ty::F32);
     let p = weight_params(&mut f, c, g);
 
     let cos = f.take_rows(&cos, &positions);
     let sin = f.take_rows(&sin, &positions);
     let rope_tables = rope_factors(&mut f, &cos, &sin);
-    let zero = f.constant_i32(0, &[]);
-    let cols = f.iota(&[1, context], 1);
-    let mut slot_positions = Vec::new();
-    let mut visible = Vec::new();
-    for b in 0..batch {
-        let pos = f.slice(&positions, &[b], &[b + 1]);
-        let pos = f.reshape(&pos, &[]);
-        let row = f.broadcast(&pos, &[1, context], &[]);
-        visible.push(f.compare_i32("LE", &cols, &row));
-        slot_positions.push(pos);
-    }
+    let cols = f.iota(&[rows, context], 1);
+    let position_cols = f.broadcast(&positions, &[rows, context], &[0]);
+    let visible = f.compare_i32("LE", &cols, &position_cols);
+    // Where row r (slot r) writes its key and value at its position in
+    // layer 0; a layer adds its own offset. IREE scatters along leading
+    // dimensions only, so the caches are scattered into as flat tables: the
+    // keys as rows of `d` (the position is the row), the values element by
+    // element (the position is the innermost dimension).
+    let key_rows = layers * slots * kv * context;
+    let value_count = key_rows * d;
+    let key_at = flat_index(&mut f, &positions, &[kv, 1], &[context, 1]);
+    let value_at = flat_index(&mut f, &positions, &[kv, d, 1], &[d * context, context, 1]);
 
     let mut x = embed(&mut f, &p, &tokens);
     for (l, w) in p.layers.iter().enumerate() {
         let normed = rms_norm(&mut f, &x, &w[0], c.rms_norm_eps);
         let (q, k, v) = project_qkv(&mut f, &dm, &normed, &w[1], &rope_tables);
-        let layer = f.constant_i32(l as i32, &[]);
-        let mut attended = Vec::new();
-        for (b, (k_cache, v_cache)) in caches.iter_mut().enumerate() {
-            let pos = &slot_positions[b];
-            let k_row = f.slice(&k, &[b, 0, 0], &[b + 1, kv, dm.d]);
-            let k_row = f.reshape(&k_row, &[1, kv, 1, dm.d]);
-            *k_cache = f.dynamic_update_slice(k_cache, &k_row, &[&layer, &zero, pos, &zero]);
-            let keys = f.slice(k_cache, &[l, 0, 0, 0], &[l + 1, kv, context, dm.d]);
-            let keys = f.reshape(&keys, &[kv, context, dm.d]);
-            let v_row = f.slice(&v, &[b, 0, 0], &[b + 1, kv, dm.d]);
-            let v_row = f.reshape(&v_row, &[1, kv, dm.d, 1]);
-            *v_cache = f.dynamic_update_slice(v_cache, &v_row, &[&layer, &zero, &zero, pos]);
-            let values = f.slice(v_cache, &[l, 0, 0, 0], &[l + 1, kv, dm.d, context]);
-            let values = f.reshape(&values, &[kv, dm.d, context]);
-            let q_row = f.slice(&q, &[b, 0, 0], &[b + 1, dm.heads, dm.d]);
-            attended.push(attention(&mut f, &dm, &q_row, &keys, &values, &visible[b]));
-        }
-        let attended = f.concatenate(&attended.iter().collect::<Vec<_>>(), 0);
+        let layer_keys = slots * kv * context;
+        let at = offset(&mut f, &key_at, l * layer_keys);
+        let table = f.reshape(&k_cache, &[key_rows, d]);
+        let k = f.reshape(&k, &[rows * kv, d]);
+        let table = f.scatter(&table, &at, &k, &[0]);
+        k_cache = f.reshape(&table, &[layers, slots, kv, context, d]);
+        let at = offset(&mut f, &value_at, l * layer_keys * d);
+        let table = f.reshape(&v_cache, &[value_count]);
+        let v = f.reshape(&v, &[rows * kv * d]);
+        let table = f.scatter(&table, &at, &v, &[0]);
+        v_cache = f.reshape(&table, &[layers, slots, kv, d, context]);
+        let keys = f.slice(&k_cache, &[l, 0, 0, 0, 0], &[l + 1, rows, kv, context, d]);
+        let keys = f.reshape(&keys, &[rows, kv, context, d]);
+        let values = f.slice(&v_cache, &[l, 0, 0, 0, 0], &[l + 1, rows, kv, d, context]);
+        let values = f.reshape(&values, &[rows, kv, d, context]);
+        let attended = slot_attention(&mut f, &dm, &q, &keys, &values, &visible);
         x = finish_layer(&mut f, c, &dm, &x, &attended, w);
     }
     let normed = rms_norm(&mut f, &x, &p.final_norm, c.rms_norm_eps);
     let logits = linear(&mut f, &dm, &normed, &p.lm_head);
     let next = f.argmax_rows(&logits);
-    let ones = f.constant_i32(1, &[batch]);
+    let ones = f.constant_i32(1, &[rows]);
     let next_positions = f.binary("add", &positions, &ones);
-    let mut results = vec![&logits, &next, &next_positions];
-    for (k, v) in &caches {
-        results.extend([k, v]);
+    f.finish(&[&logits, &next, &next_positions, &k_cache, &v_cache])
+}
+
+/// Flat indices, `[n, 1]` i32, of each row's position in a cache of layer 0:
+/// row r (slot r) at position `positions[r]`, for every index of the
+/// dimensions `inner` (the last, 1, stands for the position), where `strides`
+/// are those dimensions' strides and a slot's stride is `strides[0] *
+/// inner[0]`. `n` is the number of rows times the product of `inner`.
+fn flat_index(f: &mut Function, positions: &Val, inner: &[usize], strides: &[usize]) -> Val {
+    let rows = positions.shape[0];
+    let shape: Vec<usize> = std::iter::once(rows).chain(inner.iter().copied()).collect();
+    let slot_stride = strides[0] * inner[0];
+    let slot = f.iota(&shape, 0);
+    let stride = f.constant_i32(slot_stride as i32, &shape);
+    let mut index = f.binary("multiply", &slot, &stride);
+    for (dim, &stride) in strides.iter().enumerate().take(inner.len() - 1) {
+        let along = f.iota(&shape, dim + 1);
+        let stride = f.constant_i32(stride as i32, &shape);
+        let step = f.binary("multiply", &along, &stride);
+        index = f.binary("add", &index, &step);
     }
-    f.finish(&results)
+    let position = f.broadcast(positions, &shape, &[0]);
+    let index = f.binary("add", &index, &position);
+    let count = shape.iter().product();
+    f.reshape(&index, &[count, 1])
+}
+
+/// `index` plus the constant `by`.
+fn offset(f: &mut Function, index: &Val, by: usize) -> Val {
+    let by = f.constant_i32(by as i32, &index.shape);
+    f.binary("add", index, &by)
+}
+
+/// Copies one sequence's caches — prefill's `[L, KV, C, D]` keys and
+/// `[L, KV, D, C]` values — into slot `slot` of every slot's caches, in
+/// place: how a prefilled sequence joins the batch.
+fn admit_slot(c: &ModelConfig, g: &GraphOptions, context: usize, slots: usize) -> String {
+    let dm = dims(c, g);
+    let (layers, kv, d) = (dm.layers, dm.kv_heads, dm.d);
+    let mut f = Function::new("admit_slot");
+    let k_cache = f.param_output(&[layers, slots, kv, context, d], dm.storage, 0);
+    let v_cache = f.param_output(&[layers, slots, kv, d, context], dm.storage, 1);
+    let k = f.param(&[layers, kv, context, d], dm.storage);
+    let v = f.param(&[layers, kv, d, context], dm.storage);
+    let slot = f.param(&[], Ty::I32);
+    let zero = f.constant_i32(0, &[]);
+    let at = [&zero, &slot, &zero, &zero, &zero];
+    let k = f.reshape(&k, &[layers, 1, kv, context, d]);
+    let k_cache = f.dynamic_update_slice(&k_cache, &k, &at);
+    let v = f.reshape(&v, &[layers, 1, kv, d, context]);
+    let v_cache = f.dynamic_update_slice(&v_cache, &v, &at);
+    f.finish(&[&k_cache, &v_cache])
 }
 
 /// The module of one prefill bucket: `prefill_ids` and `prefill_embeddings`.
@@ -489,12 +577,20 @@ pub fn decode_module(c: &ModelConfig, g: &GraphOptions, context: usize) -> Strin
     module(&[decode_step(c, g, context)])
 }
 
-/// The batched decode module for `batch` slots: `decode_batch`.
+/// The batched decode module over the first `rows` of `slots` slots:
+/// `decode_batch`.
 pub fn decode_batch_module(
     c: &ModelConfig,
     g: &GraphOptions,
     context: usize,
-    batch: usize,
+    rows: usize,
+    slots: usize,
 ) -> String {
-    module(&[decode_batch(c, g, context, batch)])
+    module(&[decode_batch(c, g, context, rows, slots)])
+}
+
+/// The module that admits a sequence into one of `slots` slots:
+/// `admit_slot`.
+pub fn admit_slot_module(c: &ModelConfig, g: &GraphOptions, context: usize, slots: usize) -> String {
+    module(&[admit_slot(c, g, context, slots)])
 }

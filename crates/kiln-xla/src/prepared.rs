@@ -27,9 +27,13 @@ pub fn source(
             llama::decode_module(config, graph, context),
             format!("decode:{context}"),
         ),
-        ModuleKind::DecodeBatch(batch) => (
-            llama::decode_batch_module(config, graph, context, batch),
-            format!("decode-batch:{batch}:{context}"),
+        ModuleKind::DecodeBatch { rows, slots } => (
+            llama::decode_batch_module(config, graph, context, rows, slots),
+            format!("decode-batch:{rows}:{slots}:{context}"),
+        ),
+        ModuleKind::AdmitSlot { slots } => (
+            llama::admit_slot_module(config, graph, context, slots),
+            format!("admit-slot:{slots}:{context}"),
         ),
     }
 }
@@ -51,10 +55,12 @@ pub fn batch_module_kinds(slots: usize) -> Vec<ModuleKind> {
     if slots <= 1 {
         return Vec::new();
     }
-    crate::batch_sizes(slots)
+    let mut kinds: Vec<ModuleKind> = crate::batch_sizes(slots)
         .into_iter()
-        .map(ModuleKind::DecodeBatch)
-        .collect()
+        .map(|rows| ModuleKind::DecodeBatch { rows, slots })
+        .collect();
+    kinds.push(ModuleKind::AdmitSlot { slots });
+    kinds
 }
 
 /// The cache key of a module: the MLIR text, the target's flags (which

@@ -348,6 +348,33 @@ impl Function {
         self.emit(&a.shape.clone(), a.ty, rhs)
     }
 
+    /// Writes `updates` (`[n, window…]`) into `a` at `n` index tuples:
+    /// `indices` is `[n, dims.len()]` i32, each tuple addressing `dims` of
+    /// `a`, which the window leaves out; the window spans `a`'s other
+    /// dimensions whole. The tuples must be distinct; one out of range is
+    /// skipped, as StableHLO defines.
+    pub fn scatter(&mut self, a: &Val, indices: &Val, updates: &Val, dims: &[usize]) -> Val {
+        assert_eq!(a.ty, updates.ty, "scatter: operand types differ");
+        assert_eq!(indices.shape, [updates.shape[0], dims.len()]);
+        let window: Vec<usize> = (1..updates.shape.len()).collect();
+        let element = tensor_type(&[], a.ty);
+        let block = self.next;
+        let rhs = format!(
+            "\"stablehlo.scatter\"({}, {}, {}) ({{\n    ^bb0(%old{block}: {element}, %new{block}: {element}):\n      stablehlo.return %new{block} : {element}\n    }}) {{scatter_dimension_numbers = #stablehlo.scatter<update_window_dims = [{}], inserted_window_dims = [{}], scatter_dims_to_operand_dims = [{}], index_vector_dim = 1>, indices_are_sorted = false, unique_indices = true}} : ({}, {}, {}) -> {}",
+            a.name,
+            indices.name,
+            updates.name,
+            list(&window),
+            list(dims),
+            list(dims),
+            a.mlir_type(),
+            indices.mlir_type(),
+            updates.mlir_type(),
+            a.mlir_type()
+        );
+        self.emit(&a.shape.clone(), a.ty, rhs)
+    }
+
     pub fn concatenate(&mut self, values: &[&Val], dim: usize) -> Val {
         let mut shape = values[0].shape.clone();
         shape[dim] = values.iter().map(|v| v.shape[dim]).sum();
