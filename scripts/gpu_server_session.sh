@@ -2,7 +2,7 @@
 # kiln-server's continuous batching on an NVIDIA GPU against transformers'
 # own (`generate_batch`), on the same random weights of TinyLlama-1.1B's shape
 # at f16: aggregate decode tok/s at concurrency 1, 8 and 32, kiln at batch 1
-# (--batch-slots 1) and batched (--batch-slots 8), in one run.
+# (--batch-slots 1) and batched (--batch-slots 8 and 32), in one run.
 #
 #   BIN=dir KILN_CACHE_DIR=carried-cache scripts/gpu_server_session.sh
 #
@@ -12,7 +12,7 @@
 #
 # BIN holds kiln-server, kiln-bench-decode and xtask (release builds with
 # `--features cuda,xla-iree`); the cache holds the modules `kiln prepare
-# --backend iree-cuda --model DIR --max-context 256 --batch-slots 8` wrote
+# --backend iree-cuda --model DIR --max-context 256 --batch-slots N` wrote for N = 8 and 32
 # (docs/server.md says how). The machine needs no compiler and no network.
 set -euo pipefail
 : "${BIN:?set BIN}" "${KILN_CACHE_DIR:?set KILN_CACHE_DIR}"
@@ -29,6 +29,6 @@ nvidia-smi --query-gpu=name,driver_version --format=csv
 SERVER="$BIN/kiln-server" LOAD="$BIN/xtask" MODEL_ID=$(basename "$model") \
     LOAD_ARGS="${LOAD_ARGS---allow-divergence}" \
     SERVER_ARGS="--backend iree-cuda --model $model --max-context 256" \
-    SLOTS="${SLOTS:-1 8}" CONCURRENCY="1 8 32" "$here/server_concurrency.sh"
+    SLOTS="${SLOTS:-1 8 32}" CONCURRENCY="1 8 32" "$here/server_concurrency.sh"
 python3 "$here/bench_transformers_batch.py" --model "$model" --dtype float16 \
     --concurrency 1 8 32 --max-tokens 64
