@@ -226,14 +226,20 @@ fn slot_attention(
     v_t: &Val,
     visible: &Val,
 ) -> Val {
-    let b = q.shape[0];
-    let group = dm.heads / dm.kv_heads;
+    let (b, t) = (q.shape[0], k.shape[2]);
+    let (kv, group, d) = (dm.kv_heads, dm.heads / dm.kv_heads, dm.d);
+    // Slots and KV heads merged into one batch dimension (free reshapes):
+    // with two, IREE transposes both caches before each product.
     let q = f.convert(q, dm.storage);
-    let q = f.reshape(&q, &[b, dm.kv_heads, group, dm.d]);
-    let scores = f.dot(&q, k, (&[0, 1], &[0, 1]), (&[3], &[3]), Ty::F32);
+    let q = f.reshape(&q, &[b * kv, group, d]);
+    let k = f.reshape(k, &[b * kv, t, d]);
+    let scores = f.dot(&q, &k, (&[0], &[0]), (&[2], &[2]), Ty::F32);
+    let scores = f.reshape(&scores, &[b, kv, group, t]);
     let probs = masked_softmax(f, dm, &scores, visible, &[0, 3]);
-    let out = f.dot(&probs, v_t, (&[0, 1], &[0, 1]), (&[3], &[3]), Ty::F32);
-    f.reshape(&out, &[b, dm.heads * dm.d])
+    let probs = f.reshape(&probs, &[b * kv, group, t]);
+    let v_t = f.reshape(v_t, &[b * kv, d, t]);
+    let out = f.dot(&probs, &v_t, (&[0], &[0]), (&[2], &[2]), Ty::F32);
+    f.reshape(&out, &[b, dm.heads * d])
 }
 
 /// Scaled, masked softmax of f32 `scores` along their last dimension, where
@@ -480,20 +486,22 @@ fn decode_batch(
     // element (the position is the innermost dimension).
     let key_rows = layers * slots * kv * context;
     let value_count = key_rows * d;
+    let layer_keys = slots * kv * context;
     let key_at = flat_index(&mut f, &positions, &[kv, 1], &[context, 1]);
+    let key_at = every_layer(&mut f, &key_at, layers, layer_keys);
     let value_at = flat_index(&mut f, &positions, &[kv, d, 1], &[d * context, context, 1]);
+    let value_at = every_layer(&mut f, &value_at, layers, layer_keys * d);
 
     let mut x = embed(&mut f, &p, &tokens);
     for (l, w) in p.layers.iter().enumerate() {
         let normed = rms_norm(&mut f, &x, &w[0], c.rms_norm_eps);
         let (q, k, v) = project_qkv(&mut f, &dm, &normed, &w[1], &rope_tables);
-        let layer_keys = slots * kv * context;
-        let at = offset(&mut f, &key_at, l * layer_keys);
+        let at = layer_rows(&mut f, &key_at, l);
         let table = f.reshape(&k_cache, &[key_rows, d]);
         let k = f.reshape(&k, &[rows * kv, d]);
         let table = f.scatter(&table, &at, &k, &[0]);
         k_cache = f.reshape(&table, &[layers, slots, kv, context, d]);
-        let at = offset(&mut f, &value_at, l * layer_keys * d);
+        let at = layer_rows(&mut f, &value_at, l);
         let table = f.reshape(&v_cache, &[value_count]);
         let v = f.reshape(&v, &[rows * kv * d]);
         let table = f.scatter(&table, &at, &v, &[0]);
@@ -537,10 +545,23 @@ fn flat_index(f: &mut Function, positions: &Val, inner: &[usize], strides: &[usi
     f.reshape(&index, &[count, 1])
 }
 
-/// `index` plus the constant `by`.
-fn offset(f: &mut Function, index: &Val, by: usize) -> Val {
-    let by = f.constant_i32(by as i32, &index.shape);
-    f.binary("add", index, &by)
+/// The flat indices `index` (`[n, 1]`, layer 0's) of every layer, `[layers,
+/// n, 1]`, a layer `stride` apart: computed once per step rather than once
+/// per layer, which would be a kernel per layer.
+fn every_layer(f: &mut Function, index: &Val, layers: usize, stride: usize) -> Val {
+    let shape = [layers, index.shape[0], 1];
+    let layer = f.iota(&shape, 0);
+    let stride = f.constant_i32(stride as i32, &shape);
+    let offset = f.binary("multiply", &layer, &stride);
+    let index = f.broadcast(index, &shape, &[1, 2]);
+    f.binary("add", &offset, &index)
+}
+
+/// Layer `l`'s rows of [`every_layer`]'s indices, `[n, 1]`.
+fn layer_rows(f: &mut Function, indices: &Val, l: usize) -> Val {
+    let n = indices.shape[1];
+    let rows = f.slice(indices, &[l, 0, 0], &[l + 1, n, 1]);
+    f.reshape(&rows, &[n, 1])
 }
 
 /// Copies one sequence's caches — prefill's `[L, KV, C, D]` keys and
