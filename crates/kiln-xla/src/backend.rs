@@ -536,6 +536,10 @@ impl Backend for IreeBackend<'_> {
         self.read_logits("decode_step", &outputs[0])
     }
 
+    fn sequence_len(&self) -> usize {
+        self.position
+    }
+
     fn decode_greedy(&mut self, token: u32) -> kiln_core::Result<u32> {
         let mut outputs = self.step(token)?;
         let position_tensor = outputs.pop().expect("three outputs");

@@ -1,0 +1,196 @@
+//! Lossless speculative decoding with greedy choice: a [`Proposer`] guesses
+//! the next few tokens, the target model checks all of them in one
+//! [`Backend::append`], and the longest prefix equal to the target's own
+//! greedy choices is kept, followed by the target's next token. The tokens
+//! are those [`crate::generate`] chooses, one for one; only the number of
+//! passes over the weights changes.
+
+use crate::backend::Backend;
+use crate::error::{Error, Result};
+use crate::sampling::argmax;
+
+/// Guesses how a token sequence goes on. More kinds (a draft model,
+/// self-speculation) implement the same trait.
+pub trait Proposer {
+    /// A short name for reports (`prompt-lookup`).
+    fn name(&self) -> &str;
+
+    /// Up to `max` tokens expected to follow `tokens` (the prompt and every
+    /// token generated so far); fewer or none when there is no good guess.
+    fn propose(&mut self, tokens: &[u32], max: usize) -> Vec<u32>;
+}
+
+/// Prompt lookup: finds the most recent earlier occurrence of the sequence's
+/// last n tokens (the longest n from `max_ngram` down to 1 that occurs) and
+/// proposes what followed it. It pays when the output repeats its input
+/// (quoting, editing, summarising with the source's words) and needs no
+/// second model.
+#[derive(Clone, Debug)]
+pub struct PromptLookup {
+    pub max_ngram: usize,
+}
+
+impl Default for PromptLookup {
+    fn default() -> PromptLookup {
+        PromptLookup { max_ngram: 3 }
+    }
+}
+
+impl Proposer for PromptLookup {
+    fn name(&self) -> &str {
+        "prompt-lookup"
+    }
+
+    fn propose(&mut self, tokens: &[u32], max: usize) -> Vec<u32> {
+        if max == 0 {
+            return Vec::new();
+        }
+        let len = tokens.len();
+        for n in (1..=self.max_ngram.min(len.saturating_sub(1))).rev() {
+            let suffix = &tokens[len - n..];
+            // Matches that start before the suffix itself, latest first; the
+            // continuation may run into the suffix (a repeating pattern).
+            if let Some(start) = (0..len - n).rev().find(|&i| &tokens[i..i + n] == suffix) {
+                let from = start + n;
+                return tokens[from..len.min(from + max)].to_vec();
+            }
+        }
+        Vec::new()
+    }
+}
+
+/// What speculation did during one generation.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct SpeculationStats {
+    /// Passes of the target over the weights after prefill (each a
+    /// [`Backend::append`] or a plain one-token step).
+    pub steps: usize,
+    /// Tokens the proposer proposed and the target checked.
+    pub proposed: usize,
+    /// Proposed tokens equal to the target's greedy choice.
+    pub accepted: usize,
+    /// Tokens generated.
+    pub generated: usize,
+}
+
+impl SpeculationStats {
+    /// The fraction of proposed tokens the target accepted.
+    pub fn acceptance_rate(&self) -> f64 {
+        self.accepted as f64 / self.proposed.max(1) as f64
+    }
+
+    /// Tokens generated per pass of the target after prefill: 1 without
+    /// speculation, up to K + 1 with K draft tokens.
+    pub fn tokens_per_step(&self) -> f64 {
+        // The first token comes from prefill.
+        self.generated.saturating_sub(1) as f64 / self.steps.max(1) as f64
+    }
+}
+
+/// Generates greedily like [`crate::generate`] with greedy sampling (the
+/// same tokens, the same stopping at `stop_tokens` and `max_tokens`), asking
+/// `proposer` for up to `draft_tokens` tokens before each pass of the target.
+/// The backend must support [`Backend::append`] and [`Backend::rewind`].
+pub fn generate_speculative(
+    backend: &mut dyn Backend,
+    proposer: &mut dyn Proposer,
+    draft_tokens: usize,
+    prompt: &[u32],
+    max_tokens: usize,
+    stop_tokens: &[u32],
+    mut on_token: impl FnMut(u32) -> Result<()>,
+) -> Result<(Vec<u32>, SpeculationStats)> {
+    let needed = prompt.len().saturating_add(max_tokens);
+    if needed > backend.max_context() {
+        return Err(Error::ContextFull {
+            needed,
+            limit: backend.max_context(),
+        });
+    }
+    let mut stats = SpeculationStats::default();
+    let mut tokens = prompt.to_vec();
+    if max_tokens == 0 {
+        return Ok((Vec::new(), stats));
+    }
+    // `pending` is chosen but not yet in the cache; `choices` are the target's
+    // greedy tokens still to emit, in order.
+    let logits = backend.prefill(prompt)?;
+    if logits.is_empty() {
+        return Err(Error::Backend(
+            "the backend returned no logits to choose from".into(),
+        ));
+    }
+    let mut choices = vec![argmax(&logits)];
+    loop {
+        for &token in &choices {
+            tokens.push(token);
+            stats.generated += 1;
+            on_token(token)?;
+            if stop_tokens.contains(&token) || stats.generated == max_tokens {
+                return Ok((tokens.split_off(prompt.len()), stats));
+            }
+        }
+        let pending = *tokens.last().expect("a token was just pushed");
+        // Tokens past max_tokens would never be emitted: propose no more
+        // than fit, which also keeps the cache inside the checked context.
+        let room = max_tokens - stats.generated;
+        let mut drafts = proposer.propose(&tokens, draft_tokens.min(room));
+        drafts.truncate(draft_tokens.min(room));
+        stats.steps += 1;
+        if drafts.is_empty() {
+            choices = vec![backend.decode_greedy(pending)?];
+            continue;
+        }
+        // The cache holds every token but `pending`; check pending and the
+        // drafts in one step. Row i's choice follows drafts[..i].
+        let start = tokens.len() - 1;
+        let mut step = Vec::with_capacity(drafts.len() + 1);
+        step.push(pending);
+        step.extend_from_slice(&drafts);
+        let logits = backend.append(&step)?;
+        if logits.is_empty() || !logits.len().is_multiple_of(step.len()) {
+            return Err(Error::Backend(format!(
+                "the backend returned {} logits for {} appended tokens",
+                logits.len(),
+                step.len()
+            )));
+        }
+        let vocab = logits.len() / step.len();
+        choices.clear();
+        let drafts_then_none = drafts.iter().map(Some).chain([None]);
+        for (row, draft) in logits.chunks_exact(vocab).zip(drafts_then_none) {
+            let choice = argmax(row);
+            choices.push(choice);
+            if draft != Some(&choice) {
+                break;
+            }
+        }
+        let accepted = choices.len() - 1;
+        stats.proposed += drafts.len();
+        stats.accepted += accepted;
+        // Keep pending and the accepted drafts; the last choice is the new
+        // pending token.
+        backend.rewind(start + 1 + accepted)?;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn prompt_lookup_proposes_what_followed_the_longest_latest_match() {
+        let mut lookup = PromptLookup::default();
+        // "1 2 3" occurs at 0 (then 4 5) and the latest match of "2 3" is at
+        // 6 (then 9); the 3-gram wins over the later 2-gram.
+        let tokens = [1, 2, 3, 4, 5, 8, 2, 3, 9, 1, 2, 3];
+        assert_eq!(lookup.propose(&tokens, 2), vec![4, 5]);
+        // Only a 1-gram matches: its latest occurrence.
+        assert_eq!(lookup.propose(&[7, 1, 7, 2, 6, 7], 3), vec![2, 6, 7]);
+        // A repeating pattern runs into the suffix.
+        assert_eq!(lookup.propose(&[5, 6, 5, 6], 4), vec![5, 6]);
+        assert_eq!(lookup.propose(&[1, 2, 3], 4), Vec::<u32>::new());
+        assert_eq!(lookup.propose(&[1, 2, 1], 0), Vec::<u32>::new());
+        assert_eq!(lookup.propose(&[], 4), Vec::<u32>::new());
+    }
+}

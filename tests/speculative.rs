@@ -1,0 +1,253 @@
+//! Speculative decoding is lossless: with greedy choice it generates exactly
+//! the tokens of plain `generate`, token for token, stopping at the same
+//! place — on the CPU reference with the embedded model, the transformers
+//! fixtures and (when pulled) SmolLM2. Every comparison also requires that
+//! the proposer had drafts both accepted and rejected, so that neither the
+//! accept path nor the rewind path can go untested.
+
+use std::path::PathBuf;
+
+use kiln_core::speculative::SpeculationStats;
+use kiln_core::{
+    Backend, CpuBackend, Model, PromptLookup, SamplingParams, generate, generate_speculative,
+};
+
+/// Plain greedy generation and speculative generation with prompt lookup
+/// (K = `draft_tokens`) of the same prompt; asserts the tokens, and the
+/// tokens passed to the callback, are equal; returns the statistics.
+fn compare(
+    backend: &mut dyn Backend,
+    prompt: &[u32],
+    max_tokens: usize,
+    stop_tokens: &[u32],
+    draft_tokens: usize,
+) -> SpeculationStats {
+    let plain = generate(
+        backend,
+        prompt,
+        max_tokens,
+        SamplingParams::default(),
+        stop_tokens,
+        |_| Ok(()),
+    )
+    .unwrap();
+    let mut streamed = Vec::new();
+    let (speculated, stats) = generate_speculative(
+        backend,
+        &mut PromptLookup::default(),
+        draft_tokens,
+        prompt,
+        max_tokens,
+        stop_tokens,
+        |t| {
+            streamed.push(t);
+            Ok(())
+        },
+    )
+    .unwrap();
+    assert_eq!(
+        speculated, plain,
+        "speculative tokens differ from greedy ones (prompt {prompt:?}, K {draft_tokens})"
+    );
+    assert_eq!(streamed, plain, "the callback saw other tokens");
+    assert_eq!(stats.generated, plain.len());
+    assert!(stats.accepted <= stats.proposed);
+    stats
+}
+
+/// Compares every prompt at several K and max_tokens, and again with a stop
+/// token that greedy decoding meets part way; adds the statistics to `total`.
+fn compare_all(
+    model: &Model,
+    backend: &mut dyn Backend,
+    prompts: &[Vec<u32>],
+    max_tokens: usize,
+    total: &mut SpeculationStats,
+) {
+    let mut add = |s: SpeculationStats| {
+        total.steps += s.steps;
+        total.proposed += s.proposed;
+        total.accepted += s.accepted;
+        total.generated += s.generated;
+    };
+    let stops = model.config.eos_token_ids.clone();
+    for prompt in prompts {
+        for k in [1, 3, 8] {
+            add(compare(backend, prompt, max_tokens, &stops, k));
+        }
+        for max in [1, 2, 5] {
+            add(compare(backend, prompt, max, &stops, 4));
+        }
+        // A stop token met part way: the first token greedy decoding
+        // produces after its fourth that is not among the first four.
+        let plain = generate(
+            backend,
+            prompt,
+            max_tokens,
+            SamplingParams::default(),
+            &[],
+            |_| Ok(()),
+        )
+        .unwrap();
+        if let Some(&stop) = plain.iter().skip(4).find(|t| !plain[..4].contains(t)) {
+            let stats = compare(backend, prompt, max_tokens, &[stop], 4);
+            assert!(stats.generated < plain.len(), "the stop token did not stop");
+            add(stats);
+        }
+    }
+    println!("{}: {total:?} so far", model.name);
+}
+
+/// Both paths taken: some drafts accepted, some rejected.
+fn assert_accepted_and_rejected(total: &SpeculationStats) {
+    assert!(total.accepted > 0, "no draft was accepted: {total:?}");
+    assert!(
+        total.accepted < total.proposed,
+        "no draft was rejected: {total:?}"
+    );
+}
+
+fn encode(model: &Model, texts: &[&str]) -> Vec<Vec<u32>> {
+    texts
+        .iter()
+        .map(|t| model.tokenizer.encode(t).unwrap())
+        .collect()
+}
+
+const TEXTS: [&str; 3] = [
+    "the cat sat on the mat. the cat sat on the mat. the cat",
+    "Once upon a time",
+    "abc abd abe abc abd abe abc",
+];
+
+#[test]
+fn embedded_model_on_cpu_speculates_losslessly() {
+    let model = Model::embedded();
+    let prompts = encode(&model, &TEXTS);
+    let mut total = SpeculationStats::default();
+    compare_all(
+        &model,
+        &mut CpuBackend::new(&model),
+        &prompts,
+        48,
+        &mut total,
+    );
+    assert_accepted_and_rejected(&total);
+}
+
+#[test]
+fn transformers_fixtures_on_cpu_speculate_losslessly() {
+    let mut total = SpeculationStats::default();
+    for name in ["llama-gqa-untied", "llama-mqa-tied"] {
+        let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+            .join("tests/fixtures")
+            .join(name);
+        let model = Model::load(&dir).unwrap();
+        let v = model.config.vocab_size as u32;
+        // Token ids, repeating, within the vocabulary.
+        let prompts: Vec<Vec<u32>> = vec![
+            (0..12).map(|i| (i % 4 * 7 + 3) % v).collect(),
+            (0..9).map(|i| (i * 13 + 5) % v).collect(),
+        ];
+        compare_all(
+            &model,
+            &mut CpuBackend::new(&model),
+            &prompts,
+            40,
+            &mut total,
+        );
+    }
+    assert_accepted_and_rejected(&total);
+}
+
+#[test]
+fn smollm2_on_cpu_speculates_losslessly() {
+    let Some(path) = kiln_core::testing::pulled_model("smollm2-135m-instruct") else {
+        return;
+    };
+    let model = Model::load(&path).unwrap();
+    let prompts = encode(
+        &model,
+        &[
+            "Repeat this sentence exactly: The quick brown fox jumps over the lazy dog.\n\
+             The quick brown fox",
+            "The capital of France is",
+        ],
+    );
+    let mut backend = CpuBackend::new(&model);
+    let stops = model.config.eos_token_ids.clone();
+    let mut total = SpeculationStats::default();
+    for prompt in &prompts {
+        let s = compare(&mut backend, prompt, 24, &stops, 4);
+        total.proposed += s.proposed;
+        total.accepted += s.accepted;
+    }
+    println!("smollm2: {total:?}");
+    assert_accepted_and_rejected(&total);
+}
+
+/// A backend that only prefills and decodes, as a backend without a
+/// multi-token step would.
+struct OneTokenAtATime<'m>(CpuBackend<'m>);
+
+impl Backend for OneTokenAtATime<'_> {
+    fn name(&self) -> &str {
+        "one-token"
+    }
+    fn max_context(&self) -> usize {
+        self.0.max_context()
+    }
+    fn prefill(&mut self, tokens: &[u32]) -> kiln_core::Result<Vec<f32>> {
+        self.0.prefill(tokens)
+    }
+    fn prefill_embeddings(&mut self, embeddings: &[f32]) -> kiln_core::Result<Vec<f32>> {
+        self.0.prefill_embeddings(embeddings)
+    }
+    fn decode(&mut self, token: u32) -> kiln_core::Result<Vec<f32>> {
+        self.0.decode(token)
+    }
+    fn sequence_len(&self) -> usize {
+        self.0.sequence_len()
+    }
+}
+
+#[test]
+fn a_backend_without_a_multi_token_step_is_an_error_naming_it() {
+    let model = Model::embedded();
+    let mut backend = OneTokenAtATime(CpuBackend::new(&model));
+    let prompt = model.tokenizer.encode(TEXTS[2]).unwrap();
+    let error = generate_speculative(
+        &mut backend,
+        &mut PromptLookup::default(),
+        4,
+        &prompt,
+        16,
+        &[],
+        |_| Ok(()),
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(
+        error.contains("one-token backend cannot append several tokens"),
+        "{error}"
+    );
+}
+
+#[test]
+fn cpu_rewind_drops_positions_and_refuses_to_grow() {
+    let model = Model::embedded();
+    let mut cpu = CpuBackend::new(&model);
+    let prompt = model.tokenizer.encode("abcdef").unwrap();
+    let n = prompt.len();
+    cpu.prefill(&prompt).unwrap();
+    let after_g = cpu.decode(prompt[2]).unwrap();
+    let rows = cpu.append(&[1, 2, 3]).unwrap();
+    assert_eq!(rows.len(), 3 * model.config.vocab_size);
+    assert_eq!(cpu.sequence_len(), n + 4);
+    cpu.rewind(n).unwrap();
+    assert_eq!(cpu.sequence_len(), n);
+    // The rewound sequence continues as if the dropped tokens never came.
+    assert_eq!(cpu.decode(prompt[2]).unwrap(), after_g);
+    let error = cpu.rewind(n + 5).unwrap_err().to_string();
+    assert!(error.contains("cannot rewind to position"), "{error}");
+}
