@@ -11,6 +11,7 @@ use kiln_core::{Model, SamplingParams, TextStream};
 
 use kiln::backends::{self, ModelArgs};
 use kiln::print_text;
+use kiln::speculation::SpeculationArgs;
 
 #[derive(Parser)]
 #[command(
@@ -45,6 +46,8 @@ enum Command {
         top_p: f32,
         #[arg(long, default_value_t = 0)]
         seed: u64,
+        #[command(flatten)]
+        speculation: SpeculationArgs,
     },
     /// Chat with a model through its chat template: answer QUESTION, or hold
     /// a conversation on the terminal (Ctrl-D ends), or answer each line of
@@ -120,6 +123,7 @@ fn run(cli: Cli) -> Result<()> {
             top_k,
             top_p,
             seed,
+            speculation,
         } => {
             let sampling = SamplingParams {
                 temperature,
@@ -127,7 +131,8 @@ fn run(cli: Cli) -> Result<()> {
                 top_p,
                 seed,
             };
-            generate(&model, &prompt, max_tokens, sampling)
+            speculation.check(&sampling)?;
+            generate(&model, &prompt, max_tokens, sampling, &speculation)
         }
         Command::Chat(args) => chat(&args),
         Command::Prefill { model, prompt, top } => prefill(&model, &prompt, top),
@@ -143,6 +148,7 @@ fn generate(
     prompt: &str,
     max_tokens: usize,
     sampling: SamplingParams,
+    speculation: &SpeculationArgs,
 ) -> Result<()> {
     let model = load(args.model.as_ref())?;
     let prompt_ids = model.tokenizer.encode(prompt)?;
@@ -151,17 +157,36 @@ fn generate(
     let mut first_token_at = None;
     let mut text = TextStream::new(&model.tokenizer);
     let mut stdout = std::io::stdout().lock();
-    let tokens = kiln_core::generate(
-        backend.as_mut(),
-        &prompt_ids,
-        max_tokens,
-        sampling,
-        &model.config.eos_token_ids,
-        |token| {
-            first_token_at.get_or_insert_with(Instant::now);
-            print_text(&mut stdout, text.push(token)?.as_deref())
-        },
-    )?;
+    let on_token = |token| {
+        first_token_at.get_or_insert_with(Instant::now);
+        print_text(&mut stdout, text.push(token)?.as_deref())
+    };
+    let stops = &model.config.eos_token_ids;
+    let (tokens, stats) = match speculation.speculate {
+        None => (
+            kiln_core::generate(
+                backend.as_mut(),
+                &prompt_ids,
+                max_tokens,
+                sampling,
+                stops,
+                on_token,
+            )?,
+            None,
+        ),
+        Some(kind) => {
+            let (tokens, stats) = kiln_core::generate_speculative(
+                backend.as_mut(),
+                kind.proposer().as_mut(),
+                usize::from(speculation.draft_tokens),
+                &prompt_ids,
+                max_tokens,
+                stops,
+                on_token,
+            )?;
+            (tokens, Some(stats))
+        }
+    };
     print_text(&mut stdout, text.finish()?.as_deref())?;
     writeln!(stdout)?;
     let total = started.elapsed().as_secs_f64();
@@ -175,6 +200,17 @@ fn generate(
         prefill,
         (tokens.len().saturating_sub(1)) as f64 / (total - prefill).max(1e-9)
     );
+    if let Some(s) = stats {
+        eprintln!(
+            "[speculation: {} steps after prefill, {} of {} proposed tokens accepted ({:.1}%), \
+             {:.2} tokens per step]",
+            s.steps,
+            s.accepted,
+            s.proposed,
+            100.0 * s.acceptance_rate(),
+            s.tokens_per_step()
+        );
+    }
     Ok(())
 }
 

@@ -37,6 +37,60 @@ fn generate_streams_text_from_the_embedded_model() {
     );
 }
 
+/// `--speculate` prints what plain greedy decoding prints and its
+/// acceptance statistics on stderr.
+#[test]
+fn speculative_generate_prints_the_greedy_text_and_its_statistics() {
+    let prompt = "the cat sat on the mat. the cat sat on the mat. the cat";
+    let plain = kiln(&["generate", "--max-tokens", "40", prompt]);
+    assert!(plain.status.success(), "{}", stderr(&plain));
+    let out = kiln(&[
+        "generate",
+        "--max-tokens",
+        "40",
+        "--speculate",
+        "prompt-lookup",
+        "--draft-tokens",
+        "6",
+        prompt,
+    ]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert_eq!(stdout(&out), stdout(&plain));
+    let err = stderr(&out);
+    assert!(err.contains("[speculation: "), "{err}");
+    assert!(err.contains("proposed tokens accepted"), "{err}");
+}
+
+#[test]
+fn speculation_refuses_sampling_and_bad_draft_counts() {
+    let cases: &[(&[&str], &str)] = &[
+        (
+            &["--speculate", "prompt-lookup", "--temperature", "0.7"],
+            "drop --temperature",
+        ),
+        (
+            &["--speculate", "prompt-lookup", "--draft-tokens", "0"],
+            "--draft-tokens",
+        ),
+        (
+            &["--speculate", "prompt-lookup", "--draft-tokens", "99"],
+            "--draft-tokens",
+        ),
+        (&["--draft-tokens", "4"], "--speculate"),
+        (&["--speculate", "oracle"], "prompt-lookup"),
+    ];
+    for (options, expected) in cases {
+        let mut args = vec!["generate"];
+        args.extend_from_slice(options);
+        args.push("x");
+        let out = kiln(&args);
+        assert!(!out.status.success(), "{args:?} succeeded");
+        let err = stderr(&out);
+        assert!(err.contains(expected), "{args:?}: {err}");
+        assert!(stdout(&out).is_empty(), "{args:?} generated text");
+    }
+}
+
 #[test]
 fn sampling_is_seeded() {
     let run = |seed: &str| {
