@@ -73,7 +73,7 @@ fn speculation_refuses_sampling_and_bad_draft_counts() {
             "--draft-tokens",
         ),
         (
-            &["--speculate", "prompt-lookup", "--draft-tokens", "99"],
+            &["--speculate", "prompt-lookup", "--draft-tokens", "16"],
             "--draft-tokens",
         ),
         (&["--draft-tokens", "4"], "--speculate"),

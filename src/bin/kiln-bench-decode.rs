@@ -277,6 +277,7 @@ fn export(
             ModuleKind::Prefill(seq) => format!("prefill{seq}"),
             ModuleKind::Decode => "decode".into(),
             ModuleKind::DecodeBatch(batch) => format!("decode-batch{batch}"),
+            ModuleKind::Append(rows) => format!("append{rows}"),
         };
         let stem = format!(
             "{model}-{target:?}-{}-{}-{module}",

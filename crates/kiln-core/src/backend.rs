@@ -44,6 +44,25 @@ pub trait Backend {
         })
     }
 
+    /// Appends `tokens` in one step and returns the greedy choice after each
+    /// of them (the first largest logit). A device backend overrides this to
+    /// choose where the logits are.
+    fn append_greedy(&mut self, tokens: &[u32]) -> Result<Vec<u32>> {
+        let logits = self.append(tokens)?;
+        if logits.is_empty() || !logits.len().is_multiple_of(tokens.len()) {
+            return Err(Error::Backend(format!(
+                "the backend returned {} logits for {} appended tokens",
+                logits.len(),
+                tokens.len()
+            )));
+        }
+        let vocab = logits.len() / tokens.len();
+        Ok(logits
+            .chunks_exact(vocab)
+            .map(crate::sampling::argmax)
+            .collect())
+    }
+
     /// Forgets every position from `len` on, so that the next token goes to
     /// position `len`: the rows of rejected speculated tokens.
     fn rewind(&mut self, len: usize) -> Result<()> {

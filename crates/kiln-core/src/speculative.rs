@@ -22,7 +22,8 @@ pub trait Proposer {
 
 /// Prompt lookup: finds the most recent earlier occurrence of the sequence's
 /// last n tokens (the longest n from `max_ngram` down to 1 that occurs) and
-/// proposes what followed it. It pays when the output repeats its input
+/// proposes what followed it (from an earlier occurrence if the latest is
+/// followed by fewer tokens than asked for). It pays when the output repeats its input
 /// (quoting, editing, summarising with the source's words) and needs no
 /// second model.
 #[derive(Clone, Debug)]
@@ -49,10 +50,25 @@ impl Proposer for PromptLookup {
         for n in (1..=self.max_ngram.min(len.saturating_sub(1))).rev() {
             let suffix = &tokens[len - n..];
             // Matches that start before the suffix itself, latest first; the
-            // continuation may run into the suffix (a repeating pattern).
-            if let Some(start) = (0..len - n).rev().find(|&i| &tokens[i..i + n] == suffix) {
+            // continuation may run into the suffix (a repeating pattern). In
+            // a repeating pattern the latest match leaves the fewest tokens
+            // to propose, so an earlier one serves when it has more.
+            let mut best: Option<&[u32]> = None;
+            for start in (0..len - n).rev() {
+                if &tokens[start..start + n] != suffix {
+                    continue;
+                }
                 let from = start + n;
-                return tokens[from..len.min(from + max)].to_vec();
+                let continuation = &tokens[from..len.min(from + max)];
+                if best.is_none_or(|b| continuation.len() > b.len()) {
+                    best = Some(continuation);
+                }
+                if continuation.len() == max {
+                    break;
+                }
+            }
+            if let Some(best) = best {
+                return best.to_vec();
             }
         }
         Vec::new()
@@ -90,7 +106,8 @@ impl SpeculationStats {
 /// Generates greedily like [`crate::generate`] with greedy sampling (the
 /// same tokens, the same stopping at `stop_tokens` and `max_tokens`), asking
 /// `proposer` for up to `draft_tokens` tokens before each pass of the target.
-/// The backend must support [`Backend::append`] and [`Backend::rewind`].
+/// The backend must support [`Backend::append_greedy`] (by way of
+/// [`Backend::append`]) and [`Backend::rewind`].
 pub fn generate_speculative(
     backend: &mut dyn Backend,
     proposer: &mut dyn Proposer,
@@ -142,26 +159,25 @@ pub fn generate_speculative(
             continue;
         }
         // The cache holds every token but `pending`; check pending and the
-        // drafts in one step. Row i's choice follows drafts[..i].
+        // drafts in one step.
         let start = tokens.len() - 1;
         let mut step = Vec::with_capacity(drafts.len() + 1);
         step.push(pending);
         step.extend_from_slice(&drafts);
-        let logits = backend.append(&step)?;
-        if logits.is_empty() || !logits.len().is_multiple_of(step.len()) {
+        let greedy = backend.append_greedy(&step)?;
+        if greedy.len() != step.len() {
             return Err(Error::Backend(format!(
-                "the backend returned {} logits for {} appended tokens",
-                logits.len(),
+                "the backend chose {} tokens for {} appended tokens",
+                greedy.len(),
                 step.len()
             )));
         }
-        let vocab = logits.len() / step.len();
+        // Row i's choice follows drafts[..i]: keep choices while each equals
+        // the draft it would have confirmed.
         choices.clear();
-        let drafts_then_none = drafts.iter().map(Some).chain([None]);
-        for (row, draft) in logits.chunks_exact(vocab).zip(drafts_then_none) {
-            let choice = argmax(row);
+        for (i, &choice) in greedy.iter().enumerate() {
             choices.push(choice);
-            if draft != Some(&choice) {
+            if drafts.get(i) != Some(&choice) {
                 break;
             }
         }
@@ -189,6 +205,11 @@ mod tests {
         assert_eq!(lookup.propose(&[7, 1, 7, 2, 6, 7], 3), vec![2, 6, 7]);
         // A repeating pattern runs into the suffix.
         assert_eq!(lookup.propose(&[5, 6, 5, 6], 4), vec![5, 6]);
+        // In a run, the latest match leaves 1 token; earlier ones more.
+        assert_eq!(lookup.propose(&[7, 7, 7, 7, 7], 3), vec![7, 7]);
+        assert_eq!(lookup.propose(&[7, 7, 7, 7, 7, 7, 7, 7], 3), vec![7, 7, 7]);
+        // The latest full-length continuation wins over earlier ones.
+        assert_eq!(lookup.propose(&[4, 1, 2, 4, 3, 3, 4], 2), vec![3, 3]);
         assert_eq!(lookup.propose(&[1, 2, 3], 4), Vec::<u32>::new());
         assert_eq!(lookup.propose(&[1, 2, 1], 0), Vec::<u32>::new());
         assert_eq!(lookup.propose(&[], 4), Vec::<u32>::new());

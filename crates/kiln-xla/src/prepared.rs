@@ -27,6 +27,10 @@ pub fn source(
             llama::decode_module(config, graph, context),
             format!("decode:{context}"),
         ),
+        ModuleKind::Append(rows) => (
+            llama::append_module(config, graph, context, rows),
+            format!("append:{rows}:{context}"),
+        ),
         ModuleKind::DecodeBatch(batch) => (
             llama::decode_batch_module(config, graph, context, batch),
             format!("decode-batch:{batch}:{context}"),
@@ -43,6 +47,18 @@ pub fn module_kinds(buckets: &Buckets) -> Vec<ModuleKind> {
         .collect();
     kinds.push(ModuleKind::Decode);
     kinds
+}
+
+/// The multi-token modules speculative decoding with up to `draft_tokens`
+/// proposed tokens uses (each step appends them after the last chosen token).
+pub fn append_module_kinds(draft_tokens: usize) -> Vec<ModuleKind> {
+    let rows = draft_tokens + 1;
+    crate::backend::APPEND_ROWS
+        .iter()
+        .take_while(|&&b| b < rows)
+        .chain(crate::backend::APPEND_ROWS.iter().find(|&&b| b >= rows))
+        .map(|&b| ModuleKind::Append(b))
+        .collect()
 }
 
 /// The batched decode modules kiln-server's decoder of `slots` sequence
