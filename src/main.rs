@@ -72,6 +72,10 @@ enum Command {
         /// (for a GPU machine that has no compiler).
         #[arg(long, default_value_t = 1)]
         batch_slots: usize,
+        /// Also the multi-token modules of `--speculate … --draft-tokens K`
+        /// up to this K.
+        #[arg(long, value_parser = clap::value_parser!(u16).range(1..=kiln::speculation::MAX_DRAFT_TOKENS as i64))]
+        draft_tokens: Option<u16>,
     },
     /// Download a pinned model into the cache (sha256-verified).
     Pull {
@@ -136,7 +140,11 @@ fn run(cli: Cli) -> Result<()> {
         }
         Command::Chat(args) => chat(&args),
         Command::Prefill { model, prompt, top } => prefill(&model, &prompt, top),
-        Command::Prepare { model, batch_slots } => prepare(&model, batch_slots),
+        Command::Prepare {
+            model,
+            batch_slots,
+            draft_tokens,
+        } => prepare(&model, batch_slots, draft_tokens.map(usize::from)),
         Command::Pull { name } => kiln::pull::pull(&name),
         Command::List => kiln::pull::list(),
         Command::Inspect { model } => inspect(model.as_ref()),
@@ -260,7 +268,7 @@ fn prefill(args: &ModelArgs, prompt: &str, top: usize) -> Result<()> {
 /// module cache. Needs the compiler, not the device: modules for a GPU can be
 /// prepared here and the cache carried to the GPU machine.
 #[cfg(feature = "xla-iree")]
-fn prepare(args: &ModelArgs, batch_slots: usize) -> Result<()> {
+fn prepare(args: &ModelArgs, batch_slots: usize, draft_tokens: Option<usize>) -> Result<()> {
     use anyhow::Context;
     use indicatif::{ProgressBar, ProgressStyle};
     if args.backend == backends::BackendKind::Cpu {
@@ -283,6 +291,9 @@ fn prepare(args: &ModelArgs, batch_slots: usize) -> Result<()> {
     let started = Instant::now();
     let mut kinds = kiln_xla::prepared::module_kinds(&buckets);
     kinds.extend(kiln_xla::prepared::batch_module_kinds(batch_slots));
+    if let Some(k) = draft_tokens {
+        kinds.extend(kiln_xla::prepared::append_module_kinds(k));
+    }
     let bar = ProgressBar::new(kinds.len() as u64).with_style(
         ProgressStyle::with_template(
             "{spinner} preparing modules {bar:30} {pos}/{len} [{elapsed}]",
@@ -320,7 +331,7 @@ fn prepare(args: &ModelArgs, batch_slots: usize) -> Result<()> {
 }
 
 #[cfg(not(feature = "xla-iree"))]
-fn prepare(args: &ModelArgs, _batch_slots: usize) -> Result<()> {
+fn prepare(args: &ModelArgs, _batch_slots: usize, _draft_tokens: Option<usize>) -> Result<()> {
     // Opening the backend reports what is not compiled in.
     let model = load(args.model.as_ref())?;
     backends::open(&model, args.backend, &args.iree)?;

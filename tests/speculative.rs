@@ -251,3 +251,36 @@ fn cpu_rewind_drops_positions_and_refuses_to_grow() {
     let error = cpu.rewind(n + 5).unwrap_err().to_string();
     assert!(error.contains("cannot rewind to position"), "{error}");
 }
+
+/// The benchmark runs end to end on the embedded model: its JSON has a row
+/// per K for the prompt that fits, every one with identical tokens.
+#[test]
+fn the_benchmark_reports_identical_tokens_per_draft_length() {
+    let dir = tempfile::tempdir().unwrap();
+    let json = dir.path().join("rows.json");
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_kiln-bench-speculative"))
+        .args(["--model", "embedded", "--max-tokens", "24"])
+        .args(["--draft-tokens", "2", "--draft-tokens", "5"])
+        .arg("--json")
+        .arg(&json)
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    // The passage prompts do not fit the embedded model's 256 positions.
+    assert!(stderr.contains("skipped quote"), "{stderr}");
+    let rows: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    let rows = rows.as_array().unwrap();
+    let ks: Vec<u64> = rows
+        .iter()
+        .map(|r| r["draft_tokens"].as_u64().unwrap())
+        .collect();
+    assert_eq!(ks, [2, 5]);
+    for row in rows {
+        assert_eq!(row["prompt"], "free");
+        assert_eq!(row["identical_tokens"], true, "{row}");
+        assert_eq!(row["generated_tokens"], 24, "{row}");
+        assert!(row["proposed"].as_u64().unwrap() > 0, "{row}");
+    }
+}

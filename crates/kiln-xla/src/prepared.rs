@@ -164,6 +164,23 @@ mod tests {
     use super::*;
 
     #[test]
+    fn speculation_needs_every_row_count_up_to_the_one_holding_k_plus_one() {
+        let rows = |k| -> Vec<usize> {
+            append_module_kinds(k)
+                .into_iter()
+                .map(|kind| match kind {
+                    ModuleKind::Append(rows) => rows,
+                    other => panic!("{other:?}"),
+                })
+                .collect()
+        };
+        assert_eq!(rows(1), [4]);
+        assert_eq!(rows(3), [4]);
+        assert_eq!(rows(4), [4, 8]);
+        assert_eq!(rows(15), [4, 8, 16]);
+    }
+
+    #[test]
     fn cpu_modules_of_different_cpus_have_different_keys() {
         let avx512 = crate::host_cpu::from_cpuinfo("flags: sse2 avx2 avx512f").unwrap();
         let avx2 = crate::host_cpu::from_cpuinfo("flags: sse2 avx2").unwrap();
