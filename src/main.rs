@@ -160,6 +160,7 @@ fn generate(
 ) -> Result<()> {
     let model = load(args.model.as_ref())?;
     let prompt_ids = model.tokenizer.encode(prompt)?;
+    let draft = speculation.draft_model(&model)?;
     let mut backend = backends::open(&model, args.backend, &args.iree)?;
     let started = Instant::now();
     let mut first_token_at = None;
@@ -183,9 +184,11 @@ fn generate(
             None,
         ),
         Some(kind) => {
+            let mut proposer =
+                kiln::speculation::proposer(kind, draft.as_ref(), args.backend, &args.iree)?;
             let (tokens, stats) = kiln_core::generate_speculative(
                 backend.as_mut(),
-                kind.proposer().as_mut(),
+                proposer.as_mut(),
                 usize::from(speculation.draft_tokens),
                 &prompt_ids,
                 max_tokens,

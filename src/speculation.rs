@@ -1,7 +1,12 @@
-//! The speculative decoding options the CLI and the benchmark share.
+//! The speculative decoding options the CLI and the benchmark share, and the
+//! proposers they name.
 
-use anyhow::{Result, bail};
-use kiln_core::{PromptLookup, Proposer, SamplingParams};
+use std::path::{Path, PathBuf};
+
+use anyhow::{Context, Result, bail};
+use kiln_core::{Model, ModelDraft, PromptLookup, Proposer, SamplingParams};
+
+use crate::backends::{self, BackendKind, IreeOptions};
 
 /// How draft tokens are proposed.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
@@ -9,14 +14,12 @@ pub enum ProposerKind {
     /// The continuation of the longest recent n-gram match in the prompt
     /// and output (no second model).
     PromptLookup,
-}
-
-impl ProposerKind {
-    pub fn proposer(self) -> Box<dyn Proposer> {
-        match self {
-            ProposerKind::PromptLookup => Box::new(PromptLookup::default()),
-        }
-    }
+    /// A smaller model with the same tokenizer (--draft-model).
+    Draft,
+    /// The model's own first --draft-layers layers with its final norm and
+    /// output head.
+    #[value(name = "self")]
+    SelfSpeculation,
 }
 
 /// The largest `--draft-tokens`: the IREE backends' largest multi-token
@@ -35,11 +38,20 @@ pub struct SpeculationArgs {
     #[arg(long, default_value_t = 4, requires = "speculate",
           value_parser = clap::value_parser!(u16).range(1..=MAX_DRAFT_TOKENS as i64))]
     pub draft_tokens: u16,
+    /// With --speculate draft: the draft model (a GGUF file, a folder or a
+    /// pulled model's name), run on the same backend as the model.
+    #[arg(long, requires = "speculate")]
+    pub draft_model: Option<PathBuf>,
+    /// With --speculate self: how many of the model's first layers draft
+    /// (default: a quarter of them).
+    #[arg(long, requires = "speculate")]
+    pub draft_layers: Option<usize>,
 }
 
 impl SpeculationArgs {
-    /// Refuses speculation with sampling: only greedy verification is
-    /// implemented, and anything else would change the output distribution.
+    /// Refuses speculation with sampling (only greedy verification is
+    /// implemented, and anything else would change the output
+    /// distribution) and options of another proposer.
     pub fn check(&self, sampling: &SamplingParams) -> Result<()> {
         if self.speculate.is_some() && sampling.temperature != 0.0 {
             bail!(
@@ -47,6 +59,80 @@ impl SpeculationArgs {
                  drop --temperature (or set it to 0), or drop --speculate to sample"
             );
         }
-        Ok(())
+        match self.speculate {
+            Some(ProposerKind::Draft) if self.draft_model.is_none() => {
+                bail!(
+                    "--speculate draft needs --draft-model PATH (a smaller model with the same tokenizer)"
+                )
+            }
+            Some(kind) if kind != ProposerKind::Draft && self.draft_model.is_some() => {
+                bail!("--draft-model is for --speculate draft")
+            }
+            Some(kind) if kind != ProposerKind::SelfSpeculation && self.draft_layers.is_some() => {
+                bail!("--draft-layers is for --speculate self")
+            }
+            _ => Ok(()),
+        }
     }
+
+    /// The draft model the proposer runs, if it runs one.
+    pub fn draft_model(&self, target: &Model) -> Result<Option<Model>> {
+        draft_model(
+            self.speculate,
+            target,
+            self.draft_model.as_deref(),
+            self.draft_layers,
+        )
+    }
+}
+
+/// The draft model of `kind` for `target`: loaded from `path` (`draft`) or
+/// `target`'s first `layers` (`self`); `None` for prompt lookup.
+pub fn draft_model(
+    kind: Option<ProposerKind>,
+    target: &Model,
+    path: Option<&Path>,
+    layers: Option<usize>,
+) -> Result<Option<Model>> {
+    match kind {
+        Some(ProposerKind::Draft) => {
+            let path = path.context("--speculate draft needs --draft-model PATH")?;
+            let draft = backends::load_model(Some(path))?;
+            if draft.config.vocab_size != target.config.vocab_size {
+                bail!(
+                    "the draft model {} has a vocabulary of {} tokens and {} of {}: a draft must \
+                     share the model's tokenizer",
+                    path.display(),
+                    draft.config.vocab_size,
+                    target.name,
+                    target.config.vocab_size
+                );
+            }
+            Ok(Some(draft))
+        }
+        Some(ProposerKind::SelfSpeculation) => {
+            let layers = layers.unwrap_or(target.config.num_layers.div_ceil(4));
+            Ok(Some(target.first_layers(layers)?))
+        }
+        Some(ProposerKind::PromptLookup) | None => Ok(None),
+    }
+}
+
+/// The proposer of `kind`; a draft model runs on `backend` like the model.
+pub fn proposer<'m>(
+    kind: ProposerKind,
+    draft: Option<&'m Model>,
+    backend: BackendKind,
+    iree: &IreeOptions,
+) -> Result<Box<dyn Proposer + 'm>> {
+    let name = match kind {
+        ProposerKind::PromptLookup => return Ok(Box::new(PromptLookup::default())),
+        ProposerKind::Draft => "draft",
+        ProposerKind::SelfSpeculation => "self",
+    };
+    let draft = draft.with_context(|| format!("--speculate {name} needs its draft model"))?;
+    Ok(Box::new(ModelDraft::new(
+        name,
+        backends::open(draft, backend, iree)?,
+    )))
 }

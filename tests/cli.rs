@@ -61,6 +61,25 @@ fn speculative_generate_prints_the_greedy_text_and_its_statistics() {
     assert!(err.contains("proposed tokens accepted"), "{err}");
 }
 
+/// Self-speculation and a draft model print the greedy text too.
+#[test]
+fn model_drafts_print_the_greedy_text() {
+    let prompt = "abc abd abe abc";
+    let plain = stdout(&kiln(&["generate", "--max-tokens", "30", prompt]));
+    for options in [
+        &["--speculate", "self", "--draft-layers", "1"][..],
+        &["--speculate", "draft", "--draft-model", "embedded"],
+    ] {
+        let mut args = vec!["generate", "--max-tokens", "30"];
+        args.extend_from_slice(options);
+        args.push(prompt);
+        let out = kiln(&args);
+        assert!(out.status.success(), "{args:?}: {}", stderr(&out));
+        assert_eq!(stdout(&out), plain, "{args:?}");
+        assert!(stderr(&out).contains("[speculation: "), "{}", stderr(&out));
+    }
+}
+
 #[test]
 fn speculation_refuses_sampling_and_bad_draft_counts() {
     let cases: &[(&[&str], &str)] = &[
@@ -77,6 +96,24 @@ fn speculation_refuses_sampling_and_bad_draft_counts() {
             "--draft-tokens",
         ),
         (&["--draft-tokens", "4"], "--speculate"),
+        (&["--speculate", "draft"], "needs --draft-model"),
+        (
+            &["--speculate", "prompt-lookup", "--draft-layers", "1"],
+            "--draft-layers is for --speculate self",
+        ),
+        (
+            &["--speculate", "self", "--draft-layers", "5"],
+            "takes 1 to 2 of them",
+        ),
+        (
+            &[
+                "--speculate",
+                "draft",
+                "--draft-model",
+                "tests/fixtures/llama-gqa-untied",
+            ],
+            "must share the model's tokenizer",
+        ),
         (&["--speculate", "oracle"], "prompt-lookup"),
     ];
     for (options, expected) in cases {

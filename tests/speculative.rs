@@ -284,3 +284,94 @@ fn the_benchmark_reports_identical_tokens_per_draft_length() {
         assert!(row["proposed"].as_u64().unwrap() > 0, "{row}");
     }
 }
+
+/// Greedy tokens with a model draft (`ModelDraft` over the CPU reference
+/// running `draft`) against plain greedy ones; returns the statistics.
+fn compare_with_draft(
+    model: &Model,
+    draft: &Model,
+    prompt: &[u32],
+    max_tokens: usize,
+    k: usize,
+) -> SpeculationStats {
+    let mut target = CpuBackend::new(model);
+    let stops = model.config.eos_token_ids.clone();
+    let plain = generate(
+        &mut target,
+        prompt,
+        max_tokens,
+        SamplingParams::default(),
+        &stops,
+        |_| Ok(()),
+    )
+    .unwrap();
+    let mut proposer = kiln_core::ModelDraft::new("self", Box::new(CpuBackend::new(draft)));
+    let (tokens, stats) = generate_speculative(
+        &mut target,
+        &mut proposer,
+        k,
+        prompt,
+        max_tokens,
+        &stops,
+        |_| Ok(()),
+    )
+    .unwrap();
+    assert_eq!(tokens, plain, "{} drafting, K {k}", draft.name);
+    stats
+}
+
+fn fixture(name: &str) -> Model {
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures")
+        .join(name);
+    Model::load(&dir).unwrap()
+}
+
+#[test]
+fn self_speculation_is_lossless_and_the_whole_model_as_draft_is_always_right() {
+    let mut total = SpeculationStats::default();
+    for (model, prompts) in [
+        (Model::embedded(), encode(&Model::embedded(), &TEXTS)),
+        (
+            fixture("llama-gqa-untied"),
+            vec![
+                (0..9).map(|i| (i * 13 + 5) % 64).collect(),
+                vec![3, 10, 17, 24, 3, 10],
+            ],
+        ),
+    ] {
+        // The whole model drafts exactly what it then chooses: every draft
+        // is accepted, which only holds if the draft's cache follows the
+        // sequence through every rewind.
+        let whole = model.first_layers(model.config.num_layers).unwrap();
+        let first = model.first_layers(1).unwrap();
+        for prompt in &prompts {
+            for k in [1, 4, 7] {
+                let s = compare_with_draft(&model, &whole, prompt, 40, k);
+                assert!(s.proposed > 0);
+                assert_eq!(s.accepted, s.proposed, "K {k}: {s:?}");
+                let s = compare_with_draft(&model, &first, prompt, 40, k);
+                total.proposed += s.proposed;
+                total.accepted += s.accepted;
+            }
+        }
+    }
+    println!("first layer drafting: {total:?}");
+    assert_accepted_and_rejected(&total);
+    let model = Model::embedded();
+    let error = model.first_layers(3).err().unwrap().to_string();
+    assert!(error.contains("takes 1 to 2 of them, not 3"), "{error}");
+}
+
+#[test]
+fn smollm2_self_speculation_is_lossless() {
+    let Some(path) = kiln_core::testing::pulled_model("smollm2-135m-instruct") else {
+        return;
+    };
+    let model = Model::load(&path).unwrap();
+    let draft = model.first_layers(8).unwrap();
+    let prompt = model.tokenizer.encode("The capital of France is").unwrap();
+    let s = compare_with_draft(&model, &draft, &prompt, 16, 4);
+    println!("smollm2, first 8 layers drafting: {s:?}");
+    assert_accepted_and_rejected(&s);
+}

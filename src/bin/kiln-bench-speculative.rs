@@ -19,7 +19,7 @@ use std::time::Instant;
 use anyhow::{Context, Result, bail};
 use clap::Parser;
 use kiln::backends::{self, BackendKind, IreeOptions};
-use kiln::speculation::{MAX_DRAFT_TOKENS, ProposerKind};
+use kiln::speculation::{self, MAX_DRAFT_TOKENS, ProposerKind};
 use kiln_core::{Backend, Chat, Model, SamplingParams, generate, generate_speculative};
 use serde::Serialize;
 
@@ -37,6 +37,12 @@ struct Args {
     /// Proposers to measure (repeat the flag).
     #[arg(long, value_enum, default_values_t = [ProposerKind::PromptLookup])]
     proposer: Vec<ProposerKind>,
+    /// The draft model of `--proposer draft`.
+    #[arg(long)]
+    draft_model: Option<PathBuf>,
+    /// The layers of `--proposer self`'s draft (default: a quarter).
+    #[arg(long)]
+    draft_layers: Option<usize>,
     /// Draft lengths K to measure (repeat the flag).
     #[arg(long, default_values_t = [2, 4, 8])]
     draft_tokens: Vec<usize>,
@@ -186,6 +192,16 @@ fn run() -> Result<()> {
             bail!("--prompt: none of {:?} is one of {names:?}", args.prompt);
         }
     }
+    let mut drafts = Vec::new();
+    for &kind in &args.proposer {
+        let draft = speculation::draft_model(
+            Some(kind),
+            &model,
+            args.draft_model.as_deref(),
+            args.draft_layers,
+        )?;
+        drafts.push((kind, draft));
+    }
     let mut backend = open(&model, &args)?;
     println!(
         "{:<10} {:>6} {:<14} {:>2} {:>5} {:>6} {:>8} {:>8} {:>10} {:>10} {:>7}  identical",
@@ -229,13 +245,15 @@ fn run() -> Result<()> {
                 },
             )?)
         })?;
-        for &proposer in &args.proposer {
+        for (kind, draft) in &drafts {
             for &k in &args.draft_tokens {
+                let mut proposer =
+                    speculation::proposer(*kind, draft.as_ref(), args.backend, &args.iree)?;
                 let mut stats = None;
                 let speculative = timed(|tick| {
                     let (tokens, s) = generate_speculative(
                         backend.as_mut(),
-                        proposer.proposer().as_mut(),
+                        proposer.as_mut(),
                         k,
                         &prompt,
                         max_tokens,
@@ -254,7 +272,7 @@ fn run() -> Result<()> {
                     backend: backend.name().to_string(),
                     prompt: name.to_string(),
                     prompt_tokens: prompt.len(),
-                    proposer: proposer.proposer().name().to_string(),
+                    proposer: proposer.name().to_string(),
                     draft_tokens: k,
                     generated_tokens: speculative.tokens.len(),
                     steps: s.steps,

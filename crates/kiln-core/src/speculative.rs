@@ -17,7 +17,7 @@ pub trait Proposer {
 
     /// Up to `max` tokens expected to follow `tokens` (the prompt and every
     /// token generated so far); fewer or none when there is no good guess.
-    fn propose(&mut self, tokens: &[u32], max: usize) -> Vec<u32>;
+    fn propose(&mut self, tokens: &[u32], max: usize) -> Result<Vec<u32>>;
 }
 
 /// Prompt lookup: finds the most recent earlier occurrence of the sequence's
@@ -42,7 +42,13 @@ impl Proposer for PromptLookup {
         "prompt-lookup"
     }
 
-    fn propose(&mut self, tokens: &[u32], max: usize) -> Vec<u32> {
+    fn propose(&mut self, tokens: &[u32], max: usize) -> Result<Vec<u32>> {
+        Ok(self.lookup(tokens, max))
+    }
+}
+
+impl PromptLookup {
+    fn lookup(&self, tokens: &[u32], max: usize) -> Vec<u32> {
         if max == 0 {
             return Vec::new();
         }
@@ -72,6 +78,68 @@ impl Proposer for PromptLookup {
             }
         }
         Vec::new()
+    }
+}
+
+/// A draft model's own greedy continuation: a smaller model sharing the
+/// target's tokenizer (`draft`), or the target's first layers with its final
+/// norm and output head (`self`, see [`crate::Model::first_layers`]). Its
+/// cache follows the sequence: what the target rejected is rewound, what is
+/// new is appended, so each proposal costs about K draft steps.
+pub struct ModelDraft<'m> {
+    name: &'static str,
+    backend: Box<dyn Backend + 'm>,
+    /// The tokens whose keys and values the draft's cache holds.
+    cached: Vec<u32>,
+}
+
+impl<'m> ModelDraft<'m> {
+    pub fn new(name: &'static str, backend: Box<dyn Backend + 'm>) -> ModelDraft<'m> {
+        ModelDraft {
+            name,
+            backend,
+            cached: Vec::new(),
+        }
+    }
+}
+
+impl Proposer for ModelDraft<'_> {
+    fn name(&self) -> &str {
+        self.name
+    }
+
+    fn propose(&mut self, tokens: &[u32], max: usize) -> Result<Vec<u32>> {
+        // A draft that runs out of context has no guess; the target goes on.
+        if max == 0 || tokens.is_empty() || tokens.len() + max > self.backend.max_context() {
+            return Ok(Vec::new());
+        }
+        // Keep what the cache shares with `tokens`, but run at least the
+        // last token again: its logits give the first draft.
+        let shared = self
+            .cached
+            .iter()
+            .zip(tokens)
+            .take_while(|(a, b)| a == b)
+            .count()
+            .min(tokens.len() - 1);
+        let mut next = if shared == 0 {
+            argmax(&self.backend.prefill(tokens)?)
+        } else {
+            self.backend.rewind(shared)?;
+            *self
+                .backend
+                .append_greedy(&tokens[shared..])?
+                .last()
+                .ok_or_else(|| Error::Backend("the draft backend chose no token".into()))?
+        };
+        self.cached = tokens.to_vec();
+        let mut drafts = vec![next];
+        while drafts.len() < max {
+            next = self.backend.decode_greedy(next)?;
+            self.cached.push(drafts[drafts.len() - 1]);
+            drafts.push(next);
+        }
+        Ok(drafts)
     }
 }
 
@@ -151,7 +219,7 @@ pub fn generate_speculative(
         // Tokens past max_tokens would never be emitted: propose no more
         // than fit, which also keeps the cache inside the checked context.
         let room = max_tokens - stats.generated;
-        let mut drafts = proposer.propose(&tokens, draft_tokens.min(room));
+        let mut drafts = proposer.propose(&tokens, draft_tokens.min(room))?;
         drafts.truncate(draft_tokens.min(room));
         stats.steps += 1;
         if drafts.is_empty() {
@@ -196,22 +264,22 @@ mod tests {
 
     #[test]
     fn prompt_lookup_proposes_what_followed_the_longest_latest_match() {
-        let mut lookup = PromptLookup::default();
+        let lookup = PromptLookup::default();
         // "1 2 3" occurs at 0 (then 4 5) and the latest match of "2 3" is at
         // 6 (then 9); the 3-gram wins over the later 2-gram.
         let tokens = [1, 2, 3, 4, 5, 8, 2, 3, 9, 1, 2, 3];
-        assert_eq!(lookup.propose(&tokens, 2), vec![4, 5]);
+        assert_eq!(lookup.lookup(&tokens, 2), vec![4, 5]);
         // Only a 1-gram matches: its latest occurrence.
-        assert_eq!(lookup.propose(&[7, 1, 7, 2, 6, 7], 3), vec![2, 6, 7]);
+        assert_eq!(lookup.lookup(&[7, 1, 7, 2, 6, 7], 3), vec![2, 6, 7]);
         // A repeating pattern runs into the suffix.
-        assert_eq!(lookup.propose(&[5, 6, 5, 6], 4), vec![5, 6]);
+        assert_eq!(lookup.lookup(&[5, 6, 5, 6], 4), vec![5, 6]);
         // In a run, the latest match leaves 1 token; earlier ones more.
-        assert_eq!(lookup.propose(&[7, 7, 7, 7, 7], 3), vec![7, 7]);
-        assert_eq!(lookup.propose(&[7, 7, 7, 7, 7, 7, 7, 7], 3), vec![7, 7, 7]);
+        assert_eq!(lookup.lookup(&[7, 7, 7, 7, 7], 3), vec![7, 7]);
+        assert_eq!(lookup.lookup(&[7, 7, 7, 7, 7, 7, 7, 7], 3), vec![7, 7, 7]);
         // The latest full-length continuation wins over earlier ones.
-        assert_eq!(lookup.propose(&[4, 1, 2, 4, 3, 3, 4], 2), vec![3, 3]);
-        assert_eq!(lookup.propose(&[1, 2, 3], 4), Vec::<u32>::new());
-        assert_eq!(lookup.propose(&[1, 2, 1], 0), Vec::<u32>::new());
-        assert_eq!(lookup.propose(&[], 4), Vec::<u32>::new());
+        assert_eq!(lookup.lookup(&[4, 1, 2, 4, 3, 3, 4], 2), vec![3, 3]);
+        assert_eq!(lookup.lookup(&[1, 2, 3], 4), Vec::<u32>::new());
+        assert_eq!(lookup.lookup(&[1, 2, 1], 0), Vec::<u32>::new());
+        assert_eq!(lookup.lookup(&[], 4), Vec::<u32>::new());
     }
 }
