@@ -135,7 +135,7 @@ fn run(cli: Cli) -> Result<()> {
                 top_p,
                 seed,
             };
-            speculation.check(&sampling)?;
+            speculation.check()?;
             generate(&model, &prompt, max_tokens, sampling, &speculation)
         }
         Command::Chat(args) => chat(&args),
@@ -192,6 +192,7 @@ fn generate(
                 usize::from(speculation.draft_tokens),
                 &prompt_ids,
                 max_tokens,
+                sampling,
                 stops,
                 on_token,
             )?;

@@ -4,7 +4,7 @@
 use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result, bail};
-use kiln_core::{Model, ModelDraft, PromptLookup, Proposer, SamplingParams};
+use kiln_core::{Model, ModelDraft, PromptLookup, Proposer};
 
 use crate::backends::{self, BackendKind, IreeOptions};
 
@@ -30,8 +30,8 @@ pub const MAX_DRAFT_TOKENS: usize = 15;
 #[derive(Clone, Debug, clap::Args)]
 pub struct SpeculationArgs {
     /// Speculative decoding: propose tokens this way and check them all in
-    /// one pass of the model. Greedy only; the tokens are exactly those
-    /// generated without it.
+    /// one pass of the model. Greedy: exactly the tokens generated without
+    /// it; sampling: the same distribution (rejection sampling).
     #[arg(long, value_enum)]
     pub speculate: Option<ProposerKind>,
     /// With --speculate: the most tokens proposed per step.
@@ -49,16 +49,8 @@ pub struct SpeculationArgs {
 }
 
 impl SpeculationArgs {
-    /// Refuses speculation with sampling (only greedy verification is
-    /// implemented, and anything else would change the output
-    /// distribution) and options of another proposer.
-    pub fn check(&self, sampling: &SamplingParams) -> Result<()> {
-        if self.speculate.is_some() && sampling.temperature != 0.0 {
-            bail!(
-                "--speculate checks proposed tokens against greedy choices only; \
-                 drop --temperature (or set it to 0), or drop --speculate to sample"
-            );
-        }
+    /// Refuses options of another proposer.
+    pub fn check(&self) -> Result<()> {
         match self.speculate {
             Some(ProposerKind::Draft) if self.draft_model.is_none() => {
                 bail!(

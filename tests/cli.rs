@@ -80,13 +80,33 @@ fn model_drafts_print_the_greedy_text() {
     }
 }
 
+/// Speculative sampling is seeded like plain sampling.
 #[test]
-fn speculation_refuses_sampling_and_bad_draft_counts() {
+fn speculative_sampling_is_seeded() {
+    let run = |seed: &str| {
+        let out = kiln(&[
+            "generate",
+            "--max-tokens",
+            "24",
+            "--temperature",
+            "0.8",
+            "--seed",
+            seed,
+            "--speculate",
+            "prompt-lookup",
+            "abc abd abe abc",
+        ]);
+        assert!(out.status.success(), "{}", stderr(&out));
+        assert!(stderr(&out).contains("[speculation: "), "{}", stderr(&out));
+        stdout(&out)
+    };
+    assert_eq!(run("3"), run("3"));
+    assert_ne!(run("3"), run("4"));
+}
+
+#[test]
+fn speculation_refuses_bad_draft_options() {
     let cases: &[(&[&str], &str)] = &[
-        (
-            &["--speculate", "prompt-lookup", "--temperature", "0.7"],
-            "drop --temperature",
-        ),
         (
             &["--speculate", "prompt-lookup", "--draft-tokens", "0"],
             "--draft-tokens",

@@ -38,6 +38,7 @@ fn compare(
         draft_tokens,
         prompt,
         max_tokens,
+        SamplingParams::default(),
         stop_tokens,
         |t| {
             streamed.push(t);
@@ -222,6 +223,7 @@ fn a_backend_without_a_multi_token_step_is_an_error_naming_it() {
         4,
         &prompt,
         16,
+        SamplingParams::default(),
         &[],
         |_| Ok(()),
     )
@@ -312,6 +314,7 @@ fn compare_with_draft(
         k,
         prompt,
         max_tokens,
+        SamplingParams::default(),
         &stops,
         |_| Ok(()),
     )
@@ -374,4 +377,116 @@ fn smollm2_self_speculation_is_lossless() {
     let s = compare_with_draft(&model, &draft, &prompt, 16, 4);
     println!("smollm2, first 8 layers drafting: {s:?}");
     assert_accepted_and_rejected(&s);
+}
+
+/// A random Llama over 6 tokens: every joint distribution of a few tokens
+/// can be enumerated exactly.
+fn tiny_model() -> Model {
+    let config = kiln_core::ModelConfig {
+        hidden_size: 16,
+        intermediate_size: 32,
+        num_layers: 1,
+        num_heads: 2,
+        num_kv_heads: 1,
+        head_dim: 8,
+        vocab_size: 6,
+        rms_norm_eps: 1e-5,
+        rope_theta: 10_000.0,
+        rope_scaling: None,
+        tie_word_embeddings: false,
+        max_position_embeddings: 64,
+        bos_token_id: None,
+        eos_token_ids: Vec::new(),
+    };
+    let mut model = Model::random("tiny", config, 7);
+    // Sharper logits than ±1/sqrt(16) weights give, so that drafts are
+    // neither almost always nor almost never accepted.
+    if let Some(head) = model.weights.lm_head.as_mut() {
+        head.data.iter_mut().for_each(|w| *w *= 6.0);
+    }
+    model
+}
+
+/// With sampling, speculative decoding keeps the target's distribution: the
+/// joint distribution of 3 tokens sampled with prompt lookup (drafts both
+/// accepted and refused) passes a chi-square test against the exact one,
+/// enumerated from the model. Accepting every draft, or refusing without
+/// redrawing from the rest, fails it.
+#[test]
+fn speculative_sampling_keeps_the_distribution() {
+    let model = tiny_model();
+    let sampling = |seed| SamplingParams {
+        temperature: 1.0,
+        top_k: 0,
+        top_p: 1.0,
+        seed,
+    };
+    let prompt = [1u32, 2, 1, 2, 1];
+    let vocab = 6usize;
+    let sampler = kiln_core::Sampler::new(sampling(0)).unwrap();
+    let mut cpu = CpuBackend::new(&model);
+    // Exact P(t1, t2, t3).
+    let mut exact = vec![0.0f64; vocab.pow(3)];
+    let first = sampler
+        .distribution(&cpu.prefill(&prompt).unwrap())
+        .unwrap();
+    for &(t1, p1) in &first {
+        let mut seq = prompt.to_vec();
+        seq.push(t1);
+        let second = sampler.distribution(&cpu.prefill(&seq).unwrap()).unwrap();
+        for &(t2, p2) in &second {
+            let mut seq = seq.clone();
+            seq.push(t2);
+            let third = sampler.distribution(&cpu.prefill(&seq).unwrap()).unwrap();
+            for &(t3, p3) in &third {
+                exact[(t1 as usize * vocab + t2 as usize) * vocab + t3 as usize] = p1 * p2 * p3;
+            }
+        }
+    }
+    let runs = 6000u64;
+    let mut counts = vec![0u64; exact.len()];
+    let mut total = SpeculationStats::default();
+    for seed in 0..runs {
+        let (tokens, stats) = generate_speculative(
+            &mut cpu,
+            &mut PromptLookup::default(),
+            2,
+            &prompt,
+            3,
+            sampling(seed),
+            &[],
+            |_| Ok(()),
+        )
+        .unwrap();
+        counts[(tokens[0] as usize * vocab + tokens[1] as usize) * vocab + tokens[2] as usize] += 1;
+        total.proposed += stats.proposed;
+        total.accepted += stats.accepted;
+    }
+    println!("{total:?}");
+    assert_accepted_and_rejected(&total);
+    // Pool the cells expected fewer than 5 times into one.
+    let (mut chi2, mut cells) = (0.0, 0usize);
+    let (mut rare_expected, mut rare_seen) = (0.0, 0.0);
+    for (p, &n) in exact.iter().zip(&counts) {
+        let expected = p * runs as f64;
+        if expected < 5.0 {
+            rare_expected += expected;
+            rare_seen += n as f64;
+        } else {
+            chi2 += (n as f64 - expected).powi(2) / expected;
+            cells += 1;
+        }
+    }
+    if rare_expected > 0.0 {
+        chi2 += (rare_seen - rare_expected).powi(2) / rare_expected;
+        cells += 1;
+    }
+    // The 0.001 critical value of chi-square (Wilson-Hilferty).
+    let df = (cells - 1) as f64;
+    let critical = df * (1.0 - 2.0 / (9.0 * df) + 3.09 * (2.0 / (9.0 * df)).sqrt()).powi(3);
+    println!("chi2 {chi2:.1} on {df} degrees of freedom, critical {critical:.1}");
+    assert!(
+        chi2 < critical,
+        "speculative samples do not follow the model's distribution: chi2 {chi2:.1} >= {critical:.1}"
+    );
 }

@@ -102,6 +102,7 @@ fn iree_cpu_speculates_losslessly() {
                 k,
                 &prompt,
                 max_tokens,
+                SamplingParams::default(),
                 &stops,
                 |_| Ok(()),
             )

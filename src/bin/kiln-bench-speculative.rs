@@ -257,6 +257,7 @@ fn run() -> Result<()> {
                         k,
                         &prompt,
                         max_tokens,
+                        SamplingParams::default(),
                         &stops,
                         |_| {
                             tick();

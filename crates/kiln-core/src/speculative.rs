@@ -7,7 +7,7 @@
 
 use crate::backend::Backend;
 use crate::error::{Error, Result};
-use crate::sampling::argmax;
+use crate::sampling::{Sampler, SamplingParams, argmax};
 
 /// Guesses how a token sequence goes on. More kinds (a draft model,
 /// self-speculation) implement the same trait.
@@ -171,17 +171,23 @@ impl SpeculationStats {
     }
 }
 
-/// Generates greedily like [`crate::generate`] with greedy sampling (the
-/// same tokens, the same stopping at `stop_tokens` and `max_tokens`), asking
-/// `proposer` for up to `draft_tokens` tokens before each pass of the target.
-/// The backend must support [`Backend::append_greedy`] (by way of
-/// [`Backend::append`]) and [`Backend::rewind`].
+/// Generates like [`crate::generate`] (the same stopping at `stop_tokens`
+/// and `max_tokens`), asking `proposer` for up to `draft_tokens` tokens
+/// before each pass of the target. Greedy: exactly `generate`'s tokens.
+/// Sampling: each draft d is kept with the target's probability p(d) of it,
+/// and the first one refused is replaced by a draw from p without d (the
+/// drafts are deterministic, so this is the standard rejection rule with a
+/// one-point draft distribution): every token has the target's distribution.
+/// The backend must support [`Backend::append`] and [`Backend::rewind`].
+// `generate`'s arguments plus the proposer and K.
+#[allow(clippy::too_many_arguments)]
 pub fn generate_speculative(
     backend: &mut dyn Backend,
     proposer: &mut dyn Proposer,
     draft_tokens: usize,
     prompt: &[u32],
     max_tokens: usize,
+    sampling: SamplingParams,
     stop_tokens: &[u32],
     mut on_token: impl FnMut(u32) -> Result<()>,
 ) -> Result<(Vec<u32>, SpeculationStats)> {
@@ -192,20 +198,15 @@ pub fn generate_speculative(
             limit: backend.max_context(),
         });
     }
+    let mut sampler = Sampler::new(sampling)?;
     let mut stats = SpeculationStats::default();
     let mut tokens = prompt.to_vec();
     if max_tokens == 0 {
         return Ok((Vec::new(), stats));
     }
-    // `pending` is chosen but not yet in the cache; `choices` are the target's
-    // greedy tokens still to emit, in order.
-    let logits = backend.prefill(prompt)?;
-    if logits.is_empty() {
-        return Err(Error::Backend(
-            "the backend returned no logits to choose from".into(),
-        ));
-    }
-    let mut choices = vec![argmax(&logits)];
+    // `choices` are the target's tokens still to emit, in order; the last
+    // of them is not yet in the cache.
+    let mut choices = vec![sampler.sample(&backend.prefill(prompt)?)?];
     loop {
         for &token in &choices {
             tokens.push(token);
@@ -223,32 +224,24 @@ pub fn generate_speculative(
         drafts.truncate(draft_tokens.min(room));
         stats.steps += 1;
         if drafts.is_empty() {
-            choices = vec![backend.decode_greedy(pending)?];
+            choices = vec![if sampler.is_greedy() {
+                backend.decode_greedy(pending)?
+            } else {
+                sampler.sample(&backend.decode(pending)?)?
+            }];
             continue;
         }
         // The cache holds every token but `pending`; check pending and the
-        // drafts in one step.
+        // drafts in one step. Row i's choice follows drafts[..i].
         let start = tokens.len() - 1;
         let mut step = Vec::with_capacity(drafts.len() + 1);
         step.push(pending);
         step.extend_from_slice(&drafts);
-        let greedy = backend.append_greedy(&step)?;
-        if greedy.len() != step.len() {
-            return Err(Error::Backend(format!(
-                "the backend chose {} tokens for {} appended tokens",
-                greedy.len(),
-                step.len()
-            )));
-        }
-        // Row i's choice follows drafts[..i]: keep choices while each equals
-        // the draft it would have confirmed.
-        choices.clear();
-        for (i, &choice) in greedy.iter().enumerate() {
-            choices.push(choice);
-            if drafts.get(i) != Some(&choice) {
-                break;
-            }
-        }
+        choices = if sampler.is_greedy() {
+            accept_greedy(&backend.append_greedy(&step)?, &drafts)?
+        } else {
+            accept_sampled(&mut sampler, &backend.append(&step)?, &drafts)?
+        };
         let accepted = choices.len() - 1;
         stats.proposed += drafts.len();
         stats.accepted += accepted;
@@ -256,6 +249,59 @@ pub fn generate_speculative(
         // pending token.
         backend.rewind(start + 1 + accepted)?;
     }
+}
+
+/// The greedy choices of one step's rows while each confirms its draft,
+/// then the first that does not (or the one after the last draft).
+fn accept_greedy(greedy: &[u32], drafts: &[u32]) -> Result<Vec<u32>> {
+    if greedy.len() != drafts.len() + 1 {
+        return Err(Error::Backend(format!(
+            "the backend chose {} tokens for {} appended tokens",
+            greedy.len(),
+            drafts.len() + 1
+        )));
+    }
+    let mut choices = Vec::with_capacity(greedy.len());
+    for (i, &choice) in greedy.iter().enumerate() {
+        choices.push(choice);
+        if drafts.get(i) != Some(&choice) {
+            break;
+        }
+    }
+    Ok(choices)
+}
+
+/// The rejection rule on one step's rows of logits: each draft kept with
+/// its probability, the first refused one replaced by a draw from the rest
+/// of the distribution; after the last kept draft, a draw from its row.
+fn accept_sampled(sampler: &mut Sampler, logits: &[f32], drafts: &[u32]) -> Result<Vec<u32>> {
+    let rows = drafts.len() + 1;
+    if logits.is_empty() || !logits.len().is_multiple_of(rows) {
+        return Err(Error::Backend(format!(
+            "the backend returned {} logits for {rows} appended tokens",
+            logits.len()
+        )));
+    }
+    let mut choices = Vec::with_capacity(rows);
+    for (i, row) in logits.chunks_exact(logits.len() / rows).enumerate() {
+        let mut distribution = sampler.distribution(row)?;
+        let Some(&draft) = drafts.get(i) else {
+            choices.push(sampler.draw(&distribution));
+            break;
+        };
+        let p = distribution
+            .iter()
+            .find(|(t, _)| *t == draft)
+            .map_or(0.0, |(_, p)| *p);
+        if sampler.accept(p) {
+            choices.push(draft);
+            continue;
+        }
+        distribution.retain(|(t, _)| *t != draft);
+        choices.push(sampler.draw(&distribution));
+        break;
+    }
+    Ok(choices)
 }
 
 #[cfg(test)]
