@@ -5,6 +5,7 @@ pub mod backends;
 pub mod chat;
 pub mod pull;
 pub mod server;
+pub mod speculation;
 mod text_out;
 
 pub use text_out::print_text;

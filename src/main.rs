@@ -11,6 +11,7 @@ use kiln_core::{Model, SamplingParams, TextStream};
 
 use kiln::backends::{self, ModelArgs};
 use kiln::print_text;
+use kiln::speculation::SpeculationArgs;
 
 #[derive(Parser)]
 #[command(
@@ -45,6 +46,8 @@ enum Command {
         top_p: f32,
         #[arg(long, default_value_t = 0)]
         seed: u64,
+        #[command(flatten)]
+        speculation: SpeculationArgs,
     },
     /// Chat with a model through its chat template: answer QUESTION, or hold
     /// a conversation on the terminal (Ctrl-D ends), or answer each line of
@@ -69,6 +72,10 @@ enum Command {
         /// (for a GPU machine that has no compiler).
         #[arg(long, default_value_t = 1)]
         batch_slots: usize,
+        /// Also the multi-token modules of `--speculate … --draft-tokens K`
+        /// up to this K.
+        #[arg(long, value_parser = clap::value_parser!(u16).range(1..=kiln::speculation::MAX_DRAFT_TOKENS as i64))]
+        draft_tokens: Option<u16>,
     },
     /// Download a pinned model into the cache (sha256-verified).
     Pull {
@@ -120,6 +127,7 @@ fn run(cli: Cli) -> Result<()> {
             top_k,
             top_p,
             seed,
+            speculation,
         } => {
             let sampling = SamplingParams {
                 temperature,
@@ -127,11 +135,16 @@ fn run(cli: Cli) -> Result<()> {
                 top_p,
                 seed,
             };
-            generate(&model, &prompt, max_tokens, sampling)
+            speculation.check()?;
+            generate(&model, &prompt, max_tokens, sampling, &speculation)
         }
         Command::Chat(args) => chat(&args),
         Command::Prefill { model, prompt, top } => prefill(&model, &prompt, top),
-        Command::Prepare { model, batch_slots } => prepare(&model, batch_slots),
+        Command::Prepare {
+            model,
+            batch_slots,
+            draft_tokens,
+        } => prepare(&model, batch_slots, draft_tokens.map(usize::from)),
         Command::Pull { name } => kiln::pull::pull(&name),
         Command::List => kiln::pull::list(),
         Command::Inspect { model } => inspect(model.as_ref()),
@@ -143,25 +156,49 @@ fn generate(
     prompt: &str,
     max_tokens: usize,
     sampling: SamplingParams,
+    speculation: &SpeculationArgs,
 ) -> Result<()> {
     let model = load(args.model.as_ref())?;
     let prompt_ids = model.tokenizer.encode(prompt)?;
+    let draft = speculation.draft_model(&model)?;
     let mut backend = backends::open(&model, args.backend, &args.iree)?;
     let started = Instant::now();
     let mut first_token_at = None;
     let mut text = TextStream::new(&model.tokenizer);
     let mut stdout = std::io::stdout().lock();
-    let tokens = kiln_core::generate(
-        backend.as_mut(),
-        &prompt_ids,
-        max_tokens,
-        sampling,
-        &model.config.eos_token_ids,
-        |token| {
-            first_token_at.get_or_insert_with(Instant::now);
-            print_text(&mut stdout, text.push(token)?.as_deref())
-        },
-    )?;
+    let on_token = |token| {
+        first_token_at.get_or_insert_with(Instant::now);
+        print_text(&mut stdout, text.push(token)?.as_deref())
+    };
+    let stops = &model.config.eos_token_ids;
+    let (tokens, stats) = match speculation.speculate {
+        None => (
+            kiln_core::generate(
+                backend.as_mut(),
+                &prompt_ids,
+                max_tokens,
+                sampling,
+                stops,
+                on_token,
+            )?,
+            None,
+        ),
+        Some(kind) => {
+            let mut proposer =
+                kiln::speculation::proposer(kind, draft.as_ref(), args.backend, &args.iree)?;
+            let (tokens, stats) = kiln_core::generate_speculative(
+                backend.as_mut(),
+                proposer.as_mut(),
+                usize::from(speculation.draft_tokens),
+                &prompt_ids,
+                max_tokens,
+                sampling,
+                stops,
+                on_token,
+            )?;
+            (tokens, Some(stats))
+        }
+    };
     print_text(&mut stdout, text.finish()?.as_deref())?;
     writeln!(stdout)?;
     let total = started.elapsed().as_secs_f64();
@@ -175,6 +212,17 @@ fn generate(
         prefill,
         (tokens.len().saturating_sub(1)) as f64 / (total - prefill).max(1e-9)
     );
+    if let Some(s) = stats {
+        eprintln!(
+            "[speculation: {} steps after prefill, {} of {} proposed tokens accepted ({:.1}%), \
+             {:.2} tokens per step]",
+            s.steps,
+            s.accepted,
+            s.proposed,
+            100.0 * s.acceptance_rate(),
+            s.tokens_per_step()
+        );
+    }
     Ok(())
 }
 
@@ -224,7 +272,7 @@ fn prefill(args: &ModelArgs, prompt: &str, top: usize) -> Result<()> {
 /// module cache. Needs the compiler, not the device: modules for a GPU can be
 /// prepared here and the cache carried to the GPU machine.
 #[cfg(feature = "xla-iree")]
-fn prepare(args: &ModelArgs, batch_slots: usize) -> Result<()> {
+fn prepare(args: &ModelArgs, batch_slots: usize, draft_tokens: Option<usize>) -> Result<()> {
     use anyhow::Context;
     use indicatif::{ProgressBar, ProgressStyle};
     if args.backend == backends::BackendKind::Cpu {
@@ -247,6 +295,9 @@ fn prepare(args: &ModelArgs, batch_slots: usize) -> Result<()> {
     let started = Instant::now();
     let mut kinds = kiln_xla::prepared::module_kinds(&buckets);
     kinds.extend(kiln_xla::prepared::batch_module_kinds(batch_slots));
+    if let Some(k) = draft_tokens {
+        kinds.extend(kiln_xla::prepared::append_module_kinds(k));
+    }
     let bar = ProgressBar::new(kinds.len() as u64).with_style(
         ProgressStyle::with_template(
             "{spinner} preparing modules {bar:30} {pos}/{len} [{elapsed}]",
@@ -284,7 +335,7 @@ fn prepare(args: &ModelArgs, batch_slots: usize) -> Result<()> {
 }
 
 #[cfg(not(feature = "xla-iree"))]
-fn prepare(args: &ModelArgs, _batch_slots: usize) -> Result<()> {
+fn prepare(args: &ModelArgs, _batch_slots: usize, _draft_tokens: Option<usize>) -> Result<()> {
     // Opening the backend reports what is not compiled in.
     let model = load(args.model.as_ref())?;
     backends::open(&model, args.backend, &args.iree)?;

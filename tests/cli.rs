@@ -37,6 +37,117 @@ fn generate_streams_text_from_the_embedded_model() {
     );
 }
 
+/// `--speculate` prints what plain greedy decoding prints and its
+/// acceptance statistics on stderr.
+#[test]
+fn speculative_generate_prints_the_greedy_text_and_its_statistics() {
+    let prompt = "the cat sat on the mat. the cat sat on the mat. the cat";
+    let plain = kiln(&["generate", "--max-tokens", "40", prompt]);
+    assert!(plain.status.success(), "{}", stderr(&plain));
+    let out = kiln(&[
+        "generate",
+        "--max-tokens",
+        "40",
+        "--speculate",
+        "prompt-lookup",
+        "--draft-tokens",
+        "6",
+        prompt,
+    ]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert_eq!(stdout(&out), stdout(&plain));
+    let err = stderr(&out);
+    assert!(err.contains("[speculation: "), "{err}");
+    assert!(err.contains("proposed tokens accepted"), "{err}");
+}
+
+/// Self-speculation and a draft model print the greedy text too.
+#[test]
+fn model_drafts_print_the_greedy_text() {
+    let prompt = "abc abd abe abc";
+    let plain = stdout(&kiln(&["generate", "--max-tokens", "30", prompt]));
+    for options in [
+        &["--speculate", "self", "--draft-layers", "1"][..],
+        &["--speculate", "draft", "--draft-model", "embedded"],
+    ] {
+        let mut args = vec!["generate", "--max-tokens", "30"];
+        args.extend_from_slice(options);
+        args.push(prompt);
+        let out = kiln(&args);
+        assert!(out.status.success(), "{args:?}: {}", stderr(&out));
+        assert_eq!(stdout(&out), plain, "{args:?}");
+        assert!(stderr(&out).contains("[speculation: "), "{}", stderr(&out));
+    }
+}
+
+/// Speculative sampling is seeded like plain sampling.
+#[test]
+fn speculative_sampling_is_seeded() {
+    let run = |seed: &str| {
+        let out = kiln(&[
+            "generate",
+            "--max-tokens",
+            "24",
+            "--temperature",
+            "0.8",
+            "--seed",
+            seed,
+            "--speculate",
+            "prompt-lookup",
+            "abc abd abe abc",
+        ]);
+        assert!(out.status.success(), "{}", stderr(&out));
+        assert!(stderr(&out).contains("[speculation: "), "{}", stderr(&out));
+        stdout(&out)
+    };
+    assert_eq!(run("3"), run("3"));
+    assert_ne!(run("3"), run("4"));
+}
+
+#[test]
+fn speculation_refuses_bad_draft_options() {
+    let cases: &[(&[&str], &str)] = &[
+        (
+            &["--speculate", "prompt-lookup", "--draft-tokens", "0"],
+            "--draft-tokens",
+        ),
+        (
+            &["--speculate", "prompt-lookup", "--draft-tokens", "16"],
+            "--draft-tokens",
+        ),
+        (&["--draft-tokens", "4"], "--speculate"),
+        (&["--speculate", "draft"], "needs --draft-model"),
+        (
+            &["--speculate", "prompt-lookup", "--draft-layers", "1"],
+            "--draft-layers is for --speculate self",
+        ),
+        (
+            &["--speculate", "self", "--draft-layers", "5"],
+            "takes 1 to 2 of them",
+        ),
+        (
+            &[
+                "--speculate",
+                "draft",
+                "--draft-model",
+                "tests/fixtures/llama-gqa-untied",
+            ],
+            "must share the model's tokenizer",
+        ),
+        (&["--speculate", "oracle"], "prompt-lookup"),
+    ];
+    for (options, expected) in cases {
+        let mut args = vec!["generate"];
+        args.extend_from_slice(options);
+        args.push("x");
+        let out = kiln(&args);
+        assert!(!out.status.success(), "{args:?} succeeded");
+        let err = stderr(&out);
+        assert!(err.contains(expected), "{args:?}: {err}");
+        assert!(stdout(&out).is_empty(), "{args:?} generated text");
+    }
+}
+
 #[test]
 fn sampling_is_seeded() {
     let run = |seed: &str| {

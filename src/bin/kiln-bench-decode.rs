@@ -278,6 +278,7 @@ fn export(
             ModuleKind::Decode => "decode".into(),
             ModuleKind::DecodeBatch { rows, slots } => format!("decode-batch{rows}of{slots}"),
             ModuleKind::AdmitSlot { slots } => format!("admit-slot{slots}"),
+            ModuleKind::Append(rows) => format!("append{rows}"),
         };
         let stem = format!(
             "{model}-{target:?}-{}-{}-{module}",

@@ -29,6 +29,56 @@ pub trait Backend {
     fn decode_greedy(&mut self, token: u32) -> Result<u32> {
         Ok(crate::sampling::argmax(&self.decode(token)?))
     }
+
+    /// Positions the current sequence holds (0 before the first prefill).
+    fn sequence_len(&self) -> usize;
+
+    /// Appends `tokens` in one step and returns the logits after each of
+    /// them (`tokens.len() * vocab_size`): how speculative decoding checks
+    /// several proposed tokens with one pass over the weights.
+    fn append(&mut self, tokens: &[u32]) -> Result<Vec<f32>> {
+        let _ = tokens;
+        Err(Error::Unsupported {
+            backend: self.name().to_string(),
+            what: "append several tokens in one step (speculative decoding)",
+        })
+    }
+
+    /// Appends `tokens` in one step and returns the greedy choice after each
+    /// of them (the first largest logit). A device backend overrides this to
+    /// choose where the logits are.
+    fn append_greedy(&mut self, tokens: &[u32]) -> Result<Vec<u32>> {
+        let logits = self.append(tokens)?;
+        if logits.is_empty() || !logits.len().is_multiple_of(tokens.len()) {
+            return Err(Error::Backend(format!(
+                "the backend returned {} logits for {} appended tokens",
+                logits.len(),
+                tokens.len()
+            )));
+        }
+        let vocab = logits.len() / tokens.len();
+        Ok(logits
+            .chunks_exact(vocab)
+            .map(crate::sampling::argmax)
+            .collect())
+    }
+
+    /// Forgets every position from `len` on, so that the next token goes to
+    /// position `len`: the rows of rejected speculated tokens.
+    fn rewind(&mut self, len: usize) -> Result<()> {
+        let _ = len;
+        Err(Error::Unsupported {
+            backend: self.name().to_string(),
+            what: "rewind its sequence (speculative decoding)",
+        })
+    }
+}
+
+/// The error of a [`Backend::rewind`] to beyond the sequence's end.
+pub fn rewind_past_end(len: usize, held: usize) -> Error {
+    Error::Invalid(format!(
+        "cannot rewind to position {len}: the sequence holds only {held}"
+    ))
 }
 
 /// The CPU reference, behind the same trait as every other backend.
@@ -45,7 +95,15 @@ impl<'m> CpuBackend<'m> {
         }
     }
 
+    /// The logits of the last of `embeddings`' rows, run after the cache.
     fn run(&mut self, embeddings: &[f32]) -> Result<Vec<f32>> {
+        let mut logits = self.run_rows(embeddings)?;
+        let vocab = self.model.config.vocab_size;
+        Ok(logits.split_off(logits.len() - vocab))
+    }
+
+    /// The logits of every one of `embeddings`' rows, run after the cache.
+    fn run_rows(&mut self, embeddings: &[f32]) -> Result<Vec<f32>> {
         let hidden = self.model.config.hidden_size;
         if embeddings.is_empty() || !embeddings.len().is_multiple_of(hidden) {
             return Err(Error::Invalid(format!(
@@ -66,16 +124,14 @@ impl<'m> CpuBackend<'m> {
             embeddings,
             &mut self.cache,
         )?;
-        let vocab = self.model.config.vocab_size;
-        let last = &logits[logits.len() - vocab..];
         // Finite weights can still overflow; greedy decoding would read NaN
         // logits as token 0. The IREE backends report the same.
-        if last.iter().any(|l| l.is_nan()) {
+        if logits.iter().any(|l| l.is_nan()) {
             return Err(Error::Backend(
                 "the logits are NaN (the weights or the activations overflowed)".into(),
             ));
         }
-        Ok(last.to_vec())
+        Ok(logits)
     }
 
     /// Logits of every prompt position (`n * vocab`), for tests.
@@ -135,5 +191,26 @@ impl Backend for CpuBackend<'_> {
         check_tokens(self.model, &[token])?;
         let row = forward::embed(&self.model.weights, &[token]);
         self.run(&row)
+    }
+
+    fn sequence_len(&self) -> usize {
+        self.cache.len()
+    }
+
+    fn append(&mut self, tokens: &[u32]) -> Result<Vec<f32>> {
+        if self.cache.is_empty() {
+            return Err(Error::Invalid("append before prefill".into()));
+        }
+        check_tokens(self.model, tokens)?;
+        let rows = forward::embed(&self.model.weights, tokens);
+        self.run_rows(&rows)
+    }
+
+    fn rewind(&mut self, len: usize) -> Result<()> {
+        if len > self.cache.len() {
+            return Err(rewind_past_end(len, self.cache.len()));
+        }
+        self.cache.truncate(len);
+        Ok(())
     }
 }

@@ -62,6 +62,11 @@ pub enum Error {
     #[error("{0}")]
     Invalid(String),
 
+    #[error(
+        "the {backend} backend cannot {what}; use --backend cpu (or a backend that can) for it"
+    )]
+    Unsupported { backend: String, what: &'static str },
+
     /// A failure inside a backend (IREE and others), with its own message.
     #[error("{0}")]
     Backend(String),

@@ -32,6 +32,20 @@ impl KvCache {
     pub fn is_empty(&self) -> bool {
         self.len == 0
     }
+
+    /// Keeps the first `len` positions and drops the rest (the rows of
+    /// speculated tokens the model rejected).
+    pub fn truncate(&mut self, len: usize) {
+        if len >= self.len {
+            return;
+        }
+        for (keys, values) in self.keys.iter_mut().zip(&mut self.values) {
+            let width = keys.len() / self.len;
+            keys.truncate(len * width);
+            values.truncate(len * width);
+        }
+        self.len = len;
+    }
 }
 
 /// `y = W x` for a `[out, in]` matrix.

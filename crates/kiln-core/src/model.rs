@@ -120,6 +120,36 @@ impl Model {
         }
     }
 
+    /// The model of this one's first `layers` layers with its embedding,
+    /// final norm and output head: self-speculation's draft, which guesses
+    /// what the whole model will choose at a fraction of its cost.
+    pub fn first_layers(&self, layers: usize) -> Result<Model> {
+        let total = self.config.num_layers;
+        if layers == 0 || layers > total {
+            return Err(Error::Invalid(format!(
+                "{} has {total} layers; the self-speculation draft takes 1 to {total} of them, \
+                 not {layers}",
+                self.name
+            )));
+        }
+        let mut config = self.config.clone();
+        config.num_layers = layers;
+        let weights = Weights {
+            embed: self.weights.embed.clone(),
+            layers: self.weights.layers[..layers].to_vec(),
+            final_norm: self.weights.final_norm.clone(),
+            lm_head: self.weights.lm_head.clone(),
+        };
+        Ok(Model {
+            name: format!("{} (first {layers} of {total} layers)", self.name),
+            config,
+            weights,
+            // Token ids only: the draft never encodes or decodes text.
+            tokenizer: Tokenizer::Bytes(ByteTokenizer),
+            chat: ChatFormat::default(),
+        })
+    }
+
     /// The number of weights.
     pub fn parameter_count(&self) -> usize {
         let w = &self.weights;

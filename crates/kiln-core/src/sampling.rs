@@ -69,6 +69,64 @@ impl Sampler {
         self.params.temperature == 0.0
     }
 
+    /// The distribution [`Sampler::sample`] draws from: the kept candidates
+    /// and their probabilities (summing to 1); one candidate when greedy.
+    pub fn distribution(&self, logits: &[f32]) -> Result<Vec<(u32, f64)>> {
+        if logits.is_empty() {
+            return Err(Error::Backend(
+                "the backend returned no logits to sample from".into(),
+            ));
+        }
+        if self.params.temperature == 0.0 {
+            return Ok(vec![(argmax(logits), 1.0)]);
+        }
+        let mut order: Vec<usize> = (0..logits.len()).collect();
+        order.sort_by(|&a, &b| logits[b].total_cmp(&logits[a]).then(a.cmp(&b)));
+        if self.params.top_k > 0 {
+            order.truncate(self.params.top_k);
+        }
+        let max = logits[order[0]];
+        let weights: Vec<f64> = order
+            .iter()
+            .map(|&i| (((logits[i] - max) / self.params.temperature) as f64).exp())
+            .collect();
+        let total: f64 = weights.iter().sum();
+        let mut kept = 0;
+        let mut mass = 0.0;
+        for w in &weights {
+            kept += 1;
+            mass += w / total;
+            if mass >= self.params.top_p as f64 {
+                break;
+            }
+        }
+        let kept_total: f64 = weights[..kept].iter().sum();
+        Ok(order[..kept]
+            .iter()
+            .zip(&weights)
+            .map(|(&i, w)| (i as u32, w / kept_total))
+            .collect())
+    }
+
+    /// True with probability `p`.
+    pub fn accept(&mut self, p: f64) -> bool {
+        self.rng.random::<f64>() < p
+    }
+
+    /// A token drawn from `distribution` (probabilities summing to 1, or
+    /// weights: they are normalised here).
+    pub fn draw(&mut self, distribution: &[(u32, f64)]) -> u32 {
+        let total: f64 = distribution.iter().map(|(_, p)| p).sum();
+        let mut draw = self.rng.random::<f64>() * total;
+        for &(token, p) in distribution {
+            if draw < p {
+                return token;
+            }
+            draw -= p;
+        }
+        distribution.last().map_or(0, |&(t, _)| t)
+    }
+
     /// The next token; empty logits (a backend's fault) are an error.
     pub fn sample(&mut self, logits: &[f32]) -> Result<u32> {
         if logits.is_empty() {

@@ -54,7 +54,13 @@ pub enum ModuleKind {
     DecodeBatch { rows: usize, slots: usize },
     /// Admits a prefilled sequence into one of `slots` sequence slots.
     AdmitSlot { slots: usize },
+    /// The multi-token step of this many rows (speculative decoding).
+    Append(usize),
 }
+
+/// The row counts the multi-token step is compiled for: an append of n
+/// tokens runs in the smallest that holds n (padding rows are discarded).
+pub const APPEND_ROWS: [usize; 3] = [4, 8, 16];
 
 /// The weight arguments, in [`crate::llama::weight_shapes`] order, at the graph's
 /// layout (precision is applied on upload). kiln-core holds matrices `[out,
@@ -494,6 +500,70 @@ impl<'m> IreeBackend<'m> {
 }
 
 impl IreeBackend<'_> {
+    /// Appends `tokens` in one multi-token step; returns their logits (only
+    /// when `greedy_only` is false) and the device's greedy choice after
+    /// each. Near the end of the context, where no compiled row count fits
+    /// (the padding rows would run past the cache), it runs one decode step
+    /// per token instead: the same positions, the same result.
+    fn append_rows(
+        &mut self,
+        tokens: &[u32],
+        greedy_only: bool,
+    ) -> kiln_core::Result<(Vec<Vec<f32>>, Vec<u32>)> {
+        kiln_core::backend::check_tokens(self.model, tokens)?;
+        if self.kv.is_none() {
+            return Err(kiln_core::Error::Invalid("append before prefill".into()));
+        }
+        let n = tokens.len();
+        let context = self.buckets.context;
+        if self.position + n > context {
+            return Err(kiln_core::Error::ContextFull {
+                needed: self.position + n,
+                limit: context,
+            });
+        }
+        self.next = None;
+        let position = self.position;
+        let Some(rows) = APPEND_ROWS
+            .iter()
+            .copied()
+            .find(|&b| b >= n && position + b <= context)
+        else {
+            let mut logits = Vec::with_capacity(n);
+            for &token in tokens {
+                logits.push(self.decode(token)?);
+            }
+            let chosen = logits
+                .iter()
+                .map(|l| kiln_core::sampling::argmax(l))
+                .collect();
+            return Ok((logits, chosen));
+        };
+        let mut ids: Vec<i32> = tokens.iter().map(|&t| t as i32).collect();
+        ids.resize(rows, 0);
+        let ids = self.upload_i32(ids)?;
+        let pos = self.scalar(position)?;
+        let kv = self.kv.take();
+        let outputs = self.invoke(
+            ModuleKind::Append(rows),
+            "append_tokens",
+            &[&ids, &pos],
+            kv,
+            4,
+        )?;
+        self.position += n;
+        let mut chosen = self.read_tokens("append_tokens", &outputs[1], rows)?;
+        chosen.truncate(n);
+        let logits = if greedy_only {
+            Vec::new()
+        } else {
+            let mut rows = self.read_logit_rows("append_tokens", &outputs[0], rows)?;
+            rows.truncate(n);
+            rows
+        };
+        Ok((logits, chosen))
+    }
+
     /// The logits a module returned, which must be one f32 per token of the
     /// vocabulary: a module is checked like any other input before use.
     fn read_logits(
@@ -563,6 +633,29 @@ impl Backend for IreeBackend<'_> {
     fn decode(&mut self, token: u32) -> kiln_core::Result<Vec<f32>> {
         let outputs = self.step(token)?;
         self.read_logits("decode_step", &outputs[0])
+    }
+
+    fn sequence_len(&self) -> usize {
+        self.position
+    }
+
+    fn append(&mut self, tokens: &[u32]) -> kiln_core::Result<Vec<f32>> {
+        Ok(self.append_rows(tokens, false)?.0.concat())
+    }
+
+    fn append_greedy(&mut self, tokens: &[u32]) -> kiln_core::Result<Vec<u32>> {
+        Ok(self.append_rows(tokens, true)?.1)
+    }
+
+    fn rewind(&mut self, len: usize) -> kiln_core::Result<()> {
+        if len > self.position {
+            return Err(kiln_core::backend::rewind_past_end(len, self.position));
+        }
+        // Rows from `len` on stay on the device until overwritten; no
+        // later step sees them (each attends to `0..=its position`).
+        self.position = len;
+        self.next = None;
+        Ok(())
     }
 
     fn decode_greedy(&mut self, token: u32) -> kiln_core::Result<u32> {

@@ -13,7 +13,7 @@ mod module_cache;
 pub mod prepared;
 mod stablehlo;
 
-pub use backend::{Buckets, IreeBackend, ModuleKind};
+pub use backend::{APPEND_ROWS, Buckets, IreeBackend, ModuleKind};
 pub use batched::{BatchedDecoder, Choice, MAX_SLOTS, SlotOutput, batch_sizes};
 pub use compiler::{Compiler, Target};
 pub use error::{Error, Result};

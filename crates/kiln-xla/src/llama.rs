@@ -22,6 +22,12 @@
 //!   `pos + 1` to the following step without an upload. `k` and `v` are
 //!   updated in place (`iree.abi.output`): no cache-sized buffer is
 //!   allocated per step.
+//! - `append_tokens(tokens: [R] i32, pos: i32, k, v, cos, sin, weights…) ->
+//!   (logits[R, V], next: [R] i32, k, v)`: appends R tokens at `pos..pos+R`
+//!   in one pass over the weights and returns every row's logits and greedy
+//!   choice: the check of speculated tokens. Padding rows past the real ones
+//!   only write cache rows that no real row sees and that later steps
+//!   overwrite; the caller keeps `pos + R` within the context.
 //! - `decode_batch(tokens: [B] i32, positions: [B] i32, k_0, v_0, …,
 //!   k_{B-1}, v_{B-1}, cos, sin, weights…) -> (logits[B, V], next: [B] i32,
 //!   positions + 1, k_0, v_0, …)`: one step of B independent sequences
@@ -445,6 +451,56 @@ fn decode_step(c: &ModelConfig, g: &GraphOptions, context: usize) -> String {
     f.finish(&[&logits, &next, &next_pos, &k_cache, &v_cache])
 }
 
+/// The multi-token step: `rows` tokens appended at `pos..pos+rows` of
+/// `[L, KV, C, D]` keys and `[L, KV, D, C]` values, row r attending to
+/// `0..=pos+r`.
+fn append_tokens(c: &ModelConfig, g: &GraphOptions, context: usize, rows: usize) -> String {
+    let dm = dims(c, g);
+    let mut f = Function::new("append_tokens");
+    let tokens = f.param(&[rows], Ty::I32);
+    let pos = f.param(&[], Ty::I32);
+    let (layers, kv) = (dm.layers, dm.kv_heads);
+    // Results 2 and 3 are the updated caches, written over these arguments.
+    let mut k_cache = f.param_output(&[layers, kv, context, dm.d], dm.storage, 2);
+    let mut v_cache = f.param_output(&[layers, kv, dm.d, context], dm.storage, 3);
+    let cos = f.param(&[context, dm.d / 2], Ty::F32);
+    let sin = f.param(&[context, dm.d / 2], Ty::F32);
+    let p = weight_params(&mut f, c, g);
+
+    let zero = f.constant_i32(0, &[]);
+    let cos = f.dynamic_slice(&cos, &[&pos, &zero], &[rows, dm.d / 2]);
+    let sin = f.dynamic_slice(&sin, &[&pos, &zero], &[rows, dm.d / 2]);
+    let rope_tables = rope_factors(&mut f, &cos, &sin);
+    let cols = f.iota(&[rows, context], 1);
+    let row_index = f.iota(&[rows, context], 0);
+    let pos_rows = f.broadcast(&pos, &[rows, context], &[]);
+    let last_visible = f.binary("add", &row_index, &pos_rows);
+    let visible = f.compare_i32("LE", &cols, &last_visible);
+
+    let mut x = embed(&mut f, &p, &tokens);
+    for (l, w) in p.layers.iter().enumerate() {
+        let normed = rms_norm(&mut f, &x, &w[0], c.rms_norm_eps);
+        let (q, k, v) = project_qkv(&mut f, &dm, &normed, &w[1], &rope_tables);
+        let layer = f.constant_i32(l as i32, &[]);
+        let k = f.transpose(&k, &[1, 0, 2]);
+        let k = f.reshape(&k, &[1, kv, rows, dm.d]);
+        k_cache = f.dynamic_update_slice(&k_cache, &k, &[&layer, &zero, &pos, &zero]);
+        let keys = f.slice(&k_cache, &[l, 0, 0, 0], &[l + 1, kv, context, dm.d]);
+        let keys = f.reshape(&keys, &[kv, context, dm.d]);
+        let v = f.transpose(&v, &[1, 2, 0]);
+        let v = f.reshape(&v, &[1, kv, dm.d, rows]);
+        v_cache = f.dynamic_update_slice(&v_cache, &v, &[&layer, &zero, &zero, &pos]);
+        let values = f.slice(&v_cache, &[l, 0, 0, 0], &[l + 1, kv, dm.d, context]);
+        let values = f.reshape(&values, &[kv, dm.d, context]);
+        let attended = attention(&mut f, &dm, &q, &keys, &values, &visible);
+        x = finish_layer(&mut f, c, &dm, &x, &attended, w);
+    }
+    let normed = rms_norm(&mut f, &x, &p.final_norm, c.rms_norm_eps);
+    let logits = linear(&mut f, &dm, &normed, &p.lm_head);
+    let next = f.argmax_rows(&logits);
+    f.finish(&[&logits, &next, &k_cache, &v_cache])
+}
+
 /// The batched decode step over the first `rows` of `slots` sequence slots.
 /// Every slot's caches are one pair of tensors, `[L, S, KV, C, D]` keys and
 /// `[L, S, KV, D, C]` values, updated in place: row r is slot r, with its own
@@ -596,6 +652,11 @@ pub fn prefill_module(c: &ModelConfig, g: &GraphOptions, seq: usize, context: us
 /// The decode module: `decode_step`.
 pub fn decode_module(c: &ModelConfig, g: &GraphOptions, context: usize) -> String {
     module(&[decode_step(c, g, context)])
+}
+
+/// The multi-token module for `rows` tokens: `append_tokens`.
+pub fn append_module(c: &ModelConfig, g: &GraphOptions, context: usize, rows: usize) -> String {
+    module(&[append_tokens(c, g, context, rows)])
 }
 
 /// The batched decode module over the first `rows` of `slots` slots:

@@ -35,6 +35,10 @@ pub fn source(
             llama::admit_slot_module(config, graph, context, slots),
             format!("admit-slot:{slots}:{context}"),
         ),
+        ModuleKind::Append(rows) => (
+            llama::append_module(config, graph, context, rows),
+            format!("append:{rows}:{context}"),
+        ),
     }
 }
 
@@ -47,6 +51,18 @@ pub fn module_kinds(buckets: &Buckets) -> Vec<ModuleKind> {
         .collect();
     kinds.push(ModuleKind::Decode);
     kinds
+}
+
+/// The multi-token modules speculative decoding with up to `draft_tokens`
+/// proposed tokens uses (each step appends them after the last chosen token).
+pub fn append_module_kinds(draft_tokens: usize) -> Vec<ModuleKind> {
+    let rows = draft_tokens + 1;
+    crate::backend::APPEND_ROWS
+        .iter()
+        .take_while(|&&b| b < rows)
+        .chain(crate::backend::APPEND_ROWS.iter().find(|&&b| b >= rows))
+        .map(|&b| ModuleKind::Append(b))
+        .collect()
 }
 
 /// The batched decode modules kiln-server's decoder of `slots` sequence
@@ -152,6 +168,23 @@ pub fn prepare_kinds(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn speculation_needs_every_row_count_up_to_the_one_holding_k_plus_one() {
+        let rows = |k| -> Vec<usize> {
+            append_module_kinds(k)
+                .into_iter()
+                .map(|kind| match kind {
+                    ModuleKind::Append(rows) => rows,
+                    other => panic!("{other:?}"),
+                })
+                .collect()
+        };
+        assert_eq!(rows(1), [4]);
+        assert_eq!(rows(3), [4]);
+        assert_eq!(rows(4), [4, 8]);
+        assert_eq!(rows(15), [4, 8, 16]);
+    }
 
     #[test]
     fn cpu_modules_of_different_cpus_have_different_keys() {
