@@ -209,7 +209,10 @@ fn thirty_two_slots_batched_equal_alone() {
     for (r, (request, tokens)) in requests.iter().zip(&together).enumerate() {
         assert_eq!(tokens.len(), request.max_tokens, "request {r}: length");
         let reference = alone(&model, &request.prompt, tokens.len());
-        assert_eq!(tokens, &reference, "request {r}: batched differs from alone");
+        assert_eq!(
+            tokens, &reference,
+            "request {r}: batched differs from alone"
+        );
     }
     let error = BatchedDecoder::new(backend(&model), kiln_xla::MAX_SLOTS + 1)
         .err()

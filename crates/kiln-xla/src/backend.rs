@@ -51,9 +51,14 @@ pub enum ModuleKind {
     Decode,
     /// The batched decode step over the first `rows` of `slots` sequence
     /// slots.
-    DecodeBatch { rows: usize, slots: usize },
+    DecodeBatch {
+        rows: usize,
+        slots: usize,
+    },
     /// Admits a prefilled sequence into one of `slots` sequence slots.
-    AdmitSlot { slots: usize },
+    AdmitSlot {
+        slots: usize,
+    },
     /// The multi-token step of this many rows (speculative decoding).
     Append(usize),
 }

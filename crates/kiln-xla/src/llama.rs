@@ -224,14 +224,7 @@ fn attention(f: &mut Function, dm: &Dims, q: &Val, k: &Val, v_t: &Val, visible: 
 /// `visible` (`[b, t]`) allows. The slots are a batch dimension of each
 /// product, so a step runs one set of attention kernels for all of them.
 /// Returns f32 `[b, heads * d]`.
-fn slot_attention(
-    f: &mut Function,
-    dm: &Dims,
-    q: &Val,
-    k: &Val,
-    v_t: &Val,
-    visible: &Val,
-) -> Val {
+fn slot_attention(f: &mut Function, dm: &Dims, q: &Val, k: &Val, v_t: &Val, visible: &Val) -> Val {
     let (b, t) = (q.shape[0], k.shape[2]);
     let (kv, group, d) = (dm.kv_heads, dm.heads / dm.kv_heads, dm.d);
     // Slots and KV heads merged into one batch dimension (free reshapes):
@@ -673,6 +666,11 @@ pub fn decode_batch_module(
 
 /// The module that admits a sequence into one of `slots` slots:
 /// `admit_slot`.
-pub fn admit_slot_module(c: &ModelConfig, g: &GraphOptions, context: usize, slots: usize) -> String {
+pub fn admit_slot_module(
+    c: &ModelConfig,
+    g: &GraphOptions,
+    context: usize,
+    slots: usize,
+) -> String {
     module(&[admit_slot(c, g, context, slots)])
 }
