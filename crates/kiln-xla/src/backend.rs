@@ -417,16 +417,7 @@ impl<'m> IreeBackend<'m> {
         self.load(kind)?;
         let mut inputs: Vec<&DeviceTensor> = head.to_vec();
         inputs.extend([&self.cos, &self.sin, &self.weights]);
-        let results = self.modules[&kind]
-            .invoke(function, &inputs)
-            .map_err(to_core)?;
-        if results.len() != outputs {
-            return Err(unexpected_output(
-                function,
-                format!("{} outputs, not {outputs}", results.len()),
-            ));
-        }
-        Ok(results)
+        invoke_checked(&self.modules[&kind], function, &inputs, outputs)
     }
 
     /// Runs `function` of `kind` on exactly `inputs` (a module that takes
@@ -439,16 +430,7 @@ impl<'m> IreeBackend<'m> {
         outputs: usize,
     ) -> kiln_core::Result<Vec<DeviceTensor>> {
         self.load(kind)?;
-        let results = self.modules[&kind]
-            .invoke(function, inputs)
-            .map_err(to_core)?;
-        if results.len() != outputs {
-            return Err(unexpected_output(
-                function,
-                format!("{} outputs, not {outputs}", results.len()),
-            ));
-        }
-        Ok(results)
+        invoke_checked(&self.modules[&kind], function, inputs, outputs)
     }
 
     /// `count` token ids a module chose, each checked against the vocabulary.
@@ -695,4 +677,21 @@ impl Backend for IreeBackend<'_> {
         });
         Ok(next)
     }
+}
+
+/// Invokes `function` and checks it returned `outputs` results.
+fn invoke_checked(
+    module: &kiln_iree::Module,
+    function: &str,
+    inputs: &[&DeviceTensor],
+    outputs: usize,
+) -> kiln_core::Result<Vec<DeviceTensor>> {
+    let results = module.invoke(function, inputs).map_err(to_core)?;
+    if results.len() != outputs {
+        return Err(unexpected_output(
+            function,
+            format!("{} outputs, not {outputs}", results.len()),
+        ));
+    }
+    Ok(results)
 }
