@@ -14,14 +14,7 @@ pub fn generate(
     stop_tokens: &[u32],
     mut on_token: impl FnMut(u32) -> Result<()>,
 ) -> Result<Vec<u32>> {
-    // Saturating: a max_tokens near usize::MAX is simply more than fits.
-    let needed = prompt.len().saturating_add(max_tokens);
-    if needed > backend.max_context() {
-        return Err(Error::ContextFull {
-            needed,
-            limit: backend.max_context(),
-        });
-    }
+    check_room(backend, prompt, max_tokens)?;
     let mut sampler = Sampler::new(sampling)?;
     let mut generated = Vec::with_capacity(max_tokens);
     if max_tokens == 0 {
@@ -41,4 +34,17 @@ pub fn generate(
             sampler.sample(&backend.decode(token)?)?
         };
     }
+}
+
+/// The prompt and `max_tokens` must fit the backend's context. Saturating: a
+/// `max_tokens` near `usize::MAX` is simply more than fits.
+pub(crate) fn check_room(backend: &dyn Backend, prompt: &[u32], max_tokens: usize) -> Result<()> {
+    let needed = prompt.len().saturating_add(max_tokens);
+    if needed > backend.max_context() {
+        return Err(Error::ContextFull {
+            needed,
+            limit: backend.max_context(),
+        });
+    }
+    Ok(())
 }

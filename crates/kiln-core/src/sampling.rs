@@ -80,6 +80,7 @@ impl Sampler {
         if self.params.temperature == 0.0 {
             return Ok(vec![(argmax(logits), 1.0)]);
         }
+        // Candidates by descending logit (index order on ties: deterministic).
         let mut order: Vec<usize> = (0..logits.len()).collect();
         order.sort_by(|&a, &b| logits[b].total_cmp(&logits[a]).then(a.cmp(&b)));
         if self.params.top_k > 0 {
@@ -129,44 +130,9 @@ impl Sampler {
 
     /// The next token; empty logits (a backend's fault) are an error.
     pub fn sample(&mut self, logits: &[f32]) -> Result<u32> {
-        if logits.is_empty() {
-            return Err(Error::Backend(
-                "the backend returned no logits to sample from".into(),
-            ));
-        }
-        if self.params.temperature == 0.0 {
-            return Ok(argmax(logits));
-        }
-        // Candidates by descending logit (index order on ties: deterministic).
-        let mut order: Vec<usize> = (0..logits.len()).collect();
-        order.sort_by(|&a, &b| logits[b].total_cmp(&logits[a]).then(a.cmp(&b)));
-        if self.params.top_k > 0 {
-            order.truncate(self.params.top_k);
-        }
-        let max = logits[order[0]];
-        let weights: Vec<f64> = order
-            .iter()
-            .map(|&i| (((logits[i] - max) / self.params.temperature) as f64).exp())
-            .collect();
-        let total: f64 = weights.iter().sum();
-        let mut kept = 0;
-        let mut mass = 0.0;
-        for w in &weights {
-            kept += 1;
-            mass += w / total;
-            if mass >= self.params.top_p as f64 {
-                break;
-            }
-        }
-        let kept_total: f64 = weights[..kept].iter().sum();
-        let mut draw = self.rng.random::<f64>() * kept_total;
-        for (i, w) in weights[..kept].iter().enumerate() {
-            if draw < *w {
-                return Ok(order[i] as u32);
-            }
-            draw -= w;
-        }
-        Ok(order[kept - 1] as u32)
+        // Greedy: one candidate, the first largest logit.
+        let distribution = self.distribution(logits)?;
+        Ok(self.draw(&distribution))
     }
 }
 

@@ -191,13 +191,7 @@ pub fn generate_speculative(
     stop_tokens: &[u32],
     mut on_token: impl FnMut(u32) -> Result<()>,
 ) -> Result<(Vec<u32>, SpeculationStats)> {
-    let needed = prompt.len().saturating_add(max_tokens);
-    if needed > backend.max_context() {
-        return Err(Error::ContextFull {
-            needed,
-            limit: backend.max_context(),
-        });
-    }
+    crate::generate::check_room(backend, prompt, max_tokens)?;
     let mut sampler = Sampler::new(sampling)?;
     let mut stats = SpeculationStats::default();
     let mut tokens = prompt.to_vec();
