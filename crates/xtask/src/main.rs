@@ -4,6 +4,7 @@
 
 mod cache;
 mod compiler;
+mod disk;
 mod emulated;
 mod env;
 mod eval_nix;

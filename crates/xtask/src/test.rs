@@ -11,11 +11,12 @@ use crate::cache::Cache;
 use crate::iree::{self, Variant};
 use crate::pins::{Pins, repo_root};
 use crate::target::{AARCH64, Target};
-use crate::{compiler, tools};
+use crate::{compiler, disk, tools};
 
 /// Every step of the suite, in order; the first failure stops it. With
 /// `with_aarch64`, the GB10's architecture too (cross-built, emulated).
 pub fn run(cache: &Cache, pins: &Pins, with_aarch64: bool) -> Result<()> {
+    disk::warn_if_short(with_aarch64);
     let toolbox = step("setup: system packages and pinned tools", || {
         crate::setup::run(cache)
     })?;
@@ -171,9 +172,10 @@ fn step<T>(name: &str, f: impl FnOnce() -> Result<T>) -> Result<T> {
     let started = Instant::now();
     let result = f().with_context(|| format!("step failed: {name}"));
     eprintln!(
-        "<== {name}: {} in {:.1}s",
+        "<== {name}: {} in {:.1}s ({})",
         if result.is_ok() { "ok" } else { "FAILED" },
-        started.elapsed().as_secs_f64()
+        started.elapsed().as_secs_f64(),
+        disk::free_space_line(),
     );
     result
 }

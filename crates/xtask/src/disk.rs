@@ -1,0 +1,105 @@
+//! Free disk space, where `cargo xtask test` writes: its build folder and the
+//! system's temporary folder (the gate's mutants). A run that fills the disk
+//! dies inside whichever compiler or linker wrote last, with an error that
+//! does not say the suite needed more room; these lines say it up front and
+//! after every step.
+
+use std::path::{Path, PathBuf};
+
+use crate::pins::repo_root;
+
+/// The most the suite occupied at once, measured from a fresh clone with
+/// `.ci/run`'s settings (see docs/gate.md), rounded up: the build folder,
+/// the IREE cache inside it and the gate's scratch copies together.
+const PEAK_GIB: f64 = 24.0;
+/// The same without the aarch64 steps (`--skip-aarch64`).
+const PEAK_GIB_WITHOUT_AARCH64: f64 = 20.0;
+
+/// Prints a warning (not an error: the figure is an estimate, and a warm
+/// build folder needs less) when the build folder's file system has less
+/// free space than the suite has been measured to use.
+pub fn warn_if_short(with_aarch64: bool) {
+    let need = if with_aarch64 {
+        PEAK_GIB
+    } else {
+        PEAK_GIB_WITHOUT_AARCH64
+    };
+    let target = target_dir();
+    match free_gib(&target) {
+        Some(free) if free < need => eprintln!(
+            "xtask test: WARNING: {free:.1} GiB free on the file system of {}, and a run from \
+             a fresh clone has used up to {need:.0} GiB; free some space, or point \
+             CARGO_TARGET_DIR at a larger disk, before a step dies with 'No space left on device'",
+            target.display()
+        ),
+        Some(free) => eprintln!(
+            "xtask test: {free:.1} GiB free on the file system of {} (a fresh run uses up to \
+             {need:.0} GiB)",
+            target.display()
+        ),
+        None => {}
+    }
+}
+
+/// "N GiB free" for the build folder, and for the temporary folder when it is
+/// on another file system; empty where free space cannot be read.
+pub fn free_space_line() -> String {
+    let target = target_dir();
+    let temp = std::env::temp_dir();
+    let mut parts = Vec::new();
+    if let Some(free) = free_gib(&target) {
+        parts.push(format!("{free:.1} GiB free in target"));
+    }
+    if !same_file_system(&target, &temp)
+        && let Some(free) = free_gib(&temp)
+    {
+        parts.push(format!("{free:.1} GiB free in {}", temp.display()));
+    }
+    parts.join(", ")
+}
+
+/// The build folder: `CARGO_TARGET_DIR`, or the checkout's `target`. Before
+/// the first build it may not exist; its nearest existing parent answers.
+fn target_dir() -> PathBuf {
+    std::env::var_os("CARGO_TARGET_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| repo_root().join("target"))
+}
+
+fn free_gib(path: &Path) -> Option<f64> {
+    let existing = path.ancestors().find(|p| p.exists())?;
+    let stat = rustix::fs::statvfs(existing).ok()?;
+    Some((stat.f_bavail as f64) * (stat.f_frsize as f64) / f64::from(1u32 << 30))
+}
+
+fn same_file_system(a: &Path, b: &Path) -> bool {
+    use std::os::unix::fs::MetadataExt;
+    let device = |p: &Path| {
+        p.ancestors()
+            .find(|p| p.exists())
+            .and_then(|p| std::fs::metadata(p).ok())
+            .map(|m| m.dev())
+    };
+    device(a).is_some() && device(a) == device(b)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn free_space_of_a_missing_folder_is_its_parents() {
+        let dir = tempfile::tempdir().unwrap();
+        let missing = dir.path().join("not/yet/built");
+        let free = free_gib(&missing).expect("the temporary folder's file system answers");
+        assert!(free > 0.0, "{free}");
+        let parent = free_gib(dir.path()).unwrap();
+        assert!((parent - free).abs() < 1.0, "{parent} vs {free}");
+    }
+
+    #[test]
+    fn a_folder_shares_its_own_file_system() {
+        let dir = tempfile::tempdir().unwrap();
+        assert!(same_file_system(dir.path(), &dir.path().join("child")));
+    }
+}
