@@ -77,6 +77,33 @@ pub fn open<'m>(
     }
 }
 
+/// [`open`], with every module the backend can need loaded (compiled where
+/// the module cache lacks it) now rather than at first use: the prefill
+/// buckets, the decode step and, for speculation with up to `draft_tokens`
+/// proposed tokens, the multi-token steps. For a server, which says it is
+/// ready only when no request will wait for a compile.
+pub fn open_loaded<'m>(
+    model: &'m Model,
+    kind: BackendKind,
+    options: &IreeOptions,
+    draft_tokens: Option<usize>,
+) -> Result<Box<dyn Backend + 'm>> {
+    #[cfg(feature = "xla-iree")]
+    if kind != BackendKind::Cpu {
+        let mut backend = open_iree(model, kind, options)?;
+        let mut kinds = backend.module_kinds();
+        if let Some(k) = draft_tokens {
+            kinds.extend(kiln_xla::prepared::append_module_kinds(k));
+        }
+        for kind in kinds {
+            backend.load(kind)?;
+        }
+        return Ok(Box::new(backend));
+    }
+    let _ = draft_tokens;
+    open(model, kind, options)
+}
+
 #[cfg(feature = "xla-iree")]
 fn iree<'m>(
     model: &'m Model,

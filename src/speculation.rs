@@ -4,7 +4,7 @@
 use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result, bail};
-use kiln_core::{Model, ModelDraft, PromptLookup, Proposer};
+use kiln_core::{Backend, Model, ModelDraft, PromptLookup, Proposer};
 
 use crate::backends::{self, BackendKind, IreeOptions};
 
@@ -117,14 +117,20 @@ pub fn proposer<'m>(
     backend: BackendKind,
     iree: &IreeOptions,
 ) -> Result<Box<dyn Proposer + 'm>> {
+    proposer_on(kind, draft, |draft| backends::open(draft, backend, iree))
+}
+
+/// [`proposer`], with the draft model's backend opened by `open`.
+pub fn proposer_on<'m>(
+    kind: ProposerKind,
+    draft: Option<&'m Model>,
+    open: impl FnOnce(&'m Model) -> Result<Box<dyn Backend + 'm>>,
+) -> Result<Box<dyn Proposer + 'm>> {
     let name = match kind {
         ProposerKind::PromptLookup => return Ok(Box::new(PromptLookup::default())),
         ProposerKind::Draft => "draft",
         ProposerKind::SelfSpeculation => "self",
     };
     let draft = draft.with_context(|| format!("--speculate {name} needs its draft model"))?;
-    Ok(Box::new(ModelDraft::new(
-        name,
-        backends::open(draft, backend, iree)?,
-    )))
+    Ok(Box::new(ModelDraft::new(name, open(draft)?)))
 }

@@ -592,10 +592,75 @@ fn bad_options_are_errors_that_name_them() {
         "{}",
         String::from_utf8_lossy(&missing.stderr)
     );
+    for (args, says) in [
+        (
+            &["--speculate", "prompt-lookup", "--batch-slots", "4"][..],
+            "drop --batch-slots (or set it to 1) to speculate",
+        ),
+        (
+            &["--speculate", "draft"][..],
+            "--speculate draft needs --draft-model PATH",
+        ),
+        (
+            &["--speculate", "self", "--draft-model", "embedded"][..],
+            "--draft-model is for --speculate draft",
+        ),
+    ] {
+        let out = Command::new(env!("CARGO_BIN_EXE_kiln-server"))
+            .args(["--port", "0"])
+            .args(args)
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{args:?}");
+        assert!(stderr.contains(says), "{args:?}: {stderr}");
+    }
+}
+
+/// `--speculate`: every greedy reply equals plain greedy generation (`kiln
+/// generate`) token for token, streamed or not, with prompt lookup and with
+/// self-speculation; /metrics shows drafts proposed and accepted, so the
+/// replies really came through speculation. A sampled request gets its
+/// tokens too.
+#[tokio::test]
+async fn speculative_replies_equal_plain_greedy() {
+    let proposers = [
+        &["--speculate", "prompt-lookup", "--draft-tokens", "4"][..],
+        &["--speculate", "self", "--draft-tokens", "3"][..],
+    ];
+    for proposer in proposers {
+        let server = Server::start(proposer);
+        server.wait_ready().await;
+        for (prompt, max_tokens, stream) in [
+            ("abcabcabcabcabc", 40, false),
+            ("Hello", 32, true),
+            ("the cat and the cat and the", 24, true),
+        ] {
+            let expected = kiln(&["generate", "--max-tokens", &max_tokens.to_string(), prompt]);
+            let body = json!({"model": "embedded", "prompt": prompt, "max_tokens": max_tokens,
+                              "temperature": 0, "stream": stream});
+            let text = completion_text(server.base.clone(), body).await;
+            assert_eq!(text, expected, "{proposer:?} {prompt:?}");
+        }
+        let proposed = server
+            .metric("kiln_speculative_proposed_tokens_total")
+            .await;
+        let accepted = server
+            .metric("kiln_speculative_accepted_tokens_total")
+            .await;
+        assert!(
+            proposed > 0.0 && accepted > 0.0,
+            "{proposer:?}: {accepted} of {proposed} drafts accepted"
+        );
+        let sampled = json!({"model": "embedded", "prompt": "Hello", "max_tokens": 16,
+                             "temperature": 0.8, "seed": 3});
+        let (status, r) = server.post("/v1/completions", &sampled).await;
+        assert_eq!(status, 200, "{r}");
+        assert_eq!(r["usage"]["completion_tokens"], 16, "{r}");
+    }
 }
 
 /// The text of one completion request: streamed (the chunks' text) or not.
-#[cfg(feature = "xla-iree")]
 async fn completion_text(base: String, body: Value) -> String {
     let r = reqwest::Client::new()
         .post(format!("{base}/v1/completions"))

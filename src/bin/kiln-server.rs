@@ -13,6 +13,7 @@ use tokio::sync::{oneshot, watch};
 use kiln::backends::ModelArgs;
 use kiln::server::engine::{self, Loaded};
 use kiln::server::{AppState, Shared, auth::ApiKey, router};
+use kiln::speculation::SpeculationArgs;
 
 #[derive(Parser)]
 #[command(
@@ -44,9 +45,11 @@ struct Args {
     request_timeout: u64,
     /// Sequence slots decoded together on the IREE backends (continuous
     /// batching); 1 runs one request at a time. The CPU backend always runs
-    /// one at a time.
-    #[arg(long, default_value_t = 8)]
-    batch_slots: usize,
+    /// one at a time. Default: 8, or 1 with --speculate.
+    #[arg(long)]
+    batch_slots: Option<usize>,
+    #[command(flatten)]
+    speculation: SpeculationArgs,
     /// Seconds a connection may wait without sending a complete request
     /// (new, or kept alive between requests) before it is closed.
     #[arg(long, default_value_t = 60)]
@@ -79,9 +82,20 @@ async fn run(args: Args) -> Result<()> {
     if args.queue_size == 0 {
         bail!("--queue-size must be at least 1");
     }
-    if args.batch_slots == 0 {
-        bail!("--batch-slots must be at least 1");
-    }
+    args.speculation.check()?;
+    let batch_slots = match (args.batch_slots, args.speculation.speculate) {
+        (Some(0), _) => bail!("--batch-slots must be at least 1"),
+        // Speculation makes one stream faster by checking several tokens
+        // per pass; batching makes many streams faster by sharing a pass.
+        // kiln does one or the other.
+        (Some(slots), Some(_)) if slots > 1 => bail!(
+            "--speculate decodes one request at a time and --batch-slots {slots} asks for \
+             batching; drop --batch-slots (or set it to 1) to speculate, or drop --speculate to batch"
+        ),
+        (Some(slots), _) => slots,
+        (None, Some(_)) => 1,
+        (None, None) => 8,
+    };
     if args.idle_timeout == 0 {
         bail!("--idle-timeout must be at least 1 second");
     }
@@ -111,18 +125,30 @@ async fn run(args: Args) -> Result<()> {
     let engine = {
         let shared = shared.clone();
         let model_args = args.model.clone();
-        let batch_slots = args.batch_slots;
+        let speculation = args.speculation.clone();
         std::thread::Builder::new()
             .name("kiln-engine".into())
             .spawn(move || {
-                let (model, template) = match engine::load_model(model_args.model.as_deref()) {
-                    Ok(opened) => opened,
+                let models = engine::load_model(model_args.model.as_deref()).and_then(
+                    |(model, template)| {
+                        let draft = speculation.draft_model(&model)?;
+                        Ok((model, template, draft))
+                    },
+                );
+                let (model, template, draft) = match models {
+                    Ok(models) => models,
                     Err(error) => {
                         let _ = loaded_tx.send(Err(error));
                         return;
                     }
                 };
-                let decoder = match engine::open_decoder(&model, &model_args, batch_slots) {
+                let decoder = match engine::open_decoder(
+                    &model,
+                    draft.as_ref(),
+                    &model_args,
+                    &speculation,
+                    batch_slots,
+                ) {
                     Ok(decoder) => decoder,
                     Err(error) => {
                         let _ = loaded_tx.send(Err(error));

@@ -10,7 +10,10 @@ use std::sync::mpsc::{Receiver, RecvTimeoutError, SyncSender, TrySendError};
 use std::time::{Duration, Instant};
 
 use anyhow::Result;
-use kiln_core::{Backend, ChatTemplate, Message, Model, Sampler, SamplingParams, TextStream};
+use kiln_core::{
+    Backend, ChatTemplate, Message, Model, Proposer, Sampler, SamplingParams, Speculator,
+    TextStream,
+};
 use tokio::sync::mpsc::UnboundedSender;
 
 use super::Shared;
@@ -119,15 +122,26 @@ pub enum Decoder<'m> {
     /// One request at a time: the CPU backend, or an IREE backend with
     /// `--batch-slots 1`.
     Single(Box<dyn Backend + 'm>),
+    /// One request at a time with speculative decoding (`--speculate`).
+    Speculative(Box<Speculative<'m>>),
     /// Continuous batching over the IREE backend's sequence slots.
     #[cfg(feature = "xla-iree")]
     Batched(Box<kiln_xla::BatchedDecoder<'m>>),
+}
+
+/// The parts of speculative decoding: the model's backend, the proposer
+/// (which may run a draft model on its own backend) and K.
+pub struct Speculative<'m> {
+    pub backend: Box<dyn Backend + 'm>,
+    pub proposer: Box<dyn Proposer + 'm>,
+    pub draft_tokens: usize,
 }
 
 impl Decoder<'_> {
     fn max_context(&self) -> usize {
         match self {
             Decoder::Single(backend) => backend.max_context(),
+            Decoder::Speculative(speculative) => speculative.backend.max_context(),
             #[cfg(feature = "xla-iree")]
             Decoder::Batched(decoder) => decoder.max_context(),
         }
@@ -279,6 +293,7 @@ struct Generation<'m> {
     prompt_tokens: usize,
     max_tokens: usize,
     stop_tokens: Vec<u32>,
+    sampling: SamplingParams,
     sampler: Sampler,
     /// `None` once the text is finished.
     text: Option<TextStream<'m>>,
@@ -333,7 +348,7 @@ impl<'m> Generation<'m> {
             None => room,
         };
         let sampler =
-            Sampler::new(request.sampling).map_err(|e| ApiError::invalid(e.to_string()))?;
+            Sampler::new(request.sampling.clone()).map_err(|e| ApiError::invalid(e.to_string()))?;
         let _ = events.send(Event::Started {
             prompt_tokens: prompt_ids.len(),
         });
@@ -345,6 +360,7 @@ impl<'m> Generation<'m> {
             prompt_tokens: prompt_ids.len(),
             max_tokens,
             stop_tokens,
+            sampling: request.sampling,
             sampler,
             text: Some(TextStream::new(&model.tokenizer)),
             stops: StopMatcher::new(request.stop),
@@ -434,15 +450,29 @@ impl<'m> Generation<'m> {
 /// Generates one request alone; `Ok(None)` when the client left or the
 /// server is stopping.
 fn generate(loaded: &mut Loaded, job: Job, shared: &Shared) -> Result<Option<Finish>, ApiError> {
-    let (mut generation, prompt_ids) = Generation::start(loaded, job, shared)?;
-    // Without the xla-iree feature `Single` is the only variant.
-    #[allow(irrefutable_let_patterns)]
-    let Decoder::Single(backend) = &mut loaded.decoder else {
-        unreachable!("the batched decoder has its own loop");
-    };
+    let (generation, prompt_ids) = Generation::start(loaded, job, shared)?;
+    match &mut loaded.decoder {
+        Decoder::Single(backend) => {
+            generate_plain(backend.as_mut(), generation, &prompt_ids, shared)
+        }
+        Decoder::Speculative(speculative) => {
+            generate_speculative(speculative, generation, &prompt_ids, shared)
+        }
+        #[cfg(feature = "xla-iree")]
+        Decoder::Batched(_) => unreachable!("the batched decoder has its own loop"),
+    }
+}
+
+/// One token per pass of the model.
+fn generate_plain(
+    backend: &mut dyn Backend,
+    mut generation: Generation,
+    prompt_ids: &[u32],
+    shared: &Shared,
+) -> Result<Option<Finish>, ApiError> {
     let mut token = generation
         .sampler
-        .sample(&backend.prefill(&prompt_ids).map_err(backend_failed)?)
+        .sample(&backend.prefill(prompt_ids).map_err(backend_failed)?)
         .map_err(backend_failed)?;
     loop {
         if let Some(finish) = generation.accept(token, shared)? {
@@ -459,6 +489,47 @@ fn generate(loaded: &mut Loaded, job: Job, shared: &Shared) -> Result<Option<Fin
                 .sample(&backend.decode(token).map_err(backend_failed)?)
                 .map_err(backend_failed)?
         };
+    }
+}
+
+/// Several tokens per pass when the proposer guesses well; the same tokens
+/// (greedy) or the same distribution (sampling) as [`generate_plain`]. The
+/// client, the deadline and shutdown are checked between passes.
+fn generate_speculative(
+    speculative: &mut Speculative,
+    mut generation: Generation,
+    prompt_ids: &[u32],
+    shared: &Shared,
+) -> Result<Option<Finish>, ApiError> {
+    let sampler =
+        Sampler::new(generation.sampling.clone()).map_err(|e| ApiError::invalid(e.to_string()))?;
+    let (mut speculator, first) = Speculator::start(
+        speculative.backend.as_mut(),
+        speculative.proposer.as_mut(),
+        speculative.draft_tokens,
+        sampler,
+        prompt_ids,
+    )
+    .map_err(backend_failed)?;
+    let mut tokens = vec![first];
+    loop {
+        for token in tokens {
+            if let Some(finish) = generation.accept(token, shared)? {
+                return Ok(Some(finish));
+            }
+        }
+        if generation.interrupted(shared)? {
+            return Ok(None);
+        }
+        let before = speculator.stats();
+        tokens = speculator
+            .step(generation.max_tokens - generation.generated)
+            .map_err(backend_failed)?;
+        let after = speculator.stats();
+        shared.metrics.speculated(
+            after.proposed - before.proposed,
+            after.accepted - before.accepted,
+        );
     }
 }
 
@@ -619,14 +690,31 @@ fn send_text(events: &UnboundedSender<Event>, text: String) {
     }
 }
 
-/// The decoder of `--backend`: IREE with `slots` > 1 batches, the rest run
-/// one request at a time. The batched decoder's modules are all loaded (or
-/// compiled) here, before the server says it is ready.
+/// The decoder of `--backend`: speculative with `--speculate` (one request
+/// at a time), else IREE with `slots` > 1 batches and the rest run one
+/// request at a time. Every module is loaded (or compiled) here, before the
+/// server says it is ready. `draft` is the draft model of `--speculate
+/// draft|self`.
 pub fn open_decoder<'m>(
     model: &'m Model,
+    draft: Option<&'m Model>,
     args: &crate::backends::ModelArgs,
+    speculation: &crate::speculation::SpeculationArgs,
     slots: usize,
 ) -> Result<Decoder<'m>> {
+    use crate::backends::open_loaded;
+    if let Some(kind) = speculation.speculate {
+        let draft_tokens = usize::from(speculation.draft_tokens);
+        let backend = open_loaded(model, args.backend, &args.iree, Some(draft_tokens))?;
+        let proposer = crate::speculation::proposer_on(kind, draft, |draft| {
+            open_loaded(draft, args.backend, &args.iree, Some(draft_tokens))
+        })?;
+        return Ok(Decoder::Speculative(Box::new(Speculative {
+            backend,
+            proposer,
+            draft_tokens,
+        })));
+    }
     #[cfg(feature = "xla-iree")]
     if slots > 1
         && matches!(
@@ -643,10 +731,11 @@ pub fn open_decoder<'m>(
     // one request at a time.
     #[cfg(not(feature = "xla-iree"))]
     let _ = slots;
-    Ok(Decoder::Single(crate::backends::open(
+    Ok(Decoder::Single(open_loaded(
         model,
         args.backend,
         &args.iree,
+        None,
     )?))
 }
 

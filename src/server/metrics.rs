@@ -15,6 +15,8 @@ pub struct Metrics {
     pub ttft: Histogram,
     pub itl: Histogram,
     pub tokens: Counter,
+    speculative_proposed: Counter,
+    speculative_accepted: Counter,
 }
 
 impl Metrics {
@@ -54,6 +56,18 @@ impl Metrics {
             itl.clone(),
         );
         registry.register("generated_tokens", "Tokens generated", tokens.clone());
+        let speculative_proposed = Counter::default();
+        let speculative_accepted = Counter::default();
+        registry.register(
+            "speculative_proposed_tokens",
+            "Draft tokens proposed and checked by the model (--speculate)",
+            speculative_proposed.clone(),
+        );
+        registry.register(
+            "speculative_accepted_tokens",
+            "Draft tokens the model accepted (--speculate)",
+            speculative_accepted.clone(),
+        );
         Metrics {
             registry,
             requests,
@@ -62,7 +76,15 @@ impl Metrics {
             ttft,
             itl,
             tokens,
+            speculative_proposed,
+            speculative_accepted,
         }
+    }
+
+    /// Counts one speculative pass's proposed and accepted draft tokens.
+    pub fn speculated(&self, proposed: usize, accepted: usize) {
+        self.speculative_proposed.inc_by(proposed as u64);
+        self.speculative_accepted.inc_by(accepted as u64);
     }
 
     /// Counts one request that ended as `outcome` (complete, cancelled,

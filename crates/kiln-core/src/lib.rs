@@ -32,6 +32,8 @@ pub use error::{Error, Result};
 pub use generate::generate;
 pub use model::{ChatFormat, Model};
 pub use sampling::{Sampler, SamplingParams};
-pub use speculative::{ModelDraft, PromptLookup, Proposer, SpeculationStats, generate_speculative};
+pub use speculative::{
+    ModelDraft, PromptLookup, Proposer, SpeculationStats, Speculator, generate_speculative,
+};
 pub use stream::TextStream;
 pub use tokenizer::Tokenizer;

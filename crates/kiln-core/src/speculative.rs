@@ -173,12 +173,8 @@ impl SpeculationStats {
 
 /// Generates like [`crate::generate`] (the same stopping at `stop_tokens`
 /// and `max_tokens`), asking `proposer` for up to `draft_tokens` tokens
-/// before each pass of the target. Greedy: exactly `generate`'s tokens.
-/// Sampling: each draft d is kept with the target's probability p(d) of it,
-/// and the first one refused is replaced by a draw from p without d (the
-/// drafts are deterministic, so this is the standard rejection rule with a
-/// one-point draft distribution): every token has the target's distribution.
-/// The backend must support [`Backend::append`] and [`Backend::rewind`].
+/// before each pass of the target; see [`Speculator`] for the rule. Greedy:
+/// exactly `generate`'s tokens. Sampling: the target's distribution.
 // `generate`'s arguments plus the proposer and K.
 #[allow(clippy::too_many_arguments)]
 pub fn generate_speculative(
@@ -192,56 +188,124 @@ pub fn generate_speculative(
     mut on_token: impl FnMut(u32) -> Result<()>,
 ) -> Result<(Vec<u32>, SpeculationStats)> {
     crate::generate::check_room(backend, prompt, max_tokens)?;
-    let mut sampler = Sampler::new(sampling)?;
-    let mut stats = SpeculationStats::default();
-    let mut tokens = prompt.to_vec();
+    let sampler = Sampler::new(sampling)?;
     if max_tokens == 0 {
-        return Ok((Vec::new(), stats));
+        return Ok((Vec::new(), SpeculationStats::default()));
     }
-    // `choices` are the target's tokens still to emit, in order; the last
-    // of them is not yet in the cache.
-    let mut choices = vec![sampler.sample(&backend.prefill(prompt)?)?];
+    let (mut speculator, first) =
+        Speculator::start(backend, proposer, draft_tokens, sampler, prompt)?;
+    let mut generated = Vec::with_capacity(max_tokens);
+    let mut choices = vec![first];
     loop {
-        for &token in &choices {
-            tokens.push(token);
-            stats.generated += 1;
+        for token in choices {
+            generated.push(token);
             on_token(token)?;
-            if stop_tokens.contains(&token) || stats.generated == max_tokens {
-                return Ok((tokens.split_off(prompt.len()), stats));
+            if stop_tokens.contains(&token) || generated.len() == max_tokens {
+                let mut stats = speculator.stats();
+                stats.generated = generated.len();
+                return Ok((generated, stats));
             }
         }
-        let pending = *tokens.last().expect("a token was just pushed");
-        // Tokens past max_tokens would never be emitted: propose no more
-        // than fit, which also keeps the cache inside the checked context.
-        let room = max_tokens - stats.generated;
-        let mut drafts = proposer.propose(&tokens, draft_tokens.min(room))?;
-        drafts.truncate(draft_tokens.min(room));
-        stats.steps += 1;
-        if drafts.is_empty() {
-            choices = vec![if sampler.is_greedy() {
-                backend.decode_greedy(pending)?
-            } else {
-                sampler.sample(&backend.decode(pending)?)?
-            }];
-            continue;
-        }
-        // The cache holds every token but `pending`; check pending and the
-        // drafts in one step. Row i's choice follows drafts[..i].
-        let start = tokens.len() - 1;
-        let mut step = Vec::with_capacity(drafts.len() + 1);
-        step.push(pending);
-        step.extend_from_slice(&drafts);
-        choices = if sampler.is_greedy() {
-            accept_greedy(&backend.append_greedy(&step)?, &drafts)?
-        } else {
-            accept_sampled(&mut sampler, &backend.append(&step)?, &drafts)?
+        choices = speculator.step(max_tokens - generated.len())?;
+    }
+}
+
+/// Speculative decoding one pass of the target at a time, for a caller that
+/// stops on its own terms between passes (a server: stop strings, a client
+/// gone, a deadline). Before each pass `proposer` guesses up to
+/// `draft_tokens` tokens and one [`Backend::append`] checks them all.
+/// Greedy: the longest prefix of drafts equal to the target's own choices
+/// is kept, then the target's next token, so the tokens are exactly those of
+/// plain greedy decoding. Sampling: each draft d is kept with the target's
+/// probability p(d) of it, and the first one refused is replaced by a draw
+/// from p without d (the drafts are deterministic, so this is the standard
+/// rejection rule with a one-point draft distribution): every token has the
+/// target's distribution. The backend must support [`Backend::append`] and
+/// [`Backend::rewind`].
+pub struct Speculator<'s, 'b> {
+    backend: &'s mut (dyn Backend + 'b),
+    proposer: &'s mut (dyn Proposer + 'b),
+    draft_tokens: usize,
+    sampler: Sampler,
+    /// The prompt and every token handed out; the last is not yet in the
+    /// backend's cache.
+    tokens: Vec<u32>,
+    stats: SpeculationStats,
+}
+
+impl<'s, 'b> Speculator<'s, 'b> {
+    /// Prefills `prompt`; returns the speculator and the first token. The
+    /// caller checks that the prompt and its longest answer fit the
+    /// backend's context.
+    pub fn start(
+        backend: &'s mut (dyn Backend + 'b),
+        proposer: &'s mut (dyn Proposer + 'b),
+        draft_tokens: usize,
+        mut sampler: Sampler,
+        prompt: &[u32],
+    ) -> Result<(Speculator<'s, 'b>, u32)> {
+        let first = sampler.sample(&backend.prefill(prompt)?)?;
+        let mut tokens = prompt.to_vec();
+        tokens.push(first);
+        let speculator = Speculator {
+            backend,
+            proposer,
+            draft_tokens,
+            sampler,
+            tokens,
+            stats: SpeculationStats {
+                generated: 1,
+                ..SpeculationStats::default()
+            },
         };
-        let accepted = choices.len() - 1;
-        stats.proposed += drafts.len();
-        stats.accepted += accepted;
-        // Keep pending and the accepted drafts; the last choice is the new
-        // pending token.
-        backend.rewind(start + 1 + accepted)?;
+        Ok((speculator, first))
+    }
+
+    /// One pass of the target: the next tokens, one or more, in order. At
+    /// most `room` more tokens are wanted, so no more than `room` are
+    /// proposed: the cache never grows past the context the caller checked.
+    /// Tokens after the one the caller stops at are simply not used.
+    pub fn step(&mut self, room: usize) -> Result<Vec<u32>> {
+        let pending = *self.tokens.last().expect("start pushed a token");
+        let wanted = self.draft_tokens.min(room);
+        let mut drafts = self.proposer.propose(&self.tokens, wanted)?;
+        drafts.truncate(wanted);
+        self.stats.steps += 1;
+        let choices = if drafts.is_empty() {
+            vec![if self.sampler.is_greedy() {
+                self.backend.decode_greedy(pending)?
+            } else {
+                self.sampler.sample(&self.backend.decode(pending)?)?
+            }]
+        } else {
+            // The cache holds every token but `pending`; check pending and
+            // the drafts in one step. Row i's choice follows drafts[..i].
+            let start = self.tokens.len() - 1;
+            let mut step = Vec::with_capacity(drafts.len() + 1);
+            step.push(pending);
+            step.extend_from_slice(&drafts);
+            let choices = if self.sampler.is_greedy() {
+                accept_greedy(&self.backend.append_greedy(&step)?, &drafts)?
+            } else {
+                accept_sampled(&mut self.sampler, &self.backend.append(&step)?, &drafts)?
+            };
+            let accepted = choices.len() - 1;
+            self.stats.proposed += drafts.len();
+            self.stats.accepted += accepted;
+            // Keep pending and the accepted drafts; the last choice is the
+            // new pending token.
+            self.backend.rewind(start + 1 + accepted)?;
+            choices
+        };
+        self.tokens.extend_from_slice(&choices);
+        self.stats.generated += choices.len();
+        Ok(choices)
+    }
+
+    /// What speculation did so far; `generated` counts every token handed
+    /// out, including any the caller did not use.
+    pub fn stats(&self) -> SpeculationStats {
+        self.stats
     }
 }
 
