@@ -1,7 +1,8 @@
 //! `kiln-bench-speculative`: speculative decoding against plain greedy
 //! decoding in one run, per proposer, draft length K and prompt: acceptance
-//! rate, mean accepted length, decode tokens/s of both, and whether the
-//! tokens are identical (they must be). A table, and JSON.
+//! rate, mean accepted length, decode tokens/s of both, the time of each
+//! kind of pass of the model (a one-token step, a multi-token step), and
+//! whether the tokens are identical (they must be). A table, and JSON.
 //!
 //! ```sh
 //! kiln-bench-speculative --model smollm2-135m-instruct --backend cpu \
@@ -114,7 +115,91 @@ struct Row {
     greedy_tokens_per_s: f64,
     speculative_tokens_per_s: f64,
     speedup: f64,
+    /// Milliseconds per pass, by kind: plain greedy's one-token steps, and
+    /// speculation's one-token steps (no draft) and multi-token steps. A
+    /// speedup with few accepted drafts comes from a multi-token step that
+    /// costs less than a one-token step, not from speculation.
+    greedy_ms_per_step: f64,
+    speculative_ms_per_step: f64,
+    speculative_ms_per_multi_token_step: f64,
+    speculative_multi_token_steps: usize,
     identical_tokens: bool,
+}
+
+/// A backend that times its passes: one-token steps (`decode`,
+/// `decode_greedy`) and multi-token steps (`append`, `append_greedy`).
+struct PassTimer<'b, 'm> {
+    inner: &'b mut (dyn Backend + 'm),
+    one: Passes,
+    multi: Passes,
+}
+
+#[derive(Default, Clone, Copy)]
+struct Passes {
+    count: usize,
+    seconds: f64,
+}
+
+impl Passes {
+    fn time<T>(&mut self, pass: impl FnOnce() -> T) -> T {
+        let started = Instant::now();
+        let result = pass();
+        self.seconds += started.elapsed().as_secs_f64();
+        self.count += 1;
+        result
+    }
+
+    /// NaN without passes: the JSON says null, the table "-".
+    fn ms_per_pass(&self) -> f64 {
+        if self.count == 0 {
+            f64::NAN
+        } else {
+            1e3 * self.seconds / self.count as f64
+        }
+    }
+}
+
+impl<'b, 'm> PassTimer<'b, 'm> {
+    fn new(inner: &'b mut (dyn Backend + 'm)) -> Self {
+        PassTimer {
+            inner,
+            one: Passes::default(),
+            multi: Passes::default(),
+        }
+    }
+}
+
+impl Backend for PassTimer<'_, '_> {
+    fn name(&self) -> &str {
+        self.inner.name()
+    }
+    fn max_context(&self) -> usize {
+        self.inner.max_context()
+    }
+    fn prefill(&mut self, tokens: &[u32]) -> kiln_core::Result<Vec<f32>> {
+        self.inner.prefill(tokens)
+    }
+    fn prefill_embeddings(&mut self, embeddings: &[f32]) -> kiln_core::Result<Vec<f32>> {
+        self.inner.prefill_embeddings(embeddings)
+    }
+    fn decode(&mut self, token: u32) -> kiln_core::Result<Vec<f32>> {
+        self.one.time(|| self.inner.decode(token))
+    }
+    fn decode_greedy(&mut self, token: u32) -> kiln_core::Result<u32> {
+        self.one.time(|| self.inner.decode_greedy(token))
+    }
+    fn sequence_len(&self) -> usize {
+        self.inner.sequence_len()
+    }
+    fn append(&mut self, tokens: &[u32]) -> kiln_core::Result<Vec<f32>> {
+        self.multi.time(|| self.inner.append(tokens))
+    }
+    fn append_greedy(&mut self, tokens: &[u32]) -> kiln_core::Result<Vec<u32>> {
+        self.multi.time(|| self.inner.append_greedy(tokens))
+    }
+    fn rewind(&mut self, len: usize) -> kiln_core::Result<()> {
+        self.inner.rewind(len)
+    }
 }
 
 /// Tokens and the decode rate of one generation: tokens after the first
@@ -204,7 +289,7 @@ fn run() -> Result<()> {
     }
     let mut backend = open(&model, &args)?;
     println!(
-        "{:<10} {:>6} {:<14} {:>2} {:>5} {:>6} {:>8} {:>8} {:>10} {:>10} {:>7}  identical",
+        "{:<10} {:>6} {:<14} {:>2} {:>5} {:>6} {:>8} {:>8} {:>10} {:>10} {:>7} {:>8} {:>8} {:>8}  identical",
         "prompt",
         "prompt",
         "proposer",
@@ -216,6 +301,9 @@ fn run() -> Result<()> {
         "greedy t/s",
         "spec t/s",
         "speedup",
+        "ms/step",
+        "ms/1-tok",
+        "ms/multi",
     );
     let mut rows = Vec::new();
     for (name, message) in &selected {
@@ -232,9 +320,10 @@ fn run() -> Result<()> {
             continue;
         }
         let max_tokens = args.max_tokens.min(room);
+        let mut greedy_passes = PassTimer::new(backend.as_mut());
         let greedy = timed(|tick| {
             Ok(generate(
-                backend.as_mut(),
+                &mut greedy_passes,
                 &prompt,
                 max_tokens,
                 SamplingParams::default(),
@@ -245,14 +334,16 @@ fn run() -> Result<()> {
                 },
             )?)
         })?;
+        let greedy_steps = greedy_passes.one;
         for (kind, draft) in &drafts {
             for &k in &args.draft_tokens {
                 let mut proposer =
                     speculation::proposer(*kind, draft.as_ref(), args.backend, &args.iree)?;
                 let mut stats = None;
+                let mut passes = PassTimer::new(backend.as_mut());
                 let speculative = timed(|tick| {
                     let (tokens, s) = generate_speculative(
-                        backend.as_mut(),
+                        &mut passes,
                         proposer.as_mut(),
                         k,
                         &prompt,
@@ -268,6 +359,7 @@ fn run() -> Result<()> {
                     Ok(tokens)
                 })?;
                 let s = stats.expect("set by the run");
+                let (one, multi) = (passes.one, passes.multi);
                 let row = Row {
                     model: model.name.clone(),
                     backend: backend.name().to_string(),
@@ -284,10 +376,14 @@ fn run() -> Result<()> {
                     greedy_tokens_per_s: greedy.decode_tokens_per_s,
                     speculative_tokens_per_s: speculative.decode_tokens_per_s,
                     speedup: speculative.decode_tokens_per_s / greedy.decode_tokens_per_s,
+                    greedy_ms_per_step: greedy_steps.ms_per_pass(),
+                    speculative_ms_per_step: one.ms_per_pass(),
+                    speculative_ms_per_multi_token_step: multi.ms_per_pass(),
+                    speculative_multi_token_steps: multi.count,
                     identical_tokens: speculative.tokens == greedy.tokens,
                 };
                 println!(
-                    "{:<10} {:>6} {:<14} {:>2} {:>5} {:>6} {:>8.1} {:>8.2} {:>10.1} {:>10.1} {:>7.2}  {}",
+                    "{:<10} {:>6} {:<14} {:>2} {:>5} {:>6} {:>8.1} {:>8.2} {:>10.1} {:>10.1} {:>7.2} {:>8.2} {:>8.2} {:>8.2}  {}",
                     row.prompt,
                     row.prompt_tokens,
                     row.proposer,
@@ -299,6 +395,9 @@ fn run() -> Result<()> {
                     row.greedy_tokens_per_s,
                     row.speculative_tokens_per_s,
                     row.speedup,
+                    row.greedy_ms_per_step,
+                    row.speculative_ms_per_step,
+                    row.speculative_ms_per_multi_token_step,
                     if row.identical_tokens { "yes" } else { "NO" }
                 );
                 rows.push(row);
