@@ -348,6 +348,75 @@ mod cuda {
         }
     }
 
+    /// Greedy speculative decoding on the GPU gives exactly plain greedy
+    /// decoding's tokens on the same device, at f32 and f16, with prompt
+    /// lookup at K 3 and 7 (the 4- and 8-row multi-token steps) to the end
+    /// of the context (where the last steps run token by token); drafts
+    /// are both accepted and rejected. Modules: `kiln prepare … --draft-tokens 7`.
+    fn speculates_losslessly_on_gpu(model: &Model) {
+        use kiln_core::{PromptLookup, generate_speculative};
+        let v = model.config.vocab_size as u32;
+        let prompts = [
+            [3u32, 9, 4, 3, 9, 4, 3, 9].map(|t| t % v).to_vec(),
+            (0..12).map(|i| (i * 17 + 2) % v).collect(),
+        ];
+        for precision in [Precision::F32, Precision::F16] {
+            let graph = GraphOptions::for_target(Target::Cuda, Some(precision), None);
+            let mut xla = match open(model, "cuda", Target::Cuda, graph, default_cache()) {
+                Ok(xla) => xla,
+                Err(error) if error.to_string().contains("is not available") => {
+                    no_device(&error);
+                    return;
+                }
+                Err(error) => panic!("{error}"),
+            };
+            let (mut proposed, mut accepted) = (0, 0);
+            for prompt in &prompts {
+                let max_tokens = 64 - prompt.len();
+                let greedy = SamplingParams::default;
+                let plain =
+                    generate(&mut xla, prompt, max_tokens, greedy(), &[], |_| Ok(())).unwrap();
+                for k in [3, 7] {
+                    let (tokens, stats) = generate_speculative(
+                        &mut xla,
+                        &mut PromptLookup::default(),
+                        k,
+                        prompt,
+                        max_tokens,
+                        greedy(),
+                        &[],
+                        |_| Ok(()),
+                    )
+                    .unwrap_or_else(|e| panic!("{e}"));
+                    assert_eq!(
+                        tokens, plain,
+                        "{} {precision:?} K {k}: speculative tokens differ",
+                        model.name
+                    );
+                    proposed += stats.proposed;
+                    accepted += stats.accepted;
+                }
+            }
+            println!(
+                "{} {precision:?}: speculative = greedy; {accepted} of {proposed} drafts accepted",
+                model.name
+            );
+            assert!(accepted > 0, "{precision:?}: no draft was accepted");
+            assert!(accepted < proposed, "{precision:?}: no draft was rejected");
+        }
+    }
+
+    #[test]
+    fn speculative_decoding_on_the_gpu_equals_greedy() {
+        for model in [
+            Model::embedded(),
+            fixture("llama-gqa-untied"),
+            fixture("llama-mqa-tied"),
+        ] {
+            speculates_losslessly_on_gpu(&model);
+        }
+    }
+
     #[test]
     fn embedded_model_on_the_gpu_matches_the_cpu_reference() {
         on_gpu(&Model::embedded());

@@ -545,7 +545,9 @@ mod batched {
     pub fn run(loaded: &mut Loaded, jobs: Receiver<Job>, shared: &Shared) {
         let slots = match &loaded.decoder {
             Decoder::Batched(decoder) => decoder.slot_count(),
-            Decoder::Single(_) => unreachable!("run only hands over the batched decoder"),
+            Decoder::Single(_) | Decoder::Speculative(_) => {
+                unreachable!("run only hands over the batched decoder")
+            }
         };
         let mut running: Vec<Option<Generation>> = (0..slots).map(|_| None).collect();
         let mut open = true;
