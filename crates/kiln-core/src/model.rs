@@ -182,13 +182,17 @@ impl Model {
 
 /// The configuration and seed of a named random-weight Llama for benchmarks
 /// and tests: `random-100m` (~100M parameters: 12 layers, hidden 768, GQA
-/// 12:4, vocab 32000, tied) or `tinyllama-1.1b` (TinyLlama-1.1B's shape: 22
-/// layers, hidden 2048, intermediate 5632, GQA 32:4, vocab 32000, untied).
+/// 12:4, vocab 32000, tied), `tinyllama-1.1b` (TinyLlama-1.1B's shape: 22
+/// layers, hidden 2048, intermediate 5632, GQA 32:4, vocab 32000, untied) or
+/// `smollm2-135m` (SmolLM2-135M's shape: 30 layers, hidden 576, intermediate
+/// 1536, GQA 9:3, vocab 49152, tied: the pinned real model's shape, for
+/// measuring on a machine the model file is not carried to).
 /// [`Model::random`] makes the weights.
 pub fn preset(name: &str) -> Option<(ModelConfig, u64)> {
-    let (hidden, intermediate, layers, heads, kv_heads, tied, seed) = match name {
-        "random-100m" => (768, 2048, 12, 12, 4, true, 100),
-        "tinyllama-1.1b" => (2048, 5632, 22, 32, 4, false, 1100),
+    let (hidden, intermediate, layers, heads, kv_heads, tied, vocab, seed) = match name {
+        "random-100m" => (768, 2048, 12, 12, 4, true, 32_000, 100),
+        "tinyllama-1.1b" => (2048, 5632, 22, 32, 4, false, 32_000, 1100),
+        "smollm2-135m" => (576, 1536, 30, 9, 3, true, 49_152, 135),
         _ => return None,
     };
     let config = ModelConfig {
@@ -198,7 +202,7 @@ pub fn preset(name: &str) -> Option<(ModelConfig, u64)> {
         num_heads: heads,
         num_kv_heads: kv_heads,
         head_dim: hidden / heads,
-        vocab_size: 32_000,
+        vocab_size: vocab,
         rms_norm_eps: 1e-5,
         rope_theta: 10_000.0,
         rope_scaling: None,
@@ -247,5 +251,30 @@ pub fn random_weights(config: &ModelConfig, seed: u64) -> Weights {
         layers,
         final_norm: vec![1.0; h],
         lm_head,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The presets have the shapes their names promise: valid configs whose
+    /// parameter counts are those of the models they stand in for.
+    #[test]
+    fn presets_have_their_models_shapes() {
+        for (name, millions) in [
+            ("random-100m", 100..120),
+            ("tinyllama-1.1b", 1090..1110),
+            ("smollm2-135m", 134..136),
+        ] {
+            let (c, _) = preset(name).unwrap();
+            c.validate().unwrap();
+            let (h, kv) = (c.hidden_size, c.num_kv_heads * c.head_dim);
+            let layer = 2 * h * h + 2 * h * kv + 3 * h * c.intermediate_size + 2 * h;
+            let heads = if c.tie_word_embeddings { 1 } else { 2 };
+            let count = (heads * c.vocab_size * h + c.num_layers * layer + h) / 1_000_000;
+            assert!(millions.contains(&count), "{name}: {count}M parameters");
+        }
+        assert!(preset("gpt-5").is_none());
     }
 }
