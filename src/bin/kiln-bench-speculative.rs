@@ -21,7 +21,7 @@ use anyhow::{Context, Result, bail};
 use clap::Parser;
 use kiln::backends::{self, BackendKind, IreeOptions};
 use kiln::speculation::{self, MAX_DRAFT_TOKENS, ProposerKind};
-use kiln_core::{Backend, Chat, Model, SamplingParams, generate, generate_speculative};
+use kiln_core::{Backend, Chat, SamplingParams, generate, generate_speculative};
 use serde::Serialize;
 
 #[derive(Parser)]
@@ -221,23 +221,6 @@ fn timed(run: impl FnOnce(&mut dyn FnMut()) -> Result<Vec<u32>>) -> Result<Timed
     })
 }
 
-/// The backend, with every module the run will use loaded first so that no
-/// compilation or load is timed.
-fn open<'m>(model: &'m Model, args: &Args) -> Result<Box<dyn Backend + 'm>> {
-    #[cfg(feature = "xla-iree")]
-    if args.backend != BackendKind::Cpu {
-        let mut backend = backends::open_iree(model, args.backend, &args.iree)?;
-        let max_k = args.draft_tokens.iter().copied().max().unwrap_or(0);
-        let mut kinds = backend.module_kinds();
-        kinds.extend(kiln_xla::prepared::append_module_kinds(max_k));
-        for kind in kinds {
-            backend.load(kind)?;
-        }
-        return Ok(Box::new(backend));
-    }
-    backends::open(model, args.backend, &args.iree)
-}
-
 fn main() -> std::process::ExitCode {
     match run() {
         Ok(()) => std::process::ExitCode::SUCCESS,
@@ -287,7 +270,10 @@ fn run() -> Result<()> {
         )?;
         drafts.push((kind, draft));
     }
-    let mut backend = open(&model, &args)?;
+    // Every module the run uses is loaded first (the model's and each draft
+    // model's), so that no compilation or load is timed.
+    let max_k = args.draft_tokens.iter().copied().max();
+    let mut backend = backends::open_loaded(&model, args.backend, &args.iree, max_k)?;
     println!(
         "{:<10} {:>6} {:<14} {:>2} {:>5} {:>6} {:>8} {:>8} {:>10} {:>10} {:>7} {:>8} {:>8} {:>8}  identical",
         "prompt",
@@ -337,8 +323,9 @@ fn run() -> Result<()> {
         let greedy_steps = greedy_passes.one;
         for (kind, draft) in &drafts {
             for &k in &args.draft_tokens {
-                let mut proposer =
-                    speculation::proposer(*kind, draft.as_ref(), args.backend, &args.iree)?;
+                let mut proposer = speculation::proposer_on(*kind, draft.as_ref(), |draft| {
+                    backends::open_loaded(draft, args.backend, &args.iree, max_k)
+                })?;
                 let mut stats = None;
                 let mut passes = PassTimer::new(backend.as_mut());
                 let speculative = timed(|tick| {
