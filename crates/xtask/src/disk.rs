@@ -8,33 +8,29 @@ use std::path::{Path, PathBuf};
 
 use crate::pins::repo_root;
 
-/// The most the suite occupied at once, measured from a fresh clone with
-/// `.ci/run`'s settings (see docs/gate.md), rounded up: the build folder,
-/// the IREE cache inside it and the gate's scratch copies together.
-const PEAK_GIB: f64 = 24.0;
-/// The same without the aarch64 steps (`--skip-aarch64`).
-const PEAK_GIB_WITHOUT_AARCH64: f64 = 20.0;
+/// The most the suite occupied at once, rounded up: 7.7 GiB (the file
+/// system's used space sampled every minute) in a `.ci/run` from a fresh
+/// clone, aarch64 steps included, with `.ci/run`'s settings (no incremental
+/// state, line tables only): the build folders, the IREE cache inside the
+/// clone and the gate's and repro's scratch copies together. With full
+/// debug info the debug folder alone is about twice as large (docs/gate.md).
+const PEAK_GIB: f64 = 10.0;
 
 /// Prints a warning (not an error: the figure is an estimate, and a warm
 /// build folder needs less) when the build folder's file system has less
 /// free space than the suite has been measured to use.
-pub fn warn_if_short(with_aarch64: bool) {
-    let need = if with_aarch64 {
-        PEAK_GIB
-    } else {
-        PEAK_GIB_WITHOUT_AARCH64
-    };
+pub fn warn_if_short() {
     let target = target_dir();
     match free_gib(&target) {
-        Some(free) if free < need => eprintln!(
+        Some(free) if free < PEAK_GIB => eprintln!(
             "xtask test: WARNING: {free:.1} GiB free on the file system of {}, and a run from \
-             a fresh clone has used up to {need:.0} GiB; free some space, or point \
+             a fresh clone has used up to {PEAK_GIB:.0} GiB; free some space, or point \
              CARGO_TARGET_DIR at a larger disk, before a step dies with 'No space left on device'",
             target.display()
         ),
         Some(free) => eprintln!(
             "xtask test: {free:.1} GiB free on the file system of {} (a fresh run uses up to \
-             {need:.0} GiB)",
+             {PEAK_GIB:.0} GiB)",
             target.display()
         ),
         None => {}

@@ -16,7 +16,7 @@ use crate::{compiler, disk, tools};
 /// Every step of the suite, in order; the first failure stops it. With
 /// `with_aarch64`, the GB10's architecture too (cross-built, emulated).
 pub fn run(cache: &Cache, pins: &Pins, with_aarch64: bool) -> Result<()> {
-    disk::warn_if_short(with_aarch64);
+    disk::warn_if_short();
     let toolbox = step("setup: system packages and pinned tools", || {
         crate::setup::run(cache)
     })?;
