@@ -27,7 +27,10 @@ fn fixture(name: &str) -> Model {
 }
 
 fn backend(model: &Model) -> IreeBackend<'_> {
-    let graph = GraphOptions::for_target(Target::LlvmCpu, None, None);
+    backend_with(model, GraphOptions::for_target(Target::LlvmCpu, None, None))
+}
+
+fn backend_with(model: &Model, graph: GraphOptions) -> IreeBackend<'_> {
     let compiler = Compiler::from_env().unwrap_or_else(|e| panic!("{e}"));
     IreeBackend::new(
         model,
@@ -112,7 +115,16 @@ fn alone(model: &Model, prompt: &[u32], max_tokens: usize) -> Vec<u32> {
 /// a free slot once it has arrived; returns each request's tokens and the
 /// largest number of sequences that stepped together.
 fn batched(model: &Model, slots: usize, requests: &[Request]) -> (Vec<Vec<u32>>, usize) {
-    let mut decoder = BatchedDecoder::new(backend(model), slots).unwrap();
+    batched_on(backend(model), slots, requests)
+}
+
+/// [`batched`] on a given backend.
+fn batched_on(
+    backend: IreeBackend<'_>,
+    slots: usize,
+    requests: &[Request],
+) -> (Vec<Vec<u32>>, usize) {
+    let mut decoder = BatchedDecoder::new(backend, slots).unwrap();
     let mut out: Vec<Vec<u32>> = vec![Vec::new(); requests.len()];
     let mut queue: VecDeque<usize> = VecDeque::new();
     let mut in_slot: Vec<Option<usize>> = vec![None; slots];
@@ -160,8 +172,14 @@ fn batched(model: &Model, slots: usize, requests: &[Request]) -> (Vec<Vec<u32>>,
 fn batching_equals_alone(model: &Model) {
     let requests = requests(model);
     let (together, widest) = batched(model, 4, &requests);
+    equal_alone(model, &requests, &together, widest);
+}
+
+/// Each request's batched tokens equal its tokens decoded alone, and all 4
+/// slots were busy at some step.
+fn equal_alone(model: &Model, requests: &[Request], together: &[Vec<u32>], widest: usize) {
     assert_eq!(widest, 4, "the slots were all busy at some step");
-    for (r, (request, tokens)) in requests.iter().zip(&together).enumerate() {
+    for (r, (request, tokens)) in requests.iter().zip(together).enumerate() {
         let expected_len = request
             .cancel_after
             .unwrap_or(usize::MAX)
@@ -188,6 +206,23 @@ fn untied_gqa_fixture_batched_equals_alone() {
 #[test]
 fn tied_mqa_fixture_batched_equals_alone() {
     batching_equals_alone(&fixture("llama-mqa-tied"));
+}
+
+/// The batched step with each KV head's query group padded with zero heads
+/// (what the CUDA target does to groups under 8) gives the unpadded
+/// single-sequence tokens.
+#[test]
+fn padded_attention_groups_batched_equal_alone() {
+    for name in ["llama-gqa-untied", "llama-mqa-tied"] {
+        let model = fixture(name);
+        let graph = GraphOptions {
+            attention_rows: 8,
+            ..GraphOptions::for_target(Target::LlvmCpu, None, None)
+        };
+        let requests = requests(&model);
+        let (together, widest) = batched_on(backend_with(&model, graph), 4, &requests);
+        equal_alone(&model, &requests, &together, widest);
+    }
 }
 
 /// The most slots a decoder takes, all busy at once: 40 requests of

@@ -134,6 +134,23 @@ impl FromStr for WeightLayout {
 pub struct GraphOptions {
     pub precision: Precision,
     pub layout: WeightLayout,
+    /// The fewest query rows per KV head the attention products compute:
+    /// a smaller group is padded with zero rows (see [`attention_rows_for`]).
+    pub attention_rows: usize,
+}
+
+/// The fewest query rows per KV head for which `target`'s code generation
+/// runs the attention products well. On CUDA, IREE gives a product with
+/// fewer than 8 rows a 32-thread SIMT configuration: SmolLM2's group of 3
+/// query heads took 163 µs per q·K product at one row, TinyLlama's group of
+/// 8 took 3 µs with tensor-core MMA (`iree-compile
+/// --iree-hal-dump-executable-configurations-to`; 4 rows still got SIMT;
+/// docs/perf-notes.md). The CPU's code has no such cliff: no padding.
+pub fn attention_rows_for(target: Target) -> usize {
+    match target {
+        Target::Cuda => 8,
+        Target::LlvmCpu => 1,
+    }
 }
 
 impl GraphOptions {
@@ -146,6 +163,7 @@ impl GraphOptions {
         GraphOptions {
             precision: precision.unwrap_or_else(|| Precision::default_for(target)),
             layout: layout.unwrap_or_else(|| WeightLayout::default_for(target)),
+            attention_rows: attention_rows_for(target),
         }
     }
 }

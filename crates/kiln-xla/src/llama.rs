@@ -116,6 +116,7 @@ struct Dims {
     /// The element type of weights and caches.
     storage: Ty,
     layout: WeightLayout,
+    attention_rows: usize,
 }
 
 fn dims(c: &ModelConfig, g: &GraphOptions) -> Dims {
@@ -127,6 +128,7 @@ fn dims(c: &ModelConfig, g: &GraphOptions) -> Dims {
         layers: c.num_layers,
         storage: g.precision.storage(),
         layout: g.layout,
+        attention_rows: g.attention_rows,
     }
 }
 
@@ -208,15 +210,50 @@ fn attention(f: &mut Function, dm: &Dims, q: &Val, k: &Val, v_t: &Val, visible: 
     let n = q.shape[0];
     let t = k.shape[1];
     let group = dm.heads / dm.kv_heads;
+    let padded = padded_group(dm, group, n);
     let q = f.convert(q, dm.storage);
     let q = f.reshape(&q, &[n, dm.kv_heads, group, dm.d]);
+    let q = pad_rows(f, &q, 2, padded);
     let q = f.transpose(&q, &[1, 2, 0, 3]);
     let scores = f.dot(&q, k, (&[0], &[0]), (&[3], &[2]), Ty::F32);
     let probs = masked_softmax(f, dm, &scores, visible, &[2, 3]);
     debug_assert_eq!(v_t.shape[2], t);
     let out = f.dot(&probs, v_t, (&[0], &[0]), (&[3], &[2]), Ty::F32);
+    let out = first_rows(f, &out, 1, group);
     let out = f.transpose(&out, &[2, 0, 1, 3]);
     f.reshape(&out, &[n, dm.heads * dm.d])
+}
+
+/// The query rows each KV head's products compute for `n` rows of a group
+/// of `group` heads: the group padded with zero heads until `group × n`
+/// reaches `dm.attention_rows` ([`crate::graph::attention_rows_for`] says
+/// why). The padded heads' results are sliced away.
+fn padded_group(dm: &Dims, group: usize, n: usize) -> usize {
+    if group * n >= dm.attention_rows {
+        group
+    } else {
+        dm.attention_rows.div_ceil(n)
+    }
+}
+
+/// `x` padded with zeros along `dim` to `rows` (no op when it has them).
+fn pad_rows(f: &mut Function, x: &Val, dim: usize, rows: usize) -> Val {
+    if x.shape[dim] == rows {
+        return x.clone();
+    }
+    let mut high = vec![0; x.shape.len()];
+    high[dim] = rows - x.shape[dim];
+    f.pad_high(x, 0.0, &high)
+}
+
+/// The first `rows` of `x` along `dim` (no op when it has no more).
+fn first_rows(f: &mut Function, x: &Val, dim: usize, rows: usize) -> Val {
+    if x.shape[dim] == rows {
+        return x.clone();
+    }
+    let mut limit = x.shape.clone();
+    limit[dim] = rows;
+    f.slice(x, &vec![0; limit.len()], &limit)
 }
 
 /// Attention of one query row per sequence slot: `q` `[b, heads, d]` against
@@ -227,17 +264,20 @@ fn attention(f: &mut Function, dm: &Dims, q: &Val, k: &Val, v_t: &Val, visible: 
 fn slot_attention(f: &mut Function, dm: &Dims, q: &Val, k: &Val, v_t: &Val, visible: &Val) -> Val {
     let (b, t) = (q.shape[0], k.shape[2]);
     let (kv, group, d) = (dm.kv_heads, dm.heads / dm.kv_heads, dm.d);
+    let padded = padded_group(dm, group, 1);
     // Slots and KV heads merged into one batch dimension (free reshapes):
     // with two, IREE transposes both caches before each product.
     let q = f.convert(q, dm.storage);
     let q = f.reshape(&q, &[b * kv, group, d]);
+    let q = pad_rows(f, &q, 1, padded);
     let k = f.reshape(k, &[b * kv, t, d]);
     let scores = f.dot(&q, &k, (&[0], &[0]), (&[2], &[2]), Ty::F32);
-    let scores = f.reshape(&scores, &[b, kv, group, t]);
+    let scores = f.reshape(&scores, &[b, kv, padded, t]);
     let probs = masked_softmax(f, dm, &scores, visible, &[0, 3]);
-    let probs = f.reshape(&probs, &[b * kv, group, t]);
+    let probs = f.reshape(&probs, &[b * kv, padded, t]);
     let v_t = f.reshape(v_t, &[b * kv, d, t]);
     let out = f.dot(&probs, &v_t, (&[0], &[0]), (&[2], &[2]), Ty::F32);
+    let out = first_rows(f, &out, 1, group);
     f.reshape(&out, &[b, dm.heads * d])
 }
 
@@ -673,4 +713,79 @@ pub fn admit_slot_module(
     slots: usize,
 ) -> String {
     module(&[admit_slot(c, g, context, slots)])
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::graph::Precision;
+    use crate::{Target, graph::attention_rows_for};
+
+    fn config(heads: usize, kv_heads: usize) -> ModelConfig {
+        ModelConfig {
+            hidden_size: heads * 8,
+            intermediate_size: 32,
+            num_layers: 1,
+            num_heads: heads,
+            num_kv_heads: kv_heads,
+            head_dim: 8,
+            vocab_size: 16,
+            rms_norm_eps: 1e-5,
+            rope_theta: 10000.0,
+            rope_scaling: None,
+            tie_word_embeddings: false,
+            max_position_embeddings: 64,
+            bos_token_id: None,
+            eos_token_ids: vec![],
+        }
+    }
+
+    fn graph(target: Target) -> GraphOptions {
+        GraphOptions::for_target(target, Some(Precision::F16), None)
+    }
+
+    /// The q·K product's query operand (`[kv, rows, n, d]`) as it appears
+    /// in the module text.
+    fn pads_queries_to(module: &str, shape: &str) -> bool {
+        module
+            .lines()
+            .any(|l| l.contains("stablehlo.pad") && l.ends_with(shape))
+    }
+
+    #[test]
+    fn cuda_pads_small_query_groups_to_eight_rows() {
+        assert_eq!(attention_rows_for(Target::Cuda), 8);
+        // SmolLM2's group of 3: one decode row padded to 8 heads; the
+        // batched step's slots too; a 4-row multi-token step has 12 rows.
+        let smol = config(9, 3);
+        let cuda = graph(Target::Cuda);
+        assert!(pads_queries_to(
+            &decode_module(&smol, &cuda, 64),
+            "tensor<1x3x8x8xf16>"
+        ));
+        assert!(pads_queries_to(
+            &decode_batch_module(&smol, &cuda, 64, 4, 4),
+            "tensor<12x8x8xf16>"
+        ));
+        let unpadded = GraphOptions {
+            attention_rows: 1,
+            ..cuda
+        };
+        assert_eq!(
+            append_module(&smol, &cuda, 64, 4),
+            append_module(&smol, &unpadded, 64, 4)
+        );
+        // Two rows of 3 heads: padded to 4 heads, 8 rows.
+        assert!(pads_queries_to(
+            &append_module(&smol, &cuda, 64, 2),
+            "tensor<2x3x4x8xf16>"
+        ));
+        // TinyLlama's group of 8 is left alone, as is every group on the CPU.
+        let tiny = config(32, 4);
+        assert_eq!(
+            decode_module(&tiny, &cuda, 64),
+            decode_module(&tiny, &unpadded, 64)
+        );
+        assert_eq!(attention_rows_for(Target::LlvmCpu), 1);
+    }
 }
