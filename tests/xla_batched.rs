@@ -14,7 +14,7 @@ use kiln_core::sampling::argmax;
 use kiln_core::{Backend, Model};
 use kiln_xla::{
     BatchedDecoder, Buckets, Choice, Compiler, GraphOptions, IreeBackend, ModuleCache, SlotOutput,
-    Target,
+    Target, WeightLayout,
 };
 
 const CONTEXT: usize = 64;
@@ -208,16 +208,18 @@ fn tied_mqa_fixture_batched_equals_alone() {
     batching_equals_alone(&fixture("llama-mqa-tied"));
 }
 
-/// The batched step with each KV head's query group padded with zero heads
-/// (what the CUDA target does to groups under 8) gives the unpadded
-/// single-sequence tokens.
+/// The batched step with the CUDA target's graph choices (each KV head's
+/// query group padded to 8 rows, the norm weights folded into the next
+/// matrices, `[out, in]` weights) gives the CPU target's single-sequence
+/// tokens.
 #[test]
-fn padded_attention_groups_batched_equal_alone() {
+fn cuda_graph_choices_batched_equal_alone() {
     for name in ["llama-gqa-untied", "llama-mqa-tied"] {
         let model = fixture(name);
         let graph = GraphOptions {
             attention_rows: 8,
-            ..GraphOptions::for_target(Target::LlvmCpu, None, None)
+            fold_norms: true,
+            ..GraphOptions::for_target(Target::LlvmCpu, None, Some(WeightLayout::OutIn))
         };
         let requests = requests(&model);
         let (together, widest) = batched_on(backend_with(&model, graph), 4, &requests);

@@ -204,26 +204,49 @@ fn both_weight_layouts_give_the_same_model() {
     }
 }
 
-/// The attention products with each KV head's query group padded with zero
-/// heads (what the CUDA target does to groups under 8 rows) give the same
-/// model: the padded rows are sliced away before they reach anything.
+/// The CUDA target's graph choices, run on the CPU: each KV head's query
+/// group padded with zero heads, and the RMSNorm weights folded into the
+/// next matrices with the one-row products in f32 (`[out, in]` weights, as
+/// on CUDA). They give the same model: at f32 within the f32 bound, at f16
+/// within [`F16_BOUND`] of the reference on the rounded weights. (Each
+/// choice alone also passed when it was added.)
 #[test]
-fn padded_attention_groups_give_the_same_model() {
+fn the_cuda_graph_choices_give_the_same_model() {
     for name in ["llama-gqa-untied", "llama-mqa-tied"] {
-        let model = fixture(name);
-        let graph = GraphOptions {
-            attention_rows: 8,
-            ..GraphOptions::for_target(Target::LlvmCpu, Some(Precision::F32), None)
-        };
-        let mut xla = open(
-            &model,
-            "local-task",
-            Target::LlvmCpu,
-            graph,
-            default_cache(),
-        )
-        .unwrap_or_else(|e| panic!("{e}"));
-        agrees(&model, &mut xla, 1e-4, 8);
+        for (attention_rows, fold_norms) in [(8, true)] {
+            for precision in [Precision::F32, Precision::F16] {
+                let model = match precision {
+                    Precision::F32 => fixture(name),
+                    _ => rounded_to_f16(&fixture(name)),
+                };
+                let graph = GraphOptions {
+                    attention_rows,
+                    fold_norms,
+                    ..GraphOptions::for_target(
+                        Target::LlvmCpu,
+                        Some(precision),
+                        Some(WeightLayout::OutIn),
+                    )
+                };
+                let mut xla = open(
+                    &model,
+                    "local-task",
+                    Target::LlvmCpu,
+                    graph,
+                    default_cache(),
+                )
+                .unwrap_or_else(|e| panic!("{e}"));
+                let bound = if precision == Precision::F32 {
+                    1e-4
+                } else {
+                    F16_BOUND
+                };
+                let worst = agrees(&model, &mut xla, bound, 8);
+                println!(
+                    "{name} {precision} rows {attention_rows} folded {fold_norms}: worst {worst:e}"
+                );
+            }
+        }
     }
 }
 

@@ -79,21 +79,45 @@ fn weight_arguments<'w>(w: &'w Weights, graph: &GraphOptions) -> Vec<Cow<'w, [f3
         },
     };
     let matrix = |m: &'w Matrix| layout(Cow::Borrowed(m));
-    let stacked = |ms: &[&Matrix]| layout(Cow::Owned(stack_rows(ms)));
+    // A matrix after an RMSNorm, with the norm's weight folded into its
+    // input columns when the graph folds norms.
+    let after_norm = |m: Matrix, norm: &[f32]| {
+        layout(Cow::Owned(if graph.fold_norms {
+            scale_columns(m, norm)
+        } else {
+            m
+        }))
+    };
     let mut args = vec![Cow::Borrowed(w.embed.data.as_slice())];
     for l in &w.layers {
         args.extend([
             Cow::Borrowed(l.attn_norm.as_slice()),
-            stacked(&[&l.wq, &l.wk, &l.wv]),
+            after_norm(stack_rows(&[&l.wq, &l.wk, &l.wv]), &l.attn_norm),
             matrix(&l.wo),
             Cow::Borrowed(l.mlp_norm.as_slice()),
-            stacked(&[&l.w_gate, &l.w_up]),
+            after_norm(stack_rows(&[&l.w_gate, &l.w_up]), &l.mlp_norm),
             matrix(&l.w_down),
         ]);
     }
     args.push(Cow::Borrowed(w.final_norm.as_slice()));
-    args.push(matrix(w.output()));
+    args.push(if graph.fold_norms {
+        after_norm(w.output().clone(), &w.final_norm)
+    } else {
+        matrix(w.output())
+    });
     args
+}
+
+/// `[out, in]` `m` with input column i multiplied by `scale[i]`: `m ·
+/// diag(scale)`, an RMSNorm weight folded into the product after it.
+fn scale_columns(mut m: Matrix, scale: &[f32]) -> Matrix {
+    debug_assert_eq!(m.cols, scale.len());
+    for row in m.data.chunks_exact_mut(m.cols) {
+        for (w, s) in row.iter_mut().zip(scale) {
+            *w *= s;
+        }
+    }
+    m
 }
 
 /// `[out, in]` matrices of one input width stacked into one.

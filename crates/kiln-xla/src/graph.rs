@@ -137,6 +137,22 @@ pub struct GraphOptions {
     /// The fewest query rows per KV head the attention products compute:
     /// a smaller group is padded with zero rows (see [`attention_rows_for`]).
     pub attention_rows: usize,
+    /// Each RMSNorm's weight is folded into the matrix after it (on upload)
+    /// and its 1/rms scale applied to that product's output, so that no
+    /// kernel normalises the rows themselves (see [`fold_norms_for`]).
+    pub fold_norms: bool,
+}
+
+/// Whether `target` folds the RMSNorm weights into the next matrix. On CUDA
+/// a decode step is bound by how many kernels it issues (about 6 µs of host
+/// work each on the H200, docs/perf-notes.md), and a normalised row is a
+/// kernel of its own per norm: folding leaves only the sum of squares, and
+/// the one-row product reads the f32 row directly (IREE fuses the weights'
+/// widening into the matrix-vector kernel), 45 kernels fewer per
+/// TinyLlama step (363 → 318, `iree-compile --compile-to=flow`). The CPU
+/// is not bound that way: its graph stays as it was.
+pub fn fold_norms_for(target: Target) -> bool {
+    matches!(target, Target::Cuda)
 }
 
 /// The fewest query rows per KV head for which `target`'s code generation
@@ -164,6 +180,7 @@ impl GraphOptions {
             precision: precision.unwrap_or_else(|| Precision::default_for(target)),
             layout: layout.unwrap_or_else(|| WeightLayout::default_for(target)),
             attention_rows: attention_rows_for(target),
+            fold_norms: fold_norms_for(target),
         }
     }
 }

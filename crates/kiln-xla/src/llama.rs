@@ -7,7 +7,10 @@
 //! views, no copies). One buffer instead of ~200 cuts the per-call cost of
 //! passing arguments. The backend uploads it once and passes it to every
 //! call. Weights and caches are stored at the [`GraphOptions`]' precision;
-//! everything else is f32.
+//! everything else is f32. With [`GraphOptions::fold_norms`] (CUDA), the
+//! matrix after each RMSNorm arrives with the norm's weight already folded
+//! into its input columns (the backend does it on upload), and the graph
+//! applies only the 1/rms scale.
 //!
 //! - `prefill_*(input, length: i32, cos, sin, weights…) -> (logits[V], k, v)`:
 //!   `input` is `[S]` token ids or `[S, H]` embeddings, the first `length`
@@ -117,6 +120,13 @@ struct Dims {
     storage: Ty,
     layout: WeightLayout,
     attention_rows: usize,
+    fold_norms: bool,
+    /// Folded norms: the rows go into the products in f32, not rounded to
+    /// the storage precision. True for the step functions, whose few rows
+    /// must all see the same arithmetic (a speculative step's rows must
+    /// give the one-row step's tokens); prefill keeps f16 rows for the
+    /// tensor cores.
+    rows_in_f32: bool,
 }
 
 fn dims(c: &ModelConfig, g: &GraphOptions) -> Dims {
@@ -129,11 +139,32 @@ fn dims(c: &ModelConfig, g: &GraphOptions) -> Dims {
         storage: g.precision.storage(),
         layout: g.layout,
         attention_rows: g.attention_rows,
+        fold_norms: g.fold_norms,
+        rows_in_f32: true,
+    }
+}
+
+/// RMSNorm'd f32 rows `[n, h]`, in the form the product after the norm
+/// takes them.
+enum Normed {
+    /// The normalised rows.
+    Rows(Val),
+    /// The raw rows and their 1/rms (`[n]`): the norm's weight is folded
+    /// into the next matrix ([`GraphOptions::fold_norms`]) and the scale
+    /// applied to the product's output.
+    Folded { x: Val, inv_rms: Val },
+}
+
+impl Normed {
+    fn rows(&self) -> usize {
+        match self {
+            Normed::Rows(x) | Normed::Folded { x, .. } => x.shape[0],
+        }
     }
 }
 
 /// RMSNorm of f32 rows `[n, h]`, in f32.
-fn rms_norm(f: &mut Function, x: &Val, weight: &Val, eps: f32) -> Val {
+fn rms_norm(f: &mut Function, dm: &Dims, x: &Val, weight: &Val, eps: f32) -> Normed {
     let (n, h) = (x.shape[0], x.shape[1]);
     let squares = f.binary("multiply", x, x);
     let sum = f.reduce("add", &squares, &[1], 0.0);
@@ -142,11 +173,47 @@ fn rms_norm(f: &mut Function, x: &Val, weight: &Val, eps: f32) -> Val {
     let eps = f.constant(eps.into(), &[n], Ty::F32);
     let shifted = f.binary("add", &mean, &eps);
     let scale = f.unary("rsqrt", &shifted);
+    if dm.fold_norms {
+        return Normed::Folded {
+            x: x.clone(),
+            inv_rms: scale,
+        };
+    }
     let scale = f.broadcast(&scale, &[n, h], &[0]);
     let normed = f.binary("multiply", x, &scale);
     let weight = f.convert(weight, Ty::F32);
     let weight = f.broadcast(&weight, &[n, h], &[1]);
-    f.binary("multiply", &normed, &weight)
+    Normed::Rows(f.binary("multiply", &normed, &weight))
+}
+
+/// `normed · w`, the product after an RMSNorm. Folded, one row is
+/// multiplied in f32 against the widened weights: IREE fuses the widening
+/// into the matrix-vector kernel, where rounding the row to f16 first would
+/// be a kernel of its own.
+fn linear_normed(f: &mut Function, dm: &Dims, normed: &Normed, w: &Val) -> Val {
+    let (x, inv_rms) = match normed {
+        Normed::Rows(x) => return linear(f, dm, x, w),
+        Normed::Folded { x, inv_rms } => (x, inv_rms),
+    };
+    if dm.rows_in_f32 && dm.layout == WeightLayout::OutIn {
+        let wide = f.convert(w, Ty::F32);
+        let out = if x.shape[0] == 1 {
+            let row = f.reshape(x, &[x.shape[1]]);
+            let out = f.dot(&wide, &row, (&[], &[]), (&[1], &[0]), Ty::F32);
+            f.reshape(&out, &[1, w.shape[0]])
+        } else {
+            f.dot(x, &wide, (&[], &[]), (&[1], &[1]), Ty::F32)
+        };
+        let scale = f.broadcast(inv_rms, &out.shape, &[0]);
+        f.binary("multiply", &out, &scale)
+    } else {
+        // Several rows: a product IREE runs on tensor cores wants them
+        // rounded to the storage precision, which is a kernel anyway, so
+        // the rows are scaled there (their norm weight is in `w`).
+        let scale = f.broadcast(inv_rms, &x.shape, &[0]);
+        let normed = f.binary("multiply", x, &scale);
+        linear(f, dm, &normed, w)
+    }
 }
 
 /// `x · w` of f32 rows `x` `[n, in]`: `x` is rounded to the weights'
@@ -309,8 +376,8 @@ fn masked_softmax(
     f.convert(&probs, dm.storage)
 }
 
-fn mlp(f: &mut Function, dm: &Dims, x: &Val, gate_up: &Val, down: &Val) -> Val {
-    let both = linear(f, dm, x, gate_up);
+fn mlp(f: &mut Function, dm: &Dims, x: &Normed, gate_up: &Val, down: &Val) -> Val {
+    let both = linear_normed(f, dm, x, gate_up);
     let i = both.shape[1] / 2;
     let g = columns(f, &both, 0, i);
     let u = columns(f, &both, i, 2 * i);
@@ -322,8 +389,8 @@ fn mlp(f: &mut Function, dm: &Dims, x: &Val, gate_up: &Val, down: &Val) -> Val {
 
 /// Final norm and output projection of one row `[1, H]`; returns f32 `[V]`.
 fn logits(f: &mut Function, c: &ModelConfig, dm: &Dims, p: &Params, row: &Val) -> Val {
-    let normed = rms_norm(f, row, &p.final_norm, c.rms_norm_eps);
-    let out = linear(f, dm, &normed, &p.lm_head);
+    let normed = rms_norm(f, dm, row, &p.final_norm, c.rms_norm_eps);
+    let out = linear_normed(f, dm, &normed, &p.lm_head);
     f.reshape(&out, &[c.vocab_size])
 }
 
@@ -341,13 +408,13 @@ fn embed(f: &mut Function, p: &Params, ids: &Val) -> Val {
 fn project_qkv(
     f: &mut Function,
     dm: &Dims,
-    normed: &Val,
+    normed: &Normed,
     wqkv: &Val,
     rope_tables: &(Val, Val),
 ) -> (Val, Val, Val) {
-    let n = normed.shape[0];
+    let n = normed.rows();
     let (q_width, kv_width) = (dm.heads * dm.d, dm.kv_heads * dm.d);
-    let qkv = linear(f, dm, normed, wqkv);
+    let qkv = linear_normed(f, dm, normed, wqkv);
     let qkv = f.convert(&qkv, dm.storage);
     let qk = columns(f, &qkv, 0, q_width + kv_width);
     let v = columns(f, &qkv, q_width + kv_width, q_width + 2 * kv_width);
@@ -372,7 +439,7 @@ fn finish_layer(
     let [_, _, wo, mlp_norm, gate_up, down] = w;
     let projected = linear(f, dm, attended, wo);
     let x = f.binary("add", x, &projected);
-    let normed = rms_norm(f, &x, mlp_norm, c.rms_norm_eps);
+    let normed = rms_norm(f, dm, &x, mlp_norm, c.rms_norm_eps);
     let m = mlp(f, dm, &normed, gate_up, down);
     f.binary("add", &x, &m)
 }
@@ -385,7 +452,10 @@ fn prefill(
     context: usize,
     from_embeddings: bool,
 ) -> String {
-    let dm = dims(c, g);
+    let dm = Dims {
+        rows_in_f32: false,
+        ..dims(c, g)
+    };
     let name = if from_embeddings {
         "prefill_embeddings"
     } else {
@@ -417,7 +487,7 @@ fn prefill(
     let mut keys = Vec::new();
     let mut values = Vec::new();
     for w in &p.layers {
-        let normed = rms_norm(&mut f, &x, &w[0], c.rms_norm_eps);
+        let normed = rms_norm(&mut f, &dm, &x, &w[0], c.rms_norm_eps);
         let (q, k, v) = project_qkv(&mut f, &dm, &normed, &w[1], &rope_tables);
         // The caches' layouts: k [kv, t, d], v [kv, d, t].
         let k = f.transpose(&k, &[1, 0, 2]);
@@ -463,7 +533,7 @@ fn decode_step(c: &ModelConfig, g: &GraphOptions, context: usize) -> String {
 
     let mut x = embed(&mut f, &p, &token);
     for (l, w) in p.layers.iter().enumerate() {
-        let normed = rms_norm(&mut f, &x, &w[0], c.rms_norm_eps);
+        let normed = rms_norm(&mut f, &dm, &x, &w[0], c.rms_norm_eps);
         let (q, k, v) = project_qkv(&mut f, &dm, &normed, &w[1], &rope_tables);
         let layer = f.constant_i32(l as i32, &[]);
         let k = f.reshape(&k, &[1, kv, 1, dm.d]);
@@ -512,7 +582,7 @@ fn append_tokens(c: &ModelConfig, g: &GraphOptions, context: usize, rows: usize)
 
     let mut x = embed(&mut f, &p, &tokens);
     for (l, w) in p.layers.iter().enumerate() {
-        let normed = rms_norm(&mut f, &x, &w[0], c.rms_norm_eps);
+        let normed = rms_norm(&mut f, &dm, &x, &w[0], c.rms_norm_eps);
         let (q, k, v) = project_qkv(&mut f, &dm, &normed, &w[1], &rope_tables);
         let layer = f.constant_i32(l as i32, &[]);
         let k = f.transpose(&k, &[1, 0, 2]);
@@ -528,8 +598,8 @@ fn append_tokens(c: &ModelConfig, g: &GraphOptions, context: usize, rows: usize)
         let attended = attention(&mut f, &dm, &q, &keys, &values, &visible);
         x = finish_layer(&mut f, c, &dm, &x, &attended, w);
     }
-    let normed = rms_norm(&mut f, &x, &p.final_norm, c.rms_norm_eps);
-    let logits = linear(&mut f, &dm, &normed, &p.lm_head);
+    let normed = rms_norm(&mut f, &dm, &x, &p.final_norm, c.rms_norm_eps);
+    let logits = linear_normed(&mut f, &dm, &normed, &p.lm_head);
     let next = f.argmax_rows(&logits);
     f.finish(&[&logits, &next, &k_cache, &v_cache])
 }
@@ -583,7 +653,7 @@ fn decode_batch(
 
     let mut x = embed(&mut f, &p, &tokens);
     for (l, w) in p.layers.iter().enumerate() {
-        let normed = rms_norm(&mut f, &x, &w[0], c.rms_norm_eps);
+        let normed = rms_norm(&mut f, &dm, &x, &w[0], c.rms_norm_eps);
         let (q, k, v) = project_qkv(&mut f, &dm, &normed, &w[1], &rope_tables);
         let at = layer_rows(&mut f, &key_at, l);
         let table = f.reshape(&k_cache, &[key_rows, d]);
@@ -602,8 +672,8 @@ fn decode_batch(
         let attended = slot_attention(&mut f, &dm, &q, &keys, &values, &visible);
         x = finish_layer(&mut f, c, &dm, &x, &attended, w);
     }
-    let normed = rms_norm(&mut f, &x, &p.final_norm, c.rms_norm_eps);
-    let logits = linear(&mut f, &dm, &normed, &p.lm_head);
+    let normed = rms_norm(&mut f, &dm, &x, &p.final_norm, c.rms_norm_eps);
+    let logits = linear_normed(&mut f, &dm, &normed, &p.lm_head);
     let next = f.argmax_rows(&logits);
     let ones = f.constant_i32(1, &[rows]);
     let next_positions = f.binary("add", &positions, &ones);
