@@ -81,30 +81,27 @@ fn weight_arguments<'w>(w: &'w Weights, graph: &GraphOptions) -> Vec<Cow<'w, [f3
     let matrix = |m: &'w Matrix| layout(Cow::Borrowed(m));
     // A matrix after an RMSNorm, with the norm's weight folded into its
     // input columns when the graph folds norms.
-    let after_norm = |m: Matrix, norm: &[f32]| {
-        layout(Cow::Owned(if graph.fold_norms {
-            scale_columns(m, norm)
+    let after_norm = |m: Cow<'w, Matrix>, norm: &[f32]| {
+        layout(if graph.fold_norms {
+            Cow::Owned(scale_columns(m.into_owned(), norm))
         } else {
             m
-        }))
+        })
     };
+    let stacked = |ms: &[&Matrix]| Cow::Owned(stack_rows(ms));
     let mut args = vec![Cow::Borrowed(w.embed.data.as_slice())];
     for l in &w.layers {
         args.extend([
             Cow::Borrowed(l.attn_norm.as_slice()),
-            after_norm(stack_rows(&[&l.wq, &l.wk, &l.wv]), &l.attn_norm),
+            after_norm(stacked(&[&l.wq, &l.wk, &l.wv]), &l.attn_norm),
             matrix(&l.wo),
             Cow::Borrowed(l.mlp_norm.as_slice()),
-            after_norm(stack_rows(&[&l.w_gate, &l.w_up]), &l.mlp_norm),
+            after_norm(stacked(&[&l.w_gate, &l.w_up]), &l.mlp_norm),
             matrix(&l.w_down),
         ]);
     }
     args.push(Cow::Borrowed(w.final_norm.as_slice()));
-    args.push(if graph.fold_norms {
-        after_norm(w.output().clone(), &w.final_norm)
-    } else {
-        matrix(w.output())
-    });
+    args.push(after_norm(Cow::Borrowed(w.output()), &w.final_norm));
     args
 }
 

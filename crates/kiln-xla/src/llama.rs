@@ -197,17 +197,11 @@ fn linear_normed(f: &mut Function, dm: &Dims, normed: &Normed, w: &Val) -> Val {
     };
     if dm.rows_in_f32 && dm.layout == WeightLayout::OutIn {
         let wide = f.convert(w, Ty::F32);
-        let out = if x.shape[0] == 1 {
-            let row = f.reshape(x, &[x.shape[1]]);
-            let out = f.dot(&wide, &row, (&[], &[]), (&[1], &[0]), Ty::F32);
-            f.reshape(&out, &[1, w.shape[0]])
-        } else {
-            f.dot(x, &wide, (&[], &[]), (&[1], &[1]), Ty::F32)
-        };
+        let out = product(f, dm.layout, x, &wide);
         let scale = f.broadcast(inv_rms, &out.shape, &[0]);
         f.binary("multiply", &out, &scale)
     } else {
-        // Several rows: a product IREE runs on tensor cores wants them
+        // Prefill: a product IREE runs on tensor cores wants its rows
         // rounded to the storage precision, which is a kernel anyway, so
         // the rows are scaled there (their norm weight is in `w`).
         let scale = f.broadcast(inv_rms, &x.shape, &[0]);
@@ -220,15 +214,21 @@ fn linear_normed(f: &mut Function, dm: &Dims, normed: &Normed, w: &Val) -> Val {
 /// precision and the product accumulates in f32.
 fn linear(f: &mut Function, dm: &Dims, x: &Val, w: &Val) -> Val {
     let x = f.convert(x, dm.storage);
-    match dm.layout {
-        WeightLayout::InOut => f.dot(&x, w, (&[], &[]), (&[1], &[0]), Ty::F32),
+    product(f, dm.layout, &x, w)
+}
+
+/// `x · w` of rows `x` `[n, in]` and weights `w` of one element type, laid
+/// out as `layout` says; accumulated in f32.
+fn product(f: &mut Function, layout: WeightLayout, x: &Val, w: &Val) -> Val {
+    match layout {
+        WeightLayout::InOut => f.dot(x, w, (&[], &[]), (&[1], &[0]), Ty::F32),
         // One row: a matrix-vector product with the weight on the left.
         WeightLayout::OutIn if x.shape[0] == 1 => {
-            let row = f.reshape(&x, &[x.shape[1]]);
+            let row = f.reshape(x, &[x.shape[1]]);
             let out = f.dot(w, &row, (&[], &[]), (&[1], &[0]), Ty::F32);
             f.reshape(&out, &[1, w.shape[0]])
         }
-        WeightLayout::OutIn => f.dot(&x, w, (&[], &[]), (&[1], &[1]), Ty::F32),
+        WeightLayout::OutIn => f.dot(x, w, (&[], &[]), (&[1], &[1]), Ty::F32),
     }
 }
 
