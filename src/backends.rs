@@ -64,6 +64,11 @@ pub struct IreeOptions {
     /// several. For experiments: kiln's defaults are the measured best.
     #[arg(long, value_name = "FLAG", allow_hyphen_values = true)]
     pub iree_flag: Vec<String>,
+    /// Queue each greedy decode step only after reading the token before it,
+    /// rather than while the host reads it. For measuring the pipeline: the
+    /// tokens are the same either way.
+    #[arg(long)]
+    pub no_pipeline: bool,
 }
 
 pub fn open<'m>(
@@ -131,7 +136,7 @@ pub fn open_iree<'m>(
     } else {
         "local-task"
     };
-    let backend = IreeBackend::new(
+    let mut backend = IreeBackend::new(
         model,
         uri,
         target,
@@ -140,6 +145,7 @@ pub fn open_iree<'m>(
         ModuleCache::default_location()?,
         buckets(model, options)?,
     )?;
+    backend.set_pipelined(!options.no_pipeline);
     Ok(backend)
 }
 

@@ -60,6 +60,11 @@ struct Args {
     /// `--iree-flags "" --iree-flags "--cuda_allow_inline_execution=true"`.
     #[arg(long, allow_hyphen_values = true)]
     iree_flags: Vec<String>,
+    /// Greedy pipeline settings to measure (repeat for several): `on`
+    /// queues each step while the host reads the token before it, `off`
+    /// only after (see `--no-pipeline`).
+    #[arg(long, value_parser = ["on", "off"], default_values_t = ["on".to_string()])]
+    pipeline: Vec<String>,
     /// Only compile the IREE modules the run would need into the module cache
     /// (needs the compiler, not the device), then stop.
     #[arg(long)]
@@ -100,9 +105,12 @@ impl Args {
         for precision in some_or_default(&self.precision) {
             for layout in some_or_default(&self.weight_layout) {
                 for flags in &flag_sets {
-                    let mut options = self.iree(precision.clone(), layout.clone());
-                    options.iree_flag = flags.split_whitespace().map(str::to_string).collect();
-                    out.push(options);
+                    for pipeline in &self.pipeline {
+                        let mut options = self.iree(precision.clone(), layout.clone());
+                        options.iree_flag = flags.split_whitespace().map(str::to_string).collect();
+                        options.no_pipeline = pipeline == "off";
+                        out.push(options);
+                    }
                 }
             }
         }
@@ -115,6 +123,7 @@ impl Args {
             precision,
             weight_layout,
             iree_flag: Vec::new(),
+            no_pipeline: false,
         }
     }
 }
@@ -129,6 +138,8 @@ struct Row {
     layout: String,
     /// IREE runtime flags the variant ran with.
     iree_flags: String,
+    /// Whether greedy steps were pipelined (`--pipeline`).
+    pipelined: bool,
     /// Bytes of weights a decode step must read at this precision (every
     /// matrix once, one embedding row), the numerator of the bandwidth bound.
     decode_weight_bytes: u64,
@@ -343,6 +354,7 @@ fn measure(
             precision: precision.clone(),
             layout: layout.clone(),
             iree_flags: options.iree_flag.join(" "),
+            pipelined: !options.no_pipeline,
             decode_weight_bytes: decode_weight_bytes(model, bytes_per_weight),
             prompt_tokens,
             prefill_tokens_per_s: prompt_tokens as f64 / prefill_s,
@@ -402,7 +414,7 @@ fn run() -> Result<()> {
     }
     let mut rows = Vec::new();
     println!(
-        "{:<14} {:>12} {:<10} {:<5} {:<7} {:>7} {:>14} {:>7} {:>13} {:>8}  IREE flags",
+        "{:<14} {:>12} {:<10} {:<5} {:<7} {:>7} {:>14} {:>7} {:>13} {:>8} {:<4}  IREE flags",
         "model",
         "parameters",
         "backend",
@@ -413,6 +425,7 @@ fn run() -> Result<()> {
         "decode",
         "decode tok/s",
         "setup s",
+        "pipe",
     );
     for spec in &args.model {
         let model = model(spec)?;
@@ -420,7 +433,7 @@ fn run() -> Result<()> {
             for options in args.variants(kind) {
                 for row in measure(&model, kind, &options, &args)? {
                     println!(
-                        "{:<14} {:>12} {:<10} {:<5} {:<7} {:>7} {:>14.1} {:>7} {:>13.1} {:>8.2}  {}",
+                        "{:<14} {:>12} {:<10} {:<5} {:<7} {:>7} {:>14.1} {:>7} {:>13.1} {:>8.2} {:<4}  {}",
                         row.model,
                         row.parameters,
                         row.backend,
@@ -431,6 +444,7 @@ fn run() -> Result<()> {
                         row.decode_tokens,
                         row.decode_tokens_per_s,
                         row.setup_s,
+                        if row.pipelined { "on" } else { "off" },
                         row.iree_flags
                     );
                     rows.push(row);

@@ -9,6 +9,7 @@
 #include <string.h>
 
 #include "iree/base/tooling/flags.h"
+#include "iree/modules/hal/types.h"
 #include "iree/runtime/api.h"
 
 struct kiln_iree_error {
@@ -44,6 +45,12 @@ struct kiln_iree_reader {
   iree_hal_device_t* device;
   iree_hal_buffer_t* staging;  // NULL until the first read
   iree_device_size_t capacity;
+  // The length of the read kiln_iree_reader_start queued; 0 when none is.
+  iree_device_size_t in_flight;
+};
+
+struct kiln_iree_fence {
+  iree_hal_fence_t* fence;
 };
 
 // An error with a plain message (no IREE status behind it).
@@ -383,6 +390,33 @@ kiln_iree_error* kiln_iree_call_invoke(kiln_iree_call* call) {
       iree_runtime_call_invoke(&call->call, /*flags=*/0), "invoking");
 }
 
+// Appends |fence| (NULL: a null reference, which async functions read as
+// "nothing to wait for") to the call's inputs.
+static iree_status_t kiln_iree_call_push_fence(kiln_iree_call* call,
+                                               kiln_iree_fence* fence) {
+  iree_vm_ref_t ref = iree_vm_ref_null();
+  if (fence) ref = iree_hal_fence_retain_ref(fence->fence);
+  return iree_vm_list_push_ref_move(iree_runtime_call_inputs(&call->call),
+                                    &ref);
+}
+
+kiln_iree_error* kiln_iree_call_invoke_async(kiln_iree_call* call,
+                                             kiln_iree_fence* wait,
+                                             kiln_iree_fence* signal) {
+  if (!signal) {
+    return kiln_iree_error_new(IREE_STATUS_INVALID_ARGUMENT, "invoking",
+                               "an asynchronous call needs a signal fence");
+  }
+  iree_status_t status = kiln_iree_call_push_fence(call, wait);
+  if (iree_status_is_ok(status)) {
+    status = kiln_iree_call_push_fence(call, signal);
+  }
+  if (iree_status_is_ok(status)) {
+    status = iree_runtime_call_invoke(&call->call, /*flags=*/0);
+  }
+  return kiln_iree_error_from_status(status, "invoking");
+}
+
 size_t kiln_iree_call_output_count(kiln_iree_call* call) {
   return iree_vm_list_size(iree_runtime_call_outputs(&call->call));
 }
@@ -515,6 +549,11 @@ kiln_iree_error* kiln_iree_reader_read(kiln_iree_reader* reader,
                                "reading an output tensor",
                                "the tensor lives on another device");
   }
+  if (reader->in_flight) {
+    return kiln_iree_error_new(IREE_STATUS_FAILED_PRECONDITION,
+                               "reading an output tensor",
+                               "the reader has a read in flight");
+  }
   if (length == 0) return NULL;
   iree_status_t status = kiln_iree_reader_reserve(reader, length);
   if (iree_status_is_ok(status)) {
@@ -529,6 +568,104 @@ kiln_iree_error* kiln_iree_reader_read(kiln_iree_reader* reader,
     status = iree_hal_buffer_map_read(reader->staging, 0, target, length);
   }
   return kiln_iree_error_from_status(status, "reading an output tensor");
+}
+
+kiln_iree_error* kiln_iree_reader_start(kiln_iree_reader* reader,
+                                        kiln_iree_tensor* tensor,
+                                        kiln_iree_fence* after,
+                                        kiln_iree_fence* done) {
+  if (tensor->device != reader->device) {
+    return kiln_iree_error_new(IREE_STATUS_INVALID_ARGUMENT,
+                               "reading an output tensor",
+                               "the tensor lives on another device");
+  }
+  if (reader->in_flight) {
+    return kiln_iree_error_new(IREE_STATUS_FAILED_PRECONDITION,
+                               "reading an output tensor",
+                               "the reader has a read in flight");
+  }
+  iree_device_size_t length =
+      iree_hal_buffer_view_byte_length(tensor->view);
+  if (length == 0) {
+    return kiln_iree_error_new(IREE_STATUS_INVALID_ARGUMENT,
+                               "reading an output tensor",
+                               "the tensor is empty");
+  }
+  iree_status_t status = kiln_iree_reader_reserve(reader, length);
+  if (iree_status_is_ok(status)) {
+    iree_hal_semaphore_list_t wait =
+        after ? iree_hal_fence_semaphore_list(after->fence)
+              : iree_hal_semaphore_list_empty();
+    status = iree_hal_device_queue_copy(
+        reader->device, IREE_HAL_QUEUE_AFFINITY_ANY, wait,
+        iree_hal_fence_semaphore_list(done->fence),
+        iree_hal_buffer_view_buffer(tensor->view), 0, reader->staging, 0,
+        length, IREE_HAL_COPY_FLAG_NONE);
+  }
+  if (iree_status_is_ok(status)) reader->in_flight = length;
+  return kiln_iree_error_from_status(status, "reading an output tensor");
+}
+
+kiln_iree_error* kiln_iree_reader_finish(kiln_iree_reader* reader,
+                                         kiln_iree_fence* done, void* target,
+                                         size_t length) {
+  if (!reader->in_flight) {
+    return kiln_iree_error_new(IREE_STATUS_FAILED_PRECONDITION,
+                               "reading an output tensor",
+                               "no read is in flight");
+  }
+  if (length != reader->in_flight) {
+    return kiln_iree_error_new(IREE_STATUS_INVALID_ARGUMENT,
+                               "reading an output tensor",
+                               "the target's length is not the tensor's");
+  }
+  iree_status_t status = iree_hal_fence_wait(
+      done->fence, iree_infinite_timeout(), IREE_HAL_WAIT_FLAG_DEFAULT);
+  // Failed or not, the staging buffer is free for the next read.
+  reader->in_flight = 0;
+  if (iree_status_is_ok(status)) {
+    status = iree_hal_buffer_map_read(reader->staging, 0, target, length);
+  }
+  return kiln_iree_error_from_status(status, "reading an output tensor");
+}
+
+kiln_iree_error* kiln_iree_fence_create(kiln_iree_device* device,
+                                        kiln_iree_fence** out_fence) {
+  *out_fence = NULL;
+  kiln_iree_fence* fence = calloc(1, sizeof(*fence));
+  if (!fence) {
+    return kiln_iree_error_new(IREE_STATUS_RESOURCE_EXHAUSTED,
+                               "creating a fence", "out of memory");
+  }
+  iree_hal_semaphore_t* semaphore = NULL;
+  iree_status_t status = iree_hal_semaphore_create(
+      device->device, IREE_HAL_QUEUE_AFFINITY_ANY, 0,
+      IREE_HAL_SEMAPHORE_FLAG_DEFAULT, &semaphore);
+  if (iree_status_is_ok(status)) {
+    status = iree_hal_fence_create_at(
+        semaphore, 1, iree_hal_device_host_allocator(device->device),
+        &fence->fence);
+  }
+  iree_hal_semaphore_release(semaphore);
+  if (!iree_status_is_ok(status)) {
+    free(fence);
+    return kiln_iree_error_from_status(status, "creating a fence");
+  }
+  *out_fence = fence;
+  return NULL;
+}
+
+kiln_iree_error* kiln_iree_fence_wait(kiln_iree_fence* fence) {
+  return kiln_iree_error_from_status(
+      iree_hal_fence_wait(fence->fence, iree_infinite_timeout(),
+                          IREE_HAL_WAIT_FLAG_DEFAULT),
+      "waiting for queued work");
+}
+
+void kiln_iree_fence_release(kiln_iree_fence* fence) {
+  if (!fence) return;
+  iree_hal_fence_release(fence->fence);
+  free(fence);
 }
 
 void kiln_iree_reader_release(kiln_iree_reader* reader) {

@@ -22,6 +22,7 @@ typedef struct kiln_iree_module kiln_iree_module;
 typedef struct kiln_iree_call kiln_iree_call;
 typedef struct kiln_iree_tensor kiln_iree_tensor;
 typedef struct kiln_iree_reader kiln_iree_reader;
+typedef struct kiln_iree_fence kiln_iree_fence;
 
 // Element types kiln exchanges with modules.
 typedef enum kiln_iree_element_type {
@@ -86,6 +87,14 @@ kiln_iree_error* kiln_iree_call_create(kiln_iree_module* module,
 kiln_iree_error* kiln_iree_call_push_tensor(kiln_iree_call* call,
                                             kiln_iree_tensor* tensor);
 kiln_iree_error* kiln_iree_call_invoke(kiln_iree_call* call);
+// Invokes a function compiled with --iree-execution-model=async-external
+// (which takes a wait and a signal fence after its tensors) and returns once
+// its work is queued: the work starts after |wait| (NULL: at once) and
+// signals |signal| when done. Its outputs may feed later work that waits on
+// |signal|; their contents are defined once |signal| is reached.
+kiln_iree_error* kiln_iree_call_invoke_async(kiln_iree_call* call,
+                                             kiln_iree_fence* wait,
+                                             kiln_iree_fence* signal);
 // How many outputs the invoked call has left to pop.
 size_t kiln_iree_call_output_count(kiln_iree_call* call);
 // Takes the next output; it must be a tensor (buffer view).
@@ -123,7 +132,28 @@ kiln_iree_error* kiln_iree_reader_create(kiln_iree_device* device,
 kiln_iree_error* kiln_iree_reader_read(kiln_iree_reader* reader,
                                        kiln_iree_tensor* tensor, void* target,
                                        size_t length);
+// The two halves of a read that overlaps other queued work: _start queues
+// the copy of |tensor| into the staging buffer after |after| (NULL: at once)
+// and signals |done|; _finish waits for |done| and copies the staging buffer
+// into |target| (the tensor's byte length, as given to _start). One read is
+// in flight at a time: a read or a second start before _finish is an error.
+kiln_iree_error* kiln_iree_reader_start(kiln_iree_reader* reader,
+                                        kiln_iree_tensor* tensor,
+                                        kiln_iree_fence* after,
+                                        kiln_iree_fence* done);
+kiln_iree_error* kiln_iree_reader_finish(kiln_iree_reader* reader,
+                                         kiln_iree_fence* done, void* target,
+                                         size_t length);
 void kiln_iree_reader_release(kiln_iree_reader* reader);
+
+// A fence of |device|: one point on a new timeline, reached when the work
+// that signals it completes.
+kiln_iree_error* kiln_iree_fence_create(kiln_iree_device* device,
+                                        kiln_iree_fence** out_fence);
+// Blocks until the fence is reached; an error if the work that signals it
+// failed.
+kiln_iree_error* kiln_iree_fence_wait(kiln_iree_fence* fence);
+void kiln_iree_fence_release(kiln_iree_fence* fence);
 
 #ifdef __cplusplus
 }  // extern "C"

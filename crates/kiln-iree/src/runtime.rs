@@ -221,8 +221,13 @@ impl Device {
             .map_err(iree_error)?;
         Ok(Reader {
             raw: NonNull::new(raw).expect("the shim returns a handle on success"),
-            _device: Arc::clone(&self.raw),
+            device: Arc::clone(&self.raw),
         })
+    }
+
+    /// A new fence of this device (see [`Module::invoke_async`]).
+    pub fn fence(&self) -> Result<Fence> {
+        Fence::new(&self.raw)
     }
 
     pub fn upload(&self, tensor: &Tensor) -> Result<DeviceTensor> {
@@ -368,7 +373,7 @@ impl DeviceTensor {
 pub struct Reader {
     raw: NonNull<ffi::kiln_iree_reader>,
     /// Keeps the device (and its instance) alive while the reader is.
-    _device: Arc<RawDevice>,
+    device: Arc<RawDevice>,
 }
 
 // SAFETY: the reader is used through `&mut self` only, so never from two
@@ -401,6 +406,50 @@ impl Reader {
         };
         Tensor::from_bytes(tensor.shape(), ty, &bytes)
     }
+
+    /// Queues a copy of `tensor` to the host that starts once `after` is
+    /// reached (if given), so that later work can be queued behind it before
+    /// the copy is waited for; [`Reader::finish`] waits and returns the
+    /// tensor. One read is in flight at a time: until it is finished,
+    /// another start or read is an error.
+    pub fn start(&mut self, tensor: &DeviceTensor, after: Option<&Fence>) -> Result<PendingRead> {
+        let done = Fence::new(&self.device)?;
+        let after = after.map_or(std::ptr::null_mut(), |f| f.raw.as_ptr());
+        // SAFETY: the reader, the tensor and the fences are live.
+        check(unsafe {
+            ffi::kiln_iree_reader_start(
+                self.raw.as_ptr(),
+                tensor.raw.as_ptr(),
+                after,
+                done.raw.as_ptr(),
+            )
+        })
+        .map_err(iree_error)?;
+        Ok(PendingRead {
+            done,
+            shape: tensor.shape(),
+            element_type: tensor.element_type()?,
+            // SAFETY: the tensor handle is live.
+            length: unsafe { ffi::kiln_iree_tensor_byte_length(tensor.raw.as_ptr()) },
+        })
+    }
+
+    /// Waits for a read [`Reader::start`] queued and returns its tensor.
+    pub fn finish(&mut self, read: PendingRead) -> Result<Tensor> {
+        let mut bytes = vec![0u8; read.length];
+        // SAFETY: the reader and the fence are live; the target has the
+        // length the read was started with.
+        check(unsafe {
+            ffi::kiln_iree_reader_finish(
+                self.raw.as_ptr(),
+                read.done.raw.as_ptr(),
+                bytes.as_mut_ptr().cast(),
+                bytes.len(),
+            )
+        })
+        .map_err(iree_error)?;
+        Tensor::from_bytes(read.shape, read.element_type, &bytes)
+    }
 }
 
 impl Module {
@@ -430,6 +479,39 @@ impl Module {
     /// Calls `function` with tensors already on the device (of this module's
     /// device); the outputs stay there.
     pub fn invoke(&self, function: &str, inputs: &[&DeviceTensor]) -> Result<Vec<DeviceTensor>> {
+        let call = self.prepare_call(function, inputs)?;
+        // SAFETY: the call is live and holds its inputs.
+        check(unsafe { ffi::kiln_iree_call_invoke(call.0.as_ptr()) }).map_err(iree_error)?;
+        self.outputs(&call)
+    }
+
+    /// Queues a call of `function`, a function compiled with
+    /// `--iree-execution-model=async-external`, and returns without waiting
+    /// for it: its work starts once `after` is reached (if given) and
+    /// signals the returned fence when done. The outputs' contents are
+    /// defined only from that fence on: pass them to later work that waits
+    /// on it ([`Module::invoke_async`], [`Reader::start`]), or wait for it
+    /// ([`Fence::wait`]) before any other use.
+    pub fn invoke_async(
+        &self,
+        function: &str,
+        inputs: &[&DeviceTensor],
+        after: Option<&Fence>,
+    ) -> Result<(Vec<DeviceTensor>, Fence)> {
+        let call = self.prepare_call(function, inputs)?;
+        let done = self.device.fence()?;
+        let after = after.map_or(std::ptr::null_mut(), |f| f.raw.as_ptr());
+        // SAFETY: the call and both fences are live; the call takes its own
+        // references to the fences.
+        check(unsafe {
+            ffi::kiln_iree_call_invoke_async(call.0.as_ptr(), after, done.raw.as_ptr())
+        })
+        .map_err(iree_error)?;
+        Ok((self.outputs(&call)?, done))
+    }
+
+    /// A call of `function` holding `inputs`.
+    fn prepare_call(&self, function: &str, inputs: &[&DeviceTensor]) -> Result<Call> {
         let c_function = c_string("function name", function)?;
         let mut raw = std::ptr::null_mut();
         // SAFETY: the module handle is live, the name is NUL-terminated and
@@ -453,8 +535,11 @@ impl Module {
             check(unsafe { ffi::kiln_iree_call_push_tensor(call.0.as_ptr(), input.raw.as_ptr()) })
                 .map_err(iree_error)?;
         }
-        // SAFETY: the call is live and holds its inputs.
-        check(unsafe { ffi::kiln_iree_call_invoke(call.0.as_ptr()) }).map_err(iree_error)?;
+        Ok(call)
+    }
+
+    /// An invoked call's outputs.
+    fn outputs(&self, call: &Call) -> Result<Vec<DeviceTensor>> {
         // SAFETY: the call is live.
         let count = unsafe { ffi::kiln_iree_call_output_count(call.0.as_ptr()) };
         (0..count)
@@ -467,4 +552,52 @@ impl Module {
             })
             .collect()
     }
+}
+
+/// A point on a device's timeline, reached when the queued work that
+/// signals it completes.
+pub struct Fence {
+    raw: NonNull<ffi::kiln_iree_fence>,
+    /// Keeps the device alive while the fence is.
+    _device: Arc<RawDevice>,
+}
+
+// SAFETY: IREE fences and semaphores are thread-safe.
+unsafe impl Send for Fence {}
+
+impl Drop for Fence {
+    fn drop(&mut self) {
+        // SAFETY: the handle came from kiln_iree_fence_create and is released
+        // once; queued work holds its own references.
+        unsafe { ffi::kiln_iree_fence_release(self.raw.as_ptr()) }
+    }
+}
+
+impl Fence {
+    fn new(device: &Arc<RawDevice>) -> Result<Fence> {
+        let mut raw = std::ptr::null_mut();
+        // SAFETY: the device handle is live and `raw` a valid out-pointer.
+        check(unsafe { ffi::kiln_iree_fence_create(device.0.as_ptr(), &mut raw) })
+            .map_err(iree_error)?;
+        Ok(Fence {
+            raw: NonNull::new(raw).expect("the shim returns a handle on success"),
+            _device: Arc::clone(device),
+        })
+    }
+
+    /// Blocks until the fence is reached; an error if the work that signals
+    /// it failed.
+    pub fn wait(&self) -> Result<()> {
+        // SAFETY: the handle is live.
+        check(unsafe { ffi::kiln_iree_fence_wait(self.raw.as_ptr()) }).map_err(iree_error)
+    }
+}
+
+/// A read [`Reader::start`] queued; [`Reader::finish`] completes it.
+#[must_use = "the reader stays busy until the read is finished"]
+pub struct PendingRead {
+    done: Fence,
+    shape: Vec<i64>,
+    element_type: ElementType,
+    length: usize,
 }

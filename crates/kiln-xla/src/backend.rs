@@ -10,7 +10,7 @@ use std::collections::BTreeMap;
 use half::{bf16, f16};
 use kiln_core::weights::{Matrix, Weights};
 use kiln_core::{Backend, Model};
-use kiln_iree::{Device, DeviceTensor, Instance, Module, Reader, Tensor};
+use kiln_iree::{Device, DeviceTensor, Fence, Instance, Module, Reader, Tensor};
 
 use crate::compiler::{Compiler, Target};
 use crate::graph::{GraphOptions, Precision, WeightLayout};
@@ -61,6 +61,22 @@ pub enum ModuleKind {
     },
     /// The multi-token step of this many rows (speculative decoding).
     Append(usize),
+}
+
+/// The decode step's execution model: its function returns once its work is
+/// queued and takes a wait and a signal fence after its tensors, so kiln can
+/// queue the next greedy step while this one runs (see
+/// [`IreeBackend::decode_greedy`]).
+const ASYNC_EXTERNAL: &str = "--iree-execution-model=async-external";
+
+impl ModuleKind {
+    /// The iree-compile flags this kind adds to its target's.
+    pub fn compile_flags(self) -> &'static [&'static str] {
+        match self {
+            ModuleKind::Decode => &[ASYNC_EXTERNAL],
+            _ => &[],
+        }
+    }
 }
 
 /// The row counts the multi-token step is compiled for: an append of n
@@ -153,6 +169,18 @@ struct NextStep {
     position_tensor: DeviceTensor,
 }
 
+/// A decode step [`IreeBackend::decode_greedy`] queued ahead of its caller:
+/// it decodes `token` (the greedy choice of the step before, which the
+/// device fed it) at `position`, and is used if the caller continues with
+/// that token there.
+struct Queued {
+    token: u32,
+    position: usize,
+    /// `[logits, next token, next position]`, defined once the backend's
+    /// `kv_ready` fence is reached.
+    outputs: Vec<DeviceTensor>,
+}
+
 pub struct IreeBackend<'m> {
     model: &'m Model,
     name: String,
@@ -172,8 +200,15 @@ pub struct IreeBackend<'m> {
     sin: DeviceTensor,
     /// K and V caches `[layers, context, kv_heads, head_dim]` on the device.
     kv: Option<(DeviceTensor, DeviceTensor)>,
+    /// Reached when the last queued decode step, the caches' last writer,
+    /// is done; `None` when nothing is in flight.
+    kv_ready: Option<Fence>,
     position: usize,
     next: Option<NextStep>,
+    queued: Option<Queued>,
+    /// Whether greedy decoding queues each step before reading the token
+    /// of the one before (see [`IreeBackend::decode_greedy`]).
+    pipelined: bool,
 }
 
 impl<'m> IreeBackend<'m> {
@@ -229,13 +264,33 @@ impl<'m> IreeBackend<'m> {
             cos,
             sin,
             kv: None,
+            kv_ready: None,
             position: 0,
             next: None,
+            queued: None,
+            pipelined: true,
         })
     }
 
     pub fn buckets(&self) -> &Buckets {
         &self.buckets
+    }
+
+    /// Turns the greedy pipeline on (the default) or off: off, each greedy
+    /// step is queued only once the token before it is read, so the device
+    /// waits while the host reads and queues; the results are the same.
+    pub fn set_pipelined(&mut self, on: bool) {
+        self.pipelined = on;
+    }
+
+    /// Waits for queued decode steps and drops a step queued ahead: what
+    /// comes next may read the caches, or write them out of turn.
+    fn settle(&mut self) -> kiln_core::Result<()> {
+        self.queued = None;
+        if let Some(fence) = self.kv_ready.take() {
+            fence.wait().map_err(to_core)?;
+        }
+        Ok(())
     }
 
     /// Every module this backend can use.
@@ -274,6 +329,7 @@ impl<'m> IreeBackend<'m> {
         kv: Option<(DeviceTensor, DeviceTensor)>,
         outputs: usize,
     ) -> kiln_core::Result<Vec<DeviceTensor>> {
+        self.settle()?;
         self.load(kind)?;
         let module = &self.modules[&kind];
         let mut inputs: Vec<&DeviceTensor> = head.to_vec();
@@ -316,9 +372,11 @@ impl<'m> IreeBackend<'m> {
         self.read_logits(function, &outputs[0])
     }
 
-    /// One decode step; returns its outputs `[logits, next token, next
-    /// position]` after checking the context has room.
-    fn step(&mut self, token: u32) -> kiln_core::Result<Vec<DeviceTensor>> {
+    /// Queues one decode step of `token` at the current position, after
+    /// checking the context has room; returns its outputs `[logits, next
+    /// token, next position]`, defined once `kv_ready` is reached. The
+    /// position is the caller's to advance.
+    fn queue_step(&mut self, token: u32) -> kiln_core::Result<Vec<DeviceTensor>> {
         kiln_core::backend::check_tokens(self.model, &[token])?;
         if self.kv.is_none() {
             return Err(kiln_core::Error::Invalid("decode before prefill".into()));
@@ -339,16 +397,40 @@ impl<'m> IreeBackend<'m> {
                 (t, self.scalar(self.position)?)
             }
         };
-        let kv = self.kv.take();
-        let outputs = self.invoke(
-            ModuleKind::Decode,
-            "decode_step",
-            &[&token_tensor, &position_tensor],
-            kv,
-            5,
-        )?;
-        self.position += 1;
-        Ok(outputs)
+        self.queue_decode(&token_tensor, &position_tensor)
+    }
+
+    /// Queues `decode_step` on device-side inputs behind the last queued
+    /// step; the caches become its outputs and `kv_ready` its fence.
+    fn queue_decode(
+        &mut self,
+        token: &DeviceTensor,
+        position: &DeviceTensor,
+    ) -> kiln_core::Result<Vec<DeviceTensor>> {
+        const FUNCTION: &str = "decode_step";
+        self.load(ModuleKind::Decode)?;
+        let (k, v) = self
+            .kv
+            .as_ref()
+            .ok_or_else(|| kiln_core::Error::Invalid("decode before prefill".into()))?;
+        let inputs = [token, position, k, v, &self.cos, &self.sin, &self.weights];
+        let (mut results, done) = self.modules[&ModuleKind::Decode]
+            .invoke_async(FUNCTION, &inputs, self.kv_ready.as_ref())
+            .map_err(to_core)?;
+        // The step is queued and will write the caches: from here on they
+        // are its outputs, whatever the checks below find.
+        self.kv_ready = Some(done);
+        if results.len() != 5 {
+            self.kv = None;
+            return Err(unexpected_output(
+                FUNCTION,
+                format!("{} outputs, not 5", results.len()),
+            ));
+        }
+        let v = results.pop().expect("checked count");
+        let k = results.pop().expect("checked count");
+        self.kv = Some((k, v));
+        Ok(results)
     }
 
     pub(crate) fn scalar(&self, value: usize) -> kiln_core::Result<DeviceTensor> {
@@ -639,7 +721,10 @@ impl Backend for IreeBackend<'_> {
     }
 
     fn decode(&mut self, token: u32) -> kiln_core::Result<Vec<f32>> {
-        let outputs = self.step(token)?;
+        self.queued = None;
+        let outputs = self.queue_step(token)?;
+        self.position += 1;
+        self.settle()?;
         self.read_logits("decode_step", &outputs[0])
     }
 
@@ -660,17 +745,41 @@ impl Backend for IreeBackend<'_> {
             return Err(kiln_core::backend::rewind_past_end(len, self.position));
         }
         // Rows from `len` on stay on the device until overwritten; no
-        // later step sees them (each attends to `0..=its position`).
+        // later step sees them (each attends to `0..=its position`). A step
+        // queued ahead wrote one such row; the next step waits for it.
         self.position = len;
         self.next = None;
+        self.queued = None;
         Ok(())
     }
 
+    /// One greedy step, pipelined: the step for `token` (queued by the
+    /// call before, if that call's choice was `token`) is followed on the
+    /// device by a copy of its chosen token and by the next step, which
+    /// takes that token and position from the device; only then does the
+    /// host wait for the token. The device thus runs the next step while the
+    /// host reads this one's token, returns it and is called again. A step
+    /// queued for a token the caller does not continue with is dropped: it
+    /// wrote only the cache row at the next position, which the step that
+    /// comes there overwrites.
     fn decode_greedy(&mut self, token: u32) -> kiln_core::Result<u32> {
-        let mut outputs = self.step(token)?;
+        let mut outputs = match self.queued.take() {
+            Some(q) if q.token == token && q.position == self.position => q.outputs,
+            _ => self.queue_step(token)?,
+        };
+        self.position += 1;
         let position_tensor = outputs.pop().expect("three outputs");
         let token_tensor = outputs.pop().expect("three outputs");
-        let host = self.reader.read(&token_tensor).map_err(to_core)?;
+        let read = self
+            .reader
+            .start(&token_tensor, self.kv_ready.as_ref())
+            .map_err(to_core)?;
+        let ahead = (self.pipelined && self.position < self.buckets.context)
+            .then(|| self.queue_decode(&token_tensor, &position_tensor));
+        // Finish the read before any error of the step queued ahead: the
+        // reader stays busy until it is finished.
+        let host = self.reader.finish(read).map_err(to_core)?;
+        let ahead = ahead.transpose()?;
         let chosen = match host.as_i32() {
             Ok(&[chosen]) => chosen,
             Ok(other) => {
@@ -691,12 +800,31 @@ impl Backend for IreeBackend<'_> {
                      the logits are NaN (the weights or the precision overflowed)"
                 ))
             })?;
-        self.next = Some(NextStep {
-            token: next,
-            token_tensor,
-            position_tensor,
-        });
+        match ahead {
+            Some(outputs) => {
+                self.queued = Some(Queued {
+                    token: next,
+                    position: self.position,
+                    outputs,
+                })
+            }
+            None => {
+                self.next = Some(NextStep {
+                    token: next,
+                    token_tensor,
+                    position_tensor,
+                })
+            }
+        }
         Ok(next)
+    }
+}
+
+impl Drop for IreeBackend<'_> {
+    fn drop(&mut self) {
+        // Queued steps hold the caches and weights until done; wait rather
+        // than free the device under them. A failure was the step's own.
+        let _ = self.settle();
     }
 }
 

@@ -137,8 +137,9 @@ impl Compiler {
         self.native
     }
 
-    /// Compiles MLIR (StableHLO) text for `target`; returns the `.vmfb`.
-    pub fn compile(&self, mlir: &str, target: Target) -> Result<Vec<u8>> {
+    /// Compiles MLIR (StableHLO) text for `target` with `extra_flags` after
+    /// the target's; returns the `.vmfb`.
+    pub fn compile(&self, mlir: &str, target: Target, extra_flags: &[&str]) -> Result<Vec<u8>> {
         let dir = tempfile::tempdir().map_err(Error::Temp)?;
         let input = dir.path().join("module.mlir");
         let output = dir.path().join("module.vmfb");
@@ -146,6 +147,7 @@ impl Compiler {
         let result = Command::new(&self.path)
             .arg(&input)
             .args(target.flags(self.native))
+            .args(extra_flags)
             .arg("-o")
             .arg(&output)
             .output()

@@ -81,12 +81,26 @@ pub fn batch_module_kinds(slots: usize) -> Vec<ModuleKind> {
 
 /// The cache key of a module: the MLIR text, the target's flags (which
 /// depend on whether the compiler runs natively: see [`Target::flags`]) and
+/// the module kind's ([`ModuleKind::compile_flags`]),
 /// the machine they resolve to (the host CPU for native llvm-cpu), the
 /// compiler's identity — the IREE revision, which `Compiler` guarantees
 /// equals the runtime's — and the bucket.
-pub fn key(mlir: &str, bucket: &str, target: Target, native_compiler: bool) -> Result<String> {
+pub fn key(
+    mlir: &str,
+    bucket: &str,
+    target: Target,
+    extra_flags: &[&str],
+    native_compiler: bool,
+) -> Result<String> {
     let machine = target.machine_identity(native_compiler)?;
-    Ok(key_on(mlir, bucket, target, native_compiler, machine))
+    Ok(key_on(
+        mlir,
+        bucket,
+        target,
+        extra_flags,
+        native_compiler,
+        machine,
+    ))
 }
 
 /// [`key`] on a machine of the given identity.
@@ -94,10 +108,13 @@ fn key_on(
     mlir: &str,
     bucket: &str,
     target: Target,
+    extra_flags: &[&str],
     native_compiler: bool,
     machine: &str,
 ) -> String {
-    let flags = target.flags(native_compiler).join(" ");
+    let mut flags = target.flags(native_compiler).to_vec();
+    flags.extend_from_slice(extra_flags);
+    let flags = flags.join(" ");
     ModuleCache::key(&[mlir, &flags, machine, kiln_iree::RUNTIME_REVISION, bucket])
 }
 
@@ -118,9 +135,10 @@ pub fn obtain(
     // Without a compiler only the cache serves, with the key of modules
     // compiled on a machine of kiln's own architecture.
     let native_compiler = compiler.is_none_or(Compiler::is_native);
-    let key = key(&mlir, &bucket, target, native_compiler)?;
+    let extra_flags = kind.compile_flags();
+    let key = key(&mlir, &bucket, target, extra_flags, native_compiler)?;
     cache.get_or_compile(&key, || match compiler {
-        Some(compiler) => compiler.compile(&mlir, target),
+        Some(compiler) => compiler.compile(&mlir, target, extra_flags),
         None => Err(Error::NotPrepared {
             module: format!("{kind:?} for {target:?}"),
             cache: cache.dir().to_path_buf(),
@@ -190,19 +208,19 @@ mod tests {
     fn cpu_modules_of_different_cpus_have_different_keys() {
         let avx512 = crate::host_cpu::from_cpuinfo("flags: sse2 avx2 avx512f").unwrap();
         let avx2 = crate::host_cpu::from_cpuinfo("flags: sse2 avx2").unwrap();
-        let key = |target, machine| key_on("mlir", "decode:64", target, true, machine);
+        let key = |target, machine| key_on("mlir", "decode:64", target, &[], true, machine);
         assert_ne!(key(Target::LlvmCpu, &avx512), key(Target::LlvmCpu, &avx2));
     }
 
     #[test]
     fn generic_modules_of_another_architectures_compiler_have_their_own_key() {
-        let native = key("mlir", "decode:64", Target::LlvmCpu, true).unwrap();
-        let generic = key("mlir", "decode:64", Target::LlvmCpu, false).unwrap();
+        let native = key("mlir", "decode:64", Target::LlvmCpu, &[], true).unwrap();
+        let generic = key("mlir", "decode:64", Target::LlvmCpu, &[], false).unwrap();
         assert_ne!(native, generic);
         // `generic` code does not depend on the CPU the compiler runs on.
         assert_eq!(
             generic,
-            key_on("mlir", "decode:64", Target::LlvmCpu, false, "")
+            key_on("mlir", "decode:64", Target::LlvmCpu, &[], false, "")
         );
     }
 }
