@@ -43,7 +43,7 @@ fn the_pipeline_changes_no_token() {
         // To the end of the context, with no stop token: the last step has
         // no room to queue another behind it.
         let max_tokens = CONTEXT - prompt.len();
-        let mut run = |backend: &mut dyn Backend| {
+        let run = |backend: &mut dyn Backend| {
             generate(
                 backend,
                 &prompt,
