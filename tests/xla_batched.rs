@@ -210,16 +210,15 @@ fn tied_mqa_fixture_batched_equals_alone() {
 
 /// The batched step with the CUDA target's graph choices (each KV head's
 /// query group padded to 8 rows, the norm weights folded into the next
-/// matrices, `[out, in]` weights) gives the CPU target's single-sequence
-/// tokens.
+/// matrices, RoPE's half swap from the weights, `[out, in]` weights) gives
+/// the CPU target's single-sequence tokens.
 #[test]
 fn cuda_graph_choices_batched_equal_alone() {
     for name in ["llama-gqa-untied", "llama-mqa-tied"] {
         let model = fixture(name);
         let graph = GraphOptions {
-            attention_rows: 8,
-            fold_norms: true,
-            ..GraphOptions::for_target(Target::LlvmCpu, None, Some(WeightLayout::OutIn))
+            precision: kiln_xla::Precision::F32,
+            ..GraphOptions::for_target(Target::Cuda, None, Some(WeightLayout::OutIn))
         };
         let requests = requests(&model);
         let (together, widest) = batched_on(backend_with(&model, graph), 4, &requests);

@@ -205,29 +205,28 @@ fn both_weight_layouts_give_the_same_model() {
 }
 
 /// The CUDA target's graph choices, run on the CPU: each KV head's query
-/// group padded with zero heads, and the RMSNorm weights folded into the
-/// next matrices with the one-row products in f32 (`[out, in]` weights, as
-/// on CUDA). They give the same model: at f32 within the f32 bound, at f16
-/// within [`F16_BOUND`] of the reference on the rounded weights. (Each
-/// choice alone also passed when it was added.)
+/// group padded with zero heads, the RMSNorm weights folded into the next
+/// matrices with the one-row products in f32, and RoPE's half swap taken
+/// from half-swapped q/k rows of the weights (one-row steps; the others
+/// slice those rows away), in both weight layouts (CUDA's is `[out, in]`).
+/// They give the same model: at f32 within the f32 bound, at f16 within
+/// [`F16_BOUND`] of the reference on the rounded weights. (Each choice alone
+/// also passed when it was added.)
 #[test]
 fn the_cuda_graph_choices_give_the_same_model() {
     for name in ["llama-gqa-untied", "llama-mqa-tied"] {
-        for (attention_rows, fold_norms) in [(8, true)] {
+        for layout in WeightLayout::ALL {
             for precision in [Precision::F32, Precision::F16] {
                 let model = match precision {
                     Precision::F32 => fixture(name),
                     _ => rounded_to_f16(&fixture(name)),
                 };
-                let graph = GraphOptions {
-                    attention_rows,
-                    fold_norms,
-                    ..GraphOptions::for_target(
-                        Target::LlvmCpu,
-                        Some(precision),
-                        Some(WeightLayout::OutIn),
-                    )
-                };
+                let graph = GraphOptions::for_target(Target::Cuda, Some(precision), Some(layout));
+                assert_ne!(
+                    graph,
+                    GraphOptions::for_target(Target::LlvmCpu, Some(precision), Some(layout)),
+                    "the CUDA target makes graph choices of its own"
+                );
                 let mut xla = open(
                     &model,
                     "local-task",
@@ -242,9 +241,7 @@ fn the_cuda_graph_choices_give_the_same_model() {
                     F16_BOUND
                 };
                 let worst = agrees(&model, &mut xla, bound, 8);
-                println!(
-                    "{name} {precision} rows {attention_rows} folded {fold_norms}: worst {worst:e}"
-                );
+                println!("{name} {precision} {layout}, CUDA's graph: worst {worst:e}");
             }
         }
     }

@@ -573,6 +573,12 @@ impl Drop for Fence {
     }
 }
 
+impl std::fmt::Debug for Fence {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Fence").finish_non_exhaustive()
+    }
+}
+
 impl Fence {
     fn new(device: &Arc<RawDevice>) -> Result<Fence> {
         let mut raw = std::ptr::null_mut();
@@ -595,6 +601,7 @@ impl Fence {
 
 /// A read [`Reader::start`] queued; [`Reader::finish`] completes it.
 #[must_use = "the reader stays busy until the read is finished"]
+#[derive(Debug)]
 pub struct PendingRead {
     done: Fence,
     shape: Vec<i64>,

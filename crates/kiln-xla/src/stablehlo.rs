@@ -596,7 +596,7 @@ mod tests {
         let at = f.argmax(&x);
         let mlir = module(&[f.finish(&[&at])]);
         let compiler = Compiler::from_env().unwrap_or_else(|e| panic!("{e}"));
-        let vmfb = compiler.compile(&mlir, Target::LlvmCpu).unwrap();
+        let vmfb = compiler.compile(&mlir, Target::LlvmCpu, &[]).unwrap();
         let device = Instance::new().unwrap().device("local-task").unwrap();
         let module = device.load_module(&vmfb).unwrap();
         let run = |values: Vec<f32>| -> i32 {

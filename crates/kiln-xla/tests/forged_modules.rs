@@ -43,16 +43,20 @@ module {{
 /// so only the cache serves.
 fn backend_with(model: &Model, mlir: &str, cache_dir: &std::path::Path) -> IreeBackend<'static> {
     let compiler = Compiler::from_env().unwrap_or_else(|e| panic!("{e}"));
-    let vmfb = compiler
-        .compile(mlir, Target::LlvmCpu)
-        .unwrap_or_else(|e| panic!("{e}"));
     let graph = GraphOptions::for_target(Target::LlvmCpu, None, None);
     let cache = ModuleCache::at(cache_dir);
     for kind in [ModuleKind::Prefill(16), ModuleKind::Decode] {
+        // Compiled as the real module of its kind is (the decode step's
+        // execution model), so that it runs and only its outputs are wrong.
+        let flags = kind.compile_flags();
+        let vmfb = compiler
+            .compile(mlir, Target::LlvmCpu, flags)
+            .unwrap_or_else(|e| panic!("{e}"));
         let (real, bucket) = kiln_xla::prepared::source(&model.config, &graph, kind, CONTEXT);
         let key =
-            kiln_xla::prepared::key(&real, &bucket, Target::LlvmCpu, compiler.is_native()).unwrap();
-        cache.get_or_compile(&key, || Ok(vmfb.clone())).unwrap();
+            kiln_xla::prepared::key(&real, &bucket, Target::LlvmCpu, flags, compiler.is_native())
+                .unwrap();
+        cache.get_or_compile(&key, || Ok(vmfb)).unwrap();
     }
     let model: &'static Model = Box::leak(Box::new(Model::embedded()));
     IreeBackend::new(

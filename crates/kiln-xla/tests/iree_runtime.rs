@@ -48,7 +48,7 @@ fn vmfb() -> &'static [u8] {
     VMFB.get_or_init(|| {
         let compiler = Compiler::from_env().unwrap_or_else(|e| panic!("{e}"));
         compiler
-            .compile(MODULE, Target::LlvmCpu)
+            .compile(MODULE, Target::LlvmCpu, &[])
             .unwrap_or_else(|e| panic!("{e}"))
     })
 }
@@ -272,7 +272,7 @@ fn module_image_is_64_byte_aligned_and_its_constant_is_used() {
     );
     let compiler = Compiler::from_env().unwrap_or_else(|e| panic!("{e}"));
     let vmfb = compiler
-        .compile(&mlir, Target::LlvmCpu)
+        .compile(&mlir, Target::LlvmCpu, &[])
         .unwrap_or_else(|e| panic!("{e}"));
     assert!(vmfb.len() > 256 * 1024, "the module holds the table");
 
@@ -288,4 +288,71 @@ fn module_image_is_64_byte_aligned_and_its_constant_is_used() {
     let out = module.call("add_table", &[ones]).unwrap();
     let out = out[0].as_f32().unwrap();
     assert!(out.iter().zip(&table).all(|(o, t)| *o == t + 1.0));
+}
+
+/// The module compiled with `--iree-execution-model=async-external`: every
+/// function takes a wait and a signal fence after its tensors.
+fn async_vmfb() -> &'static [u8] {
+    static VMFB: OnceLock<Vec<u8>> = OnceLock::new();
+    VMFB.get_or_init(|| {
+        let compiler = Compiler::from_env().unwrap_or_else(|e| panic!("{e}"));
+        compiler
+            .compile(
+                MODULE,
+                Target::LlvmCpu,
+                &["--iree-execution-model=async-external"],
+            )
+            .unwrap_or_else(|e| panic!("{e}"))
+    })
+}
+
+/// Asynchronous calls chained on the device, each waiting on the one before,
+/// and their result read back through a pending read, as the greedy decode
+/// pipeline does; a second read while one is in flight is an error that
+/// leaves the first intact.
+fn chained_async_calls_on(uri: &str) {
+    let instance = Instance::new().unwrap();
+    let device = instance.device(uri).unwrap();
+    let module = device.load_module(async_vmfb()).unwrap();
+    let mut reader = device.reader().unwrap();
+    let one = device
+        .upload(&Tensor::f32(&[4], vec![1.0, 2.0, 3.0, 4.0]).unwrap())
+        .unwrap();
+    let mut sum = device
+        .upload(&Tensor::f32(&[4], vec![0.5; 4]).unwrap())
+        .unwrap();
+    let mut after = None;
+    for _ in 0..10 {
+        let (mut outputs, done) = module
+            .invoke_async("add", &[&sum, &one], after.as_ref())
+            .unwrap();
+        assert_eq!(outputs.len(), 1);
+        sum = outputs.pop().unwrap();
+        after = Some(done);
+    }
+    let read = reader.start(&sum, after.as_ref()).unwrap();
+    let busy = reader.start(&sum, None).unwrap_err().to_string();
+    assert!(busy.contains("in flight"), "{busy}");
+    let busy = reader.read(&one).unwrap_err().to_string();
+    assert!(busy.contains("in flight"), "{busy}");
+    let host = reader.finish(read).unwrap();
+    assert_eq!(host.as_f32().unwrap(), &[10.5, 20.5, 30.5, 40.5]);
+    // The reader is free again.
+    assert_eq!(
+        reader.read(&one).unwrap().as_f32().unwrap(),
+        &[1.0, 2.0, 3.0, 4.0]
+    );
+    // A synchronous call of an asynchronous function is an error (it lacks
+    // its fences), not a crash.
+    assert!(module.invoke("add", &[&sum, &one]).is_err());
+}
+
+#[test]
+fn chained_async_calls_on_local_task() {
+    chained_async_calls_on("local-task");
+}
+
+#[test]
+fn chained_async_calls_on_local_sync() {
+    chained_async_calls_on("local-sync");
 }
