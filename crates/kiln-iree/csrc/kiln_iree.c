@@ -539,11 +539,9 @@ static iree_status_t kiln_iree_reader_reserve(kiln_iree_reader* reader,
   return iree_ok_status();
 }
 
-kiln_iree_error* kiln_iree_reader_read(kiln_iree_reader* reader,
-                                       kiln_iree_tensor* tensor, void* target,
-                                       size_t length) {
-  kiln_iree_error* error = kiln_iree_check_read_length(tensor, length);
-  if (error) return error;
+// Whether |reader| can read |tensor| now: the same device, no read in flight.
+static kiln_iree_error* kiln_iree_reader_check(kiln_iree_reader* reader,
+                                               kiln_iree_tensor* tensor) {
   if (tensor->device != reader->device) {
     return kiln_iree_error_new(IREE_STATUS_INVALID_ARGUMENT,
                                "reading an output tensor",
@@ -554,6 +552,16 @@ kiln_iree_error* kiln_iree_reader_read(kiln_iree_reader* reader,
                                "reading an output tensor",
                                "the reader has a read in flight");
   }
+  return NULL;
+}
+
+kiln_iree_error* kiln_iree_reader_read(kiln_iree_reader* reader,
+                                       kiln_iree_tensor* tensor, void* target,
+                                       size_t length) {
+  kiln_iree_error* error = kiln_iree_check_read_length(tensor, length);
+  if (error) return error;
+  error = kiln_iree_reader_check(reader, tensor);
+  if (error) return error;
   if (length == 0) return NULL;
   iree_status_t status = kiln_iree_reader_reserve(reader, length);
   if (iree_status_is_ok(status)) {
@@ -574,16 +582,8 @@ kiln_iree_error* kiln_iree_reader_start(kiln_iree_reader* reader,
                                         kiln_iree_tensor* tensor,
                                         kiln_iree_fence* after,
                                         kiln_iree_fence* done) {
-  if (tensor->device != reader->device) {
-    return kiln_iree_error_new(IREE_STATUS_INVALID_ARGUMENT,
-                               "reading an output tensor",
-                               "the tensor lives on another device");
-  }
-  if (reader->in_flight) {
-    return kiln_iree_error_new(IREE_STATUS_FAILED_PRECONDITION,
-                               "reading an output tensor",
-                               "the reader has a read in flight");
-  }
+  kiln_iree_error* error = kiln_iree_reader_check(reader, tensor);
+  if (error) return error;
   iree_device_size_t length =
       iree_hal_buffer_view_byte_length(tensor->view);
   if (length == 0) {
