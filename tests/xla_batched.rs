@@ -210,8 +210,8 @@ fn tied_mqa_fixture_batched_equals_alone() {
 
 /// The batched step with the CUDA target's graph choices (each KV head's
 /// query group padded to 8 rows, the norm weights folded into the next
-/// matrices, RoPE's half swap from the weights, `[out, in]` weights) gives
-/// the CPU target's single-sequence tokens.
+/// matrices, `[out, in]` weights) gives the CPU target's single-sequence
+/// tokens.
 #[test]
 fn cuda_graph_choices_batched_equal_alone() {
     for name in ["llama-gqa-untied", "llama-mqa-tied"] {

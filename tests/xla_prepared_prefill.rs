@@ -205,10 +205,9 @@ fn both_weight_layouts_give_the_same_model() {
 }
 
 /// The CUDA target's graph choices, run on the CPU: each KV head's query
-/// group padded with zero heads, the RMSNorm weights folded into the next
-/// matrices with the one-row products in f32, and RoPE's half swap taken
-/// from half-swapped q/k rows of the weights (one-row steps; the others
-/// slice those rows away), in both weight layouts (CUDA's is `[out, in]`).
+/// group padded with zero heads, and the RMSNorm weights folded into the
+/// next matrices with the one-row products in f32, in both weight layouts
+/// (CUDA's is `[out, in]`).
 /// They give the same model: at f32 within the f32 bound, at f16 within
 /// [`F16_BOUND`] of the reference on the rounded weights. (Each choice alone
 /// also passed when it was added.)

@@ -8,7 +8,7 @@ use std::borrow::Cow;
 use std::collections::BTreeMap;
 
 use half::{bf16, f16};
-use kiln_core::weights::{LayerWeights, Matrix, Weights};
+use kiln_core::weights::{Matrix, Weights};
 use kiln_core::{Backend, Model};
 use kiln_iree::{Device, DeviceTensor, Fence, Instance, Module, Reader, Tensor};
 
@@ -86,11 +86,7 @@ pub const APPEND_ROWS: [usize; 3] = [4, 8, 16];
 /// The weight arguments, in [`crate::llama::weight_shapes`] order, at the graph's
 /// layout (precision is applied on upload). kiln-core holds matrices `[out,
 /// in]`; q/k/v and gate/up are stacked along the output dimension.
-fn weight_arguments<'w>(
-    w: &'w Weights,
-    graph: &GraphOptions,
-    head_dim: usize,
-) -> Vec<Cow<'w, [f32]>> {
+fn weight_arguments<'w>(w: &'w Weights, graph: &GraphOptions) -> Vec<Cow<'w, [f32]>> {
     let layout = |m: Cow<'w, Matrix>| match graph.layout {
         WeightLayout::InOut => Cow::Owned(m.transposed()),
         WeightLayout::OutIn => match m {
@@ -113,7 +109,7 @@ fn weight_arguments<'w>(
     for l in &w.layers {
         args.extend([
             Cow::Borrowed(l.attn_norm.as_slice()),
-            after_norm(qkv(l, graph.rope_in_weights, head_dim), &l.attn_norm),
+            after_norm(stacked(&[&l.wq, &l.wk, &l.wv]), &l.attn_norm),
             matrix(&l.wo),
             Cow::Borrowed(l.mlp_norm.as_slice()),
             after_norm(stacked(&[&l.w_gate, &l.w_up]), &l.mlp_norm),
@@ -137,36 +133,6 @@ fn scale_columns(mut m: Matrix, scale: &[f32]) -> Matrix {
     m
 }
 
-/// A layer's q, k and v matrices stacked; with `rope_in_weights`, followed
-/// by q and k with the halves of each `head_dim`-row head swapped (RoPE's
-/// rotate-half as rows of the product, [`crate::llama`]'s `project_qkv`).
-fn qkv(l: &LayerWeights, rope_in_weights: bool, head_dim: usize) -> Cow<'static, Matrix> {
-    let mut stacked = stack_rows(&[&l.wq, &l.wk, &l.wv]);
-    if rope_in_weights {
-        let qk = stack_rows(&[&l.wq, &l.wk]);
-        stacked.data.extend(swap_head_halves(&qk, head_dim).data);
-        stacked.rows += qk.rows;
-    }
-    Cow::Owned(stacked)
-}
-
-/// `[out, in]` `m` whose rows are heads of `head_dim` rows, with the two
-/// halves of each head swapped.
-fn swap_head_halves(m: &Matrix, head_dim: usize) -> Matrix {
-    debug_assert_eq!(m.rows % head_dim, 0);
-    let half = head_dim / 2 * m.cols;
-    let mut data = Vec::with_capacity(m.data.len());
-    for head in m.data.chunks_exact(head_dim * m.cols) {
-        data.extend_from_slice(&head[half..]);
-        data.extend_from_slice(&head[..half]);
-    }
-    Matrix {
-        rows: m.rows,
-        cols: m.cols,
-        data,
-    }
-}
-
 /// `[out, in]` matrices of one input width stacked into one.
 fn stack_rows(ms: &[&Matrix]) -> Matrix {
     Matrix {
@@ -179,8 +145,8 @@ fn stack_rows(ms: &[&Matrix]) -> Matrix {
 /// Every weight argument, concatenated in order and rounded to the graph's
 /// precision: the one weight buffer the modules take (see
 /// [`crate::llama::weight_shapes`]).
-fn packed_weights(w: &Weights, graph: &GraphOptions, head_dim: usize) -> kiln_iree::Result<Tensor> {
-    let parts = weight_arguments(w, graph, head_dim);
+fn packed_weights(w: &Weights, graph: &GraphOptions) -> kiln_iree::Result<Tensor> {
+    let parts = weight_arguments(w, graph);
     let total: usize = parts.iter().map(|p| p.len()).sum();
     let values = parts.iter().flat_map(|p| p.iter().copied());
     let shape = [total as i64];
@@ -269,7 +235,7 @@ impl<'m> IreeBackend<'m> {
                 .and_then(|t| device.upload(&t))
                 .map_err(to_core)
         };
-        let weights = packed_weights(&model.weights, &graph, model.config.head_dim)
+        let weights = packed_weights(&model.weights, &graph)
             .and_then(|t| device.upload(&t))
             .map_err(to_core)?;
         let (cos, sin) = model.config.rope_tables(buckets.context)?;

@@ -141,10 +141,6 @@ pub struct GraphOptions {
     /// and its 1/rms scale applied to that product's output, so that no
     /// kernel normalises the rows themselves (see [`fold_norms_for`]).
     pub fold_norms: bool,
-    /// The q/k matrix is uploaded a second time with each head's halves
-    /// swapped, so that one product gives RoPE both the rows and their
-    /// half-swapped copy (see [`rope_in_weights_for`]).
-    pub rope_in_weights: bool,
 }
 
 /// Whether `target` folds the RMSNorm weights into the next matrix. On CUDA
@@ -156,17 +152,6 @@ pub struct GraphOptions {
 /// TinyLlama step (363 → 318, `iree-compile --compile-to=flow`). The CPU
 /// is not bound that way: its graph stays as it was.
 pub fn fold_norms_for(target: Target) -> bool {
-    matches!(target, Target::Cuda)
-}
-
-/// Whether `target` takes RoPE's half swap from the weights. RoPE needs each
-/// head's q and k with their halves swapped; computed from the projection's
-/// output, the swap is a kernel of its own per layer on CUDA (IREE does not
-/// fuse the reversed read into the rotation). Swapping the rows of the q/k
-/// matrix instead, once on upload, and stacking them under the matrix makes
-/// the swapped rows part of the q/k/v product: one kernel fewer per layer,
-/// for 12 % more weight bytes per step on TinyLlama.
-pub fn rope_in_weights_for(target: Target) -> bool {
     matches!(target, Target::Cuda)
 }
 
@@ -196,7 +181,6 @@ impl GraphOptions {
             layout: layout.unwrap_or_else(|| WeightLayout::default_for(target)),
             attention_rows: attention_rows_for(target),
             fold_norms: fold_norms_for(target),
-            rope_in_weights: rope_in_weights_for(target),
         }
     }
 }

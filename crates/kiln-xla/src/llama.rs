@@ -47,13 +47,11 @@ use crate::stablehlo::{Function, Ty, Val, module};
 /// projection. Matrices are `[in, out]` or `[out, in]` as `layout` says.
 /// Fusing q/k/v and gate/up makes one larger matrix-vector product of each
 /// group per decode step instead of three or two small ones.
-pub fn weight_shapes(c: &ModelConfig, g: &GraphOptions) -> Vec<Vec<usize>> {
+pub fn weight_shapes(c: &ModelConfig, layout: WeightLayout) -> Vec<Vec<usize>> {
     let (h, i, v) = (c.hidden_size, c.intermediate_size, c.vocab_size);
     let q = c.num_heads * c.head_dim;
     let kv = c.num_kv_heads * c.head_dim;
-    // With RoPE in the weights, q/k/v is followed by q/k half-swapped.
-    let qkv = q + 2 * kv + if g.rope_in_weights { q + kv } else { 0 };
-    let matrix = |inputs: usize, outputs: usize| match g.layout {
+    let matrix = |inputs: usize, outputs: usize| match layout {
         WeightLayout::InOut => vec![inputs, outputs],
         WeightLayout::OutIn => vec![outputs, inputs],
     };
@@ -61,7 +59,7 @@ pub fn weight_shapes(c: &ModelConfig, g: &GraphOptions) -> Vec<Vec<usize>> {
     for _ in 0..c.num_layers {
         shapes.extend([
             vec![h],
-            matrix(h, qkv),
+            matrix(h, q + 2 * kv),
             matrix(q, h),
             vec![h],
             matrix(h, 2 * i),
@@ -84,7 +82,7 @@ struct Params {
 
 /// The packed weight parameter, sliced and reshaped into the weights.
 fn weight_params(f: &mut Function, c: &ModelConfig, g: &GraphOptions) -> Params {
-    let shapes = weight_shapes(c, g);
+    let shapes = weight_shapes(c, g.layout);
     let total: usize = shapes.iter().map(|s| s.iter().product::<usize>()).sum();
     let all = f.param(&[total], g.precision.storage());
     let mut offset = 0;
@@ -123,7 +121,6 @@ struct Dims {
     layout: WeightLayout,
     attention_rows: usize,
     fold_norms: bool,
-    rope_in_weights: bool,
     /// Folded norms: the rows go into the products in f32, not rounded to
     /// the storage precision. True for the step functions, whose few rows
     /// must all see the same arithmetic (a speculative step's rows must
@@ -143,7 +140,6 @@ fn dims(c: &ModelConfig, g: &GraphOptions) -> Dims {
         layout: g.layout,
         attention_rows: g.attention_rows,
         fold_norms: g.fold_norms,
-        rope_in_weights: g.rope_in_weights,
         rows_in_f32: true,
     }
 }
@@ -262,14 +258,7 @@ fn rope(f: &mut Function, x: &Val, cos_full: &Val, sin_signed: &Val) -> Val {
     let halves = f.reshape(x, &[n, heads, 2, d / 2]);
     let swapped = f.reverse(&halves, &[2]);
     let swapped = f.reshape(&swapped, &[n, heads, d]);
-    rotate(f, x, &swapped, cos_full, sin_signed)
-}
-
-/// `x * cos + swapped * sin_signed` on `[n, heads, d]`, in f32, with `x`'s
-/// type: RoPE, given `x` with each head's halves swapped.
-fn rotate(f: &mut Function, x: &Val, swapped: &Val, cos_full: &Val, sin_signed: &Val) -> Val {
-    let (n, heads, d) = (x.shape[0], x.shape[1], x.shape[2]);
-    let swapped = f.convert(swapped, Ty::F32);
+    let swapped = f.convert(&swapped, Ty::F32);
     let wide = f.convert(x, Ty::F32);
     let c = f.broadcast(cos_full, &[n, heads, d], &[0, 2]);
     let s = f.broadcast(sin_signed, &[n, heads, d], &[0, 2]);
@@ -425,35 +414,12 @@ fn project_qkv(
 ) -> (Val, Val, Val) {
     let n = normed.rows();
     let (q_width, kv_width) = (dm.heads * dm.d, dm.kv_heads * dm.d);
-    // The half-swapped q/k rows serve one-row steps; on several rows IREE
-    // splits the wider product's outputs into more kernels than the swap
-    // costs (TinyLlama prefill-64 901 → 945), so those read only q/k/v.
-    let swapped_rows = dm.rope_in_weights && n == 1;
-    let sliced;
-    let wqkv = if dm.rope_in_weights && !swapped_rows {
-        let outputs = q_width + 2 * kv_width;
-        sliced = match dm.layout {
-            WeightLayout::OutIn => f.slice(wqkv, &[0, 0], &[outputs, wqkv.shape[1]]),
-            WeightLayout::InOut => f.slice(wqkv, &[0, 0], &[wqkv.shape[0], outputs]),
-        };
-        &sliced
-    } else {
-        wqkv
-    };
     let qkv = linear_normed(f, dm, normed, wqkv);
     let qkv = f.convert(&qkv, dm.storage);
     let qk = columns(f, &qkv, 0, q_width + kv_width);
     let v = columns(f, &qkv, q_width + kv_width, q_width + 2 * kv_width);
     let qk = f.reshape(&qk, &[n, dm.heads + dm.kv_heads, dm.d]);
-    let qk = if swapped_rows {
-        // The half-swapped q/k rows follow v in the product.
-        let start = q_width + 2 * kv_width;
-        let swapped = columns(f, &qkv, start, start + q_width + kv_width);
-        let swapped = f.reshape(&swapped, &[n, dm.heads + dm.kv_heads, dm.d]);
-        rotate(f, &qk, &swapped, &rope_tables.0, &rope_tables.1)
-    } else {
-        rope(f, &qk, &rope_tables.0, &rope_tables.1)
-    };
+    let qk = rope(f, &qk, &rope_tables.0, &rope_tables.1);
     let q = f.slice(&qk, &[0, 0, 0], &[n, dm.heads, dm.d]);
     let k = f.slice(&qk, &[0, dm.heads, 0], &[n, dm.heads + dm.kv_heads, dm.d]);
     let v = f.reshape(&v, &[n, dm.kv_heads, dm.d]);
