@@ -413,8 +413,11 @@ impl Reader {
     /// tensor. One read is in flight at a time: until it is finished,
     /// another start or read is an error.
     pub fn start(&mut self, tensor: &DeviceTensor, after: Option<&Fence>) -> Result<PendingRead> {
+        // Everything that can fail before the copy is queued: once it is,
+        // only `finish` frees the reader.
         let done = Fence::new(&self.device)?;
-        let after = after.map_or(std::ptr::null_mut(), |f| f.raw.as_ptr());
+        let element_type = tensor.element_type()?;
+        let after = Fence::raw_or_null(after);
         // SAFETY: the reader, the tensor and the fences are live.
         check(unsafe {
             ffi::kiln_iree_reader_start(
@@ -428,7 +431,7 @@ impl Reader {
         Ok(PendingRead {
             done,
             shape: tensor.shape(),
-            element_type: tensor.element_type()?,
+            element_type,
             // SAFETY: the tensor handle is live.
             length: unsafe { ffi::kiln_iree_tensor_byte_length(tensor.raw.as_ptr()) },
         })
@@ -500,7 +503,7 @@ impl Module {
     ) -> Result<(Vec<DeviceTensor>, Fence)> {
         let call = self.prepare_call(function, inputs)?;
         let done = self.device.fence()?;
-        let after = after.map_or(std::ptr::null_mut(), |f| f.raw.as_ptr());
+        let after = Fence::raw_or_null(after);
         // SAFETY: the call and both fences are live; the call takes its own
         // references to the fences.
         check(unsafe {
@@ -589,6 +592,11 @@ impl Fence {
             raw: NonNull::new(raw).expect("the shim returns a handle on success"),
             _device: Arc::clone(device),
         })
+    }
+
+    /// The shim's handle of `fence`, or NULL (nothing to wait for).
+    fn raw_or_null(fence: Option<&Fence>) -> *mut ffi::kiln_iree_fence {
+        fence.map_or(std::ptr::null_mut(), |f| f.raw.as_ptr())
     }
 
     /// Blocks until the fence is reached; an error if the work that signals

@@ -338,8 +338,21 @@ impl<'m> IreeBackend<'m> {
         }
         inputs.extend([&self.cos, &self.sin]);
         inputs.push(&self.weights);
-        let mut results = module.invoke(function, &inputs).map_err(to_core)?;
+        let results = module.invoke(function, &inputs).map_err(to_core)?;
+        self.keep_caches(function, results, outputs)
+    }
+
+    /// Checks a call of `function` returned `outputs` results, keeps the
+    /// last two as the new KV caches (none if the count is wrong) and
+    /// returns the others.
+    fn keep_caches(
+        &mut self,
+        function: &str,
+        mut results: Vec<DeviceTensor>,
+        outputs: usize,
+    ) -> kiln_core::Result<Vec<DeviceTensor>> {
         if results.len() != outputs {
+            self.kv = None;
             return Err(unexpected_output(
                 function,
                 format!("{} outputs, not {outputs}", results.len()),
@@ -378,9 +391,6 @@ impl<'m> IreeBackend<'m> {
     /// position is the caller's to advance.
     fn queue_step(&mut self, token: u32) -> kiln_core::Result<Vec<DeviceTensor>> {
         kiln_core::backend::check_tokens(self.model, &[token])?;
-        if self.kv.is_none() {
-            return Err(kiln_core::Error::Invalid("decode before prefill".into()));
-        }
         if self.position >= self.buckets.context {
             return Err(kiln_core::Error::ContextFull {
                 needed: self.position + 1,
@@ -414,23 +424,13 @@ impl<'m> IreeBackend<'m> {
             .as_ref()
             .ok_or_else(|| kiln_core::Error::Invalid("decode before prefill".into()))?;
         let inputs = [token, position, k, v, &self.cos, &self.sin, &self.weights];
-        let (mut results, done) = self.modules[&ModuleKind::Decode]
+        let (results, done) = self.modules[&ModuleKind::Decode]
             .invoke_async(FUNCTION, &inputs, self.kv_ready.as_ref())
             .map_err(to_core)?;
         // The step is queued and will write the caches: from here on they
-        // are its outputs, whatever the checks below find.
+        // are its outputs, whatever the check finds.
         self.kv_ready = Some(done);
-        if results.len() != 5 {
-            self.kv = None;
-            return Err(unexpected_output(
-                FUNCTION,
-                format!("{} outputs, not 5", results.len()),
-            ));
-        }
-        let v = results.pop().expect("checked count");
-        let k = results.pop().expect("checked count");
-        self.kv = Some((k, v));
-        Ok(results)
+        self.keep_caches(FUNCTION, results, 5)
     }
 
     pub(crate) fn scalar(&self, value: usize) -> kiln_core::Result<DeviceTensor> {
@@ -721,9 +721,9 @@ impl Backend for IreeBackend<'_> {
     }
 
     fn decode(&mut self, token: u32) -> kiln_core::Result<Vec<f32>> {
-        self.queued = None;
         let outputs = self.queue_step(token)?;
         self.position += 1;
+        // Also drops a step queued ahead (a token chosen for sampling).
         self.settle()?;
         self.read_logits("decode_step", &outputs[0])
     }
