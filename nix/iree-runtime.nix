@@ -60,6 +60,15 @@ stdenv.mkDerivation (
     src = fetchurl (kilnLib.fetchArgs pins.iree.source // { name = "iree-source.tar.gz"; });
     sourceRoot = pins.iree.source.subdir;
 
+    # kiln's patches (nix/iree-patches, each saying why), in name order, as
+    # `cargo xtask iree` applies them: `patch -p1` in the source root. The
+    # pinned hash above covers the unpatched tarball.
+    patches = map (name: ./iree-patches + "/${name}") (
+      lib.sort lib.lessThan (
+        lib.filter (lib.hasSuffix ".patch") (lib.attrNames (builtins.readDir ./iree-patches))
+      )
+    );
+
     nativeBuildInputs = [
       cmake
       ninja

@@ -3,7 +3,10 @@
 // parameters as an array of pointers (as IREE's CUDA driver passes them) and
 // as one packed buffer, and a graph of 318 launches (TinyLlama's step)
 // captured once and replayed. The kernels do no work, so the times are the
-// launches' own.
+// launches' own. Two ways to replay a step whose buffers move between calls
+// are timed too: capturing the step again and updating the instantiated
+// graph from it, and setting the parameters of a few nodes before each
+// replay.
 //
 //   nvcc -O2 -o cuda_launch_cost scripts/cuda_launch_cost.cu -lcuda && ./cuda_launch_cost
 #include <cuda.h>
@@ -93,5 +96,73 @@ int main() {
     std::printf("graph of %d kernels: issue %.1f us per graph, done %.2f us per kernel\n", nodes,
                 micros(start, issued) / replays, micros(start, done) / replays / nodes);
   }
+
+  // A step captured again each call, its pointers moved, and the instantiated
+  // graph updated from the new capture.
+  for (int round = 0; round < 3; ++round) {
+    check(cuStreamSynchronize(stream), "cuStreamSynchronize");
+    double capture_us = 0, update_us = 0;
+    auto start = Clock::now();
+    for (int i = 0; i < replays; ++i) {
+      values[0] = reinterpret_cast<unsigned long long>(buffer) + 16 * (i % 4);
+      auto t0 = Clock::now();
+      CUgraph step;
+      check(cuStreamBeginCapture(stream, CU_STREAM_CAPTURE_MODE_RELAXED), "cuStreamBeginCapture");
+      for (int k = 0; k < nodes; ++k) {
+        check(cuLaunchKernel(function, 64, 1, 1, 256, 1, 1, 0, stream, pointers, nullptr),
+              "cuLaunchKernel");
+      }
+      check(cuStreamEndCapture(stream, &step), "cuStreamEndCapture");
+      auto t1 = Clock::now();
+      CUgraphExecUpdateResultInfo info;
+      check(cuGraphExecUpdate(exec, step, &info), "cuGraphExecUpdate");
+      auto t2 = Clock::now();
+      check(cuGraphLaunch(exec, stream), "cuGraphLaunch");
+      check(cuGraphDestroy(step), "cuGraphDestroy");
+      capture_us += micros(t0, t1);
+      update_us += micros(t1, t2);
+    }
+    auto issued = Clock::now();
+    check(cuStreamSynchronize(stream), "cuStreamSynchronize");
+    auto done = Clock::now();
+    std::printf(
+        "recapture + update, %d kernels: capture %.1f us, update %.1f us, issue %.1f us per "
+        "step, done %.2f us per kernel\n",
+        nodes, capture_us / replays, update_us / replays, micros(start, issued) / replays,
+        micros(start, done) / replays / nodes);
+  }
+
+  // The instantiated graph kept, and the parameters of a few of its nodes set
+  // before each replay.
+  size_t count = 0;
+  check(cuGraphGetNodes(graph, nullptr, &count), "cuGraphGetNodes");
+  CUgraphNode* graph_nodes = new CUgraphNode[count];
+  check(cuGraphGetNodes(graph, graph_nodes, &count), "cuGraphGetNodes");
+  for (int changed : {8, 64, 318}) {
+    check(cuStreamSynchronize(stream), "cuStreamSynchronize");
+    auto start = Clock::now();
+    for (int i = 0; i < replays; ++i) {
+      values[0] = reinterpret_cast<unsigned long long>(buffer) + 16 * (i % 4);
+      CUDA_KERNEL_NODE_PARAMS params = {};
+      params.func = function;
+      params.gridDimX = 64;
+      params.gridDimY = params.gridDimZ = 1;
+      params.blockDimX = 256;
+      params.blockDimY = params.blockDimZ = 1;
+      params.kernelParams = pointers;
+      for (int k = 0; k < changed && k < static_cast<int>(count); ++k) {
+        check(cuGraphExecKernelNodeSetParams(exec, graph_nodes[k], &params),
+              "cuGraphExecKernelNodeSetParams");
+      }
+      check(cuGraphLaunch(exec, stream), "cuGraphLaunch");
+    }
+    auto issued = Clock::now();
+    check(cuStreamSynchronize(stream), "cuStreamSynchronize");
+    auto done = Clock::now();
+    std::printf(
+        "set %d nodes' parameters + replay: issue %.1f us per step, done %.2f us per kernel\n",
+        changed, micros(start, issued) / replays, micros(start, done) / replays / nodes);
+  }
+  delete[] graph_nodes;
   return 0;
 }

@@ -59,4 +59,17 @@ fn flags_are_kept_validated_and_fixed_while_a_device_is_open() {
     let error = set_flags(&["--task_topology_cpu_ids=1"]).unwrap_err();
     assert!(error.to_string().contains("cannot be changed"), "{error}");
     assert!(listing_has("--task_topology_cpu_ids=0"));
+
+    // The CUDA driver is built with kiln's patch (nix/iree-patches): its
+    // graph replay is on unless turned off.
+    #[cfg(feature = "cuda")]
+    {
+        assert!(
+            listing_has("--cuda_replay_graphs=true"),
+            "the IREE prefix lacks nix/iree-patches/cuda-graph-replay.patch:\n{}",
+            flags_in_effect().unwrap()
+        );
+        set_flags(&["--task_topology_cpu_ids=0", "--cuda_replay_graphs=false"]).unwrap();
+        assert!(listing_has("--cuda_replay_graphs=false"));
+    }
 }

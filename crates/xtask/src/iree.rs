@@ -78,6 +78,7 @@ pub fn prefix_location(
         "cuda_wheels": cuda_wheels,
         "tools": { "cmake": pins.tools.cmake, "ninja": pins.tools.ninja },
         "cmake_project": project_files,
+        "patches": crate::iree_patches::list()?,
         // The installer decides the layout; a change to it is a new prefix.
         "installer": include_str!("prefix.rs"),
         "c_toolchain": target.c_toolchain()?,
@@ -111,7 +112,7 @@ pub fn build(cache: &Cache, pins: &Pins, variant: Variant, target: &Target) -> R
     let started = Instant::now();
     // The build tools run here; the CUDA headers are the target's.
     let system = host_system()?;
-    let source = iree_source(cache, pins)?;
+    let source = crate::iree_patches::patched_source(cache, pins)?;
     let cmake = pinned_tool(cache, &pins.tools.cmake, "cmake", &system)?;
     let ninja = pinned_tool(cache, &pins.tools.ninja, "ninja", &system)?;
     let cuda_deps = match variant {
@@ -204,25 +205,6 @@ pub fn build(cache: &Cache, pins: &Pins, variant: Variant, target: &Target) -> R
         dest.display()
     );
     Ok(dest)
-}
-
-/// The unpacked IREE source tree (the pinned tarball's `subdir`).
-pub fn iree_source(cache: &Cache, pins: &Pins) -> Result<PathBuf> {
-    let pin = &pins.iree.source.download;
-    let dir = cache.path("src").join(&pin.sha256[..16]);
-    let dir = cache.publish(&dir, |staging| {
-        let tarball = fetch(cache, pin)?;
-        eprintln!("unpacking {}", pin.name);
-        unpack::tar_gz(&tarball, staging)
-    })?;
-    let source = dir.join(&pins.iree.source.subdir);
-    if !source.join("CMakeLists.txt").exists() {
-        return Err(anyhow!(
-            "{} has no CMakeLists.txt: is `subdir` in nix/pins.json right?",
-            source.display()
-        ));
-    }
-    Ok(source)
 }
 
 /// `IREE_CUDA_DEPS_DIR`: `include/cuda.h`, nvcc's `include/crt`, CCCL's

@@ -11,6 +11,7 @@ mod eval_nix;
 mod fetch;
 mod gate;
 mod iree;
+mod iree_patches;
 mod lint_nix;
 mod lint_workflows;
 mod load;
