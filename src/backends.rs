@@ -49,9 +49,10 @@ pub struct IreeOptions {
     /// Longest sequence (prompt plus generated tokens) the IREE modules hold.
     #[arg(long, default_value_t = 256)]
     pub max_context: usize,
-    /// Precision of the weights and KV cache on the device: f32, f16 or bf16
-    /// (matrix products accumulate in f32 at each). Default: f16 for
-    /// iree-cuda, f32 for iree-cpu.
+    /// Precision of the weights and KV cache on the device: f32, f16, bf16,
+    /// or q4 (matrices in 4-bit blocks of 32 with f16 scales and offsets,
+    /// the KV cache in f16). Matrix products accumulate in f32 at each.
+    /// Default: f16 for iree-cuda, f32 for iree-cpu.
     #[arg(long)]
     pub precision: Option<String>,
     /// Layout of weight matrices on the device: in-out or out-in. Default:
@@ -167,9 +168,11 @@ pub fn target(kind: BackendKind) -> Result<kiln_xla::Target> {
 pub fn graph(target: kiln_xla::Target, options: &IreeOptions) -> Result<kiln_xla::GraphOptions> {
     let precision = parse_option("--precision", options.precision.as_deref())?;
     let layout = parse_option("--weight-layout", options.weight_layout.as_deref())?;
-    Ok(kiln_xla::GraphOptions::for_target(
-        target, precision, layout,
-    ))
+    let graph = kiln_xla::GraphOptions::for_target(target, precision, layout);
+    graph
+        .check()
+        .map_err(|e| anyhow::anyhow!("--weight-layout: {e}"))?;
+    Ok(graph)
 }
 
 /// An optional option value parsed, an error naming the option otherwise.

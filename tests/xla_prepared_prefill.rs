@@ -256,6 +256,59 @@ fn half_precisions_stay_within_their_bounds_on_the_cpu() {
     println!("f16 worst |iree - cpu| = {worst:e}");
 }
 
+/// The model with the weights a q4 graph computes with on `model`'s
+/// (`kiln_xla::q4::device_weights`): the reference q4 is measured against.
+fn q4_reference(model: &Model, fold_norms: bool) -> Model {
+    Model {
+        name: format!("{} (q4 weights)", model.name),
+        config: model.config.clone(),
+        weights: kiln_xla::q4::device_weights(&model.weights, fold_norms).unwrap(),
+        tokenizer: kiln_core::Tokenizer::Bytes(kiln_core::tokenizer::ByteTokenizer),
+        chat: Default::default(),
+    }
+}
+
+/// q4 weights (4-bit blocks dequantized inside the products), in the CPU
+/// target's graph and in CUDA's (norms folded, rows in f32), against the
+/// CPU reference on the dequantized weights, within [`Q4_BOUND`]; greedy
+/// tokens match. The quantization is real: the reference's logits move by
+/// far more than the bound from the unquantized model's.
+#[test]
+fn q4_weights_agree_with_the_reference_on_their_dequantized_weights() {
+    // f16-exact weights: the embedding and norms the graph rounds to f16
+    // are then the reference's too.
+    let model = rounded_to_f16(&Model::embedded());
+    for target in [Target::LlvmCpu, Target::Cuda] {
+        let graph = GraphOptions::for_target(target, Some(Precision::Q4), None);
+        let reference = q4_reference(&model, graph.fold_norms);
+        let prompt = [3, 1, 4, 1, 5];
+        let moved = max_abs_diff(
+            &CpuBackend::new(&model).prefill(&prompt).unwrap(),
+            &CpuBackend::new(&reference).prefill(&prompt).unwrap(),
+        );
+        assert!(
+            moved > 10.0 * Q4_BOUND,
+            "quantizing moved the logits by only {moved}"
+        );
+        let mut xla = open(
+            &model,
+            "local-task",
+            Target::LlvmCpu,
+            graph,
+            default_cache(),
+        )
+        .unwrap_or_else(|e| panic!("{e}"));
+        let worst = agrees(&reference, &mut xla, Q4_BOUND, 16);
+        println!(
+            "q4, {target:?}'s graph: worst |iree - cpu| = {worst:e}; quantizing moved {moved:e}"
+        );
+    }
+}
+
+/// The bound for the q4 graph against the reference on its dequantized
+/// weights: 5x the worst measured (see the test's output).
+const Q4_BOUND: f32 = 5e-3;
+
 /// The bound for the f16 graph against the reference on f16-rounded
 /// weights: 5x the worst measured (1.0e-3 on the H200, embedded model;
 /// 2.1e-4 on the CPU; docs/gpu.md).
@@ -374,10 +427,27 @@ mod cuda {
         let worst = agrees(&rounded, &mut xla, F16_BOUND, 32);
         println!("{}: f16 worst |gpu - cpu| = {worst:e}", model.name);
     }
+    /// q4 on the GPU: the embedded model within [`Q4_BOUND`] of the
+    /// reference on its dequantized weights, 32 greedy steps.
+    #[test]
+    fn q4_weights_on_the_gpu_match_the_reference_on_their_dequantized_weights() {
+        let model = rounded_to_f16(&Model::embedded());
+        let graph = GraphOptions::for_target(Target::Cuda, Some(Precision::Q4), None);
+        let reference = q4_reference(&model, graph.fold_norms);
+        match open(&model, "cuda", Target::Cuda, graph, default_cache()) {
+            Ok(mut xla) => {
+                let worst = agrees(&reference, &mut xla, Q4_BOUND, 32);
+                println!("{}: q4 worst |gpu - cpu| = {worst:e}", model.name);
+            }
+            Err(error) if error.to_string().contains("is not available") => no_device(&error),
+            Err(error) => panic!("{error}"),
+        }
+    }
+
     #[test]
     fn device_argmax_matches_host_argmax_on_the_gpu() {
         let model = wide_vocabulary_model();
-        for precision in [Precision::F32, Precision::F16] {
+        for precision in [Precision::F32, Precision::F16, Precision::Q4] {
             let graph = GraphOptions::for_target(Target::Cuda, Some(precision), None);
             match open(&model, "cuda", Target::Cuda, graph, default_cache()) {
                 Ok(mut xla) => device_argmax_matches_host_argmax(&mut xla),

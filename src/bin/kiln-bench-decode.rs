@@ -194,9 +194,9 @@ fn config(spec: &str) -> Result<ModelConfig> {
     })
 }
 
-/// Bytes a decode step reads from the weights at `bytes_per_weight`: all but
+/// Bytes a decode step reads from the weights at `bits_per_weight`: all but
 /// the embedding table, of which one row.
-fn decode_weight_bytes(model: &Model, bytes_per_weight: u64) -> u64 {
+fn decode_weight_bytes(model: &Model, bits_per_weight: u64) -> u64 {
     let c = &model.config;
     let mut weights =
         (model.parameter_count() - c.vocab_size * c.hidden_size + c.hidden_size) as u64;
@@ -204,7 +204,7 @@ fn decode_weight_bytes(model: &Model, bytes_per_weight: u64) -> u64 {
         // The tied table is read whole as the output projection.
         weights += (c.vocab_size * c.hidden_size) as u64;
     }
-    weights * bytes_per_weight
+    weights * bits_per_weight / 8
 }
 
 fn write_model(args: &Args, dir: &Path) -> Result<()> {
@@ -323,7 +323,7 @@ fn measure(
     let v = model.config.vocab_size as u32;
     let setup = Instant::now();
     let mut backend = backends::open(model, kind, options)?;
-    let (precision, layout, bytes_per_weight) = describe(kind, options)?;
+    let (precision, layout, bits_per_weight) = describe(kind, options)?;
     let mut rows = Vec::new();
     for &prompt_tokens in &args.prompt_tokens {
         let prompt: Vec<u32> = (0..prompt_tokens as u32)
@@ -355,7 +355,7 @@ fn measure(
             layout: layout.clone(),
             iree_flags: options.iree_flag.join(" "),
             pipelined: !options.no_pipeline,
-            decode_weight_bytes: decode_weight_bytes(model, bytes_per_weight),
+            decode_weight_bytes: decode_weight_bytes(model, bits_per_weight),
             prompt_tokens,
             prefill_tokens_per_s: prompt_tokens as f64 / prefill_s,
             decode_tokens: args.decode_tokens,
@@ -366,10 +366,10 @@ fn measure(
     Ok(rows)
 }
 
-/// Precision and layout names of a variant, and its bytes per weight.
+/// Precision and layout names of a variant, and its bits per weight.
 fn describe(kind: BackendKind, options: &IreeOptions) -> Result<(String, String, u64)> {
     if kind == BackendKind::Cpu {
-        return Ok(("f32".into(), "out-in".into(), 4));
+        return Ok(("f32".into(), "out-in".into(), 32));
     }
     iree_graph(kind, options)
 }
@@ -380,7 +380,7 @@ fn iree_graph(kind: BackendKind, options: &IreeOptions) -> Result<(String, Strin
     Ok((
         graph.precision.to_string(),
         graph.layout.to_string(),
-        graph.precision.bytes() as u64,
+        graph.precision.bits_per_weight() as u64,
     ))
 }
 

@@ -332,6 +332,7 @@ static iree_hal_element_type_t kiln_iree_to_hal_type(kiln_iree_element_type t) {
     case KILN_IREE_BF16: return IREE_HAL_ELEMENT_TYPE_BFLOAT_16;
     // MLIR's i32 is signless; so is the element type the module asserts.
     case KILN_IREE_I32: return IREE_HAL_ELEMENT_TYPE_INT_32;
+    case KILN_IREE_I4: return IREE_HAL_ELEMENT_TYPE_INT_4;
   }
   return IREE_HAL_ELEMENT_TYPE_NONE;
 }
@@ -341,6 +342,55 @@ kiln_iree_error* kiln_iree_call_push_tensor(kiln_iree_call* call,
   return kiln_iree_error_from_status(
       iree_runtime_call_inputs_push_back_buffer_view(&call->call, tensor->view),
       "passing an input tensor");
+}
+
+// Elements of a tensor of |rank| |dims|.
+static iree_device_size_t kiln_iree_element_count(iree_host_size_t rank,
+                                                  const iree_hal_dim_t* dims) {
+  iree_device_size_t count = 1;
+  for (iree_host_size_t i = 0; i < rank; ++i) count *= dims[i];
+  return count;
+}
+
+// Bytes of a dense tensor of |rank| |dims| and |type|, sub-byte types packed
+// (IREE's own size helper refuses them: it sizes views it may index).
+static iree_device_size_t kiln_iree_dense_length(iree_hal_element_type_t type,
+                                                 iree_host_size_t rank,
+                                                 const iree_hal_dim_t* dims) {
+  iree_device_size_t bits =
+      kiln_iree_element_count(rank, dims) * iree_hal_element_bit_count(type);
+  return (bits + 7) / 8;
+}
+
+// A device tensor of a packed sub-byte |type| holding |data|: the buffer is
+// allocated at the packed length and the view made over it directly.
+static iree_status_t kiln_iree_upload_packed(
+    iree_hal_device_t* device, iree_host_size_t rank,
+    const iree_hal_dim_t* dims, iree_hal_element_type_t type,
+    iree_hal_buffer_params_t params, iree_const_byte_span_t data,
+    iree_hal_buffer_view_t** out_view) {
+  iree_device_size_t length = kiln_iree_dense_length(type, rank, dims);
+  if (data.data_length != length) {
+    return iree_make_status(IREE_STATUS_INVALID_ARGUMENT,
+                            "packed data of %" PRIhsz
+                            " bytes for a tensor of %" PRIdsz " bytes",
+                            data.data_length, length);
+  }
+  iree_hal_buffer_t* buffer = NULL;
+  iree_status_t status = iree_hal_allocator_allocate_buffer(
+      iree_hal_device_allocator(device), params, length, &buffer);
+  if (iree_status_is_ok(status) && length > 0) {
+    status = iree_hal_device_transfer_h2d(
+        device, data.data, buffer, 0, length,
+        IREE_HAL_TRANSFER_BUFFER_FLAG_DEFAULT, iree_infinite_timeout());
+  }
+  if (iree_status_is_ok(status)) {
+    status = iree_hal_buffer_view_create(
+        buffer, rank, dims, type, IREE_HAL_ENCODING_TYPE_DENSE_ROW_MAJOR,
+        iree_hal_device_host_allocator(device), out_view);
+  }
+  iree_hal_buffer_release(buffer);
+  return status;
 }
 
 kiln_iree_error* kiln_iree_tensor_upload(kiln_iree_device* device,
@@ -371,10 +421,17 @@ kiln_iree_error* kiln_iree_tensor_upload(kiln_iree_device* device,
       .type = IREE_HAL_MEMORY_TYPE_DEVICE_LOCAL,
       .usage = IREE_HAL_BUFFER_USAGE_DEFAULT,
   };
-  iree_status_t status = iree_hal_buffer_view_allocate_buffer_copy(
-      device->device, iree_hal_device_allocator(device->device), rank, dims,
-      kiln_iree_to_hal_type(type), IREE_HAL_ENCODING_TYPE_DENSE_ROW_MAJOR,
-      params, iree_make_const_byte_span(data, length), &tensor->view);
+  iree_status_t status =
+      type == KILN_IREE_I4
+          ? kiln_iree_upload_packed(device->device, rank, dims,
+                                    kiln_iree_to_hal_type(type), params,
+                                    iree_make_const_byte_span(data, length),
+                                    &tensor->view)
+          : iree_hal_buffer_view_allocate_buffer_copy(
+                device->device, iree_hal_device_allocator(device->device),
+                rank, dims, kiln_iree_to_hal_type(type),
+                IREE_HAL_ENCODING_TYPE_DENSE_ROW_MAJOR, params,
+                iree_make_const_byte_span(data, length), &tensor->view);
   if (!iree_status_is_ok(status)) {
     free(tensor);
     return kiln_iree_error_from_status(status, "uploading a tensor");
@@ -465,6 +522,8 @@ kiln_iree_error* kiln_iree_tensor_element_type(const kiln_iree_tensor* tensor,
     case IREE_HAL_ELEMENT_TYPE_INT_32:
     case IREE_HAL_ELEMENT_TYPE_SINT_32:
     case IREE_HAL_ELEMENT_TYPE_UINT_32: *out_type = KILN_IREE_I32; return NULL;
+    case IREE_HAL_ELEMENT_TYPE_INT_4:
+    case IREE_HAL_ELEMENT_TYPE_SINT_4: *out_type = KILN_IREE_I4; return NULL;
     default: {
       char detail[64];
       snprintf(detail, sizeof(detail), "unsupported element type 0x%08x",
@@ -476,7 +535,12 @@ kiln_iree_error* kiln_iree_tensor_element_type(const kiln_iree_tensor* tensor,
 }
 
 size_t kiln_iree_tensor_byte_length(const kiln_iree_tensor* tensor) {
-  return (size_t)iree_hal_buffer_view_byte_length(tensor->view);
+  iree_hal_buffer_view_t* view = tensor->view;
+  // A view's own byte length rounds each sub-byte element up to a byte.
+  return (size_t)kiln_iree_dense_length(
+      iree_hal_buffer_view_element_type(view),
+      iree_hal_buffer_view_shape_rank(view),
+      iree_hal_buffer_view_shape_dims(view));
 }
 
 // An error unless |length| is |tensor|'s byte length.
@@ -585,7 +649,7 @@ kiln_iree_error* kiln_iree_reader_start(kiln_iree_reader* reader,
   kiln_iree_error* error = kiln_iree_reader_check(reader, tensor);
   if (error) return error;
   iree_device_size_t length =
-      iree_hal_buffer_view_byte_length(tensor->view);
+      kiln_iree_tensor_byte_length(tensor);
   if (length == 0) {
     return kiln_iree_error_new(IREE_STATUS_INVALID_ARGUMENT,
                                "reading an output tensor",

@@ -30,6 +30,9 @@ typedef enum kiln_iree_element_type {
   KILN_IREE_F16 = 1,
   KILN_IREE_BF16 = 2,
   KILN_IREE_I32 = 3,
+  // Signed 4-bit integers, two per byte, element 2k in the low nibble (the
+  // packing IREE's modules use for i4 tensors).
+  KILN_IREE_I4 = 4,
 } kiln_iree_element_type;
 
 // The IREE status code (iree_status_code_t) of an error.
@@ -102,7 +105,9 @@ kiln_iree_error* kiln_iree_call_pop_output(kiln_iree_call* call,
                                            kiln_iree_tensor** out_tensor);
 void kiln_iree_call_release(kiln_iree_call* call);
 
-// Copies a dense row-major host tensor into a new tensor on |device|.
+// Copies a dense row-major host tensor into a new tensor on |device|;
+// |length| must be the tensor's byte length (an i4 tensor of n elements
+// takes (n + 1) / 2 bytes).
 kiln_iree_error* kiln_iree_tensor_upload(kiln_iree_device* device,
                                          kiln_iree_element_type type,
                                          const int64_t* shape, size_t rank,

@@ -12,6 +12,9 @@ pub enum ElementType {
     F16,
     BF16,
     I32,
+    /// Signed 4-bit integers, two per byte, element 2k in the low nibble:
+    /// how IREE's modules pack an `i4` tensor.
+    I4,
 }
 
 impl ElementType {
@@ -21,6 +24,7 @@ impl ElementType {
             ElementType::F16 => ffi::kiln_iree_element_type::KILN_IREE_F16,
             ElementType::BF16 => ffi::kiln_iree_element_type::KILN_IREE_BF16,
             ElementType::I32 => ffi::kiln_iree_element_type::KILN_IREE_I32,
+            ElementType::I4 => ffi::kiln_iree_element_type::KILN_IREE_I4,
         }
     }
 
@@ -30,16 +34,23 @@ impl ElementType {
             ffi::kiln_iree_element_type::KILN_IREE_F16 => Ok(ElementType::F16),
             ffi::kiln_iree_element_type::KILN_IREE_BF16 => Ok(ElementType::BF16),
             ffi::kiln_iree_element_type::KILN_IREE_I32 => Ok(ElementType::I32),
+            ffi::kiln_iree_element_type::KILN_IREE_I4 => Ok(ElementType::I4),
             other => Err(Error::Tensor(format!("unknown element type {other}"))),
         }
     }
 
-    /// Bytes per element.
-    pub fn size(self) -> usize {
+    /// Bits per element.
+    pub fn bits(self) -> usize {
         match self {
-            ElementType::F32 | ElementType::I32 => 4,
-            ElementType::F16 | ElementType::BF16 => 2,
+            ElementType::F32 | ElementType::I32 => 32,
+            ElementType::F16 | ElementType::BF16 => 16,
+            ElementType::I4 => 4,
         }
+    }
+
+    /// Bytes of `count` packed elements.
+    pub fn byte_length(self, count: usize) -> usize {
+        (count * self.bits()).div_ceil(8)
     }
 }
 
@@ -50,6 +61,8 @@ pub enum TensorData {
     F16(Vec<f16>),
     BF16(Vec<bf16>),
     I32(Vec<i32>),
+    /// Packed [`ElementType::I4`] elements: `(n + 1) / 2` bytes for `n`.
+    I4(Vec<u8>),
 }
 
 /// A dense row-major host tensor.
@@ -68,6 +81,16 @@ impl Tensor {
             TensorData::F16(v) => v.len(),
             TensorData::BF16(v) => v.len(),
             TensorData::I32(v) => v.len(),
+            TensorData::I4(v) => {
+                let bytes = ElementType::I4.byte_length(expected);
+                if v.len() != bytes {
+                    return Err(Error::Tensor(format!(
+                        "shape {shape:?} packs into {bytes} bytes of i4 but {} were given",
+                        v.len()
+                    )));
+                }
+                expected
+            }
         };
         if expected != actual {
             return Err(Error::Tensor(format!(
@@ -96,6 +119,11 @@ impl Tensor {
         Tensor::new(shape, TensorData::I32(data))
     }
 
+    /// A tensor of packed signed 4-bit elements (see [`ElementType::I4`]).
+    pub fn i4_packed(shape: &[i64], data: Vec<u8>) -> Result<Tensor> {
+        Tensor::new(shape, TensorData::I4(data))
+    }
+
     pub fn shape(&self) -> &[i64] {
         &self.shape
     }
@@ -110,6 +138,7 @@ impl Tensor {
             TensorData::F16(_) => ElementType::F16,
             TensorData::BF16(_) => ElementType::BF16,
             TensorData::I32(_) => ElementType::I32,
+            TensorData::I4(_) => ElementType::I4,
         }
     }
 
@@ -156,6 +185,7 @@ impl Tensor {
             TensorData::F16(v) => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
             TensorData::BF16(v) => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
             TensorData::I32(v) => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
+            TensorData::I4(v) => v.clone(),
         }
     }
 
@@ -166,6 +196,7 @@ impl Tensor {
             ElementType::I32 => TensorData::I32(decode(bytes, i32::from_le_bytes)),
             ElementType::F16 => TensorData::F16(decode(bytes, f16::from_le_bytes)),
             ElementType::BF16 => TensorData::BF16(decode(bytes, bf16::from_le_bytes)),
+            ElementType::I4 => TensorData::I4(bytes.to_vec()),
         };
         Tensor::new(&shape, data)
     }
@@ -199,6 +230,9 @@ mod tests {
         assert!(Tensor::i32(&[-1], vec![]).is_err());
         assert!(Tensor::f32(&[i64::MAX, i64::MAX], vec![]).is_err());
         assert!(Tensor::f32(&[0, 7], vec![]).is_ok());
+        let error = Tensor::i4_packed(&[4], vec![0; 3]).unwrap_err();
+        assert!(error.to_string().contains("2 bytes of i4 but 3"), "{error}");
+        assert!(Tensor::i4_packed(&[5], vec![0; 3]).is_ok());
     }
 
     #[test]
@@ -208,12 +242,15 @@ mod tests {
             Tensor::f16(&[2], vec![f16::from_f32(0.5), f16::NEG_INFINITY]).unwrap(),
             Tensor::bf16(&[1, 2], vec![bf16::from_f32(3.0), bf16::MIN_POSITIVE]).unwrap(),
             Tensor::i32(&[3], vec![i32::MIN, 0, i32::MAX]).unwrap(),
+            Tensor::i4_packed(&[3], vec![0x7f, 0x08]).unwrap(),
         ];
         for tensor in tensors {
             let bytes = tensor.bytes();
             assert_eq!(
                 bytes.len(),
-                element_count(tensor.shape()).unwrap() * tensor.element_type().size()
+                tensor
+                    .element_type()
+                    .byte_length(element_count(tensor.shape()).unwrap())
             );
             let back =
                 Tensor::from_bytes(tensor.shape().to_vec(), tensor.element_type(), &bytes).unwrap();

@@ -16,6 +16,7 @@ use crate::compiler::{Compiler, Target};
 use crate::graph::{GraphOptions, Precision, WeightLayout};
 use crate::module_cache::{ModuleCache, Origin};
 use crate::prepared;
+use crate::q4::Q4Matrix;
 
 /// Sequence lengths prefill is compiled for, and the context (KV cache)
 /// length every module shares.
@@ -123,7 +124,7 @@ fn weight_arguments<'w>(w: &'w Weights, graph: &GraphOptions) -> Vec<Cow<'w, [f3
 
 /// `[out, in]` `m` with input column i multiplied by `scale[i]`: `m ·
 /// diag(scale)`, an RMSNorm weight folded into the product after it.
-fn scale_columns(mut m: Matrix, scale: &[f32]) -> Matrix {
+pub(crate) fn scale_columns(mut m: Matrix, scale: &[f32]) -> Matrix {
     debug_assert_eq!(m.cols, scale.len());
     for row in m.data.chunks_exact_mut(m.cols) {
         for (w, s) in row.iter_mut().zip(scale) {
@@ -142,18 +143,55 @@ fn stack_rows(ms: &[&Matrix]) -> Matrix {
     }
 }
 
-/// Every weight argument, concatenated in order and rounded to the graph's
-/// precision: the one weight buffer the modules take (see
-/// [`crate::llama::weight_shapes`]).
-fn packed_weights(w: &Weights, graph: &GraphOptions) -> kiln_iree::Result<Tensor> {
-    let parts = weight_arguments(w, graph);
-    let total: usize = parts.iter().map(|p| p.len()).sum();
-    let values = parts.iter().flat_map(|p| p.iter().copied());
-    let shape = [total as i64];
-    match graph.precision {
-        Precision::F32 => Tensor::f32(&shape, values.collect()),
-        Precision::F16 => Tensor::f16(&shape, values.map(f16::from_f32).collect()),
-        Precision::Bf16 => Tensor::bf16(&shape, values.map(bf16::from_f32).collect()),
+/// The weight buffers the modules take (see `weight_params` in
+/// [`crate::llama`]): every weight argument concatenated in order and
+/// rounded to the graph's precision; at q4, that buffer in f16 with each
+/// quantized matrix's block scales and offsets in its place, and a second
+/// buffer of the matrices' packed 4-bit values.
+fn packed_weights(
+    model: &Model,
+    graph: &GraphOptions,
+) -> kiln_core::Result<Vec<kiln_iree::Result<Tensor>>> {
+    let parts = weight_arguments(&model.weights, graph);
+    if graph.precision != Precision::Q4 {
+        let total: usize = parts.iter().map(|p| p.len()).sum();
+        let values = parts.iter().flat_map(|p| p.iter().copied());
+        return Ok(vec![stored(graph.precision, &[total as i64], values)]);
+    }
+    let shapes = crate::llama::weight_shapes(&model.config, graph.layout);
+    let (mut dense, mut quants) = (Vec::new(), Vec::new());
+    for (i, (part, shape)) in parts.iter().zip(&shapes).enumerate() {
+        if !crate::llama::is_quantized(i, shape) {
+            dense.extend(part.iter().copied().map(f16::from_f32));
+            continue;
+        }
+        let m = Matrix {
+            rows: shape[0],
+            cols: shape[1],
+            data: part.to_vec(),
+        };
+        let q = Q4Matrix::quantize(&m)
+            .map_err(|e| kiln_core::Error::Invalid(format!("q4 weights: {e}")))?;
+        dense.extend(q.scales.iter().chain(&q.offsets));
+        quants.extend(q.quants);
+    }
+    let count = 2 * quants.len() as i64;
+    Ok(vec![
+        Tensor::f16(&[dense.len() as i64], dense),
+        Tensor::i4_packed(&[count], quants),
+    ])
+}
+
+/// `values` as a tensor of `shape` at `precision`'s storage type.
+fn stored(
+    precision: Precision,
+    shape: &[i64],
+    values: impl Iterator<Item = f32>,
+) -> kiln_iree::Result<Tensor> {
+    match precision {
+        Precision::F32 => Tensor::f32(shape, values.collect()),
+        Precision::F16 | Precision::Q4 => Tensor::f16(shape, values.map(f16::from_f32).collect()),
+        Precision::Bf16 => Tensor::bf16(shape, values.map(bf16::from_f32).collect()),
     }
 }
 
@@ -194,8 +232,9 @@ pub struct IreeBackend<'m> {
     cache: ModuleCache,
     buckets: Buckets,
     modules: BTreeMap<ModuleKind, Module>,
-    /// Every weight in one buffer, as [`crate::llama::weight_shapes`] lists them.
-    weights: DeviceTensor,
+    /// Every weight in one buffer, as [`crate::llama::weight_shapes`] lists
+    /// them (two at q4).
+    weights: Vec<DeviceTensor>,
     cos: DeviceTensor,
     sin: DeviceTensor,
     /// K and V caches `[layers, context, kv_heads, head_dim]` on the device.
@@ -235,9 +274,11 @@ impl<'m> IreeBackend<'m> {
                 .and_then(|t| device.upload(&t))
                 .map_err(to_core)
         };
-        let weights = packed_weights(&model.weights, &graph)
-            .and_then(|t| device.upload(&t))
-            .map_err(to_core)?;
+        graph.check().map_err(kiln_core::Error::Invalid)?;
+        let weights = packed_weights(model, &graph)?
+            .into_iter()
+            .map(|t| t.and_then(|t| device.upload(&t)).map_err(to_core))
+            .collect::<kiln_core::Result<Vec<_>>>()?;
         let (cos, sin) = model.config.rope_tables(buckets.context)?;
         let rows = [buckets.context as i64, model.config.head_dim as i64 / 2];
         let cos = upload(&rows, cos)?;
@@ -337,7 +378,7 @@ impl<'m> IreeBackend<'m> {
             inputs.extend([k, v]);
         }
         inputs.extend([&self.cos, &self.sin]);
-        inputs.push(&self.weights);
+        inputs.extend(&self.weights);
         let results = module.invoke(function, &inputs).map_err(to_core)?;
         self.keep_caches(function, results, outputs)
     }
@@ -423,7 +464,8 @@ impl<'m> IreeBackend<'m> {
             .kv
             .as_ref()
             .ok_or_else(|| kiln_core::Error::Invalid("decode before prefill".into()))?;
-        let inputs = [token, position, k, v, &self.cos, &self.sin, &self.weights];
+        let mut inputs = vec![token, position, k, v, &self.cos, &self.sin];
+        inputs.extend(&self.weights);
         let (results, done) = self.modules[&ModuleKind::Decode]
             .invoke_async(FUNCTION, &inputs, self.kv_ready.as_ref())
             .map_err(to_core)?;
@@ -489,13 +531,9 @@ impl<'m> IreeBackend<'m> {
         );
         let zeros = |shape: &[i64]| {
             let n = shape.iter().product::<i64>() as usize;
-            match self.graph.precision {
-                Precision::F32 => Tensor::f32(shape, vec![0.0; n]),
-                Precision::F16 => Tensor::f16(shape, vec![f16::ZERO; n]),
-                Precision::Bf16 => Tensor::bf16(shape, vec![bf16::ZERO; n]),
-            }
-            .and_then(|t| self.device.upload(&t))
-            .map_err(to_core)
+            stored(self.graph.precision, shape, std::iter::repeat_n(0.0, n))
+                .and_then(|t| self.device.upload(&t))
+                .map_err(to_core)
         };
         let slots = slots as i64;
         let k = zeros(&[layers, slots, kv, context, d])?;
@@ -519,7 +557,8 @@ impl<'m> IreeBackend<'m> {
     ) -> kiln_core::Result<Vec<DeviceTensor>> {
         self.load(kind)?;
         let mut inputs: Vec<&DeviceTensor> = head.to_vec();
-        inputs.extend([&self.cos, &self.sin, &self.weights]);
+        inputs.extend([&self.cos, &self.sin]);
+        inputs.extend(&self.weights);
         invoke_checked(&self.modules[&kind], function, &inputs, outputs)
     }
 

@@ -16,10 +16,20 @@ pub enum Precision {
     F32,
     F16,
     Bf16,
+    /// Weight matrices in 4-bit blocks with f16 scales and offsets
+    /// ([`crate::q4`]), dequantized inside the products; the embedding,
+    /// norms and KV cache in f16. Needs the out-in layout (blocks run along
+    /// each output's inputs).
+    Q4,
 }
 
 impl Precision {
-    pub const ALL: [Precision; 3] = [Precision::F32, Precision::F16, Precision::Bf16];
+    pub const ALL: [Precision; 4] = [
+        Precision::F32,
+        Precision::F16,
+        Precision::Bf16,
+        Precision::Q4,
+    ];
 
     /// The precision a target runs at unless told otherwise: f16 on CUDA
     /// (half the bytes per decode step; its error against the f32 reference
@@ -35,7 +45,7 @@ impl Precision {
     pub(crate) fn storage(self) -> Ty {
         match self {
             Precision::F32 => Ty::F32,
-            Precision::F16 => Ty::F16,
+            Precision::F16 | Precision::Q4 => Ty::F16,
             Precision::Bf16 => Ty::BF16,
         }
     }
@@ -45,14 +55,17 @@ impl Precision {
             Precision::F32 => "f32",
             Precision::F16 => "f16",
             Precision::Bf16 => "bf16",
+            Precision::Q4 => "q4",
         }
     }
 
-    /// Bytes of one stored element.
-    pub fn bytes(self) -> usize {
+    /// Bits of one stored weight of a matrix: at q4, 4 plus its share of
+    /// its block's f16 scale and offset.
+    pub fn bits_per_weight(self) -> usize {
         match self {
-            Precision::F32 => 4,
-            Precision::F16 | Precision::Bf16 => 2,
+            Precision::F32 => 32,
+            Precision::F16 | Precision::Bf16 => 16,
+            Precision::Q4 => 4 + 32 / crate::q4::BLOCK,
         }
     }
 }
@@ -170,18 +183,38 @@ pub fn attention_rows_for(target: Target) -> usize {
 }
 
 impl GraphOptions {
-    /// The given choices, each defaulting to `target`'s.
+    /// The given choices, each defaulting to `target`'s (the layout to
+    /// out-in at q4, which needs it).
     pub fn for_target(
         target: Target,
         precision: Option<Precision>,
         layout: Option<WeightLayout>,
     ) -> GraphOptions {
+        let precision = precision.unwrap_or_else(|| Precision::default_for(target));
+        let layout = match (layout, precision) {
+            (Some(layout), _) => layout,
+            (None, Precision::Q4) => WeightLayout::OutIn,
+            (None, _) => WeightLayout::default_for(target),
+        };
         GraphOptions {
-            precision: precision.unwrap_or_else(|| Precision::default_for(target)),
-            layout: layout.unwrap_or_else(|| WeightLayout::default_for(target)),
+            precision,
+            layout,
             attention_rows: attention_rows_for(target),
             fold_norms: fold_norms_for(target),
         }
+    }
+
+    /// An error for choices that do not go together.
+    pub fn check(&self) -> Result<(), String> {
+        if self.precision == Precision::Q4 && self.layout != WeightLayout::OutIn {
+            return Err(format!(
+                "q4 weights are blocked along each output's inputs: use the {} layout (the \
+                 default at q4), not {}",
+                WeightLayout::OutIn,
+                self.layout
+            ));
+        }
+        Ok(())
     }
 }
 
@@ -200,5 +233,21 @@ mod tests {
             assert_eq!(l.to_string().parse::<WeightLayout>(), Ok(l));
         }
         assert!("rows".parse::<WeightLayout>().is_err());
+    }
+
+    #[test]
+    fn q4_takes_the_out_in_layout_and_refuses_the_other() {
+        let q4 = GraphOptions::for_target(Target::LlvmCpu, Some(Precision::Q4), None);
+        assert_eq!(q4.layout, WeightLayout::OutIn);
+        assert_eq!(q4.check(), Ok(()));
+        let in_out = GraphOptions {
+            layout: WeightLayout::InOut,
+            ..q4
+        };
+        let error = in_out.check().unwrap_err();
+        assert!(
+            error.contains("out-in") && error.contains("in-out"),
+            "{error}"
+        );
     }
 }

@@ -11,6 +11,7 @@ mod host_cpu;
 pub mod llama;
 mod module_cache;
 pub mod prepared;
+pub mod q4;
 mod stablehlo;
 
 pub use backend::{APPEND_ROWS, Buckets, IreeBackend, ModuleKind};

@@ -7,7 +7,9 @@
 //! views, no copies). One buffer instead of ~200 cuts the per-call cost of
 //! passing arguments. The backend uploads it once and passes it to every
 //! call. Weights and caches are stored at the [`GraphOptions`]' precision;
-//! everything else is f32. With [`GraphOptions::fold_norms`] (CUDA), the
+//! everything else is f32. At q4 there are two buffers (see
+//! [`weight_params`]): f16 for the unquantized weights and each matrix's
+//! block scales and offsets, and packed i4 for the matrices' values. With [`GraphOptions::fold_norms`] (CUDA), the
 //! matrix after each RMSNorm arrives with the norm's weight already folded
 //! into its input columns (the backend does it on upload), and the graph
 //! applies only the 1/rms scale.
@@ -38,7 +40,8 @@
 
 use kiln_core::ModelConfig;
 
-use crate::graph::{GraphOptions, WeightLayout};
+use crate::graph::{GraphOptions, Precision, WeightLayout};
+use crate::q4::BLOCK;
 use crate::stablehlo::{Function, Ty, Val, module};
 
 /// The shapes of the weight arguments, in order: embedding `[V, H]`; per
@@ -71,41 +74,117 @@ pub fn weight_shapes(c: &ModelConfig, layout: WeightLayout) -> Vec<Vec<usize>> {
     shapes
 }
 
+/// Whether entry `index` of [`weight_shapes`] is stored in 4-bit blocks at
+/// q4: every matrix but the embedding, of which a step reads one row.
+pub fn is_quantized(index: usize, shape: &[usize]) -> bool {
+    index > 0 && shape.len() == 2
+}
+
+/// A weight matrix in the graph.
+enum Weight {
+    Dense(Val),
+    /// `[out, in]` as blocks: `quants` `[out, in / BLOCK, BLOCK]` i4,
+    /// `scales` and `offsets` `[out, in / BLOCK]` f16.
+    Q4 {
+        quants: Val,
+        scales: Val,
+        offsets: Val,
+    },
+}
+
+/// One layer's weights.
+struct Layer {
+    attn_norm: Val,
+    qkv: Weight,
+    o: Weight,
+    mlp_norm: Val,
+    gate_up: Weight,
+    down: Weight,
+}
+
 /// The weights as function parameters.
 struct Params {
     embed: Val,
-    /// Attention norm, q/k/v, o, MLP norm, gate/up, down.
-    layers: Vec<[Val; 6]>,
+    layers: Vec<Layer>,
     final_norm: Val,
-    lm_head: Val,
+    lm_head: Weight,
 }
 
-/// The packed weight parameter, sliced and reshaped into the weights.
+/// The packed weight parameters, sliced and reshaped into the weights. At
+/// q4: an f16 buffer holding, in [`weight_shapes`] order, each unquantized
+/// weight, or a quantized matrix's scales then offsets; and an i4 buffer of
+/// the quantized matrices' values, in the same order.
 fn weight_params(f: &mut Function, c: &ModelConfig, g: &GraphOptions) -> Params {
     let shapes = weight_shapes(c, g.layout);
-    let total: usize = shapes.iter().map(|s| s.iter().product::<usize>()).sum();
-    let all = f.param(&[total], g.precision.storage());
-    let mut offset = 0;
-    let mut vals = shapes
-        .into_iter()
-        .map(|s| {
-            let size: usize = s.iter().product();
-            let flat = f.slice(&all, &[offset], &[offset + size]);
-            offset += size;
-            f.reshape(&flat, &s)
-        })
-        .collect::<Vec<_>>()
-        .into_iter();
-    let mut next = || vals.next().expect("weight_shapes covers every weight");
-    let embed = next();
+    let q4 = g.precision == Precision::Q4;
+    let quantized = |i: usize, s: &[usize]| q4 && is_quantized(i, s);
+    let dense_size = |i: usize, s: &Vec<usize>| match quantized(i, s) {
+        true => 2 * s[0] * s[1] / BLOCK,
+        false => s.iter().product(),
+    };
+    let total: usize = shapes
+        .iter()
+        .enumerate()
+        .map(|(i, s)| dense_size(i, s))
+        .sum();
+    let dense = f.param(&[total], g.precision.storage());
+    let quants = q4.then(|| {
+        let count = shapes.iter().enumerate().filter(|(i, s)| quantized(*i, s));
+        let total: usize = count.map(|(_, s)| s[0] * s[1]).sum();
+        f.param(&[total], Ty::I4)
+    });
+    let (mut offset, mut q_offset) = (0, 0);
+    let take = |f: &mut Function, all: &Val, at: &mut usize, shape: &[usize]| {
+        let size: usize = shape.iter().product();
+        let flat = f.slice(all, &[*at], &[*at + size]);
+        *at += size;
+        f.reshape(&flat, shape)
+    };
+    let mut weights = Vec::with_capacity(shapes.len());
+    for (i, s) in shapes.iter().enumerate() {
+        weights.push(match (&quants, quantized(i, s)) {
+            (Some(all_quants), true) => {
+                let blocks = [s[0], s[1] / BLOCK];
+                let scales = take(f, &dense, &mut offset, &blocks);
+                let offsets = take(f, &dense, &mut offset, &blocks);
+                let quants = take(f, all_quants, &mut q_offset, &[s[0], s[1] / BLOCK, BLOCK]);
+                Weight::Q4 {
+                    quants,
+                    scales,
+                    offsets,
+                }
+            }
+            _ => Weight::Dense(take(f, &dense, &mut offset, s)),
+        });
+    }
+    let mut weights = weights.into_iter();
+    let mut next = || weights.next().expect("weight_shapes covers every weight");
+    let embed = next().dense();
     let layers = (0..c.num_layers)
-        .map(|_| std::array::from_fn(|_| next()))
+        .map(|_| Layer {
+            attn_norm: next().dense(),
+            qkv: next(),
+            o: next(),
+            mlp_norm: next().dense(),
+            gate_up: next(),
+            down: next(),
+        })
         .collect();
     Params {
         embed,
         layers,
-        final_norm: next(),
+        final_norm: next().dense(),
         lm_head: next(),
+    }
+}
+
+impl Weight {
+    /// A weight that is never quantized (a vector, the embedding).
+    fn dense(self) -> Val {
+        match self {
+            Weight::Dense(v) => v,
+            Weight::Q4 { .. } => unreachable!("is_quantized keeps vectors and the embedding dense"),
+        }
     }
 }
 
@@ -190,14 +269,20 @@ fn rms_norm(f: &mut Function, dm: &Dims, x: &Val, weight: &Val, eps: f32) -> Nor
 /// multiplied in f32 against the widened weights: IREE fuses the widening
 /// into the matrix-vector kernel, where rounding the row to f16 first would
 /// be a kernel of its own.
-fn linear_normed(f: &mut Function, dm: &Dims, normed: &Normed, w: &Val) -> Val {
+fn linear_normed(f: &mut Function, dm: &Dims, normed: &Normed, w: &Weight) -> Val {
     let (x, inv_rms) = match normed {
         Normed::Rows(x) => return linear(f, dm, x, w),
         Normed::Folded { x, inv_rms } => (x, inv_rms),
     };
     if dm.rows_in_f32 && dm.layout == WeightLayout::OutIn {
-        let wide = f.convert(w, Ty::F32);
-        let out = product(f, dm.layout, x, &wide);
+        let out = match w {
+            Weight::Q4 { .. } if x.shape[0] == 1 => q4_row_product(f, x, w),
+            _ => {
+                let wide = dense_weight(f, dm, w);
+                let wide = f.convert(&wide, Ty::F32);
+                product(f, dm.layout, x, &wide)
+            }
+        };
         let scale = f.broadcast(inv_rms, &out.shape, &[0]);
         f.binary("multiply", &out, &scale)
     } else {
@@ -211,10 +296,70 @@ fn linear_normed(f: &mut Function, dm: &Dims, normed: &Normed, w: &Val) -> Val {
 }
 
 /// `x · w` of f32 rows `x` `[n, in]`: `x` is rounded to the weights'
-/// precision and the product accumulates in f32.
-fn linear(f: &mut Function, dm: &Dims, x: &Val, w: &Val) -> Val {
+/// precision and the product accumulates in f32. One row against q4
+/// weights stays in f32 (see [`q4_row_product`]).
+fn linear(f: &mut Function, dm: &Dims, x: &Val, w: &Weight) -> Val {
+    if matches!(w, Weight::Q4 { .. }) && x.shape[0] == 1 {
+        return q4_row_product(f, x, w);
+    }
+    let w = dense_weight(f, dm, w);
     let x = f.convert(x, dm.storage);
-    product(f, dm.layout, &x, w)
+    product(f, dm.layout, &x, &w)
+}
+
+/// `w` as one `[out, in]` matrix at the storage precision: at q4, the
+/// blocks dequantized (in f32, then rounded), a kernel of its own; for
+/// products of several rows (prefill, multi-token steps), whose cost is
+/// not the weights' bytes.
+fn dense_weight(f: &mut Function, dm: &Dims, w: &Weight) -> Val {
+    match w {
+        Weight::Dense(v) => v.clone(),
+        Weight::Q4 { quants, .. } => {
+            let (out, inputs) = (quants.shape[0], quants.shape[1] * BLOCK);
+            let values = dequantized(f, w);
+            let values = f.reshape(&values, &[out, inputs]);
+            f.convert(&values, dm.storage)
+        }
+    }
+}
+
+/// The f32 weights of q4 `w`, `[out, in / BLOCK, BLOCK]`: `q · scale +
+/// offset`. Elementwise with the scales broadcast along each block, which
+/// IREE takes as a dequantization and fuses into the kernel that consumes
+/// it.
+fn dequantized(f: &mut Function, w: &Weight) -> Val {
+    let Weight::Q4 {
+        quants,
+        scales,
+        offsets,
+    } = w
+    else {
+        unreachable!("dequantized is called on q4 weights")
+    };
+    let shape = quants.shape.clone();
+    let q = f.convert(quants, Ty::F32);
+    let scale = f.convert(scales, Ty::F32);
+    let scale = f.broadcast(&scale, &shape, &[0, 1]);
+    let offset = f.convert(offsets, Ty::F32);
+    let offset = f.broadcast(&offset, &shape, &[0, 1]);
+    let scaled = f.binary("multiply", &q, &scale);
+    f.binary("add", &scaled, &offset)
+}
+
+/// One f32 row `x` `[1, in]` times q4 `w`: `[1, out]`, in f32. Written as a
+/// product and a reduction over both block dimensions rather than a
+/// `dot_general`: IREE then forms one matrix-vector kernel that reads the
+/// packed values and dequantizes them in registers (`iree-compile
+/// --compile-to=flow`: one dispatch; as a `dot_general` the dequantized
+/// matrix is written out first). A decode step's bytes are the packed ones.
+fn q4_row_product(f: &mut Function, x: &Val, w: &Weight) -> Val {
+    let values = dequantized(f, w);
+    let shape = values.shape.clone();
+    let row = f.reshape(x, &[shape[1], shape[2]]);
+    let row = f.broadcast(&row, &shape, &[1, 2]);
+    let terms = f.binary("multiply", &values, &row);
+    let out = f.reduce("add", &terms, &[1, 2], 0.0);
+    f.reshape(&out, &[1, shape[0]])
 }
 
 /// `x · w` of rows `x` `[n, in]` and weights `w` of one element type, laid
@@ -376,7 +521,7 @@ fn masked_softmax(
     f.convert(&probs, dm.storage)
 }
 
-fn mlp(f: &mut Function, dm: &Dims, x: &Normed, gate_up: &Val, down: &Val) -> Val {
+fn mlp(f: &mut Function, dm: &Dims, x: &Normed, gate_up: &Weight, down: &Weight) -> Val {
     let both = linear_normed(f, dm, x, gate_up);
     let i = both.shape[1] / 2;
     let g = columns(f, &both, 0, i);
@@ -409,7 +554,7 @@ fn project_qkv(
     f: &mut Function,
     dm: &Dims,
     normed: &Normed,
-    wqkv: &Val,
+    wqkv: &Weight,
     rope_tables: &(Val, Val),
 ) -> (Val, Val, Val) {
     let n = normed.rows();
@@ -434,13 +579,12 @@ fn finish_layer(
     dm: &Dims,
     x: &Val,
     attended: &Val,
-    w: &[Val; 6],
+    w: &Layer,
 ) -> Val {
-    let [_, _, wo, mlp_norm, gate_up, down] = w;
-    let projected = linear(f, dm, attended, wo);
+    let projected = linear(f, dm, attended, &w.o);
     let x = f.binary("add", x, &projected);
-    let normed = rms_norm(f, dm, &x, mlp_norm, c.rms_norm_eps);
-    let m = mlp(f, dm, &normed, gate_up, down);
+    let normed = rms_norm(f, dm, &x, &w.mlp_norm, c.rms_norm_eps);
+    let m = mlp(f, dm, &normed, &w.gate_up, &w.down);
     f.binary("add", &x, &m)
 }
 
@@ -487,8 +631,8 @@ fn prefill(
     let mut keys = Vec::new();
     let mut values = Vec::new();
     for w in &p.layers {
-        let normed = rms_norm(&mut f, &dm, &x, &w[0], c.rms_norm_eps);
-        let (q, k, v) = project_qkv(&mut f, &dm, &normed, &w[1], &rope_tables);
+        let normed = rms_norm(&mut f, &dm, &x, &w.attn_norm, c.rms_norm_eps);
+        let (q, k, v) = project_qkv(&mut f, &dm, &normed, &w.qkv, &rope_tables);
         // The caches' layouts: k [kv, t, d], v [kv, d, t].
         let k = f.transpose(&k, &[1, 0, 2]);
         let v = f.transpose(&v, &[1, 2, 0]);
@@ -533,8 +677,8 @@ fn decode_step(c: &ModelConfig, g: &GraphOptions, context: usize) -> String {
 
     let mut x = embed(&mut f, &p, &token);
     for (l, w) in p.layers.iter().enumerate() {
-        let normed = rms_norm(&mut f, &dm, &x, &w[0], c.rms_norm_eps);
-        let (q, k, v) = project_qkv(&mut f, &dm, &normed, &w[1], &rope_tables);
+        let normed = rms_norm(&mut f, &dm, &x, &w.attn_norm, c.rms_norm_eps);
+        let (q, k, v) = project_qkv(&mut f, &dm, &normed, &w.qkv, &rope_tables);
         let layer = f.constant_i32(l as i32, &[]);
         let k = f.reshape(&k, &[1, kv, 1, dm.d]);
         k_cache = f.dynamic_update_slice(&k_cache, &k, &[&layer, &zero, &pos, &zero]);
@@ -582,8 +726,8 @@ fn append_tokens(c: &ModelConfig, g: &GraphOptions, context: usize, rows: usize)
 
     let mut x = embed(&mut f, &p, &tokens);
     for (l, w) in p.layers.iter().enumerate() {
-        let normed = rms_norm(&mut f, &dm, &x, &w[0], c.rms_norm_eps);
-        let (q, k, v) = project_qkv(&mut f, &dm, &normed, &w[1], &rope_tables);
+        let normed = rms_norm(&mut f, &dm, &x, &w.attn_norm, c.rms_norm_eps);
+        let (q, k, v) = project_qkv(&mut f, &dm, &normed, &w.qkv, &rope_tables);
         let layer = f.constant_i32(l as i32, &[]);
         let k = f.transpose(&k, &[1, 0, 2]);
         let k = f.reshape(&k, &[1, kv, rows, dm.d]);
@@ -653,8 +797,8 @@ fn decode_batch(
 
     let mut x = embed(&mut f, &p, &tokens);
     for (l, w) in p.layers.iter().enumerate() {
-        let normed = rms_norm(&mut f, &dm, &x, &w[0], c.rms_norm_eps);
-        let (q, k, v) = project_qkv(&mut f, &dm, &normed, &w[1], &rope_tables);
+        let normed = rms_norm(&mut f, &dm, &x, &w.attn_norm, c.rms_norm_eps);
+        let (q, k, v) = project_qkv(&mut f, &dm, &normed, &w.qkv, &rope_tables);
         let at = layer_rows(&mut f, &key_at, l);
         let table = f.reshape(&k_cache, &[key_rows, d]);
         let k = f.reshape(&k, &[rows * kv, d]);

@@ -11,6 +11,8 @@ pub enum Ty {
     BF16,
     I32,
     I1,
+    /// Signed 4-bit integers: packed weights (see `crate::q4`).
+    I4,
 }
 
 impl Ty {
@@ -21,6 +23,7 @@ impl Ty {
             Ty::BF16 => "bf16",
             Ty::I32 => "i32",
             Ty::I1 => "i1",
+            Ty::I4 => "i4",
         }
     }
 
@@ -32,7 +35,7 @@ impl Ty {
             Ty::F32 => format!("0x{:08X}", (value as f32).to_bits()),
             Ty::F16 => format!("0x{:04X}", half::f16::from_f64(value).to_bits()),
             Ty::BF16 => format!("0x{:04X}", half::bf16::from_f64(value).to_bits()),
-            Ty::I32 => format!("{}", value as i32),
+            Ty::I32 | Ty::I4 => format!("{}", value as i32),
             Ty::I1 => (value != 0.0).to_string(),
         }
     }

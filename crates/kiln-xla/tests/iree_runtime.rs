@@ -39,6 +39,11 @@ module {
     %1 = stablehlo.convert %a : (tensor<3xf32>) -> tensor<3xi32>
     return %0, %1 : tensor<3xf32>, tensor<3xi32>
   }
+  func.func @widen_i4(%a: tensor<2x3xi4>) -> (tensor<2x3xi32>, tensor<2x3xi4>) {
+    %0 = stablehlo.convert %a : (tensor<2x3xi4>) -> tensor<2x3xi32>
+    %1 = stablehlo.negate %a : tensor<2x3xi4>
+    return %0, %1 : tensor<2x3xi32>, tensor<2x3xi4>
+  }
 }
 "#;
 
@@ -98,6 +103,17 @@ fn exact_results_on(uri: &str) {
     assert_eq!(out.len(), 2);
     assert_eq!(out[0].as_f32().unwrap(), &[-1.75, 2.5, -3.0]);
     assert_eq!(out[1].as_i32().unwrap(), &[1, -2, 3]);
+
+    // Packed signed 4-bit, element 2k in the low nibble: 0x7f holds 0xf
+    // (-1) then 0x7 (7). Six elements in three bytes, both ways.
+    let a = Tensor::i4_packed(&[2, 3], vec![0x7f, 0x80, 0x21]).unwrap();
+    let out = module.call("widen_i4", &[a]).unwrap();
+    assert_eq!(out[0].as_i32().unwrap(), &[-1, 7, 0, -8, 1, 2]);
+    // Negated: 1, -7, 0, -8 (wraps), -1, -2.
+    assert_eq!(
+        out[1].data(),
+        &kiln_iree::TensorData::I4(vec![0x91, 0x80, 0xef])
+    );
 }
 
 #[test]

@@ -1,0 +1,200 @@
+//! 4-bit weights for [`Precision::Q4`](crate::Precision::Q4): each `[out,
+//! in]` matrix is cut, along its rows, into blocks of [`BLOCK`] inputs, and
+//! each block stored as 4-bit signed integers `q` with an f16 `scale` and
+//! `offset`: `w = q · scale + offset`. That is GGUF's Q4_1 (`w = d · u + m`,
+//! `u` in 0..16) with `q = u − 8` and `offset = m + 8d`, so a Q4_1 file's
+//! blocks come back exactly; 5 bits a weight in all, against 16 at f16.
+//!
+//! The device dequantizes inside the matrix-vector kernel (see
+//! `crate::llama`), so a decode step reads the packed bytes, not f16.
+
+use half::f16;
+use kiln_core::weights::{Matrix, Weights};
+
+/// Inputs per block: one scale and one offset each.
+pub const BLOCK: usize = 32;
+
+/// A matrix in 4-bit blocks, as the device takes it.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Q4Matrix {
+    pub rows: usize,
+    pub cols: usize,
+    /// `rows · cols` signed 4-bit values, two per byte, element 2k in the
+    /// low nibble (IREE's packing of `i4`).
+    pub quants: Vec<u8>,
+    /// One per block, row-major `[rows, cols / BLOCK]`.
+    pub scales: Vec<f16>,
+    pub offsets: Vec<f16>,
+}
+
+/// Why a matrix cannot be stored in 4 bits.
+#[derive(Debug, thiserror::Error, PartialEq)]
+pub enum Q4Error {
+    #[error("a matrix of {cols} inputs is not a whole number of {BLOCK}-input blocks")]
+    Width { cols: usize },
+    #[error(
+        "a block's range [{min}, {max}] does not fit f16 scales; use --precision f32, which keeps \
+         such weights exactly"
+    )]
+    Range { min: f32, max: f32 },
+}
+
+impl Q4Matrix {
+    /// Quantizes `m` block by block: each block's smallest and largest
+    /// weight are its ends, so the rounding error of a weight is at most half
+    /// its block's step `(max − min) / 15` (plus the f16 rounding of the
+    /// scale and offset).
+    pub fn quantize(m: &Matrix) -> Result<Q4Matrix, Q4Error> {
+        if !m.cols.is_multiple_of(BLOCK) {
+            return Err(Q4Error::Width { cols: m.cols });
+        }
+        let blocks = m.rows * m.cols / BLOCK;
+        let mut q = Q4Matrix {
+            rows: m.rows,
+            cols: m.cols,
+            quants: Vec::with_capacity(m.rows * m.cols / 2),
+            scales: Vec::with_capacity(blocks),
+            offsets: Vec::with_capacity(blocks),
+        };
+        for block in m.data.chunks_exact(BLOCK) {
+            let (min, max) = block
+                .iter()
+                .fold((f32::INFINITY, f32::NEG_INFINITY), |(lo, hi), &w| {
+                    (lo.min(w), hi.max(w))
+                });
+            let scale = f16::from_f32((max - min) / 15.0);
+            let offset = f16::from_f32(min + 8.0 * scale.to_f32());
+            if !scale.is_finite() || !offset.is_finite() {
+                return Err(Q4Error::Range { min, max });
+            }
+            let (s, o) = (scale.to_f32(), offset.to_f32());
+            let level = |w: f32| {
+                let q = if s > 0.0 { ((w - o) / s).round() } else { 0.0 };
+                (q.clamp(-8.0, 7.0) as i8 as u8) & 0x0f
+            };
+            q.quants.extend(
+                block
+                    .chunks_exact(2)
+                    .map(|pair| level(pair[0]) | (level(pair[1]) << 4)),
+            );
+            q.scales.push(scale);
+            q.offsets.push(offset);
+        }
+        Ok(q)
+    }
+
+    /// The weights the device computes with, in f32.
+    pub fn dequantize(&self) -> Matrix {
+        let per_row = self.cols / BLOCK;
+        let data = (0..self.rows * self.cols)
+            .map(|i| {
+                let byte = self.quants[i / 2];
+                let nibble = if i % 2 == 0 { byte & 0x0f } else { byte >> 4 };
+                // Sign-extend the 4-bit two's complement value.
+                let q = ((nibble << 4) as i8 >> 4) as f32;
+                let block = (i / self.cols) * per_row + (i % self.cols) / BLOCK;
+                q * self.scales[block].to_f32() + self.offsets[block].to_f32()
+            })
+            .collect();
+        Matrix {
+            rows: self.rows,
+            cols: self.cols,
+            data,
+        }
+    }
+}
+
+/// The weights a q4 graph computes with, as f32 weights for the CPU
+/// reference: every matrix but the embedding quantized and dequantized,
+/// after the RMSNorm weights were folded into the matrices that follow
+/// them where the graph folds norms (`fold_norms`; the norms are then
+/// ones). The embedding and norms are left as they are (the graph rounds
+/// them to f16).
+pub fn device_weights(w: &Weights, fold_norms: bool) -> Result<Weights, Q4Error> {
+    let round_trip = |m: &Matrix| Q4Matrix::quantize(m).map(|q| q.dequantize());
+    let after_norm = |m: &Matrix, norm: &[f32]| match fold_norms {
+        true => round_trip(&crate::backend::scale_columns(m.clone(), norm)),
+        false => round_trip(m),
+    };
+    let norm = |n: &[f32]| match fold_norms {
+        true => vec![1.0; n.len()],
+        false => n.to_vec(),
+    };
+    let mut layers = Vec::with_capacity(w.layers.len());
+    for l in &w.layers {
+        let mut layer = l.clone();
+        layer.attn_norm = norm(&l.attn_norm);
+        layer.wq = after_norm(&l.wq, &l.attn_norm)?;
+        layer.wk = after_norm(&l.wk, &l.attn_norm)?;
+        layer.wv = after_norm(&l.wv, &l.attn_norm)?;
+        layer.wo = round_trip(&l.wo)?;
+        layer.mlp_norm = norm(&l.mlp_norm);
+        layer.w_gate = after_norm(&l.w_gate, &l.mlp_norm)?;
+        layer.w_up = after_norm(&l.w_up, &l.mlp_norm)?;
+        layer.w_down = round_trip(&l.w_down)?;
+        layers.push(layer);
+    }
+    Ok(Weights {
+        embed: w.embed.clone(),
+        layers,
+        final_norm: norm(&w.final_norm),
+        lm_head: Some(after_norm(w.output(), &w.final_norm)?),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn matrix(rows: usize, cols: usize, f: impl Fn(usize) -> f32) -> Matrix {
+        Matrix {
+            rows,
+            cols,
+            data: (0..rows * cols).map(f).collect(),
+        }
+    }
+
+    #[test]
+    fn each_weight_is_within_half_a_step_of_its_block() {
+        let m = matrix(3, 64, |i| ((i * 7919) % 1000) as f32 / 250.0 - 2.0);
+        let q = Q4Matrix::quantize(&m).unwrap();
+        assert_eq!((q.quants.len(), q.scales.len()), (96, 6));
+        let back = q.dequantize();
+        for (b, (orig, deq)) in m
+            .data
+            .chunks_exact(BLOCK)
+            .zip(back.data.chunks_exact(BLOCK))
+            .enumerate()
+        {
+            let step = q.scales[b].to_f32();
+            for (w, d) in orig.iter().zip(deq) {
+                assert!(
+                    (w - d).abs() <= step * 0.51 + 1e-3,
+                    "{w} → {d}, step {step}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn q4_1_blocks_come_back_exactly() {
+        // A Q4_1 block: d · u + m with u over 0..16, both ends present.
+        let (d, m) = (f16::from_f32(0.0625).to_f32(), f16::from_f32(-0.5).to_f32());
+        let w = matrix(1, 32, |i| d * (i % 16) as f32 + m);
+        assert_eq!(Q4Matrix::quantize(&w).unwrap().dequantize(), w);
+        // Packing: element 2k low, 2k + 1 high; u = 0 is q = −8 (0x8).
+        let q = Q4Matrix::quantize(&w).unwrap();
+        assert_eq!(q.quants[0], 0x98);
+        assert_eq!(q.quants[7], 0x76);
+    }
+
+    #[test]
+    fn constant_blocks_and_bad_shapes() {
+        let m = matrix(1, 32, |_| 0.25);
+        assert_eq!(Q4Matrix::quantize(&m).unwrap().dequantize(), m);
+        let error = Q4Matrix::quantize(&matrix(2, 48, |_| 0.0)).unwrap_err();
+        assert_eq!(error, Q4Error::Width { cols: 48 });
+        let error = Q4Matrix::quantize(&matrix(1, 32, |i| i as f32 * 1e5)).unwrap_err();
+        assert!(error.to_string().contains("--precision f32"), "{error}");
+    }
+}
