@@ -168,11 +168,9 @@ pub fn target(kind: BackendKind) -> Result<kiln_xla::Target> {
 pub fn graph(target: kiln_xla::Target, options: &IreeOptions) -> Result<kiln_xla::GraphOptions> {
     let precision = parse_option("--precision", options.precision.as_deref())?;
     let layout = parse_option("--weight-layout", options.weight_layout.as_deref())?;
-    let graph = kiln_xla::GraphOptions::for_target(target, precision, layout);
-    graph
-        .check()
-        .map_err(|e| anyhow::anyhow!("--weight-layout: {e}"))?;
-    Ok(graph)
+    Ok(kiln_xla::GraphOptions::for_target(
+        target, precision, layout,
+    ))
 }
 
 /// An optional option value parsed, an error naming the option otherwise.

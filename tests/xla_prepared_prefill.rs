@@ -27,10 +27,16 @@ fn fixture(name: &str) -> Model {
 fn rounded_to_f16(model: &Model) -> Model {
     let dir = tempfile::tempdir().unwrap();
     kiln_core::save::save_f16(dir.path(), &model.config, &model.weights).unwrap();
+    let weights = kiln_core::weights::load_dir(dir.path(), &model.config).unwrap();
+    with_weights(model, "f16 weights", weights)
+}
+
+/// `model`'s configuration with other weights, named for what they are.
+fn with_weights(model: &Model, what: &str, weights: kiln_core::weights::Weights) -> Model {
     Model {
-        name: format!("{} (f16 weights)", model.name),
+        name: format!("{} ({what})", model.name),
         config: model.config.clone(),
-        weights: kiln_core::weights::load_dir(dir.path(), &model.config).unwrap(),
+        weights,
         tokenizer: kiln_core::Tokenizer::Bytes(kiln_core::tokenizer::ByteTokenizer),
         chat: Default::default(),
     }
@@ -49,6 +55,12 @@ fn on_cpu(
     cache: ModuleCache,
 ) -> IreeBackend<'_> {
     let graph = GraphOptions::for_target(Target::LlvmCpu, precision, layout);
+    with_graph_on_cpu(model, graph, cache)
+}
+
+/// An IREE `local-task` backend running `graph` (another target's choices
+/// included) on the CPU.
+fn with_graph_on_cpu(model: &Model, graph: GraphOptions, cache: ModuleCache) -> IreeBackend<'_> {
     open(model, "local-task", Target::LlvmCpu, graph, cache).unwrap_or_else(|e| panic!("{e}"))
 }
 
@@ -226,14 +238,7 @@ fn the_cuda_graph_choices_give_the_same_model() {
                     GraphOptions::for_target(Target::LlvmCpu, Some(precision), Some(layout)),
                     "the CUDA target makes graph choices of its own"
                 );
-                let mut xla = open(
-                    &model,
-                    "local-task",
-                    Target::LlvmCpu,
-                    graph,
-                    default_cache(),
-                )
-                .unwrap_or_else(|e| panic!("{e}"));
+                let mut xla = with_graph_on_cpu(&model, graph, default_cache());
                 let bound = if precision == Precision::F32 {
                     1e-4
                 } else {
@@ -259,13 +264,8 @@ fn half_precisions_stay_within_their_bounds_on_the_cpu() {
 /// The model with the weights a q4 graph computes with on `model`'s
 /// (`kiln_xla::q4::device_weights`): the reference q4 is measured against.
 fn q4_reference(model: &Model, fold_norms: bool) -> Model {
-    Model {
-        name: format!("{} (q4 weights)", model.name),
-        config: model.config.clone(),
-        weights: kiln_xla::q4::device_weights(&model.weights, fold_norms).unwrap(),
-        tokenizer: kiln_core::Tokenizer::Bytes(kiln_core::tokenizer::ByteTokenizer),
-        chat: Default::default(),
-    }
+    let weights = kiln_xla::q4::device_weights(&model.weights, fold_norms).unwrap();
+    with_weights(model, "q4 weights", weights)
 }
 
 /// q4 weights (4-bit blocks dequantized inside the products), in the CPU
@@ -290,14 +290,7 @@ fn q4_weights_agree_with_the_reference_on_their_dequantized_weights() {
             moved > 10.0 * Q4_BOUND,
             "quantizing moved the logits by only {moved}"
         );
-        let mut xla = open(
-            &model,
-            "local-task",
-            Target::LlvmCpu,
-            graph,
-            default_cache(),
-        )
-        .unwrap_or_else(|e| panic!("{e}"));
+        let mut xla = with_graph_on_cpu(&model, graph, default_cache());
         let worst = agrees(&reference, &mut xla, Q4_BOUND, 16);
         println!(
             "q4, {target:?}'s graph: worst |iree - cpu| = {worst:e}; quantizing moved {moved:e}"

@@ -148,15 +148,14 @@ fn stack_rows(ms: &[&Matrix]) -> Matrix {
 /// rounded to the graph's precision; at q4, that buffer in f16 with each
 /// quantized matrix's block scales and offsets in its place, and a second
 /// buffer of the matrices' packed 4-bit values.
-fn packed_weights(
-    model: &Model,
-    graph: &GraphOptions,
-) -> kiln_core::Result<Vec<kiln_iree::Result<Tensor>>> {
+fn packed_weights(model: &Model, graph: &GraphOptions) -> kiln_core::Result<Vec<Tensor>> {
     let parts = weight_arguments(&model.weights, graph);
     if graph.precision != Precision::Q4 {
         let total: usize = parts.iter().map(|p| p.len()).sum();
         let values = parts.iter().flat_map(|p| p.iter().copied());
-        return Ok(vec![stored(graph.precision, &[total as i64], values)]);
+        return Ok(vec![
+            stored(graph.precision, &[total as i64], values).map_err(to_core)?,
+        ]);
     }
     let shapes = crate::llama::weight_shapes(&model.config, graph.layout);
     let (mut dense, mut quants) = (Vec::new(), Vec::new());
@@ -177,8 +176,8 @@ fn packed_weights(
     }
     let count = 2 * quants.len() as i64;
     Ok(vec![
-        Tensor::f16(&[dense.len() as i64], dense),
-        Tensor::i4_packed(&[count], quants),
+        Tensor::f16(&[dense.len() as i64], dense).map_err(to_core)?,
+        Tensor::i4_packed(&[count], quants).map_err(to_core)?,
     ])
 }
 
@@ -277,7 +276,7 @@ impl<'m> IreeBackend<'m> {
         graph.check().map_err(kiln_core::Error::Invalid)?;
         let weights = packed_weights(model, &graph)?
             .into_iter()
-            .map(|t| t.and_then(|t| device.upload(&t)).map_err(to_core))
+            .map(|t| device.upload(&t).map_err(to_core))
             .collect::<kiln_core::Result<Vec<_>>>()?;
         let (cos, sin) = model.config.rope_tables(buckets.context)?;
         let rows = [buckets.context as i64, model.config.head_dim as i64 / 2];

@@ -57,6 +57,9 @@ pub enum Error {
     #[error("invalid model config: {0}")]
     Config(String),
 
+    #[error("invalid graph options: {0}")]
+    Graph(String),
+
     #[error(
         "the {module} module is not in the module cache {cache} and no compiler is available \
          (KILN_IREE_COMPILE is unset); run `kiln prepare` where the pinned compiler is, and \
