@@ -207,8 +207,13 @@ fn bad_iree_options_are_named() {
         return println!("skipped: built without the xla-iree feature");
     }
     let cases: &[(&[&str], &str)] = &[
-        (&["--precision", "fp8"], "f32, f16 or bf16"),
+        (&["--precision", "fp8"], "f32, f16, bf16 or q4"),
         (&["--weight-layout", "rows"], "in-out or out-in"),
+        // 4-bit blocks run along a row's inputs, which only out-in keeps together.
+        (
+            &["--precision", "q4", "--weight-layout", "in-out"],
+            "use the out-in layout",
+        ),
         (&["--iree-flag=--no_such_flag=1"], "not recognized"),
         // IREE itself would exit(0) on --help and read "notanumber" as 0.
         (&["--iree-flag=--help"], "kiln does not take it"),
