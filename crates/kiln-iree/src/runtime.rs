@@ -4,7 +4,7 @@ use std::ffi::CString;
 use std::marker::PhantomData;
 use std::path::Path;
 use std::ptr::NonNull;
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
 use crate::error::{Error, Result, STATUS_NOT_FOUND, STATUS_UNAVAILABLE, StatusCode};
 use crate::ffi;
@@ -60,21 +60,34 @@ unsafe impl Send for RawInstance {}
 // SAFETY: as above.
 unsafe impl Sync for RawInstance {}
 
-/// An IREE runtime instance with every compiled-in HAL driver registered.
+/// An IREE runtime instance with every compiled-in HAL driver registered;
+/// every `Instance` of a process is the same one (see [`Instance::new`]).
 #[derive(Clone)]
 pub struct Instance {
     raw: Arc<RawInstance>,
 }
 
 impl Instance {
+    /// The process's instance, created on first use. One, not one per
+    /// call: creating an IREE runtime instance registers the HAL's VM types,
+    /// and `iree_vm_instance_register_type` first zeroes the process-wide
+    /// type id it then sets, which a module loading on another thread checks
+    /// its device against ("ref type mismatch" in `hal.device.query.i64`,
+    /// seen in CI while parallel tests made their instances).
     pub fn new() -> Result<Instance> {
-        let mut raw = std::ptr::null_mut();
-        // SAFETY: `raw` is a valid out-pointer; on success it holds a new handle.
-        check(unsafe { ffi::kiln_iree_instance_create(&mut raw) }).map_err(iree_error)?;
-        let raw = NonNull::new(raw).expect("the shim returns a handle on success");
-        Ok(Instance {
-            raw: Arc::new(RawInstance(raw)),
-        })
+        static SHARED: OnceLock<std::result::Result<Arc<RawInstance>, (StatusCode, String)>> =
+            OnceLock::new();
+        let raw = SHARED.get_or_init(|| {
+            let mut raw = std::ptr::null_mut();
+            // SAFETY: `raw` is a valid out-pointer; on success it holds a new handle.
+            check(unsafe { ffi::kiln_iree_instance_create(&mut raw) })?;
+            let raw = NonNull::new(raw).expect("the shim returns a handle on success");
+            Ok(Arc::new(RawInstance(raw)))
+        });
+        match raw {
+            Ok(raw) => Ok(Instance { raw: raw.clone() }),
+            Err(error) => Err(iree_error(error.clone())),
+        }
     }
 
     /// The HAL drivers compiled into this runtime (`local-sync`, `cuda`, …).

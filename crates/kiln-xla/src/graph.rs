@@ -154,6 +154,17 @@ pub struct GraphOptions {
     /// and its 1/rms scale applied to that product's output, so that no
     /// kernel normalises the rows themselves (see [`fold_norms_for`]).
     pub fold_norms: bool,
+    /// One-row q4 products carry a hand-set kernel configuration for
+    /// NVIDIA GPUs (see [`tuned_q4_rows_for`]).
+    pub tuned_q4_rows: bool,
+}
+
+/// Whether `target`'s one-row q4 products carry kiln's kernel
+/// configuration. CUDA's own choice for them reads one 4-bit value per lane
+/// per load and made q4 decode 2x slower than f16 (docs/perf-notes.md); the
+/// configuration is NVIDIA code generation's, which the CPU does not read.
+pub fn tuned_q4_rows_for(target: Target) -> bool {
+    matches!(target, Target::Cuda)
 }
 
 /// Whether `target` folds the RMSNorm weights into the next matrix. On CUDA
@@ -201,6 +212,7 @@ impl GraphOptions {
             layout,
             attention_rows: attention_rows_for(target),
             fold_norms: fold_norms_for(target),
+            tuned_q4_rows: tuned_q4_rows_for(target),
         }
     }
 

@@ -206,6 +206,8 @@ struct Dims {
     /// give the one-row step's tokens); prefill keeps f16 rows for the
     /// tensor cores.
     rows_in_f32: bool,
+    /// See [`GraphOptions::tuned_q4_rows`].
+    tuned_q4_rows: bool,
 }
 
 fn dims(c: &ModelConfig, g: &GraphOptions) -> Dims {
@@ -220,6 +222,7 @@ fn dims(c: &ModelConfig, g: &GraphOptions) -> Dims {
         attention_rows: g.attention_rows,
         fold_norms: g.fold_norms,
         rows_in_f32: true,
+        tuned_q4_rows: g.tuned_q4_rows,
     }
 }
 
@@ -276,7 +279,7 @@ fn linear_normed(f: &mut Function, dm: &Dims, normed: &Normed, w: &Weight) -> Va
     };
     if dm.rows_in_f32 && dm.layout == WeightLayout::OutIn {
         let out = match w {
-            Weight::Q4 { .. } if x.shape[0] == 1 => q4_row_product(f, x, w),
+            Weight::Q4 { .. } if x.shape[0] == 1 => q4_row_product(f, dm, x, w),
             _ => {
                 let wide = dense_weight(f, dm, w);
                 let wide = f.convert(&wide, Ty::F32);
@@ -300,7 +303,7 @@ fn linear_normed(f: &mut Function, dm: &Dims, normed: &Normed, w: &Weight) -> Va
 /// weights stays in f32 (see [`q4_row_product`]).
 fn linear(f: &mut Function, dm: &Dims, x: &Val, w: &Weight) -> Val {
     if matches!(w, Weight::Q4 { .. }) && x.shape[0] == 1 {
-        return q4_row_product(f, x, w);
+        return q4_row_product(f, dm, x, w);
     }
     let w = dense_weight(f, dm, w);
     let x = f.convert(x, dm.storage);
@@ -346,13 +349,80 @@ fn dequantized(f: &mut Function, w: &Weight) -> Val {
     f.binary("add", &scaled, &offset)
 }
 
-/// One f32 row `x` `[1, in]` times q4 `w`: `[1, out]`, in f32. Written as a
-/// product and a reduction over both block dimensions rather than a
-/// `dot_general`: IREE then forms one matrix-vector kernel that reads the
-/// packed values and dequantizes them in registers (`iree-compile
-/// --compile-to=flow`: one dispatch; as a `dot_general` the dequantized
-/// matrix is written out first). A decode step's bytes are the packed ones.
-fn q4_row_product(f: &mut Function, x: &Val, w: &Weight) -> Val {
+/// One f32 row `x` `[1, in]` times q4 `w`: `[1, out]`, in f32, the row
+/// rounded to f16 (half the bytes each lane reads beside its weights).
+/// IREE's own configuration of this product puts one 4-bit value per lane
+/// per load (docs/perf-notes.md): with [`Dims::tuned_q4_rows`] it carries
+/// the one of [`q4_row_kernel`] instead.
+fn q4_row_product(f: &mut Function, dm: &Dims, x: &Val, w: &Weight) -> Val {
+    let Weight::Q4 {
+        quants,
+        scales,
+        offsets,
+    } = w
+    else {
+        unreachable!("q4_row_product is called on q4 weights")
+    };
+    let (out, groups) = (quants.shape[0], quants.shape[1]);
+    let row = f.convert(x, Ty::F16);
+    let row = f.reshape(&row, &[groups, BLOCK]);
+    let info = match dm.tuned_q4_rows {
+        true => match q4_row_kernel(out, groups) {
+            Some(info) => Some(info),
+            None => return q4_row_product_untuned(f, x, w),
+        },
+        false => None,
+    };
+    let product = f.q4_row_product(quants, scales, offsets, &row, info.as_deref());
+    f.reshape(&product, &[1, out])
+}
+
+/// The fewest workgroups [`q4_row_kernel`] gives a product: about four per
+/// SM of an H200 (132). Its workgroups are one 32-thread subgroup, and with
+/// 16 rows each SmolLM2's qkv product (960 outputs) would be 60 of them,
+/// fewer than the SMs; below this, IREE's own configuration (one row a
+/// workgroup) takes the product. (SmolLM2 decoded at 338-353 tok/s with
+/// every product configured, 349-355 with this bound: within the noise;
+/// docs/perf-notes.md.)
+const Q4_ROW_MIN_WORKGROUPS: usize = 512;
+
+/// The `compilation_info` of a one-row q4 product on CUDA, or `None` where
+/// its shape has none or too few workgroups. One 32-lane subgroup per workgroup; each lane takes
+/// whole blocks (one 16-byte load of values), `lanes` lanes side by side
+/// along a row's blocks and `32 / lanes` rows per workgroup. `lanes` must
+/// divide the row's block count (iree-compile did not finish on 32 lanes
+/// over 176 blocks), so it is the largest power of two up to 32 that does;
+/// the rows per workgroup must divide `out`. Measured on the H200 against
+/// IREE's own choice, on matrices far larger than L2: 131072×2048 0.287
+/// against 0.628 ms, 262144×576 0.243 against 0.439 ms (docs/perf-notes.md).
+fn q4_row_kernel(out: usize, groups: usize) -> Option<String> {
+    let lanes = [32, 16, 8, 4, 2, 1]
+        .into_iter()
+        .find(|lanes| groups.is_multiple_of(*lanes))?;
+    let rows = 32 / lanes;
+    if !out.is_multiple_of(rows) {
+        return None;
+    }
+    if out / rows < Q4_ROW_MIN_WORKGROUPS {
+        return None;
+    }
+    // One row a workgroup: no thread tiling along the rows.
+    let thread_rows = usize::from(rows > 1);
+    Some(format!(
+        "#iree_codegen.compilation_info<lowering_config = #iree_gpu.lowering_config<{{\
+         lane_basis = [[{rows}, {lanes}, 1], [0, 1, 2]], partial_reduction = [0, {lanes}, {BLOCK}], \
+         subgroup_basis = [[1, 1, 1], [0, 1, 2]], thread = [{thread_rows}, 1, {BLOCK}], \
+         workgroup = [{rows}, 0, 0]}}>, translation_info = \
+         #iree_codegen.translation_info<pipeline = LLVMGPUVectorDistribute \
+         workgroup_size = [32, 1, 1] subgroup_size = 32>>"
+    ))
+}
+
+/// [`q4_row_product`] as StableHLO, for CUDA shapes [`q4_row_kernel`] has
+/// no configuration for: a product and a reduction over both block
+/// dimensions, which IREE fuses with the dequantization into one kernel
+/// that reads the packed values (one 4-bit value per lane per load).
+fn q4_row_product_untuned(f: &mut Function, x: &Val, w: &Weight) -> Val {
     let values = dequantized(f, w);
     let shape = values.shape.clone();
     let row = f.reshape(x, &[shape[1], shape[2]]);
@@ -1001,5 +1071,69 @@ mod tests {
             decode_module(&tiny, &unpadded, 64)
         );
         assert_eq!(attention_rows_for(Target::LlvmCpu), 1);
+    }
+
+    /// The q4 row kernel's lanes divide the row's blocks (iree-compile did
+    /// not finish otherwise) and its rows per workgroup divide the outputs;
+    /// where they cannot, there is no configuration.
+    #[test]
+    fn q4_row_kernels_fit_their_shapes() {
+        let lanes_rows = |out, groups| {
+            let info = q4_row_kernel(out, groups)?;
+            let basis = info.split("lane_basis = [[").nth(1).unwrap();
+            let v: Vec<usize> = basis
+                .split(']')
+                .next()
+                .unwrap()
+                .split(", ")
+                .map(|n| n.parse().unwrap())
+                .collect();
+            Some((v[1], v[0]))
+        };
+        // TinyLlama's products: the 2048-wide rows (64 blocks) and the
+        // 5632-wide ones of the down projection (176).
+        assert_eq!(lanes_rows(11264, 64), Some((32, 1)));
+        assert_eq!(lanes_rows(32000, 64), Some((32, 1)));
+        assert_eq!(lanes_rows(2048, 176), Some((16, 2)));
+        // SmolLM2's 576-wide rows (18 blocks): 16 rows a workgroup, which
+        // only the head has enough outputs for.
+        assert_eq!(lanes_rows(49152, 18), Some((2, 16)));
+        assert_eq!(lanes_rows(960, 18), None, "60 workgroups");
+        assert_eq!(lanes_rows(576, 48), None, "288 workgroups");
+        assert_eq!(lanes_rows(16 * 600 + 8, 18), None, "16 rows do not divide");
+    }
+
+    /// A one-row q4 product on CUDA carries the kernel configuration where
+    /// its shape has one, and is IREE's own fused form where not; both
+    /// compile. The CPU's products are the same linalg op, unconfigured.
+    #[test]
+    fn cuda_q4_rows_carry_their_kernel_configuration() {
+        let q4 = |target| GraphOptions::for_target(target, Some(Precision::Q4), None);
+        let configured = "attrs = {compilation_info = #iree_codegen.compilation_info";
+        // Every product with at least 512 workgroups: qkv 1536 rows, o and
+        // gate-up 1024, down 1024 of 512 inputs (2 rows a workgroup), the
+        // head 512.
+        let mut wide = config(16, 4);
+        (wide.hidden_size, wide.head_dim) = (1024, 64);
+        (wide.intermediate_size, wide.vocab_size) = (512, 512);
+        let cuda = decode_module(&wide, &q4(Target::Cuda), 64);
+        assert_eq!(cuda.matches(configured).count(), 4 + 1);
+        let cpu = decode_module(&wide, &q4(Target::LlvmCpu), 64);
+        assert_eq!(cpu.matches("linalg.generic").count(), 4 + 1);
+        assert!(!cpu.contains("compilation_info"));
+        // Too few outputs everywhere: no configuration, no linalg.
+        let mut narrow = config(4, 2);
+        (narrow.hidden_size, narrow.head_dim) = (64, 16);
+        (narrow.intermediate_size, narrow.vocab_size) = (96, 64);
+        let small = decode_module(&narrow, &q4(Target::Cuda), 64);
+        assert!(!small.contains("linalg.generic"));
+        match crate::compiler::Compiler::from_env() {
+            Ok(compiler) => {
+                for module in [cuda, small] {
+                    compiler.compile(&module, Target::Cuda, &[]).unwrap();
+                }
+            }
+            Err(e) => println!("skipped compiling for CUDA: {e}"),
+        }
     }
 }
