@@ -51,6 +51,7 @@ impl Drop for RawInstance {
     fn drop(&mut self) {
         // SAFETY: the handle came from kiln_iree_instance_create and is
         // released once, after every device and module holding it is gone.
+        // (The process's instance lives in a static: it is never dropped.)
         unsafe { ffi::kiln_iree_instance_release(self.0.as_ptr()) }
     }
 }
@@ -628,4 +629,21 @@ pub struct PendingRead {
     shape: Vec<i64>,
     element_type: ElementType,
     length: usize,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every `Instance::new` gives the one instance: a second IREE runtime
+    /// instance would register the HAL's VM types again, racing module
+    /// loads on other threads (see [`Instance::new`]).
+    #[test]
+    fn every_instance_is_the_process_one() {
+        let first = Instance::new().unwrap();
+        let again = std::thread::spawn(|| Instance::new().unwrap())
+            .join()
+            .unwrap();
+        assert!(Arc::ptr_eq(&first.raw, &again.raw));
+    }
 }

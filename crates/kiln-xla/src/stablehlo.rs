@@ -1,5 +1,7 @@
 //! A small builder of StableHLO text: SSA values with static shapes, one
-//! method per op kiln uses. It writes the MLIR assembly iree-compile reads.
+//! method per op kiln uses. It writes the MLIR assembly iree-compile reads
+//! (one op, [`Function::q4_row_product`], is linalg, which iree-compile
+//! takes beside StableHLO).
 
 use std::fmt::Write as _;
 

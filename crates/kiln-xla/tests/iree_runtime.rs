@@ -126,37 +126,6 @@ fn exact_results_on_local_sync() {
     exact_results_on("local-sync");
 }
 
-/// Creating an instance while another thread loads and runs modules leaves
-/// them alone. IREE's type registration, which creating a runtime instance
-/// runs, briefly zeroes process-wide type ids that a module's initializer
-/// checks the device against: CI saw `exact_results_on_local_task` fail
-/// with "ref type mismatch" while another test made its instance.
-#[test]
-fn instances_made_while_modules_load_do_not_disturb_them() {
-    use std::sync::atomic::{AtomicBool, Ordering};
-    let device = Instance::new().unwrap().device("local-sync").unwrap();
-    let done = AtomicBool::new(false);
-    std::thread::scope(|s| {
-        s.spawn(|| {
-            for _ in 0..2000 {
-                Instance::new().unwrap();
-            }
-            done.store(true, Ordering::Relaxed);
-        });
-        let mut loads = 0;
-        while !done.load(Ordering::Relaxed) || loads < 20 {
-            let module = device
-                .load_module(vmfb())
-                .unwrap_or_else(|e| panic!("load {loads}: {e}"));
-            let a = Tensor::f32(&[4], vec![1.0; 4]).unwrap();
-            let b = Tensor::f32(&[4], vec![2.0; 4]).unwrap();
-            let out = module.call("add", &[a, b]).unwrap();
-            assert_eq!(out[0].as_f32().unwrap(), &[3.0; 4]);
-            loads += 1;
-        }
-    });
-}
-
 /// A reader gives what a one-off read gives, for tensors that grow its
 /// staging buffer and for smaller ones after; another device's tensor is an
 /// error.
