@@ -430,12 +430,18 @@ mod cuda {
     /// reference on its dequantized weights, 32 greedy steps.
     #[test]
     fn q4_weights_on_the_gpu_match_the_reference_on_their_dequantized_weights() {
-        let model = rounded_to_f16(&Model::embedded());
+        q4_on_the_gpu(&Model::embedded(), 32);
+    }
+
+    /// `model` (rounded to f16) at q4 on the GPU, within [`Q4_BOUND`] of
+    /// the reference on its dequantized weights for `steps` greedy steps.
+    fn q4_on_the_gpu(model: &Model, steps: usize) {
+        let model = rounded_to_f16(model);
         let graph = GraphOptions::for_target(Target::Cuda, Some(Precision::Q4), None);
         let reference = q4_reference(&model, graph.fold_norms);
         match open(&model, "cuda", Target::Cuda, graph, default_cache()) {
             Ok(mut xla) => {
-                let worst = agrees(&reference, &mut xla, Q4_BOUND, 32);
+                let worst = agrees(&reference, &mut xla, Q4_BOUND, steps);
                 println!("{}: q4 worst |gpu - cpu| = {worst:e}", model.name);
             }
             Err(error) if error.to_string().contains("is not available") => no_device(&error),
@@ -452,17 +458,7 @@ mod cuda {
     /// --precision q4`.
     #[test]
     fn q4_kernel_configuration_on_the_gpu_matches_the_reference() {
-        let model = rounded_to_f16(&wide_vocabulary_model());
-        let graph = GraphOptions::for_target(Target::Cuda, Some(Precision::Q4), None);
-        let reference = q4_reference(&model, graph.fold_norms);
-        match open(&model, "cuda", Target::Cuda, graph, default_cache()) {
-            Ok(mut xla) => {
-                let worst = agrees(&reference, &mut xla, Q4_BOUND, 8);
-                println!("{}: q4 worst |gpu - cpu| = {worst:e}", model.name);
-            }
-            Err(error) if error.to_string().contains("is not available") => no_device(&error),
-            Err(error) => panic!("{error}"),
-        }
+        q4_on_the_gpu(&wide_vocabulary_model(), 8);
     }
 
     #[test]

@@ -92,6 +92,21 @@ enum Weight {
     },
 }
 
+impl Weight {
+    /// A q4 matrix's `(quants, scales, offsets)`; `what` names the caller,
+    /// which only q4 weights reach.
+    fn q4_parts(&self, what: &str) -> (&Val, &Val, &Val) {
+        match self {
+            Weight::Q4 {
+                quants,
+                scales,
+                offsets,
+            } => (quants, scales, offsets),
+            Weight::Dense(_) => unreachable!("{what} is called on q4 weights"),
+        }
+    }
+}
+
 /// One layer's weights.
 struct Layer {
     attn_norm: Val,
@@ -331,14 +346,7 @@ fn dense_weight(f: &mut Function, dm: &Dims, w: &Weight) -> Val {
 /// IREE takes as a dequantization and fuses into the kernel that consumes
 /// it.
 fn dequantized(f: &mut Function, w: &Weight) -> Val {
-    let Weight::Q4 {
-        quants,
-        scales,
-        offsets,
-    } = w
-    else {
-        unreachable!("dequantized is called on q4 weights")
-    };
+    let (quants, scales, offsets) = w.q4_parts("dequantized");
     let shape = quants.shape.clone();
     let q = f.convert(quants, Ty::F32);
     let scale = f.convert(scales, Ty::F32);
@@ -355,14 +363,7 @@ fn dequantized(f: &mut Function, w: &Weight) -> Val {
 /// per load (docs/perf-notes.md): with [`Dims::tuned_q4_rows`] it carries
 /// the one of [`q4_row_kernel`] instead.
 fn q4_row_product(f: &mut Function, dm: &Dims, x: &Val, w: &Weight) -> Val {
-    let Weight::Q4 {
-        quants,
-        scales,
-        offsets,
-    } = w
-    else {
-        unreachable!("q4_row_product is called on q4 weights")
-    };
+    let (quants, scales, offsets) = w.q4_parts("q4_row_product");
     let (out, groups) = (quants.shape[0], quants.shape[1]);
     let row = f.convert(x, Ty::F16);
     let row = f.reshape(&row, &[groups, BLOCK]);
