@@ -362,9 +362,11 @@ static iree_device_size_t kiln_iree_dense_length(iree_hal_element_type_t type,
   return (bits + 7) / 8;
 }
 
-// A device tensor of a packed sub-byte |type| holding |data|: the buffer is
-// allocated at the packed length and the view made over it directly.
-static iree_status_t kiln_iree_upload_packed(
+// A device tensor of |type| holding |data|, which must be exactly its dense
+// length. IREE's iree_hal_buffer_view_allocate_buffer_copy makes the same
+// calls, but sizes the buffer with a helper that refuses sub-byte types and
+// copies min(length, size) bytes, where a wrong length should be an error.
+static iree_status_t kiln_iree_upload_dense(
     iree_hal_device_t* device, iree_host_size_t rank,
     const iree_hal_dim_t* dims, iree_hal_element_type_t type,
     iree_hal_buffer_params_t params, iree_const_byte_span_t data,
@@ -372,10 +374,11 @@ static iree_status_t kiln_iree_upload_packed(
   iree_device_size_t length = kiln_iree_dense_length(type, rank, dims);
   if (data.data_length != length) {
     return iree_make_status(IREE_STATUS_INVALID_ARGUMENT,
-                            "packed data of %" PRIhsz
+                            "data of %" PRIhsz
                             " bytes for a tensor of %" PRIdsz " bytes",
                             data.data_length, length);
   }
+  iree_hal_buffer_params_canonicalize(&params);
   iree_hal_buffer_t* buffer = NULL;
   iree_status_t status = iree_hal_allocator_allocate_buffer(
       iree_hal_device_allocator(device), params, length, &buffer);
@@ -421,17 +424,9 @@ kiln_iree_error* kiln_iree_tensor_upload(kiln_iree_device* device,
       .type = IREE_HAL_MEMORY_TYPE_DEVICE_LOCAL,
       .usage = IREE_HAL_BUFFER_USAGE_DEFAULT,
   };
-  iree_status_t status =
-      type == KILN_IREE_I4
-          ? kiln_iree_upload_packed(device->device, rank, dims,
-                                    kiln_iree_to_hal_type(type), params,
-                                    iree_make_const_byte_span(data, length),
-                                    &tensor->view)
-          : iree_hal_buffer_view_allocate_buffer_copy(
-                device->device, iree_hal_device_allocator(device->device),
-                rank, dims, kiln_iree_to_hal_type(type),
-                IREE_HAL_ENCODING_TYPE_DENSE_ROW_MAJOR, params,
-                iree_make_const_byte_span(data, length), &tensor->view);
+  iree_status_t status = kiln_iree_upload_dense(
+      device->device, rank, dims, kiln_iree_to_hal_type(type), params,
+      iree_make_const_byte_span(data, length), &tensor->view);
   if (!iree_status_is_ok(status)) {
     free(tensor);
     return kiln_iree_error_from_status(status, "uploading a tensor");

@@ -9,10 +9,11 @@
 //! call. Weights and caches are stored at the [`GraphOptions`]' precision;
 //! everything else is f32. At q4 there are two buffers (see
 //! [`weight_params`]): f16 for the unquantized weights and each matrix's
-//! block scales and offsets, and packed i4 for the matrices' values. With [`GraphOptions::fold_norms`] (CUDA), the
-//! matrix after each RMSNorm arrives with the norm's weight already folded
-//! into its input columns (the backend does it on upload), and the graph
-//! applies only the 1/rms scale.
+//! block scales and offsets, and packed i4 for the matrices' values. With
+//! [`GraphOptions::fold_norms`] (CUDA), the matrix after each RMSNorm
+//! arrives with the norm's weight already folded into its input columns
+//! (the backend does it on upload), and the graph applies only the 1/rms
+//! scale.
 //!
 //! - `prefill_*(input, length: i32, cos, sin, weights…) -> (logits[V], k, v)`:
 //!   `input` is `[S]` token ids or `[S, H]` embeddings, the first `length`
@@ -105,6 +106,14 @@ impl Weight {
             Weight::Dense(_) => unreachable!("{what} is called on q4 weights"),
         }
     }
+
+    /// A weight that is never quantized (a vector, the embedding).
+    fn dense(self) -> Val {
+        match self {
+            Weight::Dense(v) => v,
+            Weight::Q4 { .. } => unreachable!("is_quantized keeps vectors and the embedding dense"),
+        }
+    }
 }
 
 /// One layer's weights.
@@ -190,16 +199,6 @@ fn weight_params(f: &mut Function, c: &ModelConfig, g: &GraphOptions) -> Params 
         layers,
         final_norm: next().dense(),
         lm_head: next(),
-    }
-}
-
-impl Weight {
-    /// A weight that is never quantized (a vector, the embedding).
-    fn dense(self) -> Val {
-        match self {
-            Weight::Dense(v) => v,
-            Weight::Q4 { .. } => unreachable!("is_quantized keeps vectors and the embedding dense"),
-        }
     }
 }
 
@@ -365,8 +364,6 @@ fn dequantized(f: &mut Function, w: &Weight) -> Val {
 fn q4_row_product(f: &mut Function, dm: &Dims, x: &Val, w: &Weight) -> Val {
     let (quants, scales, offsets) = w.q4_parts("q4_row_product");
     let (out, groups) = (quants.shape[0], quants.shape[1]);
-    let row = f.convert(x, Ty::F16);
-    let row = f.reshape(&row, &[groups, BLOCK]);
     let info = match dm.tuned_q4_rows {
         true => match q4_row_kernel(out, groups) {
             Some(info) => Some(info),
@@ -374,6 +371,8 @@ fn q4_row_product(f: &mut Function, dm: &Dims, x: &Val, w: &Weight) -> Val {
         },
         false => None,
     };
+    let row = f.convert(x, Ty::F16);
+    let row = f.reshape(&row, &[groups, BLOCK]);
     let product = f.q4_row_product(quants, scales, offsets, &row, info.as_deref());
     f.reshape(&product, &[1, out])
 }
@@ -388,23 +387,21 @@ fn q4_row_product(f: &mut Function, dm: &Dims, x: &Val, w: &Weight) -> Val {
 const Q4_ROW_MIN_WORKGROUPS: usize = 512;
 
 /// The `compilation_info` of a one-row q4 product on CUDA, or `None` where
-/// its shape has none or too few workgroups. One 32-lane subgroup per workgroup; each lane takes
-/// whole blocks (one 16-byte load of values), `lanes` lanes side by side
-/// along a row's blocks and `32 / lanes` rows per workgroup. `lanes` must
-/// divide the row's block count (iree-compile did not finish on 32 lanes
-/// over 176 blocks), so it is the largest power of two up to 32 that does;
-/// the rows per workgroup must divide `out`. Measured on the H200 against
-/// IREE's own choice, on matrices far larger than L2: 131072×2048 0.287
-/// against 0.628 ms, 262144×576 0.243 against 0.439 ms (docs/perf-notes.md).
+/// its shape has none or too few workgroups. One 32-lane subgroup per
+/// workgroup; each lane takes whole blocks (one 16-byte load of values),
+/// `lanes` lanes side by side along a row's blocks and `32 / lanes` rows
+/// per workgroup. `lanes` must divide the row's block count (iree-compile
+/// did not finish on 32 lanes over 176 blocks), so it is the largest power
+/// of two up to 32 that does; the rows per workgroup must divide `out`.
+/// Measured on the H200 against IREE's own choice, on matrices far larger
+/// than L2: 131072×2048 0.287 against 0.628 ms, 262144×576 0.243 against
+/// 0.439 ms (docs/perf-notes.md).
 fn q4_row_kernel(out: usize, groups: usize) -> Option<String> {
     let lanes = [32, 16, 8, 4, 2, 1]
         .into_iter()
         .find(|lanes| groups.is_multiple_of(*lanes))?;
     let rows = 32 / lanes;
-    if !out.is_multiple_of(rows) {
-        return None;
-    }
-    if out / rows < Q4_ROW_MIN_WORKGROUPS {
+    if !out.is_multiple_of(rows) || out / rows < Q4_ROW_MIN_WORKGROUPS {
         return None;
     }
     // One row a workgroup: no thread tiling along the rows.
