@@ -3,6 +3,8 @@
 
 use std::path::Path;
 
+mod charsmap;
+
 use crate::contained::contain;
 use crate::error::{Error, Result};
 
@@ -72,6 +74,7 @@ impl Tokenizer {
             path: path.to_path_buf(),
             message,
         };
+        charsmap::check(bytes).map_err(bad)?;
         let tokenizer = contain(|| tokenizers::Tokenizer::from_bytes(bytes))
             .map_err(|panic| bad(format!("the tokenizers library failed on it: {panic}")))?
             .map_err(|e| bad(e.to_string()))?;
@@ -215,6 +218,20 @@ mod tests {
         let prompt = format!("{}!", "a".repeat(40));
         let error = split.encode(&prompt).unwrap_err().to_string();
         assert!(error.contains("the tokenizer failed"), "{error}");
+    }
+
+    #[test]
+    fn an_oversized_charsmap_trie_is_refused_before_the_library_reserves_it() {
+        // 8 bytes declaring a 3.5 GB trie: the library would reserve 7 GB.
+        let error = hugging_face(serde_json::json!({
+            "normalizer": {"type": "Precompiled", "precompiled_charsmap": "AAAA1A=="}}))
+        .err()
+        .expect("an oversized charsmap loads");
+        assert!(
+            error.contains("declares a trie of 3556769792 bytes"),
+            "{error}"
+        );
+        assert!(error.contains("tokenizer.json"), "{error}");
     }
 
     #[test]
