@@ -70,6 +70,12 @@ pub struct IreeOptions {
     /// tokens are the same either way.
     #[arg(long)]
     pub no_pipeline: bool,
+    /// Greedy decode steps the device runs per call (1 to 16): more spread
+    /// the host's work per call over more tokens, which then come back in
+    /// groups of that many; steps past a stop are computed and discarded.
+    /// Sampling decodes one step per call whatever this is.
+    #[arg(long, default_value_t = 1, value_name = "N")]
+    pub steps_per_call: usize,
 }
 
 pub fn open<'m>(
@@ -147,6 +153,7 @@ pub fn open_iree<'m>(
         buckets(model, options)?,
     )?;
     backend.set_pipelined(!options.no_pipeline);
+    backend.set_steps_per_call(options.steps_per_call)?;
     Ok(backend)
 }
 

@@ -286,6 +286,7 @@ fn prepare(args: &ModelArgs, batch_slots: usize, draft_tokens: Option<usize>) ->
             kiln_xla::MAX_SLOTS
         );
     }
+    kiln_xla::check_steps_per_call(args.iree.steps_per_call)?;
     let model = load(args.model.as_ref())?;
     let target = backends::target(args.backend)?;
     let buckets = backends::buckets(&model, &args.iree)?;
@@ -293,7 +294,7 @@ fn prepare(args: &ModelArgs, batch_slots: usize, draft_tokens: Option<usize>) ->
     let compiler = kiln_xla::Compiler::from_env()?;
     let cache = kiln_xla::ModuleCache::default_location()?;
     let started = Instant::now();
-    let mut kinds = kiln_xla::prepared::module_kinds(&buckets);
+    let mut kinds = kiln_xla::prepared::module_kinds(&buckets, args.iree.steps_per_call);
     kinds.extend(kiln_xla::prepared::batch_module_kinds(batch_slots));
     if let Some(k) = draft_tokens {
         kinds.extend(kiln_xla::prepared::append_module_kinds(k));

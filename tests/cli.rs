@@ -214,6 +214,14 @@ fn bad_iree_options_are_named() {
             &["--precision", "q4", "--weight-layout", "in-out"],
             "use the out-in layout",
         ),
+        (
+            &["--steps-per-call", "0"],
+            "a call chains 1 to 16 greedy steps",
+        ),
+        (
+            &["--steps-per-call", "17"],
+            "a call chains 1 to 16 greedy steps",
+        ),
         (&["--iree-flag=--no_such_flag=1"], "not recognized"),
         // IREE itself would exit(0) on --help and read "notanumber" as 0.
         (&["--iree-flag=--help"], "kiln does not take it"),

@@ -201,6 +201,98 @@ fn device_argmax_matches_host_argmax(xla: &mut IreeBackend<'_>) {
     assert_eq!(device, host, "device argmax on {}", xla.name());
 }
 
+/// What a caller sees of greedy decoding on `xla` (context 64): whole
+/// runs of greedy steps, a token fed that is not the greedy choice (a
+/// caller breaking off mid-chain), a sampled step (`decode`), a rewind, and
+/// greedy steps until the context is full, where chains no longer fit.
+fn greedy_transcript(xla: &mut IreeBackend<'_>, vocab: usize) -> Vec<String> {
+    let vocab = vocab as u32;
+    let prompt: Vec<u32> = (0..5).map(|i| (i * 13 + 5) % vocab).collect();
+    let mut token = argmax(&xla.prefill(&prompt).unwrap());
+    let mut seen = vec![format!("prefill {token}")];
+    let greedy = |xla: &mut IreeBackend<'_>, token: &mut u32, n: usize, seen: &mut Vec<_>| {
+        for _ in 0..n {
+            *token = xla.decode_greedy(*token).unwrap();
+            seen.push(format!("greedy {token} at {}", xla.sequence_len()));
+        }
+    };
+    greedy(xla, &mut token, 9, &mut seen);
+    token = (token + 1) % vocab;
+    seen.push(format!("fed {token}"));
+    greedy(xla, &mut token, 6, &mut seen);
+    token = argmax(&xla.decode(token).unwrap());
+    seen.push(format!("decode {token} at {}", xla.sequence_len()));
+    greedy(xla, &mut token, 3, &mut seen);
+    xla.rewind(20).unwrap();
+    token = 7 % vocab;
+    seen.push(format!("rewound, fed {token}"));
+    greedy(xla, &mut token, 5, &mut seen);
+    loop {
+        match xla.decode_greedy(token) {
+            Ok(next) => {
+                token = next;
+                seen.push(format!("greedy {token} at {}", xla.sequence_len()));
+            }
+            Err(error) => {
+                seen.push(format!("{error} at {}", xla.sequence_len()));
+                return seen;
+            }
+        }
+        assert!(seen.len() < 200, "decoding past the context of 64");
+    }
+}
+
+/// Greedy decoding with several steps a call sees what one step a call
+/// sees (every token, the caller's position, the context's end), pipelined
+/// or not, and does run the chained module.
+fn chained_steps_match_single_steps(
+    model: &'static Model,
+    mut open: impl FnMut(usize, bool) -> IreeBackend<'static>,
+) {
+    let vocab = model.config.vocab_size;
+    for pipelined in [true, false] {
+        let mut single = open(1, pipelined);
+        let expected = greedy_transcript(&mut single, vocab);
+        assert!(expected.last().unwrap().contains("context"), "{expected:?}");
+        for steps in [4, 3] {
+            let mut chained = open(steps, pipelined);
+            assert_eq!(
+                greedy_transcript(&mut chained, vocab),
+                expected,
+                "{steps} steps a call, pipeline {pipelined}"
+            );
+            assert!(
+                chained
+                    .loaded_modules()
+                    .contains(&ModuleKind::DecodeChain(steps)),
+                "{:?}",
+                chained.loaded_modules()
+            );
+        }
+    }
+}
+
+#[test]
+fn chained_greedy_steps_match_single_steps_on_the_cpu() {
+    let model: &'static Model = Box::leak(Box::new(fixture("llama-gqa-untied")));
+    chained_steps_match_single_steps(model, |steps, pipelined| {
+        let mut xla = iree(model, default_cache());
+        xla.set_pipelined(pipelined);
+        xla.set_steps_per_call(steps).unwrap();
+        xla
+    });
+}
+
+#[test]
+fn steps_per_call_out_of_range_are_refused_by_name() {
+    let model = Model::embedded();
+    let mut xla = iree(&model, default_cache());
+    for steps in [0, kiln_xla::MAX_STEPS_PER_CALL + 1] {
+        let error = xla.set_steps_per_call(steps).unwrap_err().to_string();
+        assert!(error.contains("--steps-per-call"), "{error}");
+    }
+}
+
 #[test]
 fn device_argmax_matches_host_argmax_on_the_cpu() {
     let model = wide_vocabulary_model();
@@ -533,6 +625,27 @@ mod cuda {
             assert!(accepted > 0, "{precision:?}: no draft was accepted");
             assert!(accepted < proposed, "{precision:?}: no draft was rejected");
         }
+    }
+
+    /// Chained greedy steps on the GPU see what single steps see (f32, the
+    /// untied GQA fixture). Modules: `kiln prepare --backend iree-cuda
+    /// --model tests/fixtures/llama-gqa-untied --max-context 64 --precision
+    /// f32 --steps-per-call N` for N = 3 and 4.
+    #[test]
+    fn chained_greedy_steps_on_the_gpu_match_single_steps() {
+        let model: &'static Model = Box::leak(Box::new(fixture("llama-gqa-untied")));
+        let graph = GraphOptions::for_target(Target::Cuda, Some(Precision::F32), None);
+        if let Err(error) = open(model, "cuda", Target::Cuda, graph, default_cache()) {
+            assert!(error.to_string().contains("is not available"), "{error}");
+            return no_device(&error);
+        }
+        chained_steps_match_single_steps(model, |steps, pipelined| {
+            let mut xla = open(model, "cuda", Target::Cuda, graph, default_cache())
+                .unwrap_or_else(|e| panic!("{e}"));
+            xla.set_pipelined(pipelined);
+            xla.set_steps_per_call(steps).unwrap();
+            xla
+        });
     }
 
     #[test]

@@ -65,6 +65,10 @@ struct Args {
     /// only after (see `--no-pipeline`).
     #[arg(long, value_parser = ["on", "off"], default_values_t = ["on".to_string()])]
     pipeline: Vec<String>,
+    /// Greedy steps per call of the device to measure (repeat for several;
+    /// see `--steps-per-call`).
+    #[arg(long, default_values_t = [1])]
+    steps_per_call: Vec<usize>,
     /// Only compile the IREE modules the run would need into the module cache
     /// (needs the compiler, not the device), then stop.
     #[arg(long)]
@@ -106,10 +110,14 @@ impl Args {
             for layout in some_or_default(&self.weight_layout) {
                 for flags in &flag_sets {
                     for pipeline in &self.pipeline {
-                        let mut options = self.iree(precision.clone(), layout.clone());
-                        options.iree_flag = flags.split_whitespace().map(str::to_string).collect();
-                        options.no_pipeline = pipeline == "off";
-                        out.push(options);
+                        for &steps in &self.steps_per_call {
+                            let mut options = self.iree(precision.clone(), layout.clone());
+                            options.iree_flag =
+                                flags.split_whitespace().map(str::to_string).collect();
+                            options.no_pipeline = pipeline == "off";
+                            options.steps_per_call = steps;
+                            out.push(options);
+                        }
                     }
                 }
             }
@@ -124,6 +132,7 @@ impl Args {
             weight_layout,
             iree_flag: Vec::new(),
             no_pipeline: false,
+            steps_per_call: 1,
         }
     }
 }
@@ -140,6 +149,8 @@ struct Row {
     iree_flags: String,
     /// Whether greedy steps were pipelined (`--pipeline`).
     pipelined: bool,
+    /// Greedy steps per call of the device (`--steps-per-call`).
+    steps_per_call: usize,
     /// Bytes of weights a decode step must read at this precision (every
     /// matrix once, one embedding row), the numerator of the bandwidth bound.
     decode_weight_bytes: u64,
@@ -238,14 +249,17 @@ fn prepare(args: &Args) -> Result<()> {
             let buckets = Buckets::for_context(context);
             for options in args.variants(kind) {
                 let graph = backends::graph(target, &options)?;
+                kiln_xla::check_steps_per_call(options.steps_per_call)?;
+                let kinds = prepared::module_kinds(&buckets, options.steps_per_call);
                 if let Some(dir) = &args.export {
                     export(
-                        dir, spec, &config, &graph, &buckets, target, &compiler, &cache,
+                        dir, spec, &config, &graph, &kinds, &buckets, target, &compiler, &cache,
                     )?;
                 }
-                prepared::prepare(
+                prepared::prepare_kinds(
                     &config,
                     &graph,
+                    &kinds,
                     &buckets,
                     target,
                     &compiler,
@@ -273,6 +287,7 @@ fn export(
     spec: &str,
     config: &ModelConfig,
     graph: &kiln_xla::GraphOptions,
+    kinds: &[kiln_xla::ModuleKind],
     buckets: &kiln_xla::Buckets,
     target: kiln_xla::Target,
     compiler: &kiln_xla::Compiler,
@@ -283,10 +298,11 @@ fn export(
     let model = Path::new(spec)
         .file_name()
         .map_or(spec.into(), |n| n.to_string_lossy());
-    for kind in prepared::module_kinds(buckets) {
+    for &kind in kinds {
         let module = match kind {
             ModuleKind::Prefill(seq) => format!("prefill{seq}"),
             ModuleKind::Decode => "decode".into(),
+            ModuleKind::DecodeChain(steps) => format!("decode-chain{steps}"),
             ModuleKind::DecodeBatch { rows, slots } => format!("decode-batch{rows}of{slots}"),
             ModuleKind::AdmitSlot { slots } => format!("admit-slot{slots}"),
             ModuleKind::Append(rows) => format!("append{rows}"),
@@ -355,6 +371,7 @@ fn measure(
             layout: layout.clone(),
             iree_flags: options.iree_flag.join(" "),
             pipelined: !options.no_pipeline,
+            steps_per_call: options.steps_per_call,
             decode_weight_bytes: decode_weight_bytes(model, bits_per_weight),
             prompt_tokens,
             prefill_tokens_per_s: prompt_tokens as f64 / prefill_s,
@@ -414,7 +431,7 @@ fn run() -> Result<()> {
     }
     let mut rows = Vec::new();
     println!(
-        "{:<14} {:>12} {:<10} {:<5} {:<7} {:>7} {:>14} {:>7} {:>13} {:>8} {:<4}  IREE flags",
+        "{:<14} {:>12} {:<10} {:<5} {:<7} {:>7} {:>14} {:>7} {:>13} {:>8} {:<4} {:>5}  IREE flags",
         "model",
         "parameters",
         "backend",
@@ -426,6 +443,7 @@ fn run() -> Result<()> {
         "decode tok/s",
         "setup s",
         "pipe",
+        "steps",
     );
     for spec in &args.model {
         let model = model(spec)?;
@@ -433,7 +451,7 @@ fn run() -> Result<()> {
             for options in args.variants(kind) {
                 for row in measure(&model, kind, &options, &args)? {
                     println!(
-                        "{:<14} {:>12} {:<10} {:<5} {:<7} {:>7} {:>14.1} {:>7} {:>13.1} {:>8.2} {:<4}  {}",
+                        "{:<14} {:>12} {:<10} {:<5} {:<7} {:>7} {:>14.1} {:>7} {:>13.1} {:>8.2} {:<4} {:>5}  {}",
                         row.model,
                         row.parameters,
                         row.backend,
@@ -445,6 +463,7 @@ fn run() -> Result<()> {
                         row.decode_tokens_per_s,
                         row.setup_s,
                         if row.pipelined { "on" } else { "off" },
+                        row.steps_per_call,
                         row.iree_flags
                     );
                     rows.push(row);

@@ -50,6 +50,8 @@ impl Buckets {
 pub enum ModuleKind {
     Prefill(usize),
     Decode,
+    /// This many greedy decode steps chained in one call (`decode_chain`).
+    DecodeChain(usize),
     /// The batched decode step over the first `rows` of `slots` sequence
     /// slots.
     DecodeBatch {
@@ -74,7 +76,7 @@ impl ModuleKind {
     /// The iree-compile flags this kind adds to its target's.
     pub fn compile_flags(self) -> &'static [&'static str] {
         match self {
-            ModuleKind::Decode => &[ASYNC_EXTERNAL],
+            ModuleKind::Decode | ModuleKind::DecodeChain(_) => &[ASYNC_EXTERNAL],
             _ => &[],
         }
     }
@@ -202,6 +204,7 @@ fn to_core(error: impl std::fmt::Display) -> kiln_core::Error {
 /// token it chose and the position after it.
 struct NextStep {
     token: u32,
+    position: usize,
     token_tensor: DeviceTensor,
     position_tensor: DeviceTensor,
 }
@@ -213,9 +216,35 @@ struct NextStep {
 struct Queued {
     token: u32,
     position: usize,
-    /// `[logits, next token, next position]`, defined once the backend's
-    /// `kv_ready` fence is reached.
+    /// Greedy steps the call runs (1: `decode_step`, more: `decode_chain`).
+    steps: usize,
+    /// `[logits or chosen tokens, next token, next position]`, defined once
+    /// the backend's `kv_ready` fence is reached.
     outputs: Vec<DeviceTensor>,
+}
+
+/// Tokens a chained greedy call chose beyond the one it returned: each is
+/// returned in turn while the caller continues with the one before it
+/// (`expect`) at `position`.
+struct ChosenAhead {
+    expect: u32,
+    position: usize,
+    tokens: std::collections::VecDeque<u32>,
+}
+
+/// The most greedy steps one call may chain (`--steps-per-call`): compile
+/// time and the tokens wasted past a stop grow with it.
+pub const MAX_STEPS_PER_CALL: usize = 16;
+
+/// Checks a number of greedy steps per call (see
+/// [`IreeBackend::set_steps_per_call`]).
+pub fn check_steps_per_call(steps: usize) -> kiln_core::Result<()> {
+    if (1..=MAX_STEPS_PER_CALL).contains(&steps) {
+        return Ok(());
+    }
+    Err(kiln_core::Error::Invalid(format!(
+        "--steps-per-call {steps}: a call chains 1 to {MAX_STEPS_PER_CALL} greedy steps"
+    )))
 }
 
 pub struct IreeBackend<'m> {
@@ -247,6 +276,9 @@ pub struct IreeBackend<'m> {
     /// Whether greedy decoding queues each step before reading the token
     /// of the one before (see [`IreeBackend::decode_greedy`]).
     pipelined: bool,
+    /// Greedy steps per call of the device (1: `decode_step` alone).
+    steps_per_call: usize,
+    chosen_ahead: Option<ChosenAhead>,
 }
 
 impl<'m> IreeBackend<'m> {
@@ -309,6 +341,8 @@ impl<'m> IreeBackend<'m> {
             next: None,
             queued: None,
             pipelined: true,
+            steps_per_call: 1,
+            chosen_ahead: None,
         })
     }
 
@@ -323,10 +357,32 @@ impl<'m> IreeBackend<'m> {
         self.pipelined = on;
     }
 
-    /// Waits for queued decode steps and drops a step queued ahead: what
-    /// comes next may read the caches, or write them out of turn.
+    /// Greedy decode steps one call of the device runs, 1 to
+    /// [`MAX_STEPS_PER_CALL`]: with more than one, greedy decoding runs
+    /// `decode_chain` (the host's work per call is spread over the steps,
+    /// and the tokens come back in groups of that many), and single steps
+    /// only where the context has no room for a whole chain.
+    pub fn set_steps_per_call(&mut self, steps: usize) -> kiln_core::Result<()> {
+        check_steps_per_call(steps)?;
+        self.steps_per_call = steps;
+        Ok(())
+    }
+
+    /// The greedy steps of a call at `position`: a whole chain where the
+    /// context holds its rows, one step otherwise.
+    fn steps_at(&self, position: usize) -> usize {
+        match self.steps_per_call {
+            n if n > 1 && position + n <= self.buckets.context => n,
+            _ => 1,
+        }
+    }
+
+    /// Waits for queued decode steps and drops a step queued ahead and
+    /// the tokens a chain chose ahead: what comes next may read the caches,
+    /// or write them out of turn.
     fn settle(&mut self) -> kiln_core::Result<()> {
         self.queued = None;
+        self.chosen_ahead = None;
         if let Some(fence) = self.kv_ready.take() {
             fence.wait().map_err(to_core)?;
         }
@@ -335,7 +391,14 @@ impl<'m> IreeBackend<'m> {
 
     /// Every module this backend can use.
     pub fn module_kinds(&self) -> Vec<ModuleKind> {
-        prepared::module_kinds(&self.buckets)
+        prepared::module_kinds(&self.buckets, self.steps_per_call)
+    }
+
+    /// The modules loaded so far (each on first use, or by [`load`]).
+    ///
+    /// [`load`]: IreeBackend::load
+    pub fn loaded_modules(&self) -> Vec<ModuleKind> {
+        self.modules.keys().copied().collect()
     }
 
     /// Finds (or compiles) and loads one module.
@@ -425,21 +488,23 @@ impl<'m> IreeBackend<'m> {
         self.read_logits(function, &outputs[0])
     }
 
-    /// Queues one decode step of `token` at the current position, after
-    /// checking the context has room; returns its outputs `[logits, next
-    /// token, next position]`, defined once `kv_ready` is reached. The
-    /// position is the caller's to advance.
-    fn queue_step(&mut self, token: u32) -> kiln_core::Result<Vec<DeviceTensor>> {
+    /// Queues `steps` decode steps from `token` at the current position,
+    /// after checking the context has room; returns their outputs `[logits
+    /// (one step) or chosen tokens, next token, next position]`, defined
+    /// once `kv_ready` is reached. The position is the caller's to advance.
+    fn queue_step(&mut self, token: u32, steps: usize) -> kiln_core::Result<Vec<DeviceTensor>> {
         kiln_core::backend::check_tokens(self.model, &[token])?;
-        if self.position >= self.buckets.context {
+        if self.position + steps > self.buckets.context {
             return Err(kiln_core::Error::ContextFull {
-                needed: self.position + 1,
+                needed: self.position + steps,
                 limit: self.buckets.context,
             });
         }
         // The previous greedy step left this token and position on the device.
         let (token_tensor, position_tensor) = match self.next.take() {
-            Some(next) if next.token == token => (next.token_tensor, next.position_tensor),
+            Some(next) if next.token == token && next.position == self.position => {
+                (next.token_tensor, next.position_tensor)
+            }
             _ => {
                 let t = Tensor::i32(&[1], vec![token as i32])
                     .and_then(|t| self.device.upload(&t))
@@ -447,31 +512,69 @@ impl<'m> IreeBackend<'m> {
                 (t, self.scalar(self.position)?)
             }
         };
-        self.queue_decode(&token_tensor, &position_tensor)
+        self.queue_decode(&token_tensor, &position_tensor, steps)
     }
 
-    /// Queues `decode_step` on device-side inputs behind the last queued
-    /// step; the caches become its outputs and `kv_ready` its fence.
+    /// Queues `decode_step` (or, for several `steps`, `decode_chain`) on
+    /// device-side inputs behind the last queued step; the caches become its
+    /// outputs and `kv_ready` its fence.
     fn queue_decode(
         &mut self,
         token: &DeviceTensor,
         position: &DeviceTensor,
+        steps: usize,
     ) -> kiln_core::Result<Vec<DeviceTensor>> {
-        const FUNCTION: &str = "decode_step";
-        self.load(ModuleKind::Decode)?;
+        let (kind, function) = match steps {
+            1 => (ModuleKind::Decode, "decode_step"),
+            n => (ModuleKind::DecodeChain(n), "decode_chain"),
+        };
+        self.load(kind)?;
         let (k, v) = self
             .kv
             .as_ref()
             .ok_or_else(|| kiln_core::Error::Invalid("decode before prefill".into()))?;
         let mut inputs = vec![token, position, k, v, &self.cos, &self.sin];
         inputs.extend(&self.weights);
-        let (results, done) = self.modules[&ModuleKind::Decode]
-            .invoke_async(FUNCTION, &inputs, self.kv_ready.as_ref())
+        let (results, done) = self.modules[&kind]
+            .invoke_async(function, &inputs, self.kv_ready.as_ref())
             .map_err(to_core)?;
         // The step is queued and will write the caches: from here on they
         // are its outputs, whatever the check finds.
         self.kv_ready = Some(done);
-        self.keep_caches(FUNCTION, results, 5)
+        self.keep_caches(function, results, 5)
+    }
+
+    /// The next token a chain chose ahead, if the caller continues with
+    /// the one before it where that one left off.
+    fn take_chosen_ahead(&mut self, token: u32) -> Option<u32> {
+        let ahead = self.chosen_ahead.as_mut()?;
+        if ahead.expect != token || ahead.position != self.position {
+            return None;
+        }
+        let next = ahead.tokens.pop_front()?;
+        ahead.expect = next;
+        ahead.position += 1;
+        Some(next)
+    }
+
+    /// Greedy choices read from the device, each checked to be in the
+    /// vocabulary (the argmax says -1 where the logits are NaN).
+    fn vocabulary_tokens(&self, function: &str, chosen: &[i32]) -> kiln_core::Result<Vec<u32>> {
+        let vocab = self.model.config.vocab_size;
+        chosen
+            .iter()
+            .map(|&t| {
+                u32::try_from(t)
+                    .ok()
+                    .filter(|&t| (t as usize) < vocab)
+                    .ok_or_else(|| {
+                        to_core(format!(
+                            "{function} chose token {t}, outside the vocabulary of {vocab}: \
+                             the logits are NaN (the weights or the precision overflowed)"
+                        ))
+                    })
+            })
+            .collect()
     }
 
     pub(crate) fn scalar(&self, value: usize) -> kiln_core::Result<DeviceTensor> {
@@ -759,7 +862,7 @@ impl Backend for IreeBackend<'_> {
     }
 
     fn decode(&mut self, token: u32) -> kiln_core::Result<Vec<f32>> {
-        let outputs = self.queue_step(token)?;
+        let outputs = self.queue_step(token, 1)?;
         self.position += 1;
         // Also drops a step queued ahead (a token chosen for sampling).
         self.settle()?;
@@ -788,6 +891,7 @@ impl Backend for IreeBackend<'_> {
         self.position = len;
         self.next = None;
         self.queued = None;
+        self.chosen_ahead = None;
         Ok(())
     }
 
@@ -800,67 +904,97 @@ impl Backend for IreeBackend<'_> {
     /// queued for a token the caller does not continue with is dropped: it
     /// wrote only the cache row at the next position, which the step that
     /// comes there overwrites.
+    ///
+    /// With several steps per call ([`IreeBackend::set_steps_per_call`]),
+    /// each "step" above is a chain of them: the call returns the first
+    /// token it chose and keeps the others for the calls that continue with
+    /// the token before each (the rows they wrote are then the caller's).
     fn decode_greedy(&mut self, token: u32) -> kiln_core::Result<u32> {
+        if let Some(chosen) = self.take_chosen_ahead(token) {
+            self.position += 1;
+            return Ok(chosen);
+        }
+        self.chosen_ahead = None;
+        let steps = self.steps_at(self.position);
         let mut outputs = match self.queued.take() {
-            Some(q) if q.token == token && q.position == self.position => q.outputs,
-            _ => self.queue_step(token)?,
+            Some(q) if q.token == token && q.position == self.position && q.steps == steps => {
+                q.outputs
+            }
+            _ => self.queue_step(token, steps)?,
         };
+        let function = if steps == 1 {
+            "decode_step"
+        } else {
+            "decode_chain"
+        };
+        let next_position = self.position + steps;
         self.position += 1;
         let position_tensor = outputs.pop().expect("three outputs");
         let token_tensor = outputs.pop().expect("three outputs");
-        if token_tensor.shape() != [1] {
+        // One step's token is its next token; a chain's are its first output.
+        let chosen_tensor = if steps == 1 {
+            &token_tensor
+        } else {
+            &outputs[0]
+        };
+        if token_tensor.shape() != [1] || chosen_tensor.shape() != [steps as i64] {
             return Err(unexpected_output(
-                "decode_step",
-                format!("tokens of shape {:?}, not one", token_tensor.shape()),
+                function,
+                format!(
+                    "tokens of shapes {:?} and {:?}, not {steps} and one",
+                    chosen_tensor.shape(),
+                    token_tensor.shape()
+                ),
             ));
         }
         let read = self
             .reader
-            .start(&token_tensor, self.kv_ready.as_ref())
+            .start(chosen_tensor, self.kv_ready.as_ref())
             .map_err(to_core)?;
-        let ahead = (self.pipelined && self.position < self.buckets.context)
-            .then(|| self.queue_decode(&token_tensor, &position_tensor));
+        let next_steps = self.steps_at(next_position);
+        let ahead = (self.pipelined && next_position < self.buckets.context)
+            .then(|| self.queue_decode(&token_tensor, &position_tensor, next_steps));
         // Finish the read before any error of the step queued ahead: the
         // reader stays busy until it is finished.
         let host = self.reader.finish(read).map_err(to_core)?;
         let ahead = ahead.transpose()?;
         let chosen = match host.as_i32() {
-            Ok(&[chosen]) => chosen,
+            Ok(chosen) if chosen.len() == steps => self.vocabulary_tokens(function, chosen)?,
             Ok(other) => {
                 return Err(unexpected_output(
-                    "decode_step",
-                    format!("{} tokens, not one", other.len()),
+                    function,
+                    format!("{} tokens, not {steps}", other.len()),
                 ));
             }
-            Err(e) => return Err(unexpected_output("decode_step", e)),
+            Err(e) => return Err(unexpected_output(function, e)),
         };
-        let vocab = self.model.config.vocab_size;
-        let next = u32::try_from(chosen)
-            .ok()
-            .filter(|&t| (t as usize) < vocab)
-            .ok_or_else(|| {
-                to_core(format!(
-                    "decode_step chose token {chosen}, outside the vocabulary of {vocab}: \
-                     the logits are NaN (the weights or the precision overflowed)"
-                ))
-            })?;
+        let last = *chosen.last().expect("at least one step");
         match ahead {
             Some(outputs) => {
                 self.queued = Some(Queued {
-                    token: next,
-                    position: self.position,
+                    token: last,
+                    position: next_position,
+                    steps: next_steps,
                     outputs,
                 })
             }
             None => {
                 self.next = Some(NextStep {
-                    token: next,
+                    token: last,
+                    position: next_position,
                     token_tensor,
                     position_tensor,
                 })
             }
         }
-        Ok(next)
+        if steps > 1 {
+            self.chosen_ahead = Some(ChosenAhead {
+                expect: chosen[0],
+                position: self.position,
+                tokens: chosen[1..].iter().copied().collect(),
+            });
+        }
+        Ok(chosen[0])
     }
 }
 

@@ -14,7 +14,9 @@ pub mod prepared;
 pub mod q4;
 mod stablehlo;
 
-pub use backend::{APPEND_ROWS, Buckets, IreeBackend, ModuleKind};
+pub use backend::{
+    APPEND_ROWS, Buckets, IreeBackend, MAX_STEPS_PER_CALL, ModuleKind, check_steps_per_call,
+};
 pub use batched::{BatchedDecoder, Choice, MAX_SLOTS, SlotOutput, batch_sizes};
 pub use compiler::{Compiler, Target};
 pub use error::{Error, Result};

@@ -727,43 +727,103 @@ fn decode_step(c: &ModelConfig, g: &GraphOptions, context: usize) -> String {
     let mut f = Function::new("decode_step");
     let token = f.param(&[1], Ty::I32);
     let pos = f.param(&[], Ty::I32);
-    let (layers, kv) = (dm.layers, dm.kv_heads);
     // Results 3 and 4 are the updated caches, written over these arguments.
-    let mut k_cache = f.param_output(&[layers, kv, context, dm.d], dm.storage, 3);
-    let mut v_cache = f.param_output(&[layers, kv, dm.d, context], dm.storage, 4);
+    let mut caches = DecodeCaches::params(&mut f, &dm, context, 3);
     let cos = f.param(&[context, dm.d / 2], Ty::F32);
     let sin = f.param(&[context, dm.d / 2], Ty::F32);
     let p = weight_params(&mut f, c, g);
-
-    let zero = f.constant_i32(0, &[]);
-    let cos = f.dynamic_slice(&cos, &[&pos, &zero], &[1, dm.d / 2]);
-    let sin = f.dynamic_slice(&sin, &[&pos, &zero], &[1, dm.d / 2]);
-    let rope_tables = rope_factors(&mut f, &cos, &sin);
-    let cols = f.iota(&[1, context], 1);
-    let pos_row = f.broadcast(&pos, &[1, context], &[]);
-    let visible = f.compare_i32("LE", &cols, &pos_row);
-
-    let mut x = embed(&mut f, &p, &token);
-    for (l, w) in p.layers.iter().enumerate() {
-        let normed = rms_norm(&mut f, &dm, &x, &w.attn_norm, c.rms_norm_eps);
-        let (q, k, v) = project_qkv(&mut f, &dm, &normed, &w.qkv, &rope_tables);
-        let layer = f.constant_i32(l as i32, &[]);
-        let k = f.reshape(&k, &[1, kv, 1, dm.d]);
-        k_cache = f.dynamic_update_slice(&k_cache, &k, &[&layer, &zero, &pos, &zero]);
-        let keys = f.slice(&k_cache, &[l, 0, 0, 0], &[l + 1, kv, context, dm.d]);
-        let keys = f.reshape(&keys, &[kv, context, dm.d]);
-        let v = f.reshape(&v, &[1, kv, dm.d, 1]);
-        v_cache = f.dynamic_update_slice(&v_cache, &v, &[&layer, &zero, &zero, &pos]);
-        let values = f.slice(&v_cache, &[l, 0, 0, 0], &[l + 1, kv, dm.d, context]);
-        let values = f.reshape(&values, &[kv, dm.d, context]);
-        let attended = attention(&mut f, &dm, &q, &keys, &values, &visible);
-        x = finish_layer(&mut f, c, &dm, &x, &attended, w);
-    }
-    let logits = logits(&mut f, c, &dm, &p, &x);
+    let logits = decode_one(&mut f, c, &dm, &p, &token, &pos, &mut caches, [&cos, &sin]);
     let next = f.argmax(&logits);
     let one = f.constant_i32(1, &[]);
     let next_pos = f.binary("add", &pos, &one);
-    f.finish(&[&logits, &next, &next_pos, &k_cache, &v_cache])
+    f.finish(&[&logits, &next, &next_pos, &caches.k, &caches.v])
+}
+
+/// `steps` greedy decode steps in one call: the token at `pos`, then each
+/// step's argmax at the next position. Returns the `[steps]` chosen tokens,
+/// the last of them again as `[1]` and the position after it (the next
+/// call's inputs, left on the device), and the caches. The host's work per
+/// call is spread over `steps` tokens.
+fn decode_chain(c: &ModelConfig, g: &GraphOptions, context: usize, steps: usize) -> String {
+    let dm = dims(c, g);
+    let mut f = Function::new("decode_chain");
+    let mut token = f.param(&[1], Ty::I32);
+    let mut pos = f.param(&[], Ty::I32);
+    // Results 3 and 4 are the updated caches, written over these arguments.
+    let mut caches = DecodeCaches::params(&mut f, &dm, context, 3);
+    let cos = f.param(&[context, dm.d / 2], Ty::F32);
+    let sin = f.param(&[context, dm.d / 2], Ty::F32);
+    let p = weight_params(&mut f, c, g);
+    let one = f.constant_i32(1, &[]);
+    let mut chosen = Vec::with_capacity(steps);
+    for _ in 0..steps {
+        let logits = decode_one(&mut f, c, &dm, &p, &token, &pos, &mut caches, [&cos, &sin]);
+        token = f.argmax(&logits);
+        pos = f.binary("add", &pos, &one);
+        chosen.push(token.clone());
+    }
+    let tokens = f.concatenate(&chosen.iter().collect::<Vec<_>>(), 0);
+    f.finish(&[&tokens, &token, &pos, &caches.k, &caches.v])
+}
+
+/// The decode caches inside a function: `[L, KV, C, D]` keys and `[L, KV,
+/// D, C]` values.
+struct DecodeCaches {
+    k: Val,
+    v: Val,
+}
+
+impl DecodeCaches {
+    /// The caches as parameters, written over by results `first_result`
+    /// and the one after.
+    fn params(f: &mut Function, dm: &Dims, context: usize, first_result: usize) -> DecodeCaches {
+        let (layers, kv) = (dm.layers, dm.kv_heads);
+        DecodeCaches {
+            k: f.param_output(&[layers, kv, context, dm.d], dm.storage, first_result),
+            v: f.param_output(&[layers, kv, dm.d, context], dm.storage, first_result + 1),
+        }
+    }
+}
+
+/// One token through the model at `pos`: its key and value rows written
+/// into `caches`, attending to `0..=pos`. Returns the `[vocab]` logits.
+#[allow(clippy::too_many_arguments)]
+fn decode_one(
+    f: &mut Function,
+    c: &ModelConfig,
+    dm: &Dims,
+    p: &Params,
+    token: &Val,
+    pos: &Val,
+    caches: &mut DecodeCaches,
+    [cos, sin]: [&Val; 2],
+) -> Val {
+    let (kv, context) = (dm.kv_heads, caches.k.shape[2]);
+    let zero = f.constant_i32(0, &[]);
+    let cos = f.dynamic_slice(cos, &[pos, &zero], &[1, dm.d / 2]);
+    let sin = f.dynamic_slice(sin, &[pos, &zero], &[1, dm.d / 2]);
+    let rope_tables = rope_factors(f, &cos, &sin);
+    let cols = f.iota(&[1, context], 1);
+    let pos_row = f.broadcast(pos, &[1, context], &[]);
+    let visible = f.compare_i32("LE", &cols, &pos_row);
+
+    let mut x = embed(f, p, token);
+    for (l, w) in p.layers.iter().enumerate() {
+        let normed = rms_norm(f, dm, &x, &w.attn_norm, c.rms_norm_eps);
+        let (q, k, v) = project_qkv(f, dm, &normed, &w.qkv, &rope_tables);
+        let layer = f.constant_i32(l as i32, &[]);
+        let k = f.reshape(&k, &[1, kv, 1, dm.d]);
+        caches.k = f.dynamic_update_slice(&caches.k, &k, &[&layer, &zero, pos, &zero]);
+        let keys = f.slice(&caches.k, &[l, 0, 0, 0], &[l + 1, kv, context, dm.d]);
+        let keys = f.reshape(&keys, &[kv, context, dm.d]);
+        let v = f.reshape(&v, &[1, kv, dm.d, 1]);
+        caches.v = f.dynamic_update_slice(&caches.v, &v, &[&layer, &zero, &zero, pos]);
+        let values = f.slice(&caches.v, &[l, 0, 0, 0], &[l + 1, kv, dm.d, context]);
+        let values = f.reshape(&values, &[kv, dm.d, context]);
+        let attended = attention(f, dm, &q, &keys, &values, &visible);
+        x = finish_layer(f, c, dm, &x, &attended, w);
+    }
+    logits(f, c, dm, p, &x)
 }
 
 /// The multi-token step: `rows` tokens appended at `pos..pos+rows` of
@@ -967,6 +1027,16 @@ pub fn prefill_module(c: &ModelConfig, g: &GraphOptions, seq: usize, context: us
 /// The decode module: `decode_step`.
 pub fn decode_module(c: &ModelConfig, g: &GraphOptions, context: usize) -> String {
     module(&[decode_step(c, g, context)])
+}
+
+/// The module of `steps` chained greedy decode steps: `decode_chain`.
+pub fn decode_chain_module(
+    c: &ModelConfig,
+    g: &GraphOptions,
+    context: usize,
+    steps: usize,
+) -> String {
+    module(&[decode_chain(c, g, context, steps)])
 }
 
 /// The multi-token module for `rows` tokens: `append_tokens`.

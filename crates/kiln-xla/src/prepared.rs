@@ -27,6 +27,10 @@ pub fn source(
             llama::decode_module(config, graph, context),
             format!("decode:{context}"),
         ),
+        ModuleKind::DecodeChain(steps) => (
+            llama::decode_chain_module(config, graph, context, steps),
+            format!("decode-chain:{steps}:{context}"),
+        ),
         ModuleKind::DecodeBatch { rows, slots } => (
             llama::decode_batch_module(config, graph, context, rows, slots),
             format!("decode-batch:{rows}:{slots}:{context}"),
@@ -42,14 +46,18 @@ pub fn source(
     }
 }
 
-/// Every module of a model for `buckets`.
-pub fn module_kinds(buckets: &Buckets) -> Vec<ModuleKind> {
+/// Every module of a model for `buckets`, greedy decoding chaining
+/// `steps_per_call` steps in a call.
+pub fn module_kinds(buckets: &Buckets, steps_per_call: usize) -> Vec<ModuleKind> {
     let mut kinds: Vec<ModuleKind> = buckets
         .prefill
         .iter()
         .map(|&s| ModuleKind::Prefill(s))
         .collect();
     kinds.push(ModuleKind::Decode);
+    if steps_per_call > 1 {
+        kinds.push(ModuleKind::DecodeChain(steps_per_call));
+    }
     kinds
 }
 
@@ -147,24 +155,8 @@ pub fn obtain(
     })
 }
 
-/// Compiles every module of `config` for `target` into `cache` (no device
-/// needed), reporting each as it is ready.
-pub fn prepare(
-    config: &ModelConfig,
-    graph: &GraphOptions,
-    buckets: &Buckets,
-    target: Target,
-    compiler: &Compiler,
-    cache: &ModuleCache,
-    on_ready: impl FnMut(ModuleKind, Origin, std::time::Duration),
-) -> Result<()> {
-    let kinds = module_kinds(buckets);
-    prepare_kinds(
-        config, graph, &kinds, buckets, target, compiler, cache, on_ready,
-    )
-}
-
-/// [`prepare`] of the given modules only.
+/// Compiles the modules `kinds` of `config` for `target` into `cache` (no
+/// device needed), reporting each as it is ready.
 #[allow(clippy::too_many_arguments)]
 pub fn prepare_kinds(
     config: &ModelConfig,
