@@ -462,23 +462,40 @@ fn rope_factors(f: &mut Function, cos: &Val, sin: &Val) -> (Val, Val) {
 }
 
 /// Rotate-half RoPE on `[n, heads, d]` with the `[n, d]` f32 tables of
-/// [`rope_factors`]: `x * cos + swap_halves(x) * sin_signed`, where swapping
-/// the halves is a reverse over a length-2 axis. Computed in f32 whatever
-/// `x`'s type; the result has `x`'s type. (Reversing `x` itself, not an f32
-/// copy of it, saves IREE a conversion kernel.)
+/// [`rope_factors`]: `x * cos + swap_halves(x) * sin_signed`. Computed in
+/// f32 whatever `x`'s type; the result has `x`'s type. The swapped halves
+/// are each half broadcast over both and one picked by position: slices,
+/// broadcasts and a select, which IREE fuses with the rest into one kernel
+/// (a `reverse` of the halves became a kernel of its own).
 fn rope(f: &mut Function, x: &Val, cos_full: &Val, sin_signed: &Val) -> Val {
     let (n, heads, d) = (x.shape[0], x.shape[1], x.shape[2]);
-    let halves = f.reshape(x, &[n, heads, 2, d / 2]);
-    let swapped = f.reverse(&halves, &[2]);
-    let swapped = f.reshape(&swapped, &[n, heads, d]);
+    let halves_shape = [n, heads, 2, d / 2];
+    let halves = f.reshape(x, &halves_shape);
+    let half = |f: &mut Function, i: usize| {
+        let one = f.slice(&halves, &[0, 0, i, 0], &[n, heads, i + 1, d / 2]);
+        let one = f.reshape(&one, &[n, heads, d / 2]);
+        f.broadcast(&one, &halves_shape, &[0, 1, 3])
+    };
+    let (first, second) = (half(f, 0), half(f, 1));
+    let which = f.iota(&halves_shape, 2);
+    let zero = f.constant_i32(0, &halves_shape);
+    let in_first = f.compare_i32("EQ", &which, &zero);
+    let swapped = f.select(&in_first, &second, &first);
     let swapped = f.convert(&swapped, Ty::F32);
-    let wide = f.convert(x, Ty::F32);
-    let c = f.broadcast(cos_full, &[n, heads, d], &[0, 2]);
-    let s = f.broadcast(sin_signed, &[n, heads, d], &[0, 2]);
+    let wide = f.convert(&halves, Ty::F32);
+    // Everything in the halves' shape up to the result: a reshape between
+    // two elementwise ops keeps IREE from fusing them.
+    let table = |f: &mut Function, t: &Val| {
+        let t = f.reshape(t, &[n, 2, d / 2]);
+        f.broadcast(&t, &halves_shape, &[0, 2, 3])
+    };
+    let c = table(f, cos_full);
+    let s = table(f, sin_signed);
     let xc = f.binary("multiply", &wide, &c);
     let ss = f.binary("multiply", &swapped, &s);
     let out = f.binary("add", &xc, &ss);
-    f.convert(&out, x.ty)
+    let out = f.convert(&out, x.ty);
+    f.reshape(&out, &[n, heads, d])
 }
 
 /// Grouped-query attention of `q` `[n, heads, d]` over `k` `[kv, t, d]`

@@ -220,17 +220,6 @@ impl Function {
         self.emit(shape, a.ty, rhs)
     }
 
-    /// Reverses the order of elements along `dims`.
-    pub fn reverse(&mut self, a: &Val, dims: &[usize]) -> Val {
-        let rhs = format!(
-            "stablehlo.reverse {}, dims = [{}] : {}",
-            a.name,
-            list(dims),
-            a.mlir_type()
-        );
-        self.emit(&a.shape.clone(), a.ty, rhs)
-    }
-
     pub fn transpose(&mut self, a: &Val, perm: &[usize]) -> Val {
         let shape: Vec<usize> = perm.iter().map(|&p| a.shape[p]).collect();
         let out = tensor_type(&shape, a.ty);
