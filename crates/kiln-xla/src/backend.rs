@@ -557,9 +557,20 @@ impl<'m> IreeBackend<'m> {
         Some(next)
     }
 
-    /// Greedy choices read from the device, each checked to be in the
-    /// vocabulary (the argmax says -1 where the logits are NaN).
-    fn vocabulary_tokens(&self, function: &str, chosen: &[i32]) -> kiln_core::Result<Vec<u32>> {
+    /// `count` greedy choices read from the device, each checked to be in
+    /// the vocabulary (the argmax says -1 where the logits are NaN).
+    fn vocabulary_tokens(
+        &self,
+        function: &str,
+        chosen: &[i32],
+        count: usize,
+    ) -> kiln_core::Result<Vec<u32>> {
+        if chosen.len() != count {
+            return Err(unexpected_output(
+                function,
+                format!("{} tokens, not {count}", chosen.len()),
+            ));
+        }
         let vocab = self.model.config.vocab_size;
         chosen
             .iter()
@@ -686,27 +697,7 @@ impl<'m> IreeBackend<'m> {
     ) -> kiln_core::Result<Vec<u32>> {
         let host = self.reader.read(tensor).map_err(to_core)?;
         let chosen = host.as_i32().map_err(|e| unexpected_output(function, e))?;
-        if chosen.len() != count {
-            return Err(unexpected_output(
-                function,
-                format!("{} tokens, not {count}", chosen.len()),
-            ));
-        }
-        let vocab = self.model.config.vocab_size;
-        chosen
-            .iter()
-            .map(|&t| {
-                u32::try_from(t)
-                    .ok()
-                    .filter(|&t| (t as usize) < vocab)
-                    .ok_or_else(|| {
-                        to_core(format!(
-                            "{function} chose token {t}, outside the vocabulary of {vocab}: \
-                             the logits are NaN (the weights or the precision overflowed)"
-                        ))
-                    })
-            })
-            .collect()
+        self.vocabulary_tokens(function, chosen, count)
     }
 
     /// `rows` rows of logits a module returned, one f32 per vocabulary entry
@@ -958,16 +949,8 @@ impl Backend for IreeBackend<'_> {
         // reader stays busy until it is finished.
         let host = self.reader.finish(read).map_err(to_core)?;
         let ahead = ahead.transpose()?;
-        let chosen = match host.as_i32() {
-            Ok(chosen) if chosen.len() == steps => self.vocabulary_tokens(function, chosen)?,
-            Ok(other) => {
-                return Err(unexpected_output(
-                    function,
-                    format!("{} tokens, not {steps}", other.len()),
-                ));
-            }
-            Err(e) => return Err(unexpected_output(function, e)),
-        };
+        let chosen = host.as_i32().map_err(|e| unexpected_output(function, e))?;
+        let chosen = self.vocabulary_tokens(function, chosen, steps)?;
         let last = *chosen.last().expect("at least one step");
         match ahead {
             Some(outputs) => {
