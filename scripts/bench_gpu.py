@@ -66,6 +66,8 @@ def run_kiln(args, model_dir):
             cmd.append(f"--iree-flags={flags}")
         for n in args.prompt:
             cmd += ["--prompt-tokens", str(n)]
+        for n in args.steps_per_call:
+            cmd += ["--steps-per-call", str(n)]
         print("+", " ".join(cmd), flush=True)
         if subprocess.run(cmd).returncode != 0:
             print("kiln-bench-decode failed; its rows are missing", flush=True)
@@ -81,6 +83,8 @@ def main():
     parser.add_argument("--weight-layout", nargs="*", default=[])
     parser.add_argument("--iree-flags", action="append", default=[],
                         help="a set of IREE runtime flags to measure kiln with (repeat)")
+    parser.add_argument("--steps-per-call", type=int, nargs="+", default=[1],
+                        help="kiln's greedy steps per device call, each a row")
     parser.add_argument("--hf-dtype", nargs="+", default=["float32", "float16"])
     parser.add_argument("--prompt", type=int, nargs="+", default=[128, 512])
     parser.add_argument("--decode", type=int, default=64)
@@ -110,13 +114,13 @@ def main():
         torch.cuda.empty_cache()
     for row in run_kiln(args, args.model_dir):
         row["engine"] = "kiln-" + row["backend"]
-        row["precision"] = HF_DTYPE[row["precision"]]
+        row["precision"] = HF_DTYPE.get(row["precision"], row["precision"])
         rows.append(row)
 
     reference = {(r["precision"], r["prompt_tokens"]): r for r in rows
                  if r["engine"].startswith("transformers")}
     print(f"\ncopy bandwidth {bandwidth / 1e12:.2f} TB/s; decode bound = weight bytes per step / that")
-    header = ("engine", "precision", "layout", "IREE flags", "prompt", "prefill tok/s",
+    header = ("engine", "precision", "layout", "IREE flags", "steps/call", "prompt", "prefill tok/s",
               "decode tok/s", "% of bound", "x hf prefill", "x hf decode")
     print("| " + " | ".join(header) + " |")
     print("|" + "---|" * len(header))
@@ -126,7 +130,7 @@ def main():
         ratio = (lambda k: f"{r[k] / ref[k]:.2f}") if ref else (lambda k: "-")
         r["percent_of_bandwidth_bound"] = 100 * r["decode_tokens_per_s"] / bound
         print(f"| {r['engine']} | {r['precision']} | {r['layout']} | {r.get('iree_flags') or '-'} | "
-              f"{r['prompt_tokens']} | "
+              f"{r.get('steps_per_call', '-')} | {r['prompt_tokens']} | "
               f"{r['prefill_tokens_per_s']:,.0f} | {r['decode_tokens_per_s']:,.1f} | "
               f"{r['percent_of_bandwidth_bound']:.1f} | {ratio('prefill_tokens_per_s')} | "
               f"{ratio('decode_tokens_per_s')} |")

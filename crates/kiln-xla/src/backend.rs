@@ -524,10 +524,7 @@ impl<'m> IreeBackend<'m> {
         position: &DeviceTensor,
         steps: usize,
     ) -> kiln_core::Result<Vec<DeviceTensor>> {
-        let (kind, function) = match steps {
-            1 => (ModuleKind::Decode, "decode_step"),
-            n => (ModuleKind::DecodeChain(n), "decode_chain"),
-        };
+        let (kind, function) = decode_function(steps);
         self.load(kind)?;
         let (k, v) = self
             .kv
@@ -913,11 +910,7 @@ impl Backend for IreeBackend<'_> {
             }
             _ => self.queue_step(token, steps)?,
         };
-        let function = if steps == 1 {
-            "decode_step"
-        } else {
-            "decode_chain"
-        };
+        let (_, function) = decode_function(steps);
         let next_position = self.position + steps;
         self.position += 1;
         let position_tensor = outputs.pop().expect("three outputs");
@@ -978,6 +971,15 @@ impl Backend for IreeBackend<'_> {
             });
         }
         Ok(chosen[0])
+    }
+}
+
+/// The module and function that run `steps` greedy decode steps in one
+/// call: `decode_step` for one, `decode_chain` for more.
+fn decode_function(steps: usize) -> (ModuleKind, &'static str) {
+    match steps {
+        1 => (ModuleKind::Decode, "decode_step"),
+        n => (ModuleKind::DecodeChain(n), "decode_chain"),
     }
 }
 

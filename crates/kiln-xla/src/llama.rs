@@ -815,27 +815,35 @@ fn decode_one(
     caches: &mut DecodeCaches,
     [cos, sin]: [&Val; 2],
 ) -> Val {
-    let (kv, context) = (dm.kv_heads, caches.k.shape[2]);
-    let zero = f.constant_i32(0, &[]);
-    let cos = f.dynamic_slice(cos, &[pos, &zero], &[1, dm.d / 2]);
-    let sin = f.dynamic_slice(sin, &[pos, &zero], &[1, dm.d / 2]);
+    let (layers, kv, d, context) = (dm.layers, dm.kv_heads, dm.d, caches.k.shape[2]);
+    // The position is only ever an index into device memory (a gather, a
+    // scatter, a mask), never a slice offset: IREE reads a slice offset back
+    // to the host, which makes the call wait for the step that computed the
+    // position (and each step of a chain wait for the one before it).
+    let positions = f.reshape(pos, &[1]);
+    let cos = f.take_rows(cos, &positions);
+    let sin = f.take_rows(sin, &positions);
     let rope_tables = rope_factors(f, &cos, &sin);
     let cols = f.iota(&[1, context], 1);
     let pos_row = f.broadcast(pos, &[1, context], &[]);
     let visible = f.compare_i32("LE", &cols, &pos_row);
+    // Where the token's key and value go, as in `decode_batch` with one slot.
+    let key_at = flat_index(f, &positions, &[kv, 1], &[context, 1]);
+    let key_at = every_layer(f, &key_at, layers, kv * context);
+    let value_at = flat_index(f, &positions, &[kv, d, 1], &[d * context, context, 1]);
+    let value_at = every_layer(f, &value_at, layers, kv * context * d);
 
     let mut x = embed(f, p, token);
     for (l, w) in p.layers.iter().enumerate() {
         let normed = rms_norm(f, dm, &x, &w.attn_norm, c.rms_norm_eps);
         let (q, k, v) = project_qkv(f, dm, &normed, &w.qkv, &rope_tables);
-        let layer = f.constant_i32(l as i32, &[]);
-        let k = f.reshape(&k, &[1, kv, 1, dm.d]);
-        caches.k = f.dynamic_update_slice(&caches.k, &k, &[&layer, &zero, pos, &zero]);
-        let keys = f.slice(&caches.k, &[l, 0, 0, 0], &[l + 1, kv, context, dm.d]);
-        let keys = f.reshape(&keys, &[kv, context, dm.d]);
-        let v = f.reshape(&v, &[1, kv, dm.d, 1]);
-        caches.v = f.dynamic_update_slice(&caches.v, &v, &[&layer, &zero, &zero, pos]);
-        let values = f.slice(&caches.v, &[l, 0, 0, 0], &[l + 1, kv, dm.d, context]);
+        let at = layer_rows(f, &key_at, l);
+        caches.k = scatter_flat(f, &caches.k, &at, &k, d);
+        let keys = f.slice(&caches.k, &[l, 0, 0, 0], &[l + 1, kv, context, d]);
+        let keys = f.reshape(&keys, &[kv, context, d]);
+        let at = layer_rows(f, &value_at, l);
+        caches.v = scatter_flat(f, &caches.v, &at, &v, 1);
+        let values = f.slice(&caches.v, &[l, 0, 0, 0], &[l + 1, kv, d, context]);
         let values = f.reshape(&values, &[kv, dm.d, context]);
         let attended = attention(f, dm, &q, &keys, &values, &visible);
         x = finish_layer(f, c, dm, &x, &attended, w);
@@ -932,8 +940,6 @@ fn decode_batch(
     // dimensions only, so the caches are scattered into as flat tables: the
     // keys as rows of `d` (the position is the row), the values element by
     // element (the position is the innermost dimension).
-    let key_rows = layers * slots * kv * context;
-    let value_count = key_rows * d;
     let layer_keys = slots * kv * context;
     let key_at = flat_index(&mut f, &positions, &[kv, 1], &[context, 1]);
     let key_at = every_layer(&mut f, &key_at, layers, layer_keys);
@@ -945,15 +951,9 @@ fn decode_batch(
         let normed = rms_norm(&mut f, &dm, &x, &w.attn_norm, c.rms_norm_eps);
         let (q, k, v) = project_qkv(&mut f, &dm, &normed, &w.qkv, &rope_tables);
         let at = layer_rows(&mut f, &key_at, l);
-        let table = f.reshape(&k_cache, &[key_rows, d]);
-        let k = f.reshape(&k, &[rows * kv, d]);
-        let table = f.scatter(&table, &at, &k, &[0]);
-        k_cache = f.reshape(&table, &[layers, slots, kv, context, d]);
+        k_cache = scatter_flat(&mut f, &k_cache, &at, &k, d);
         let at = layer_rows(&mut f, &value_at, l);
-        let table = f.reshape(&v_cache, &[value_count]);
-        let v = f.reshape(&v, &[rows * kv * d]);
-        let table = f.scatter(&table, &at, &v, &[0]);
-        v_cache = f.reshape(&table, &[layers, slots, kv, d, context]);
+        v_cache = scatter_flat(&mut f, &v_cache, &at, &v, 1);
         let keys = f.slice(&k_cache, &[l, 0, 0, 0, 0], &[l + 1, rows, kv, context, d]);
         let keys = f.reshape(&keys, &[rows, kv, context, d]);
         let values = f.slice(&v_cache, &[l, 0, 0, 0, 0], &[l + 1, rows, kv, d, context]);
@@ -991,6 +991,23 @@ fn flat_index(f: &mut Function, positions: &Val, inner: &[usize], strides: &[usi
     let index = f.binary("add", &index, &position);
     let count = shape.iter().product();
     f.reshape(&index, &[count, 1])
+}
+
+/// `cache` with `new`'s values written at the flat indices `at` (`[n, 1]`):
+/// the cache seen as a table of rows `width` wide, `new` as `n` such rows.
+/// IREE scatters along leading dimensions only, hence the flat view.
+fn scatter_flat(f: &mut Function, cache: &Val, at: &Val, new: &Val, width: usize) -> Val {
+    let count: usize = cache.shape.iter().product();
+    let (table, new) = if width == 1 {
+        (f.reshape(cache, &[count]), f.reshape(new, &[at.shape[0]]))
+    } else {
+        (
+            f.reshape(cache, &[count / width, width]),
+            f.reshape(new, &[at.shape[0], width]),
+        )
+    };
+    let table = f.scatter(&table, at, &new, &[0]);
+    f.reshape(&table, &cache.shape.clone())
 }
 
 /// The flat indices `index` (`[n, 1]`, layer 0's) of every layer, `[layers,
@@ -1219,6 +1236,49 @@ mod tests {
                 }
             }
             Err(e) => println!("skipped compiling for CUDA: {e}"),
+        }
+    }
+
+    /// A decode call reads nothing back to the host. IREE reads a slice
+    /// offset that the device computes back before it records the rest of
+    /// the call, so a position used as one made each call wait for the
+    /// step before it and split a chain of steps at every step; as a device
+    /// index (gather, scatter, mask) it does not, and IREE records the call
+    /// once (a memoized command buffer) instead of on every call.
+    #[test]
+    fn decode_calls_read_nothing_back_to_the_host() {
+        use crate::backend::ModuleKind;
+        let c = config(4, 2);
+        let cuda = graph(Target::Cuda);
+        let modules = [
+            (ModuleKind::Decode, decode_module(&c, &cuda, 64)),
+            (
+                ModuleKind::DecodeChain(3),
+                decode_chain_module(&c, &cuda, 64, 3),
+            ),
+        ];
+        for (kind, module) in &modules {
+            // What IREE turns into a host read: a slice at a device value.
+            assert!(!module.contains("dynamic_slice"), "{kind:?}");
+            assert!(!module.contains("dynamic_update_slice"), "{kind:?}");
+        }
+        let compiler = match crate::compiler::Compiler::from_env() {
+            Ok(compiler) => compiler,
+            Err(e) => return println!("skipped compiling the modules: {e}"),
+        };
+        for (kind, module) in modules {
+            let mut flags = kind.compile_flags().to_vec();
+            flags.push("--output-format=vm-asm");
+            let program = compiler.compile(&module, Target::Cuda, &flags).unwrap();
+            let program = String::from_utf8(program).unwrap();
+            let calls = |op: &str| {
+                let callee = format!(" @hal.{op}(");
+                let call = |line: &&str| line.contains("vm.call") && line.contains(&callee);
+                program.lines().filter(call).count()
+            };
+            assert_eq!(calls("buffer.load"), 0, "{kind:?} reads a value back");
+            // The dispatches recorded once, executed with this call's buffers.
+            assert_eq!(calls("device.queue.execute.indirect"), 1, "{kind:?}");
         }
     }
 }
