@@ -36,8 +36,10 @@ IFS=';' read -ra variants <<< "${PROFILE:-}"
 for variant in "${variants[@]}"; do
     i=$((i + 1))
     ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
-    # Kernels in one decode step: 299 for tinyllama-1.1b at f16 (count the
-    # `flow.dispatch` ops of `iree-compile --compile-to=flow` for another).
+    # Kernels in one decode step: 299 for tinyllama-1.1b at f16 (for another
+    # model, count the `hal.command_buffer.dispatch` calls of its decode module
+    # compiled with `--output-format=vm-asm`; `--compile-to=flow` counts one
+    # fewer here).
     per_step=${KERNELS_PER_STEP:-299}
     # Skip the warm-up step's kernels; time each kernel of the next two.
     # shellcheck disable=SC2086

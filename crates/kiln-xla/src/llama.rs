@@ -815,7 +815,7 @@ fn decode_one(
     caches: &mut DecodeCaches,
     [cos, sin]: [&Val; 2],
 ) -> Val {
-    let (layers, kv, d, context) = (dm.layers, dm.kv_heads, dm.d, caches.k.shape[2]);
+    let (kv, d, context) = (dm.kv_heads, dm.d, caches.k.shape[2]);
     // The position is only ever an index into device memory (a gather, a
     // scatter, a mask), never a slice offset: IREE reads a slice offset back
     // to the host, which makes the call wait for the step that computed the
@@ -827,11 +827,7 @@ fn decode_one(
     let cols = f.iota(&[1, context], 1);
     let pos_row = f.broadcast(pos, &[1, context], &[]);
     let visible = f.compare_i32("LE", &cols, &pos_row);
-    // Where the token's key and value go, as in `decode_batch` with one slot.
-    let key_at = flat_index(f, &positions, &[kv, 1], &[context, 1]);
-    let key_at = every_layer(f, &key_at, layers, kv * context);
-    let value_at = flat_index(f, &positions, &[kv, d, 1], &[d * context, context, 1]);
-    let value_at = every_layer(f, &value_at, layers, kv * context * d);
+    let (key_at, value_at) = cache_write_indices(f, dm, &positions, 1, context);
 
     let mut x = embed(f, p, token);
     for (l, w) in p.layers.iter().enumerate() {
@@ -935,16 +931,7 @@ fn decode_batch(
     let cols = f.iota(&[rows, context], 1);
     let position_cols = f.broadcast(&positions, &[rows, context], &[0]);
     let visible = f.compare_i32("LE", &cols, &position_cols);
-    // Where row r (slot r) writes its key and value at its position in
-    // layer 0; a layer adds its own offset. IREE scatters along leading
-    // dimensions only, so the caches are scattered into as flat tables: the
-    // keys as rows of `d` (the position is the row), the values element by
-    // element (the position is the innermost dimension).
-    let layer_keys = slots * kv * context;
-    let key_at = flat_index(&mut f, &positions, &[kv, 1], &[context, 1]);
-    let key_at = every_layer(&mut f, &key_at, layers, layer_keys);
-    let value_at = flat_index(&mut f, &positions, &[kv, d, 1], &[d * context, context, 1]);
-    let value_at = every_layer(&mut f, &value_at, layers, layer_keys * d);
+    let (key_at, value_at) = cache_write_indices(&mut f, &dm, &positions, slots, context);
 
     let mut x = embed(&mut f, &p, &tokens);
     for (l, w) in p.layers.iter().enumerate() {
@@ -967,6 +954,28 @@ fn decode_batch(
     let ones = f.constant_i32(1, &[rows]);
     let next_positions = f.binary("add", &positions, &ones);
     f.finish(&[&logits, &next, &next_positions, &k_cache, &v_cache])
+}
+
+/// Where row r (slot r of `slots`) writes its key and value at
+/// `positions[r]` in every layer: flat indices, `[layers, n, 1]`, into the
+/// keys as rows of `d` (the position is the row) and into the values element
+/// by element (the position is the innermost dimension), the tables
+/// [`scatter_flat`] writes. IREE scatters along leading dimensions only,
+/// hence the flat views.
+fn cache_write_indices(
+    f: &mut Function,
+    dm: &Dims,
+    positions: &Val,
+    slots: usize,
+    context: usize,
+) -> (Val, Val) {
+    let (layers, kv, d) = (dm.layers, dm.kv_heads, dm.d);
+    let layer_keys = slots * kv * context;
+    let key_at = flat_index(f, positions, &[kv, 1], &[context, 1]);
+    let key_at = every_layer(f, &key_at, layers, layer_keys);
+    let value_at = flat_index(f, positions, &[kv, d, 1], &[d * context, context, 1]);
+    let value_at = every_layer(f, &value_at, layers, layer_keys * d);
+    (key_at, value_at)
 }
 
 /// Flat indices, `[n, 1]` i32, of each row's position in a cache of layer 0:
@@ -993,9 +1002,9 @@ fn flat_index(f: &mut Function, positions: &Val, inner: &[usize], strides: &[usi
     f.reshape(&index, &[count, 1])
 }
 
-/// `cache` with `new`'s values written at the flat indices `at` (`[n, 1]`):
-/// the cache seen as a table of rows `width` wide, `new` as `n` such rows.
-/// IREE scatters along leading dimensions only, hence the flat view.
+/// `cache` with `new`'s values written at the flat indices `at` (`[n, 1]`,
+/// from [`cache_write_indices`]): the cache seen as a table of rows `width`
+/// wide, `new` as `n` such rows.
 fn scatter_flat(f: &mut Function, cache: &Val, at: &Val, new: &Val, width: usize) -> Val {
     let count: usize = cache.shape.iter().product();
     let (table, new) = if width == 1 {
