@@ -8,6 +8,10 @@ let
   inherit (pkgs) lib;
   craneLib = import ./toolchain.nix { inherit pkgs crane; };
   src = import ./source.nix { inherit lib craneLib; };
+  testSrc = import ./source.nix {
+    inherit lib craneLib;
+    forTests = true;
+  };
 
   # The IREE derivations run xtask's prefix installer.
   xtask = import ./xtask.nix { inherit lib craneLib src; };
@@ -55,6 +59,7 @@ in
       pkgs
       craneLib
       src
+      testSrc
       packages
       iree-compiler
       xtask

@@ -23,19 +23,11 @@ craneLib.devShell {
   ];
   KILN_IREE_PREFIX = "${iree-runtime-cuda}";
   KILN_IREE_COMPILE = lib.getExe iree-compiler;
-  # IREE's CUDA driver dlopens libcuda.so (that exact name), which comes
-  # with the host's driver. Nix's glibc does not read the host's /etc/ld.so.cache, so
-  # binaries built here would not find it: put the driver's folder (NixOS's
-  # /run/opengl-driver/lib, or wherever the host's ldconfig knows libcuda.so
-  # from) on LD_LIBRARY_PATH.
+  # IREE's CUDA driver dlopens libcuda.so, which comes with the host's
+  # driver; outside NixOS Nix's glibc would not find it. The same script as
+  # the `kiln` wrappers' (it says why only a link to the driver goes on
+  # LD_LIBRARY_PATH, never the host's library folder).
   shellHook = ''
-    for kiln_dir in /run/opengl-driver/lib \
-      $(/sbin/ldconfig -p 2>/dev/null | sed -n 's|.*libcuda\.so.* => \(.*\)/[^/]*$|\1|p' | sort -u); do
-      if [ -e "$kiln_dir/libcuda.so" ]; then
-        export LD_LIBRARY_PATH="$kiln_dir''${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-        break
-      fi
-    done
-    unset kiln_dir
+    . ${./host-cuda-driver.sh}
   '';
 }

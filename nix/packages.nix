@@ -87,7 +87,8 @@ in
 
   # kiln's release binaries, each told where the pinned iree-compile is (a
   # user's KILN_IREE_COMPILE still wins), so `nix run` works with the IREE
-  # backends as it does with the CPU one.
+  # backends as it does with the CPU one; outside NixOS the wrapper also
+  # shows IREE's CUDA driver the host's libcuda (host-cuda-driver.sh says how).
   kiln =
     pkgs.runCommand "kiln-${version}"
       {
@@ -98,7 +99,8 @@ in
         mkdir -p $out/bin
         for bin in ${kiln-unwrapped}/bin/*; do
           makeWrapper "$bin" "$out/bin/$(basename "$bin")" \
-            --set-default KILN_IREE_COMPILE ${lib.getExe iree-compiler}
+            --set-default KILN_IREE_COMPILE ${lib.getExe iree-compiler} \
+            --run ". ${./host-cuda-driver.sh}"
         done
       '';
 }

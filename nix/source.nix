@@ -1,14 +1,26 @@
 # Exactly what the Rust build reads: Cargo files and Rust sources, the C shim,
 # the pin file and the IREE CMake project, the test fixtures. Editing the
-# README, the docs, a workflow or a Nix file rebuilds nothing.
-{ lib, craneLib }:
+# README, the docs, a workflow or a Nix file rebuilds nothing. With
+# `forTests`, also what the tests read beyond it (nix/test-data.json: the
+# workflows, the CI scripts and the IREE patches xtask's tests check).
+{ lib
+, craneLib
+, forTests ? false
+,
+}:
+let
+  testData = map (path: ../. + "/${path}") (lib.importJSON ./test-data.json).paths;
+in
 lib.fileset.toSource {
   root = ../.;
-  fileset = lib.fileset.unions [
-    (craneLib.fileset.commonCargoSources ../.)
-    ../crates/kiln-iree/csrc
-    ./pins.json
-    ./iree-prefix
-    ../tests/fixtures
-  ];
+  fileset = lib.fileset.unions (
+    [
+      (craneLib.fileset.commonCargoSources ../.)
+      ../crates/kiln-iree/csrc
+      ./pins.json
+      ./iree-prefix
+      ../tests/fixtures
+    ]
+    ++ lib.optionals forTests testData
+  );
 }

@@ -36,11 +36,16 @@ pub fn exports(cache: &Cache, pins: &Pins, variant: Variant, target: &Target) ->
             compiler.display()
         ));
     }
-    Ok(format!(
+    let mut exports = format!(
         "export KILN_IREE_PREFIX={}\nexport KILN_IREE_COMPILE={}\n",
         quote(&prefix)?,
         quote(&compiler)?
-    ))
+    );
+    // A cross target's linker and runner, for `cargo build --target T`.
+    for (name, value) in target.cargo_env() {
+        exports.push_str(&format!("export {name}={}\n", quote(Path::new(&value))?));
+    }
+    Ok(exports)
 }
 
 fn quote(path: &Path) -> Result<String> {

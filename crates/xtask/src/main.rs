@@ -9,6 +9,8 @@ mod emulated;
 mod env;
 mod eval_nix;
 mod fetch;
+#[cfg(test)]
+mod flake_contract;
 mod gate;
 mod iree;
 mod iree_patches;
@@ -105,6 +107,10 @@ enum Task {
         /// Debian's cross toolchain, against `cargo xtask iree --cuda --target …`).
         #[arg(long)]
         target: Option<String>,
+        /// Also write the report (report-TRIPLE.json) into this folder, made
+        /// if absent: the Nix check's `$out`.
+        #[arg(long)]
+        out: Option<PathBuf>,
     },
     /// Run another architecture's kiln-core tests and xla_prepared_prefill
     /// (local-task) under qemu: the executables the gate's link check built
@@ -214,10 +220,16 @@ fn run(cli: Cli) -> Result<()> {
             link_only,
             mutation,
             target,
+            out,
         } => {
             let target = Target::parse(target.as_deref())?;
             let prefix = prefix_for_gate(&target)?;
-            gate::run(&prefix, &target, link_only, mutation.as_deref())?;
+            let options = gate::Options {
+                link_only,
+                only: mutation.as_deref(),
+                out: out.as_deref(),
+            };
+            gate::run(&prefix, &target, &options)?;
         }
         Task::EmulatedTests { target } => {
             let target = Target::parse(Some(&target))?;

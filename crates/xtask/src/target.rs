@@ -130,6 +130,25 @@ impl Target {
         PathBuf::from("/usr").join(self.gnu)
     }
 
+    /// The environment of a cargo build for this target: for a cross target,
+    /// its linker (the cross gcc, GNU ld, as on the machine itself) and its
+    /// runner (user-mode emulation with the cross sysroot); nothing for the
+    /// host. They live here, not in `.cargo/config.toml`, because that file
+    /// is read by native builds of the target too, which have no cross gcc.
+    pub fn cargo_env(&self) -> Vec<(String, String)> {
+        if !self.cross {
+            return Vec::new();
+        }
+        let var = self.triple.to_uppercase().replace('-', "_");
+        vec![
+            (format!("CARGO_TARGET_{var}_LINKER"), self.cc()),
+            (
+                format!("CARGO_TARGET_{var}_RUNNER"),
+                format!("qemu-{} -L {}", self.arch(), self.sysroot().display()),
+            ),
+        ]
+    }
+
     /// A command that runs a program built for this target: the program
     /// itself on the host, under `qemu-ARCH` with the cross sysroot otherwise.
     pub fn runner(&self, program: impl Into<PathBuf>) -> Result<Command> {
@@ -171,6 +190,50 @@ mod tests {
         assert_eq!(target.cc(), "aarch64-linux-gnu-gcc");
         assert_eq!(target.sysroot(), PathBuf::from("/usr/aarch64-linux-gnu"));
         assert_eq!(target.cross, std::env::consts::ARCH != "aarch64");
+    }
+
+    #[test]
+    fn only_a_cross_build_gets_a_linker_and_runner() {
+        assert!(Target::host().unwrap().cargo_env().is_empty());
+        let mut aarch64 = Target::parse(Some(AARCH64)).unwrap();
+        aarch64.cross = true;
+        assert_eq!(
+            aarch64.cargo_env(),
+            [
+                (
+                    "CARGO_TARGET_AARCH64_UNKNOWN_LINUX_GNU_LINKER".to_string(),
+                    "aarch64-linux-gnu-gcc".to_string()
+                ),
+                (
+                    "CARGO_TARGET_AARCH64_UNKNOWN_LINUX_GNU_RUNNER".to_string(),
+                    "qemu-aarch64 -L /usr/aarch64-linux-gnu".to_string()
+                ),
+            ]
+        );
+    }
+
+    /// `.cargo/config.toml` is read by every build of this source: crane's
+    /// native build on an aarch64 machine (the GB10) too, where a
+    /// `linker = "aarch64-linux-gnu-gcc"` names a program its toolchain does
+    /// not have. No target of it may set a linker or a runner.
+    #[test]
+    fn the_cargo_config_sets_no_target_linker_or_runner() {
+        let config =
+            std::fs::read_to_string(crate::pins::repo_root().join(".cargo/config.toml")).unwrap();
+        let mut section = String::new();
+        let mut found = Vec::new();
+        for line in config.lines().map(str::trim) {
+            if line.starts_with('[') {
+                section = line.to_string();
+            } else if section.starts_with("[target.")
+                && ["linker", "runner"]
+                    .iter()
+                    .any(|key| line.split('=').next().map(str::trim) == Some(key))
+            {
+                found.push(format!("{section} {line}"));
+            }
+        }
+        assert!(found.is_empty(), "{found:?}");
     }
 
     #[test]

@@ -116,14 +116,21 @@ pub fn run(cache: &Cache, pins: &Pins, with_aarch64: bool) -> Result<()> {
         openai_client(cache)
     })?;
     step("the gate: link check and mutation suite", || {
-        crate::gate::run(&cuda_prefix, &host, false, None)
+        crate::gate::run(&cuda_prefix, &host, &Default::default())
     })?;
     if let Some(prefix) = &aarch64_prefix {
         // The emulated tests run the link check's executables, before the
         // mutants: they share the link check's artifact names, so after them
         // the workspace crates would be rebuilt.
         step("the aarch64 link check", || {
-            crate::gate::run(prefix, &aarch64, true, None)
+            crate::gate::run(
+                prefix,
+                &aarch64,
+                &crate::gate::Options {
+                    link_only: true,
+                    ..Default::default()
+                },
+            )
         })?;
         step(
             "aarch64 tests under qemu-aarch64: kiln-core, xla_prepared_prefill on local-task",
@@ -131,7 +138,7 @@ pub fn run(cache: &Cache, pins: &Pins, with_aarch64: bool) -> Result<()> {
         )?;
         step(
             "the gate for aarch64: link check (current) and mutation suite",
-            || crate::gate::run(prefix, &aarch64, false, None),
+            || crate::gate::run(prefix, &aarch64, &Default::default()),
         )?;
     }
     step("reproducible release binaries", || {

@@ -48,9 +48,31 @@ struct Build<'a> {
     target_dir: &'a Path,
 }
 
-/// Runs the link check and, unless `link_only`, the mutation suite; prints the
-/// report and writes it as JSON. Fails if any line failed.
-pub fn run(prefix: &Path, target: &Target, link_only: bool, only: Option<&str>) -> Result<()> {
+/// What one gate run does beyond the link check.
+#[derive(Default)]
+pub struct Options<'a> {
+    /// Only the link check, no mutation suite.
+    pub link_only: bool,
+    /// Only the mutation of this name.
+    pub only: Option<&'a str>,
+    /// A folder that gets a copy of the report (the Nix check's `$out`), so
+    /// that no caller needs to know the report's file name.
+    pub out: Option<&'a Path>,
+}
+
+/// The report's file name for `target`.
+pub fn report_name(target: &Target) -> String {
+    format!("report-{}.json", target.triple)
+}
+
+/// Runs the link check and, unless `options.link_only`, the mutation suite;
+/// prints the report and writes it as JSON. Fails if any line failed.
+pub fn run(prefix: &Path, target: &Target, options: &Options) -> Result<()> {
+    let Options {
+        link_only,
+        only,
+        out,
+    } = *options;
     let root = repo_root();
     let target_dir = target_dir(&root)?;
     let work = target_dir.join("gate");
@@ -110,8 +132,14 @@ pub fn run(prefix: &Path, target: &Target, link_only: bool, only: Option<&str>) 
         .filter(|l| !matches!(l.verdict, "PASS" | "CAUGHT" | "SKIPPED"))
         .count();
     let passed = report.iter().filter(|l| l.verdict != "SKIPPED").count() - failed;
-    let json = work.join(format!("report-{}.json", target.triple));
-    std::fs::write(&json, serde_json::to_string_pretty(&report)?)?;
+    let json = work.join(report_name(target));
+    let text = serde_json::to_string_pretty(&report)?;
+    std::fs::write(&json, &text)?;
+    if let Some(out) = out {
+        std::fs::create_dir_all(out)
+            .and_then(|()| std::fs::write(out.join(report_name(target)), &text))
+            .with_context(|| format!("cannot write the report into {}", out.display()))?;
+    }
     println!(
         "gate: {passed} passed, {failed} failed (report: {})",
         json.display()
@@ -301,9 +329,9 @@ fn cargo(tree: &Path, build: &Build, prefix: &Path, args: &[&str]) -> Result<Out
     let mut command = Command::new(cargo);
     command.args(args);
     if build.target.cross {
-        // Its linker (the cross gcc, GNU ld) is the tree's .cargo/config.toml's.
         command.args(["--target", build.target.triple]);
     }
+    command.envs(build.target.cargo_env());
     let output = command
         .current_dir(tree)
         .env("KILN_IREE_PREFIX", prefix)
