@@ -163,9 +163,7 @@ pub fn run(loaded: &mut Loaded, jobs: Receiver<Job>, shared: &Shared) {
             continue;
         };
         shared.metrics.active.inc();
-        let outcome = serve(loaded, job, shared);
-        shared.metrics.active.dec();
-        shared.metrics.outcome(outcome);
+        serve(loaded, job, shared);
     }
 }
 
@@ -199,33 +197,39 @@ fn next_job(jobs: &Receiver<Job>, shared: &Shared, wait: bool) -> Option<Job> {
 /// `job`, unless shutdown's grace is over: then it is refused.
 fn admissible(job: Job, shared: &Shared) -> Option<Job> {
     if shared.cancel_all.load(Ordering::Relaxed) {
-        let _ = job.events.send(Event::Failed(ApiError::unavailable(
-            "the server is shutting down",
-        )));
-        shared.metrics.outcome("shutdown");
+        let refused = Err(ApiError::unavailable("the server is shutting down"));
+        report(&job.events, refused, shared, Counted::Queued);
         return None;
     }
     Some(job)
 }
 
-/// Runs one job to its end; returns its outcome for the metrics.
-fn serve(loaded: &mut Loaded, job: Job, shared: &Shared) -> &'static str {
+/// Runs one (active) job to its end.
+fn serve(loaded: &mut Loaded, job: Job, shared: &Shared) {
     let events = job.events.clone();
     let result = generate(loaded, job, shared);
-    report(&events, result)
+    report(&events, result, shared, Counted::Active);
 }
 
-/// Sends a sequence's end to its client; returns its outcome for the metrics.
+/// Whether a sequence that ends was counted in the active gauge.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Counted {
+    Queued,
+    Active,
+}
+
+/// Ends a sequence: its metrics first (its outcome, and the active gauge
+/// when it was counted there), then its last event to the client. In that
+/// order a client that has its whole answer finds it in `/metrics`.
 fn report(
     events: &UnboundedSender<Event>,
     result: Result<Option<Finish>, ApiError>,
-) -> &'static str {
-    match result {
-        Ok(Some(finish)) => {
-            let _ = events.send(Event::Done(finish));
-            "complete"
-        }
-        Ok(None) => "cancelled",
+    shared: &Shared,
+    counted: Counted,
+) {
+    let (outcome, event) = match result {
+        Ok(Some(finish)) => ("complete", Some(Event::Done(finish))),
+        Ok(None) => ("cancelled", None),
         Err(error) => {
             let outcome = if error.status.is_client_error() {
                 "invalid"
@@ -236,9 +240,15 @@ fn report(
             } else {
                 "error"
             };
-            let _ = events.send(Event::Failed(error));
-            outcome
+            (outcome, Some(Event::Failed(error)))
         }
+    };
+    if counted == Counted::Active {
+        shared.metrics.active.dec();
+    }
+    shared.metrics.outcome(outcome);
+    if let Some(event) = event {
+        let _ = events.send(event);
     }
 }
 
@@ -585,7 +595,7 @@ mod batched {
         let (mut generation, prompt_ids) = match Generation::start(loaded, job, shared) {
             Ok(started) => started,
             Err(error) => {
-                shared.metrics.outcome(report(&events, Err(error)));
+                report(&events, Err(error), shared, Counted::Queued);
                 return;
             }
         };
@@ -605,13 +615,10 @@ mod batched {
             .map_err(backend_failed);
         match first.and_then(|token| advance(decoder, slot, &mut generation, token, shared)) {
             Ok(true) => running[slot] = Some(generation),
-            Ok(false) => {
-                shared.metrics.active.dec();
-            }
+            Ok(false) => {}
             Err(error) => {
                 decoder.release(slot);
-                shared.metrics.active.dec();
-                shared.metrics.outcome(report(&events, Err(error)));
+                report(&events, Err(error), shared, Counted::Active);
             }
         }
     }
@@ -633,7 +640,7 @@ mod batched {
         };
         if let Some(result) = ended {
             decoder.release(slot);
-            shared.metrics.outcome(report(&generation.events, result));
+            report(&generation.events, result, shared, Counted::Active);
             return Ok(false);
         }
         decoder.feed(slot, token).map_err(backend_failed)?;
@@ -650,9 +657,8 @@ mod batched {
                 for (slot, generation) in running.iter_mut().enumerate() {
                     if let Some(generation) = generation.take() {
                         decoder.release(slot);
-                        shared.metrics.active.dec();
                         let result = Err(error.clone());
-                        shared.metrics.outcome(report(&generation.events, result));
+                        report(&generation.events, result, shared, Counted::Active);
                     }
                 }
                 return;
@@ -671,15 +677,11 @@ mod batched {
             let events = generation.events.clone();
             match token.and_then(|token| advance(decoder, slot, generation, token, shared)) {
                 Ok(true) => {}
-                Ok(false) => {
-                    running[slot] = None;
-                    shared.metrics.active.dec();
-                }
+                Ok(false) => running[slot] = None,
                 Err(error) => {
                     decoder.release(slot);
                     running[slot] = None;
-                    shared.metrics.active.dec();
-                    shared.metrics.outcome(report(&events, Err(error)));
+                    report(&events, Err(error), shared, Counted::Active);
                 }
             }
         }

@@ -22,6 +22,7 @@ mod prefix;
 mod ptxas;
 mod repro;
 mod setup;
+mod steps;
 mod target;
 mod test;
 mod tools;
@@ -93,6 +94,15 @@ enum Task {
         /// quicker local run.
         #[arg(long)]
         skip_aarch64: bool,
+        /// The developer loop (about 10 minutes warm): rustfmt, clippy, the
+        /// CPU tests and the link check, nothing else.
+        #[arg(long)]
+        quick: bool,
+        /// Defer (loudly; never reported as passed) the expensive steps that
+        /// would end the run past this many minutes: ptxas, the aarch64
+        /// steps, repro. CI gives 80.
+        #[arg(long)]
+        budget_minutes: Option<u64>,
     },
     /// The link gate: link every release cuda,xla-iree target, then prove with
     /// the mutation suite that link-only regressions fail it.
@@ -215,7 +225,18 @@ fn run(cli: Cli) -> Result<()> {
             setup::run(&Cache::open()?)?;
         }
         Task::Load(args) => load::run(&args)?,
-        Task::Test { skip_aarch64 } => test::run(&Cache::open()?, &load_pins()?, !skip_aarch64)?,
+        Task::Test {
+            skip_aarch64,
+            quick,
+            budget_minutes,
+        } => {
+            let plan = test::Plan {
+                with_aarch64: !skip_aarch64,
+                quick,
+                budget: budget_minutes.map(|m| std::time::Duration::from_secs(m * 60)),
+            };
+            test::run(&Cache::open()?, &load_pins()?, &plan)?
+        }
         Task::Gate {
             link_only,
             mutation,

@@ -122,6 +122,17 @@ impl Toolbox {
         })
     }
 
+    /// The tools' folders, each named by what was installed there: part of
+    /// the key of a step that runs them.
+    pub fn identity(&self) -> String {
+        let dirs: Vec<String> = self
+            .bin_dirs
+            .iter()
+            .map(|d| d.display().to_string())
+            .collect();
+        dirs.join(":")
+    }
+
     /// Only `bin_dirs`, then `search_path` (for tests).
     #[cfg(test)]
     pub fn with_dirs(bin_dirs: Vec<PathBuf>, search_path: &str) -> Toolbox {

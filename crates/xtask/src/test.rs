@@ -3,21 +3,46 @@
 use std::ffi::OsString;
 use std::path::Path;
 use std::process::Command;
-use std::time::Instant;
+use std::time::Duration;
 
 use anyhow::{Context, Result, anyhow};
 
 use crate::cache::Cache;
 use crate::iree::{self, Variant};
 use crate::pins::{Pins, repo_root};
+use crate::steps::{Keyed, Reads, Runner};
 use crate::target::{AARCH64, Target};
 use crate::{compiler, disk, tools};
 
-/// Every step of the suite, in order; the first failure stops it. With
-/// `with_aarch64`, the GB10's architecture too (cross-built, emulated).
-pub fn run(cache: &Cache, pins: &Pins, with_aarch64: bool) -> Result<()> {
+/// What `cargo xtask test` runs.
+pub struct Plan {
+    /// The GB10's architecture too (cross-built, emulated).
+    pub with_aarch64: bool,
+    /// The developer loop: rustfmt, clippy, the CPU tests, the link check.
+    pub quick: bool,
+    /// Defer the deferrable steps that would end the run past this.
+    pub budget: Option<Duration>,
+}
+
+/// What a step reads, beyond the toolchain: the Nix files and the linter's
+/// own code; the workflows, CI scripts and their linter; the pins and the
+/// code that fetches them.
+fn nix_files(path: &Path) -> bool {
+    path.extension().is_some_and(|e| e == "nix") || path.starts_with("crates/xtask")
+}
+fn workflow_files(path: &Path) -> bool {
+    path.starts_with(".github") || path.starts_with(".ci") || path.starts_with("crates/xtask")
+}
+fn pin_files(path: &Path) -> bool {
+    path == Path::new("nix/pins.json") || path.starts_with("crates/xtask")
+}
+
+/// Every step of the suite, in order; the first failure stops it. Each
+/// step's line says whether it ran, was reused or was deferred.
+pub fn run(cache: &Cache, pins: &Pins, plan: &Plan) -> Result<()> {
     disk::warn_if_short();
-    let toolbox = step("setup: system packages and pinned tools", || {
+    let mut steps = Runner::new(cache, plan.budget)?;
+    let toolbox = steps.run("setup: system packages and pinned tools", || {
         crate::setup::run(cache)
     })?;
     tools::require_host_program(
@@ -26,24 +51,30 @@ pub fn run(cache: &Cache, pins: &Pins, with_aarch64: bool) -> Result<()> {
         "Debian/Ubuntu: apt-get install -y pkg-config",
     )?;
     let host = Target::host()?;
-    let cpu_prefix = step("IREE prefix, CPU drivers", || {
-        iree::build(cache, pins, Variant::Cpu, &host)
-    })?;
-    let cuda_prefix = step("IREE prefix, CUDA driver", || {
-        iree::build(cache, pins, Variant::Cuda, &host)
-    })?;
+    let prefix = |steps: &mut Runner, name: &str, variant: Variant, target: &Target| {
+        let (folder, _) = iree::prefix_location(cache, pins, variant, target)?;
+        steps.produce(name, &folder, || iree::build(cache, pins, variant, target))
+    };
+    let cpu_prefix = prefix(&mut steps, "IREE prefix, CPU drivers", Variant::Cpu, &host)?;
+    let cuda_prefix = prefix(&mut steps, "IREE prefix, CUDA driver", Variant::Cuda, &host)?;
     // The GB10's architecture, cross-built here (unless this is one): its
     // CUDA prefix serves both its gate and its emulated tests, which run the
     // gate's own test executables.
     let aarch64 = Target::parse(Some(AARCH64))?;
-    let aarch64_prefix = if with_aarch64 && aarch64.cross {
-        Some(step("IREE prefix, CUDA driver, aarch64 (cross)", || {
-            iree::build(cache, pins, Variant::Cuda, &aarch64)
-        })?)
+    let aarch64_prefix = if plan.with_aarch64 && !plan.quick && aarch64.cross {
+        Some(prefix(
+            &mut steps,
+            "IREE prefix, CUDA driver, aarch64 (cross)",
+            Variant::Cuda,
+            &aarch64,
+        )?)
     } else {
         None
     };
-    let (compiler, _) = step("iree-compile", || compiler::install(cache, pins))?;
+    let compiler_folder = compiler::compiler_location(cache, pins)?;
+    let (compiler, _) = steps.produce("iree-compile", &compiler_folder, || {
+        compiler::install(cache, pins)
+    })?;
 
     let env = |prefix: &Path| -> Vec<(&'static str, OsString)> {
         vec![
@@ -51,54 +82,126 @@ pub fn run(cache: &Cache, pins: &Pins, with_aarch64: bool) -> Result<()> {
             ("KILN_IREE_COMPILE", compiler.clone().into()),
         ]
     };
-    step("rustfmt", || cargo(&["fmt", "--all", "--check"], &[]))?;
-    step("Nix files: parse, format, dead code", || {
-        crate::lint_nix::run(&toolbox)
-    })?;
-    step(
-        "Nix evaluation summary matches the Nix files",
-        crate::eval_nix::check,
+    // Steps that read the whole checkout, keyed by it and by the prefix and
+    // compiler they use (folders named by their own content keys).
+    let whole = |name, prefix: &Path, cold_seconds, deferrable| Keyed {
+        name,
+        reads: Reads::Everything,
+        extra: vec![prefix.display().to_string(), compiler.display().to_string()],
+        cold_seconds,
+        deferrable,
+        reusable: true,
+    };
+    steps.run("rustfmt", || cargo(&["fmt", "--all", "--check"], &[]))?;
+    if !plan.quick {
+        let lint = |name, reads| Keyed {
+            name,
+            reads: Reads::Only(reads),
+            extra: vec![toolbox.identity()],
+            cold_seconds: 30,
+            deferrable: false,
+            reusable: true,
+        };
+        steps.keyed(
+            lint("Nix files: parse, format, dead code", nix_files),
+            || crate::lint_nix::run(&toolbox),
+        )?;
+        steps.run(
+            "Nix evaluation summary matches the Nix files",
+            crate::eval_nix::check,
+        )?;
+        steps.keyed(
+            lint(
+                "GitHub workflows: invariants, actionlint, zizmor",
+                workflow_files,
+            ),
+            || crate::lint_workflows::run(&toolbox),
+        )?;
+        steps.keyed(
+            lint(
+                "every pinned input, every system: download and sha256",
+                pin_files,
+            ),
+            || crate::verify_pins::run(cache, pins),
+        )?;
+    }
+    steps.keyed(
+        whole(
+            "clippy (cuda,xla-iree, all targets)",
+            &cuda_prefix,
+            120,
+            false,
+        ),
+        || {
+            cargo(
+                &[
+                    "clippy",
+                    "--workspace",
+                    "--all-targets",
+                    "--locked",
+                    "--features",
+                    "cuda,xla-iree",
+                    "--",
+                    "-D",
+                    "warnings",
+                ],
+                &env(&cuda_prefix),
+            )
+        },
     )?;
-    step("GitHub workflows: invariants, actionlint, zizmor", || {
-        crate::lint_workflows::run(&toolbox)
-    })?;
-    step(
-        "every pinned input, every system: download and sha256",
-        || crate::verify_pins::run(cache, pins),
+    steps.keyed(
+        whole("tests on the CPU-only prefix", &cpu_prefix, 250, false),
+        || cargo(&["test", "--workspace", "--locked"], &env(&cpu_prefix)),
     )?;
-    step("clippy (cuda,xla-iree, all targets)", || {
-        cargo(
-            &[
-                "clippy",
-                "--workspace",
-                "--all-targets",
-                "--locked",
-                "--features",
-                "cuda,xla-iree",
-                "--",
-                "-D",
-                "warnings",
-            ],
-            &env(&cuda_prefix),
-        )
-    })?;
-    step("tests on the CPU-only prefix", || {
-        cargo(&["test", "--workspace", "--locked"], &env(&cpu_prefix))
-    })?;
-    step("tests with --features cuda,xla-iree", || {
-        cargo(
-            &[
-                "test",
-                "--workspace",
-                "--locked",
-                "--features",
-                "cuda,xla-iree",
-            ],
-            &env(&cuda_prefix),
-        )
-    })?;
-    step(
-        "ptxas: every prepared kernel for every pinned capability",
+    if plan.quick {
+        steps.keyed(
+            whole(
+                "the link check (no mutation suite)",
+                &cuda_prefix,
+                512,
+                false,
+            ),
+            || {
+                let options = crate::gate::Options {
+                    link_only: true,
+                    ..Default::default()
+                };
+                crate::gate::run(&cuda_prefix, &host, &options)
+            },
+        )?;
+        eprintln!("{}", steps.summary());
+        eprintln!(
+            "xtask test --quick: every step that ran succeeded; run `cargo xtask test` before you push"
+        );
+        return Ok(());
+    }
+    steps.keyed(
+        whole(
+            "tests with --features cuda,xla-iree",
+            &cuda_prefix,
+            385,
+            false,
+        ),
+        || {
+            cargo(
+                &[
+                    "test",
+                    "--workspace",
+                    "--locked",
+                    "--features",
+                    "cuda,xla-iree",
+                ],
+                &env(&cuda_prefix),
+            )
+        },
+    )?;
+    steps.keyed(
+        whole(
+            "ptxas: every prepared kernel for every pinned capability",
+            &cuda_prefix,
+            330,
+            true,
+        ),
         || {
             let tools = crate::ptxas::Tools {
                 bench: crate::ptxas::build_bench(&cuda_prefix)?,
@@ -112,39 +215,53 @@ pub fn run(cache: &Cache, pins: &Pins, with_aarch64: bool) -> Result<()> {
             )
         },
     )?;
-    step("kiln-server with the official OpenAI Python client", || {
-        openai_client(cache)
-    })?;
-    step("the gate: link check and mutation suite", || {
-        crate::gate::run(&cuda_prefix, &host, &Default::default())
-    })?;
+    steps.keyed(
+        whole(
+            "kiln-server with the official OpenAI Python client",
+            &cpu_prefix,
+            60,
+            false,
+        ),
+        || openai_client(cache),
+    )?;
+    steps.keyed(
+        whole(
+            "the gate: link check and mutation suite",
+            &cuda_prefix,
+            512,
+            false,
+        ),
+        || crate::gate::run(&cuda_prefix, &host, &Default::default()),
+    )?;
     if let Some(prefix) = &aarch64_prefix {
         // The emulated tests run the link check's executables, before the
         // mutants: they share the link check's artifact names, so after them
-        // the workspace crates would be rebuilt.
-        step("the aarch64 link check", || {
-            crate::gate::run(
+        // the workspace crates would be rebuilt. One step, so that a deferral
+        // leaves out all three or none.
+        steps.keyed(
+            whole(
+                "aarch64: link check, tests under qemu-aarch64 (kiln-core, xla_prepared_prefill on local-task), mutation suite",
                 prefix,
-                &aarch64,
-                &crate::gate::Options {
+                630,
+                true,
+            ),
+            || {
+                let link_only = crate::gate::Options {
                     link_only: true,
                     ..Default::default()
-                },
-            )
-        })?;
-        step(
-            "aarch64 tests under qemu-aarch64: kiln-core, xla_prepared_prefill on local-task",
-            || crate::emulated::run(prefix, &compiler, &aarch64),
-        )?;
-        step(
-            "the gate for aarch64: link check (current) and mutation suite",
-            || crate::gate::run(prefix, &aarch64, &Default::default()),
+                };
+                crate::gate::run(prefix, &aarch64, &link_only)?;
+                crate::emulated::run(prefix, &compiler, &aarch64)?;
+                crate::gate::run(prefix, &aarch64, &Default::default())
+            },
         )?;
     }
-    step("reproducible release binaries", || {
-        crate::repro::run(&cuda_prefix)
-    })?;
-    eprintln!("xtask test: every step succeeded");
+    // Never reused: a verdict of identical builds must come from two builds
+    // made now, sharing no cache (repro builds from two fresh checkouts).
+    let mut repro = whole("reproducible release binaries", &cuda_prefix, 460, true);
+    repro.reusable = false;
+    steps.keyed(repro, || crate::repro::run(&cuda_prefix))?;
+    eprintln!("{}", steps.summary());
     Ok(())
 }
 
@@ -172,19 +289,6 @@ fn openai_client(cache: &Cache) -> Result<()> {
         return Err(anyhow!("tests/openai_client.py failed ({status})"));
     }
     Ok(())
-}
-
-fn step<T>(name: &str, f: impl FnOnce() -> Result<T>) -> Result<T> {
-    eprintln!("==> {name}");
-    let started = Instant::now();
-    let result = f().with_context(|| format!("step failed: {name}"));
-    eprintln!(
-        "<== {name}: {} in {:.1}s ({})",
-        if result.is_ok() { "ok" } else { "FAILED" },
-        started.elapsed().as_secs_f64(),
-        disk::free_space_line(),
-    );
-    result
 }
 
 /// Runs the cargo that runs xtask, in the repository root.
