@@ -44,6 +44,17 @@ pub const MAX_RENDERED_BYTES: usize = 4 << 20;
 /// allocated, so about 64 MiB of values at most. Rendering the SmolLM2
 /// template for a 10-turn conversation takes a few hundred.
 pub const RENDER_FUEL: u64 = 1_000_000;
+/// Widest field a format spec may ask for (`'{:>N}'.format(x)`), and the
+/// deepest `tojson(indent=N)`: real templates use a handful of spaces.
+pub const MAX_FORMAT_WIDTH: usize = 4096;
+pub const MAX_JSON_INDENT: usize = 64;
+/// The stack a render runs on. Printing, comparing or serialising a value
+/// recurses once per level of nesting (dropping it too), and within its
+/// fuel a template can nest a list about 110,000 deep (`{% set ns.x =
+/// [ns.x] %}` in a loop): this stack holds 100,000 levels (the tests
+/// measure it), where the server's threads overflowed and aborted the
+/// process. It is reserved, not committed, until used.
+const RENDER_STACK_BYTES: usize = 512 << 20;
 
 const NAME: &str = "chat_template";
 
@@ -92,7 +103,7 @@ impl ChatTemplate {
         );
         env.set_auto_escape_callback(|_| AutoEscape::None);
         env.set_fuel(Some(RENDER_FUEL));
-        env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+        env.set_unknown_method_callback(python_method);
         env.add_function("raise_exception", raise_exception);
         env.add_function("strftime_now", strftime_now);
         env.add_filter("tojson", tojson);
@@ -170,7 +181,27 @@ impl ChatTemplate {
             eos_token => &self.eos_token,
         };
         let mut out = BoundedWriter::default();
-        match template.render_captured_to(context, &mut out) {
+        // On a stack of its own, deep enough for the deepest value the fuel
+        // lets a template build; the thread's stack is reserved, not
+        // touched, until used.
+        let rendered = std::thread::scope(|scope| {
+            std::thread::Builder::new()
+                .name("kiln-chat-template".into())
+                .stack_size(RENDER_STACK_BYTES)
+                .spawn_scoped(scope, || {
+                    // The render's state (and every value the template
+                    // made) is dropped here too: dropping a nested value
+                    // recurses as deeply as printing it.
+                    template.render_captured_to(context, &mut out).map(drop)
+                })
+                .map(|thread| thread.join())
+        });
+        let rendered = match rendered {
+            Ok(Ok(rendered)) => rendered,
+            Ok(Err(panic)) => std::panic::resume_unwind(panic),
+            Err(e) => return Err(failed(format!("cannot start a thread to render it: {e}"))),
+        };
+        match rendered {
             Ok(_) => String::from_utf8(out.bytes)
                 .map_err(|_| failed("it rendered text that is not UTF-8".into())),
             Err(_) if out.overflowed => Err(failed(format!(
@@ -266,7 +297,14 @@ fn tojson(
 ) -> std::result::Result<Value, minijinja::Error> {
     let indent: Option<usize> = kwargs.get("indent")?;
     kwargs.assert_all_used()?;
-    let mut out = Vec::new();
+    if indent.is_some_and(|n| n > MAX_JSON_INDENT) {
+        return Err(minijinja::Error::new(
+            ErrorKind::InvalidOperation,
+            format!("tojson: an indent of more than {MAX_JSON_INDENT} spaces"),
+        ));
+    }
+    // The output is bounded like the prompt it goes into.
+    let mut out = BoundedWriter::default();
     let result = match indent {
         Some(n) => {
             let spaces = vec![b' '; n];
@@ -279,8 +317,51 @@ fn tojson(
     };
     result
         .map_err(|e| minijinja::Error::new(ErrorKind::BadSerialization, format!("tojson: {e}")))?;
-    let text = String::from_utf8(out).expect("serde_json writes UTF-8");
+    let text = String::from_utf8(out.bytes).expect("serde_json writes UTF-8");
     Ok(Value::from_safe_string(text))
+}
+
+/// Python's string, list and dict methods (minijinja-contrib's), with the
+/// field widths of `str.format` bounded first: its implementation allocates
+/// the width it is given before any fuel is charged.
+fn python_method(
+    state: &mut minijinja::State,
+    value: &Value,
+    method: &str,
+    args: &[Value],
+) -> std::result::Result<Value, minijinja::Error> {
+    if method == "format"
+        && let Some(spec) = value.as_str()
+    {
+        check_format_widths(spec)?;
+    }
+    minijinja_contrib::pycompat::unknown_method_callback(state, value, method, args)
+}
+
+/// Refuses a `str.format` string with a number in a replacement field
+/// (`{0:>N}`, `{:.N}`) above [`MAX_FORMAT_WIDTH`].
+fn check_format_widths(spec: &str) -> std::result::Result<(), minijinja::Error> {
+    let mut in_field = false;
+    let mut number: usize = 0;
+    for c in spec.chars() {
+        match c {
+            '{' => in_field = true,
+            '}' => in_field = false,
+            _ => {}
+        }
+        if in_field && let Some(digit) = c.to_digit(10) {
+            number = number.saturating_mul(10).saturating_add(digit as usize);
+            if number > MAX_FORMAT_WIDTH {
+                return Err(minijinja::Error::new(
+                    ErrorKind::InvalidOperation,
+                    format!("str.format: a field wider than {MAX_FORMAT_WIDTH} characters"),
+                ));
+            }
+        } else {
+            number = 0;
+        }
+    }
+    Ok(())
 }
 
 /// serde_json's compact output with Python's default separators.
@@ -557,6 +638,57 @@ mod tests {
                 .to_string()
                 .contains("bytes long")
         );
+    }
+
+    /// Templates that aborted kiln-server (a model file is untrusted): sizes
+    /// that allocate before fuel is charged, and nesting deeper than a
+    /// thread's stack.
+    #[test]
+    fn hostile_templates_get_errors_or_bounded_output_never_an_abort() {
+        let user = [Message::new("user", "hi")];
+        for (source, expected) in [
+            ("{{ messages|tojson(indent=1000000000000) }}", "indent"),
+            ("{{ messages|tojson(indent=65) }}", "indent"),
+            ("{{ '{:>1000000000000}'.format('x') }}", "wider"),
+            ("{{ '{0:.99999999999}'.format('x') }}", "wider"),
+            ("{{ '%1000000000000s'|format('x') }}", "budget"),
+        ] {
+            let error = render(source, &user).unwrap_err().to_string();
+            assert!(error.contains(expected), "{source}: {error}");
+        }
+        // Real widths and indents still work.
+        assert_eq!(
+            render("{{ '{:>4}|{:.2f}'.format('x', 1.5) }}", &user).unwrap(),
+            "   x|1.50"
+        );
+        assert!(
+            render("{{ messages|tojson(indent=4) }}", &user)
+                .unwrap()
+                .contains("    ")
+        );
+        // Nearly as deep as the fuel lets a template nest a list (about
+        // 110,000 levels), then printed, serialised, compared, converted and
+        // dropped: each recurses once per level. On a server thread's stack
+        // each aborted the process.
+        let deep = "{% set ns = namespace(x=[]) %}{% for j in range(10) %}\
+            {% for i in range(10000) %}{% set ns.x = [ns.x] %}{% endfor %}{% endfor %}";
+        for (use_it, expected) in [
+            ("{{ ns.x }}", 200_002),
+            ("{{ ns.x|tojson }}", 200_002),
+            ("{{ ns.x == ns.x }}", 4),
+            ("{{ ns.x|string|length }}", 6),
+        ] {
+            let text = render(&format!("{deep}{use_it}"), &user).unwrap();
+            assert_eq!(text.len(), expected, "{use_it}");
+        }
+        // Deeper, the fuel runs out first.
+        let deeper = deep.replace("range(10)", "range(13)");
+        let error = render(&format!("{deeper}{{{{ ns.x }}}}"), &user).unwrap_err();
+        assert!(error.to_string().contains("budget"), "{error}");
+        // Nesting in the source is refused by the parser.
+        let literal = format!("{{{{ {}{} }}}}", "[".repeat(100_000), "]".repeat(100_000));
+        let error = render(&literal, &user).unwrap_err().to_string();
+        assert!(error.contains("recursion"), "{error}");
     }
 
     #[test]

@@ -1,0 +1,25 @@
+//! Chat templates, as a model file ships them, rendered with the server's
+//! limits: any template and conversation is a bounded prompt or an error,
+//! never a panic, an abort or a stack overflow. The input is the template,
+//! then a NUL, then the user's message.
+#![no_main]
+
+use kiln_core::chat_template::{ChatTemplate, MAX_RENDERED_BYTES, Message};
+use libfuzzer_sys::fuzz_target;
+
+fuzz_target!(|data: &[u8]| {
+    let Ok(text) = std::str::from_utf8(data) else {
+        return;
+    };
+    let (source, content) = text.split_once('\0').unwrap_or((text, "hi"));
+    let Ok(template) = ChatTemplate::new("fuzz", source, "<s>", "</s>") else {
+        return;
+    };
+    let messages = [
+        Message::new("system", "You are kind."),
+        Message::new("user", content),
+    ];
+    if let Ok(prompt) = template.render(&messages, true) {
+        assert!(prompt.len() <= MAX_RENDERED_BYTES);
+    }
+});
