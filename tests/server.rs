@@ -581,7 +581,8 @@ fn bad_options_are_errors_that_name_them() {
         .output()
         .unwrap();
     assert!(!out.status.success());
-    assert!(String::from_utf8_lossy(&out.stderr).contains("--queue-size must be at least 1"));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("--queue-size") && stderr.contains("not in 1..="), "{stderr}");
     let missing = Command::new(env!("CARGO_BIN_EXE_kiln-server"))
         .args(["--port", "0", "--model", "/nonexistent/model"])
         .output()
@@ -785,6 +786,91 @@ async fn idle_connections_are_closed() {
     .unwrap();
     assert!(reply.starts_with("HTTP/1.1 200 OK"), "{reply}");
     assert!(took < Duration::from_secs(10), "closed after {took:?}");
+}
+
+/// A client that sends a request's head and part of its body, then stalls,
+/// is answered 408 within `--idle-timeout` (its connection and buffer are
+/// freed) and counted as a timeout; it held them for ever before.
+#[tokio::test]
+async fn a_stalled_request_body_is_answered_408() {
+    use std::io::{Read, Write};
+    let server = Server::start(&["--idle-timeout", "1"]);
+    server.wait_ready().await;
+    let address = server.base.strip_prefix("http://").unwrap().to_string();
+    let (reply, took) = tokio::task::spawn_blocking(move || {
+        let mut stream = std::net::TcpStream::connect(&address).unwrap();
+        stream
+            .set_read_timeout(Some(Duration::from_secs(20)))
+            .unwrap();
+        stream
+            .write_all(
+                b"POST /v1/completions HTTP/1.1\r\nHost: kiln\r\n\
+                  Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{",
+            )
+            .unwrap();
+        let started = Instant::now();
+        let mut reply = vec![0; 4096];
+        let n = stream
+            .read(&mut reply)
+            .expect("an answer before the read timeout");
+        (
+            String::from_utf8_lossy(&reply[..n]).into_owned(),
+            started.elapsed(),
+        )
+    })
+    .await
+    .unwrap();
+    assert!(reply.starts_with("HTTP/1.1 408"), "{reply}");
+    assert!(reply.contains("request_timeout"), "{reply}");
+    assert!(took < Duration::from_secs(10), "answered after {took:?}");
+    assert_eq!(
+        server
+            .metric("kiln_requests_total{outcome=\"timeout\"}")
+            .await,
+        1.0
+    );
+}
+
+/// Counts and durations past what the server can hold are refused by name
+/// at start: they aborted (a 12.8 TB queue), panicked (capacity overflow)
+/// or panicked a worker on every request (an instant plus the timeout).
+#[test]
+fn absurd_counts_and_durations_are_refused_at_start() {
+    for (flag, value) in [
+        ("--queue-size", "100000000000"),
+        ("--queue-size", "18446744073709551615"),
+        ("--queue-size", "0"),
+        ("--request-timeout", "18446744073709551615"),
+        ("--idle-timeout", "18446744073709551615"),
+        ("--shutdown-grace", "18446744073709551615"),
+        ("--max-body-bytes", "18446744073709551615"),
+    ] {
+        let output = Command::new(env!("CARGO_BIN_EXE_kiln-server"))
+            .args(["--port", "0", flag, value])
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert_eq!(output.status.code(), Some(2), "{flag} {value}: {stderr}");
+        assert!(
+            stderr.contains(flag) && stderr.contains("not in"),
+            "{stderr}"
+        );
+    }
+}
+
+/// `--api-key-file`: the key stays out of the process list.
+#[tokio::test]
+async fn the_api_key_can_come_from_a_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("key");
+    std::fs::write(&file, "sesame\n").unwrap();
+    let server = Server::start(&["--api-key-file", file.to_str().unwrap()]);
+    server.wait_ready().await;
+    let client = reqwest::Client::new();
+    let url = server.url("/v1/models");
+    assert_eq!(client.get(&url).send().await.unwrap().status(), 401);
+    let r = client.get(&url).bearer_auth("sesame").send().await.unwrap();
+    assert_eq!(r.status(), 200);
 }
 
 /// `/health` is 503 `loading` until the modules are compiled, then 200.

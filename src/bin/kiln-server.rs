@@ -1,6 +1,7 @@
 //! `kiln-server`: an OpenAI-compatible HTTP server for one model.
 
 use std::net::{IpAddr, SocketAddr};
+use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
@@ -8,6 +9,7 @@ use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
 use clap::Parser;
+use clap::builder::TypedValueParser;
 use tokio::sync::{oneshot, watch};
 
 use kiln::backends::ModelArgs;
@@ -31,17 +33,22 @@ struct Args {
     #[arg(long, default_value_t = 8000)]
     port: u16,
     /// Require `Authorization: Bearer KEY` on every route but /health (also
-    /// read from KILN_API_KEY).
-    #[arg(long)]
+    /// read from KILN_API_KEY). Visible to other users in the process list:
+    /// prefer --api-key-file or KILN_API_KEY.
+    #[arg(long, conflicts_with = "api_key_file")]
     api_key: Option<String>,
+    /// Read the API key from this file (its first line).
+    #[arg(long, value_name = "PATH")]
+    api_key_file: Option<PathBuf>,
     /// Requests that may wait for the engine; more are answered 429.
-    #[arg(long, default_value_t = 16)]
+    #[arg(long, default_value_t = 16, value_parser = count(1, MAX_QUEUE))]
     queue_size: usize,
     /// Largest request body accepted (bytes); larger ones are answered 413.
-    #[arg(long, default_value_t = 1 << 20)]
+    #[arg(long, default_value_t = 1 << 20, value_parser = count(1, MAX_BODY_BYTES))]
     max_body_bytes: usize,
-    /// Seconds a request may take from arrival to its last token.
-    #[arg(long, default_value_t = 300)]
+    /// Seconds a request may take from the first byte of its body to its
+    /// last token.
+    #[arg(long, default_value_t = 300, value_parser = seconds(1, MAX_SECONDS))]
     request_timeout: u64,
     /// Sequence slots decoded together on the IREE backends (continuous
     /// batching); 1 runs one request at a time. The CPU backend always runs
@@ -52,12 +59,32 @@ struct Args {
     speculation: SpeculationArgs,
     /// Seconds a connection may wait without sending a complete request
     /// (new, or kept alive between requests) before it is closed.
-    #[arg(long, default_value_t = 60)]
+    #[arg(long, default_value_t = 60, value_parser = seconds(1, MAX_SECONDS))]
     idle_timeout: u64,
     /// Seconds in-flight requests get to finish after SIGINT/SIGTERM before
     /// they are cut short.
-    #[arg(long, default_value_t = 10)]
+    #[arg(long, default_value_t = 10, value_parser = seconds(0, MAX_SECONDS))]
     shutdown_grace: u64,
+}
+
+/// The largest queue: its slots are allocated at start.
+const MAX_QUEUE: usize = 65_536;
+/// The largest body limit: a body is held whole in memory.
+const MAX_BODY_BYTES: usize = 256 << 20;
+/// The longest duration a flag may set: a day. Far beyond any use, and an
+/// instant plus it cannot overflow.
+const MAX_SECONDS: u64 = 86_400;
+
+/// A count flag's parser, refusing values outside `min..=max` by name.
+fn count(min: usize, max: usize) -> impl clap::builder::TypedValueParser<Value = usize> {
+    clap::value_parser!(u64)
+        .range(min as u64..=max as u64)
+        .map(|n| n as usize)
+}
+
+/// A duration flag's parser (seconds), refusing values outside `min..=max`.
+fn seconds(min: u64, max: u64) -> clap::builder::RangedU64ValueParser<u64> {
+    clap::value_parser!(u64).range(min..=max)
 }
 
 fn main() -> ExitCode {
@@ -79,9 +106,6 @@ fn main() -> ExitCode {
 }
 
 async fn run(args: Args) -> Result<()> {
-    if args.queue_size == 0 {
-        bail!("--queue-size must be at least 1");
-    }
     args.speculation.check()?;
     let batch_slots = match (args.batch_slots, args.speculation.speculate) {
         (Some(0), _) => bail!("--batch-slots must be at least 1"),
@@ -96,18 +120,15 @@ async fn run(args: Args) -> Result<()> {
         (None, Some(_)) => 1,
         (None, None) => 8,
     };
-    if args.idle_timeout == 0 {
-        bail!("--idle-timeout must be at least 1 second");
-    }
-    if args.request_timeout == 0 {
-        bail!("--request-timeout must be at least 1 second");
-    }
-    let api_key = match args.api_key.clone() {
-        Some(key) => Some(key),
-        None => std::env::var("KILN_API_KEY").ok(),
+    let api_key = match (args.api_key.clone(), &args.api_key_file) {
+        (Some(key), _) => Some(key),
+        (None, Some(path)) => Some(read_api_key(path)?),
+        (None, None) => std::env::var("KILN_API_KEY").ok(),
     };
     if api_key.as_deref() == Some("") {
-        bail!("the API key (--api-key or KILN_API_KEY) is empty; give a key or leave both unset");
+        bail!(
+            "the API key (--api-key, --api-key-file or KILN_API_KEY) is empty; give a key or leave all unset"
+        );
     }
     let model_id = match &args.model.model {
         None => "embedded".to_string(),
@@ -177,6 +198,7 @@ async fn run(args: Args) -> Result<()> {
         model_id: model_id.clone(),
         api_key: api_key.as_deref().map(ApiKey::new),
         body_limit: args.max_body_bytes,
+        body_timeout: Duration::from_secs(args.idle_timeout),
     });
     eprintln!(
         "kiln-server: listening on http://{address} (model {model_id}, backend {:?}{})",
@@ -268,4 +290,28 @@ async fn stop_signal() {
     {
         let _ = interrupt.await;
     }
+}
+
+/// The first line of `path`, without its line ending; a file of more than
+/// 4 KiB is not a key file.
+fn read_api_key(path: &std::path::Path) -> Result<String> {
+    let text = match std::fs::metadata(path) {
+        Ok(meta) if meta.len() > 4096 => bail!(
+            "--api-key-file {}: {} bytes is not a key file (a key is one line)",
+            path.display(),
+            meta.len()
+        ),
+        _ => std::fs::read_to_string(path).with_context(|| {
+            format!(
+                "cannot read the API key from --api-key-file {}",
+                path.display()
+            )
+        })?,
+    };
+    Ok(text
+        .lines()
+        .next()
+        .unwrap_or("")
+        .trim_end_matches('\r')
+        .to_string())
 }

@@ -128,6 +128,22 @@ impl ApiError {
         }
     }
 
+    /// The body did not arrive whole in time (408): a client that stalls
+    /// mid-body holds a connection and its buffer no longer than this.
+    pub fn body_timeout(seconds: u64) -> ApiError {
+        ApiError {
+            code: Some("request_timeout"),
+            ..ApiError::new(
+                StatusCode::REQUEST_TIMEOUT,
+                "invalid_request_error",
+                format!(
+                    "the request body did not arrive within {seconds} s (the server's --idle-timeout, \
+                     or --request-timeout if shorter); send it whole, at once"
+                ),
+            )
+        }
+    }
+
     pub fn internal(message: impl Into<String>) -> ApiError {
         ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "server_error", message)
     }

@@ -55,6 +55,8 @@ pub struct AppState {
     pub model_id: String,
     pub api_key: Option<auth::ApiKey>,
     pub body_limit: usize,
+    /// How long a request's body may take to arrive (`--idle-timeout`).
+    pub body_timeout: Duration,
 }
 
 pub fn router(state: AppState) -> Router {

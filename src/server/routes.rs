@@ -7,8 +7,7 @@ use std::time::Instant;
 
 use axum::Json;
 use axum::body::Bytes;
-use axum::extract::State;
-use axum::extract::rejection::BytesRejection;
+use axum::extract::{Request as HttpRequest, State};
 use axum::http::{StatusCode, Uri, header};
 use axum::response::sse::{Event as SseEvent, Sse};
 use axum::response::{IntoResponse, Response};
@@ -56,18 +55,40 @@ pub async fn not_found(uri: Uri) -> ApiError {
     ApiError::not_found(uri.path())
 }
 
-pub async fn chat_completions(
-    State(state): State<AppState>,
-    body: Result<Bytes, BytesRejection>,
-) -> Response {
-    complete(state, Endpoint::Chat, body).await
+pub async fn chat_completions(State(state): State<AppState>, request: HttpRequest) -> Response {
+    complete(state, Endpoint::Chat, request).await
 }
 
-pub async fn completions(
-    State(state): State<AppState>,
-    body: Result<Bytes, BytesRejection>,
-) -> Response {
-    complete(state, Endpoint::Completion, body).await
+pub async fn completions(State(state): State<AppState>, request: HttpRequest) -> Response {
+    complete(state, Endpoint::Completion, request).await
+}
+
+/// The whole body, within the body limit and the body timeout (or the
+/// request's deadline, if sooner): a client that stalls mid-body is
+/// answered 408 and its connection and buffer are freed.
+async fn read_body(
+    state: &AppState,
+    request: HttpRequest,
+    deadline: Instant,
+) -> Result<Bytes, ApiError> {
+    let body_deadline = deadline.min(Instant::now() + state.body_timeout);
+    let read = axum::body::to_bytes(request.into_body(), state.body_limit);
+    match tokio::time::timeout_at(body_deadline.into(), read).await {
+        Err(_) => {
+            let seconds = state.body_timeout.min(state.shared.request_timeout);
+            Err(ApiError::body_timeout(seconds.as_secs()))
+        }
+        Ok(Ok(body)) => Ok(body),
+        Ok(Err(error)) => {
+            let too_large = std::error::Error::source(&error)
+                .is_some_and(|e| e.is::<http_body_util::LengthLimitError>());
+            Err(if too_large {
+                ApiError::too_large(state.body_limit)
+            } else {
+                ApiError::invalid(format!("cannot read the request body: {error}"))
+            })
+        }
+    }
 }
 
 /// A validated request, how to answer it, and the model it named.
@@ -78,19 +99,8 @@ struct Parsed {
     model: String,
 }
 
-fn parse(
-    state: &AppState,
-    endpoint: Endpoint,
-    body: Result<Bytes, BytesRejection>,
-) -> Result<Parsed, ApiError> {
-    let body = body.map_err(|rejection| {
-        if rejection.status() == StatusCode::PAYLOAD_TOO_LARGE {
-            ApiError::too_large(state.body_limit)
-        } else {
-            ApiError::invalid(format!("cannot read the request body: {rejection}"))
-        }
-    })?;
-    let body = api::parse(&body)?;
+fn parse(state: &AppState, endpoint: Endpoint, body: &[u8]) -> Result<Parsed, ApiError> {
+    let body = api::parse(body)?;
     let model = body.model.clone();
     let (request, stream, include_usage) = match endpoint {
         Endpoint::Chat => body.into_chat_request()?,
@@ -107,19 +117,21 @@ fn parse(
     })
 }
 
-async fn complete(
-    state: AppState,
-    endpoint: Endpoint,
-    body: Result<Bytes, BytesRejection>,
-) -> Response {
+async fn complete(state: AppState, endpoint: Endpoint, request: HttpRequest) -> Response {
     let metrics = &state.shared.metrics;
-    let parsed = match parse(&state, endpoint, body) {
+    // One deadline from the request's head to its last token: the body's
+    // arrival, the queue, prefill and decoding all count against it.
+    let deadline = Instant::now() + state.shared.request_timeout;
+    let parsed = match read_body(&state, request, deadline)
+        .await
+        .and_then(|body| parse(&state, endpoint, &body))
+    {
         Ok(parsed) => parsed,
         Err(error) => {
-            metrics.outcome(if error.status == StatusCode::PAYLOAD_TOO_LARGE {
-                "too_large"
-            } else {
-                "invalid"
+            metrics.outcome(match error.status {
+                StatusCode::PAYLOAD_TOO_LARGE => "too_large",
+                StatusCode::REQUEST_TIMEOUT => "timeout",
+                _ => "invalid",
             });
             return error.into_response();
         }
@@ -128,7 +140,7 @@ async fn complete(
     let job = Job {
         request: parsed.request,
         events,
-        deadline: Instant::now() + state.shared.request_timeout,
+        deadline,
     };
     if let Err(error) = state.queue.submit(job, metrics) {
         metrics.outcome(if error.status == StatusCode::TOO_MANY_REQUESTS {
