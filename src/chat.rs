@@ -45,12 +45,12 @@ pub const DEFAULT_MODEL: &str = "smollm2-135m-instruct";
 pub fn default_model() -> Result<(Model, ChatTemplate)> {
     let pinned = kiln_core::pinned::find(DEFAULT_MODEL)
         .with_context(|| format!("nix/pins.json has no model {DEFAULT_MODEL}"))?;
-    if !pinned.path()?.is_file() {
+    if pinned.check(kiln_core::pinned::Rehash::IfChanged)? != kiln_core::pinned::Pulled::Intact {
         eprintln!(
             "kiln chat: the default model, {DEFAULT_MODEL}, is not in the cache yet; pulling it \
              once (`kiln pull {DEFAULT_MODEL}`; pass --model to chat with another model)"
         );
-        crate::pull::pull(DEFAULT_MODEL)?;
+        crate::pull::pull(DEFAULT_MODEL, false)?;
     }
     load(&pinned.pulled()?)
 }

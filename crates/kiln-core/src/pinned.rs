@@ -76,20 +76,118 @@ impl PinnedModel {
         Ok(models_dir()?.join(format!("{}.gguf", self.id)))
     }
 
-    /// The pulled file, or an error that says how to pull it.
+    /// The pulled file, checked against the pin, or an error that says how
+    /// to pull (or repair) it.
     pub fn pulled(&self) -> Result<PathBuf> {
         let path = self.path()?;
-        if path.is_file() {
-            Ok(path)
-        } else {
-            Err(Error::Invalid(format!(
+        if !path.is_file() {
+            return Err(Error::Invalid(format!(
                 "model {} is not pulled yet (no {}); run `kiln pull {}`",
                 self.id,
                 path.display(),
                 self.id
-            )))
+            )));
+        }
+        match self.check(Rehash::IfChanged)? {
+            Pulled::Intact => Ok(path),
+            Pulled::Damaged(why) => Err(Error::Invalid(format!(
+                "model {} at {} is damaged: {why}; run `kiln pull {}` to replace it",
+                self.id,
+                path.display(),
+                self.id
+            ))),
+            Pulled::Missing => unreachable!("checked above"),
         }
     }
+
+    /// The stamp beside a pulled file: the sha256, size and modification
+    /// time it had when it was last hashed.
+    fn stamp_path(&self) -> Result<PathBuf> {
+        Ok(models_dir()?.join(format!("{}.gguf.sha256", self.id)))
+    }
+
+    /// Whether the pulled file is the pinned one. Cheap when a stamp says
+    /// the file was hashed and has not changed since (size and modification
+    /// time); otherwise (no stamp, a changed file, or `Rehash::Always`) the
+    /// file is hashed again and, when it matches, the stamp rewritten.
+    pub fn check(&self, rehash: Rehash) -> Result<Pulled> {
+        let path = self.path()?;
+        let meta = match std::fs::metadata(&path) {
+            Ok(meta) if meta.is_file() => meta,
+            _ => return Ok(Pulled::Missing),
+        };
+        if meta.len() != self.member_size {
+            return Ok(Pulled::Damaged(format!(
+                "it is {} bytes, the pin says {}",
+                meta.len(),
+                self.member_size
+            )));
+        }
+        let identity = format!(
+            "{} {} {:?}",
+            self.member_sha256,
+            meta.len(),
+            meta.modified().ok()
+        );
+        let stamp = self.stamp_path()?;
+        if rehash == Rehash::IfChanged
+            && std::fs::read_to_string(&stamp).is_ok_and(|held| held == identity)
+        {
+            return Ok(Pulled::Intact);
+        }
+        let actual = sha256_of(&path)?;
+        if actual != self.member_sha256 {
+            let _ = std::fs::remove_file(&stamp);
+            return Ok(Pulled::Damaged(format!(
+                "its sha256 is {actual}, the pin says {}",
+                self.member_sha256
+            )));
+        }
+        // A stamp that cannot be written only costs a hash next time.
+        let _ = write_atomically(&stamp, identity.as_bytes());
+        Ok(Pulled::Intact)
+    }
+}
+
+/// When [`PinnedModel::check`] hashes the file.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Rehash {
+    /// Only when no stamp vouches for the file as it is.
+    IfChanged,
+    /// Always (`kiln pull --verify`).
+    Always,
+}
+
+/// What [`PinnedModel::check`] found.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Pulled {
+    Missing,
+    Intact,
+    /// Present but not the pinned file, and why.
+    Damaged(String),
+}
+
+fn sha256_of(path: &Path) -> Result<String> {
+    use sha2::{Digest, Sha256};
+    use std::io::Read;
+    let io = |e: std::io::Error| Error::Invalid(format!("cannot read {}: {e}", path.display()));
+    let mut file = std::fs::File::open(path).map_err(io)?;
+    let mut hasher = Sha256::new();
+    let mut buffer = vec![0u8; 1 << 16];
+    loop {
+        let n = file.read(&mut buffer).map_err(io)?;
+        if n == 0 {
+            break;
+        }
+        hasher.update(&buffer[..n]);
+    }
+    Ok(hex::encode(hasher.finalize()))
+}
+
+fn write_atomically(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
+    let partial = path.with_extension(format!("partial-{}", std::process::id()));
+    std::fs::write(&partial, bytes)?;
+    std::fs::rename(&partial, path)
 }
 
 /// What `--model` names: an existing file or folder, else a pinned model
