@@ -484,3 +484,58 @@ fn a_sentencepiece_vocabulary_merges_by_score_and_falls_back_to_bytes() {
     );
     assert_eq!(model.config.bos_token_id, Some(bos));
 }
+
+/// Files crafted to take memory or time out of proportion to their size
+/// are refused from their header, quickly.
+#[test]
+fn files_that_declare_more_than_they_hold_are_refused() {
+    // Two tensors over the same bytes: 1,024 such layers over one region of
+    // a 4.7 MB file reached 3 GB.
+    let mut overlapping = tiny_llama(|_| {}).bytes();
+    let offset_of = |bytes: &[u8], name: &[u8]| {
+        let at = bytes.windows(name.len()).position(|w| w == name).unwrap() + name.len();
+        // n_dims (4), two dims (16), type (4), then the offset.
+        u64::from_le_bytes(bytes[at + 24..at + 32].try_into().unwrap())
+    };
+    let q = offset_of(&overlapping, b"blk.0.attn_q.weight");
+    patch_u64_after(&mut overlapping, b"blk.0.attn_k.weight", 24, q);
+    assert_rejected(&overlapping, "overlap");
+
+    // A metadata array of 4 Mi + 1 bytes: each held as a 32-byte value.
+    let mut huge_array = tiny_llama(|w| {
+        string(&mut w.kv, "general.junk");
+        w.kv.extend(9u32.to_le_bytes());
+        w.kv.extend(0u32.to_le_bytes());
+        let n = kiln_core::gguf::MAX_METADATA_ITEMS + 1;
+        w.kv.extend((n as u64).to_le_bytes());
+        w.kv.extend(std::iter::repeat_n(7u8, n));
+        w.kv_count += 1;
+    });
+    let started = std::time::Instant::now();
+    assert_rejected(
+        &huge_array.bytes(),
+        "general.junk brings the metadata's arrays",
+    );
+    assert!(started.elapsed() < std::time::Duration::from_secs(10));
+    huge_array.kv.clear();
+
+    // A SentencePiece vocabulary with one 17 KB piece: deriving its merges
+    // is quadratic in its length (1 MB took minutes).
+    let mut tokens: Vec<String> = vec!["<unk>".into(), "<s>".into(), "</s>".into(), "a".into()];
+    tokens.push("a".repeat(17_000));
+    let types = vec![2, 3, 3, 1, 1];
+    let scores = vec![0.0, 0.0, 0.0, -1.0, -2.0];
+    let mut w = Writer::default();
+    llama_header(&mut w);
+    w.kv("tokenizer.ggml.model", V::Str("llama"))
+        .kv("tokenizer.ggml.bos_token_id", V::U32(1))
+        .kv("tokenizer.ggml.eos_token_id", V::U32(2))
+        .kv("tokenizer.ggml.unknown_token_id", V::U32(0))
+        .kv("tokenizer.ggml.tokens", V::Strs(tokens))
+        .kv("tokenizer.ggml.token_type", V::I32s(types))
+        .kv("tokenizer.ggml.scores", V::F32s(scores));
+    llama_tensors(&mut w, 5);
+    let started = std::time::Instant::now();
+    assert_rejected(&w.bytes(), "too long to derive merges");
+    assert!(started.elapsed() < std::time::Duration::from_secs(10));
+}

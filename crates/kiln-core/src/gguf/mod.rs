@@ -8,6 +8,7 @@
 mod dequant;
 mod llama;
 mod reader;
+pub use reader::MAX_METADATA_ITEMS;
 mod tokenizer;
 
 use std::collections::HashMap;

@@ -130,7 +130,7 @@ pub fn tokenizer_from_gguf(file: &GgufFile) -> Result<(tokenizers::Tokenizer, Ch
         }
         "llama" => {
             let scores = float_array(file, "tokenizer.ggml.scores", n)?;
-            let merges = merges_from_scores(&tokens, &types, &scores);
+            let merges = merges_from_scores(&tokens, &types, &scores).map_err(|m| file.error(m))?;
             let prefix = file
                 .optional("tokenizer.ggml.add_space_prefix", "a bool", |v| v.as_bool())?
                 .unwrap_or(true);
@@ -285,7 +285,28 @@ fn merges_from_metadata(file: &GgufFile) -> Result<Vec<Json>> {
 /// SentencePiece BPE as merges: every split of a normal piece into two
 /// pieces of the vocabulary, ranked by the merged piece's score (higher
 /// first), as llama.cpp's SentencePiece tokenizer picks bigrams.
-fn merges_from_scores(tokens: &[&str], types: &[i64], scores: &[f32]) -> Vec<Json> {
+fn merges_from_scores(
+    tokens: &[&str],
+    types: &[i64],
+    scores: &[f32],
+) -> std::result::Result<Vec<Json>, String> {
+    // Each piece of length L is split L - 1 ways, each a lookup of up to L
+    // bytes: the work (and the merges' text) grows as L squared. A crafted
+    // vocabulary (`a`, `aa`, … 1,500 long, or one 1 MB piece) took minutes
+    // and gigabytes; real ones need a few million.
+    let work: u64 = tokens
+        .iter()
+        .enumerate()
+        .filter(|(id, _)| types[*id] == NORMAL || types[*id] == USER_DEFINED)
+        .map(|(_, piece)| (piece.len() as u64).pow(2))
+        .sum();
+    if work > MAX_MERGE_WORK {
+        return Err(format!(
+            "tokenizer.ggml.tokens: its pieces are too long to derive merges from (the sum of \
+             their squared lengths is {work}, kiln's limit {MAX_MERGE_WORK}); no real \
+             SentencePiece vocabulary comes near it"
+        ));
+    }
     let ids: HashMap<&str, usize> = tokens.iter().enumerate().map(|(i, t)| (*t, i)).collect();
     let mut ranked = Vec::new();
     for (id, piece) in tokens.iter().enumerate() {
@@ -300,8 +321,13 @@ fn merges_from_scores(tokens: &[&str], types: &[i64], scores: &[f32]) -> Vec<Jso
         }
     }
     ranked.sort_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)).then(a.2.cmp(&b.2)));
-    ranked
+    Ok(ranked
         .into_iter()
         .map(|(_, _, l, r)| json!([tokens[l], tokens[r]]))
-        .collect()
+        .collect())
 }
+
+/// The most work [`merges_from_scores`] does: the sum of the squared byte
+/// lengths of the pieces. A 256k-token SentencePiece vocabulary is about
+/// 20 million.
+pub const MAX_MERGE_WORK: u64 = 256 << 20;
