@@ -445,6 +445,103 @@ fn slow_model(dir: &Path) {
     std::fs::write(dir.join("tokenizer.json"), tokenizer.to_string()).unwrap();
 }
 
+/// On the CPU reference a long prompt's prefill takes minutes; it stops
+/// when its client leaves, at its deadline and at shutdown, so the request
+/// queued behind it is served in its own time. (A client that left after
+/// 0.3 s was prefilled for 65 s; the request behind it waited 64 s for a
+/// 504 due at 10.)
+#[tokio::test]
+async fn a_long_prefill_stops_for_departures_deadlines_and_shutdown() {
+    let dir = tempfile::tempdir().unwrap();
+    slow_model(dir.path());
+    let id = dir
+        .path()
+        .file_name()
+        .unwrap()
+        .to_str()
+        .unwrap()
+        .to_string();
+    let mut server = Server::start(&[
+        "--model",
+        dir.path().to_str().unwrap(),
+        "--request-timeout",
+        "2",
+        "--shutdown-grace",
+        "1",
+    ]);
+    server.wait_ready().await;
+    let long = json!({"model": id, "prompt": "ab".repeat(950), "max_tokens": 1});
+    let short = json!({"model": id, "prompt": "ab", "max_tokens": 1});
+    let post = |body: Value| {
+        let url = server.url("/v1/completions");
+        async move {
+            let started = Instant::now();
+            let r = reqwest::Client::new()
+                .post(url)
+                .json(&body)
+                .send()
+                .await
+                .unwrap();
+            (r.status().as_u16(), started.elapsed())
+        }
+    };
+
+    // A departure: the next request is served at once, not after the prefill.
+    let url = server.url("/v1/completions");
+    let leaving = tokio::spawn({
+        let long = long.clone();
+        async move {
+            let client = reqwest::Client::new();
+            let _ = tokio::time::timeout(
+                Duration::from_millis(300),
+                client.post(url).json(&long).send(),
+            )
+            .await;
+        }
+    });
+    leaving.await.unwrap();
+    let (status, took) = post(short.clone()).await;
+    assert_eq!(status, 200);
+    assert!(
+        took < Duration::from_secs(3),
+        "served {took:?} after the departure"
+    );
+    assert_eq!(
+        server
+            .metric("kiln_requests_total{outcome=\"cancelled\"}")
+            .await,
+        1.0
+    );
+
+    // A deadline: the prefill (about 9 s here) stops at 2 s, and the
+    // request queued behind it is answered within its own 2 s.
+    let (a, b) = tokio::join!(post(long.clone()), async {
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        post(short.clone()).await
+    });
+    assert_eq!(a.0, 504, "{a:?}");
+    assert!(a.1 < Duration::from_secs(4), "504 after {:?}", a.1);
+    assert!(
+        matches!(b.0, 200 | 504) && b.1 < Duration::from_secs(4),
+        "{b:?}"
+    );
+
+    // Shutdown: SIGTERM during a prefill exits within the grace and a bit.
+    let url = server.url("/v1/completions");
+    let pending = tokio::spawn(async move {
+        let _ = reqwest::Client::new().post(url).json(&long).send().await;
+    });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let started = Instant::now();
+    assert!(server.terminate().success());
+    assert!(
+        started.elapsed() < Duration::from_secs(4),
+        "{:?}",
+        started.elapsed()
+    );
+    pending.await.unwrap();
+}
+
 #[tokio::test]
 async fn a_full_queue_is_429_and_a_client_that_leaves_is_cancelled() {
     let dir = tempfile::tempdir().unwrap();

@@ -450,6 +450,11 @@ impl<'m> Generation<'m> {
     /// Checked once per step: `Ok(true)` when the client left; an error on
     /// shutdown or at the deadline.
     fn interrupted(&self, shared: &Shared) -> Result<bool, ApiError> {
+        // The deadline first: at the deadline the HTTP side answers 504 and
+        // closes the channel itself, and that is a timeout, not a departure.
+        if Instant::now() >= self.deadline {
+            return Err(ApiError::timeout(shared.request_timeout.as_secs()));
+        }
         if self.events.is_closed() {
             return Ok(true);
         }
@@ -457,9 +462,6 @@ impl<'m> Generation<'m> {
             return Err(ApiError::unavailable(
                 "the server is shutting down; the reply was cut short",
             ));
-        }
-        if Instant::now() >= self.deadline {
-            return Err(ApiError::timeout(shared.request_timeout.as_secs()));
         }
         Ok(false)
     }
@@ -488,10 +490,28 @@ fn generate_plain(
     prompt_ids: &[u32],
     shared: &Shared,
 ) -> Result<Option<Finish>, ApiError> {
-    let mut token = generation
-        .sampler
-        .sample(&backend.prefill(prompt_ids).map_err(backend_failed)?)
-        .map_err(backend_failed)?;
+    // The client, the deadline and shutdown are checked inside prefill too
+    // (on the CPU reference a long prompt takes minutes).
+    let mut stopped = None;
+    let prefilled =
+        backend.prefill_until(prompt_ids, &mut || match generation.interrupted(shared) {
+            Ok(false) => true,
+            Ok(true) => {
+                stopped = Some(Ok(None));
+                false
+            }
+            Err(error) => {
+                stopped = Some(Err(error));
+                false
+            }
+        });
+    let logits = match prefilled {
+        Err(kiln_core::Error::Interrupted) => {
+            return stopped.expect("interrupted when asked to stop");
+        }
+        other => other.map_err(backend_failed)?,
+    };
+    let mut token = generation.sampler.sample(&logits).map_err(backend_failed)?;
     loop {
         if let Some(finish) = generation.accept(token, shared)? {
             return Ok(Some(finish));

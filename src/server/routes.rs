@@ -151,11 +151,18 @@ async fn complete(state: AppState, endpoint: Endpoint, request: HttpRequest) -> 
         return error.into_response();
     }
     // Errors found by the engine (a prompt too long) come before any output.
-    match received.recv().await {
-        Some(Event::Started { .. }) => {}
-        Some(Event::Failed(error)) => return error.into_response(),
-        Some(_) | None => {
+    // A request still queued at its deadline is answered here, not when the
+    // engine reaches it; dropping `received` tells the engine, which counts
+    // the timeout when it gets there.
+    let first = tokio::time::timeout_at(deadline.into(), received.recv()).await;
+    match first {
+        Ok(Some(Event::Started { .. })) => {}
+        Ok(Some(Event::Failed(error))) => return error.into_response(),
+        Ok(Some(_) | None) => {
             return ApiError::internal("the engine stopped before answering").into_response();
+        }
+        Err(_) => {
+            return ApiError::timeout(state.shared.request_timeout.as_secs()).into_response();
         }
     }
     let ids = Ids::new(endpoint, &parsed.model);

@@ -20,6 +20,19 @@ pub trait Backend {
     /// e.g. from a vision encoder: the "prepared prefill" input.
     fn prefill_embeddings(&mut self, embeddings: &[f32]) -> Result<Vec<f32>>;
 
+    /// [`prefill`](Backend::prefill), asking `keep_going` as it goes where
+    /// prefill is slow enough to need it (the CPU reference: per row and
+    /// layer), and stopping with [`Error::Interrupted`] when it says no. A
+    /// backend that prefills in one device call does it whole.
+    fn prefill_until(
+        &mut self,
+        tokens: &[u32],
+        keep_going: &mut dyn FnMut() -> bool,
+    ) -> Result<Vec<f32>> {
+        let _ = keep_going;
+        self.prefill(tokens)
+    }
+
     /// Appends one token to the sequence.
     fn decode(&mut self, token: u32) -> Result<Vec<f32>>;
 
@@ -97,13 +110,30 @@ impl<'m> CpuBackend<'m> {
 
     /// The logits of the last of `embeddings`' rows, run after the cache.
     fn run(&mut self, embeddings: &[f32]) -> Result<Vec<f32>> {
-        let mut logits = self.run_rows(embeddings)?;
+        self.run_until(embeddings, &mut || true)
+    }
+
+    /// [`run`](Self::run), asking `keep_going` as it goes.
+    fn run_until(
+        &mut self,
+        embeddings: &[f32],
+        keep_going: &mut dyn FnMut() -> bool,
+    ) -> Result<Vec<f32>> {
+        let mut logits = self.run_rows_until(embeddings, keep_going)?;
         let vocab = self.model.config.vocab_size;
         Ok(logits.split_off(logits.len() - vocab))
     }
 
     /// The logits of every one of `embeddings`' rows, run after the cache.
     fn run_rows(&mut self, embeddings: &[f32]) -> Result<Vec<f32>> {
+        self.run_rows_until(embeddings, &mut || true)
+    }
+
+    fn run_rows_until(
+        &mut self,
+        embeddings: &[f32],
+        keep_going: &mut dyn FnMut() -> bool,
+    ) -> Result<Vec<f32>> {
         let hidden = self.model.config.hidden_size;
         if embeddings.is_empty() || !embeddings.len().is_multiple_of(hidden) {
             return Err(Error::Invalid(format!(
@@ -118,11 +148,12 @@ impl<'m> CpuBackend<'m> {
                 limit: self.max_context(),
             });
         }
-        let logits = forward::forward(
+        let logits = forward::forward_until(
             &self.model.config,
             &self.model.weights,
             embeddings,
             &mut self.cache,
+            keep_going,
         )?;
         // Finite weights can still overflow; greedy decoding would read NaN
         // logits as token 0. The IREE backends report the same.
@@ -182,6 +213,22 @@ impl Backend for CpuBackend<'_> {
     fn prefill_embeddings(&mut self, embeddings: &[f32]) -> Result<Vec<f32>> {
         self.cache = KvCache::new(self.model.config.num_layers);
         self.run(embeddings)
+    }
+
+    fn prefill_until(
+        &mut self,
+        tokens: &[u32],
+        keep_going: &mut dyn FnMut() -> bool,
+    ) -> Result<Vec<f32>> {
+        check_tokens(self.model, tokens)?;
+        self.cache = KvCache::new(self.model.config.num_layers);
+        let embeddings = forward::embed(&self.model.weights, tokens);
+        let result = self.run_until(&embeddings, keep_going);
+        if result.is_err() {
+            // A half-extended cache is no sequence.
+            self.cache = KvCache::new(self.model.config.num_layers);
+        }
+        result
     }
 
     fn decode(&mut self, token: u32) -> Result<Vec<f32>> {

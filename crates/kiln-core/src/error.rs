@@ -62,6 +62,11 @@ pub enum Error {
     #[error("{0}")]
     Invalid(String),
 
+    /// The caller asked a long computation to stop (its client left, its
+    /// deadline passed, the server is stopping); nothing of it is kept.
+    #[error("stopped before the end, as asked")]
+    Interrupted,
+
     #[error(
         "the {backend} backend cannot {what}; use --backend cpu (or a backend that can) for it"
     )]

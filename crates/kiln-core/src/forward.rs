@@ -96,6 +96,20 @@ pub fn forward(
     embeddings: &[f32],
     cache: &mut KvCache,
 ) -> Result<Vec<f32>> {
+    forward_until(config, weights, embeddings, cache, &mut || true)
+}
+
+/// [`forward`], asking `keep_going` before each row of each layer and
+/// returning [`Error::Interrupted`](crate::Error::Interrupted) (the cache
+/// then half-extended: the caller discards it) when it says no. A long
+/// prompt on this single-threaded reference takes minutes.
+pub fn forward_until(
+    config: &ModelConfig,
+    weights: &Weights,
+    embeddings: &[f32],
+    cache: &mut KvCache,
+    keep_going: &mut dyn FnMut() -> bool,
+) -> Result<Vec<f32>> {
     let h = config.hidden_size;
     let d = config.head_dim;
     let group = config.group_size();
@@ -124,6 +138,9 @@ pub fn forward(
         }
         let kv_width = config.num_kv_heads * d;
         for (r, x) in xs.iter_mut().enumerate() {
+            if !keep_going() {
+                return Err(crate::Error::Interrupted);
+            }
             let visible = start + r + 1;
             let mut attended = vec![0.0f32; config.num_heads * d];
             for head in 0..config.num_heads {
