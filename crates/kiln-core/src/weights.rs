@@ -217,7 +217,9 @@ fn map_file(path: &Path) -> Result<Mmap> {
     let (file, _) = crate::files::open_regular(path)?;
     // SAFETY: the mapping is read-only and private to kiln. Truncating or
     // rewriting a model file while kiln loads it is outside what kiln
-    // defends against (whoever can do that chooses the model anyway).
+    // defends against (whoever can do that chooses the model anyway); a
+    // truncation while mapped raises SIGBUS on the next touch of a page
+    // past the new end, which kills the process.
     unsafe { Mmap::map(&file) }.map_err(|error| Error::Io {
         path: path.to_path_buf(),
         error,

@@ -319,8 +319,9 @@ impl Drop for Call {
 /// ```
 pub struct DeviceTensor {
     raw: NonNull<ffi::kiln_iree_tensor>,
-    /// Keeps the device alive (and its flags fixed) while the tensor is.
-    _device: Arc<RawDevice>,
+    /// Keeps the device alive (and its flags fixed) while the tensor is;
+    /// calls and reads check that a tensor is their device's.
+    device: Arc<RawDevice>,
     _one_thread: PhantomData<*const ()>,
 }
 
@@ -328,7 +329,7 @@ impl DeviceTensor {
     fn new(raw: *mut ffi::kiln_iree_tensor, device: &Arc<RawDevice>) -> DeviceTensor {
         DeviceTensor {
             raw: NonNull::new(raw).expect("the shim returns a handle on success"),
-            _device: Arc::clone(device),
+            device: Arc::clone(device),
             _one_thread: PhantomData,
         }
     }
@@ -404,6 +405,7 @@ impl Drop for Reader {
 impl Reader {
     /// Copies `tensor` (a tensor of the reader's device) to the host.
     pub fn read(&mut self, tensor: &DeviceTensor) -> Result<Tensor> {
+        same_device(tensor, &self.device, "the tensor to read")?;
         let ty = tensor.element_type()?;
         // SAFETY: both handles are live; the target has exactly the byte
         // length the tensor reports.
@@ -429,6 +431,7 @@ impl Reader {
     pub fn start(&mut self, tensor: &DeviceTensor, after: Option<&Fence>) -> Result<PendingRead> {
         // Everything that can fail before the copy is queued: once it is,
         // only `finish` frees the reader.
+        same_device(tensor, &self.device, "the tensor to read")?;
         let done = Fence::new(&self.device)?;
         let element_type = tensor.element_type()?;
         let after = Fence::raw_or_null(after);
@@ -443,6 +446,7 @@ impl Reader {
         })
         .map_err(iree_error)?;
         Ok(PendingRead {
+            reader: self.raw.as_ptr() as usize,
             done,
             shape: tensor.shape(),
             element_type,
@@ -453,6 +457,14 @@ impl Reader {
 
     /// Waits for a read [`Reader::start`] queued and returns its tensor.
     pub fn finish(&mut self, read: PendingRead) -> Result<Tensor> {
+        // The shim copies from this reader's staging buffer: a read another
+        // reader started would be read from a buffer whose own copy may
+        // still be in flight.
+        if read.reader != self.raw.as_ptr() as usize {
+            return Err(Error::Tensor(
+                "this read was started by another Reader; finish it with that one".into(),
+            ));
+        }
         let mut bytes = vec![0u8; read.length];
         // SAFETY: the reader and the fence are live; the target has the
         // length the read was started with.
@@ -547,7 +559,12 @@ impl Module {
             }
         })?;
         let call = Call(NonNull::new(raw).expect("the shim returns a handle on success"));
-        for input in inputs {
+        for (i, input) in inputs.iter().enumerate() {
+            same_device(
+                input,
+                &self.device.raw,
+                &format!("input {i} of `{function}`"),
+            )?;
             // SAFETY: both handles are live; the call takes its own reference.
             check(unsafe { ffi::kiln_iree_call_push_tensor(call.0.as_ptr(), input.raw.as_ptr()) })
                 .map_err(iree_error)?;
@@ -625,10 +642,24 @@ impl Fence {
 #[must_use = "the reader stays busy until the read is finished"]
 #[derive(Debug)]
 pub struct PendingRead {
+    /// The reader that started it (its handle's address).
+    reader: usize,
     done: Fence,
     shape: Vec<i64>,
     element_type: ElementType,
     length: usize,
+}
+
+/// An error unless `tensor` lives on `device`: IREE would use another
+/// device's buffer as if it were this one's.
+fn same_device(tensor: &DeviceTensor, device: &Arc<RawDevice>, what: &str) -> Result<()> {
+    if Arc::ptr_eq(&tensor.device, device) {
+        Ok(())
+    } else {
+        Err(Error::Tensor(format!(
+            "{what} lives on another device than the one it is used with; upload it to this one"
+        )))
+    }
 }
 
 #[cfg(test)]

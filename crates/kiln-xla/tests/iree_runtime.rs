@@ -151,6 +151,36 @@ fn a_reader_reads_what_read_reads() {
     assert!(error.contains("another device"), "{error}");
 }
 
+/// A read is finished by the reader that started it (the shim copies from
+/// that reader's staging buffer), and a call takes only its own device's
+/// tensors: both were used unchecked, as if they were the right ones.
+#[test]
+fn reads_and_calls_refuse_another_readers_or_devices_handles() {
+    let instance = Instance::new().unwrap();
+    let device = instance.device("local-task").unwrap();
+    let tensor = Tensor::f32(&[3], vec![1.0, 2.0, 3.0]).unwrap();
+    let on_device = device.upload(&tensor).unwrap();
+    let (mut first, mut second) = (device.reader().unwrap(), device.reader().unwrap());
+    let pending = first.start(&on_device, None).unwrap();
+    let error = second.finish(pending).unwrap_err().to_string();
+    assert!(error.contains("another Reader"), "{error}");
+    let pending = second.start(&on_device, None).unwrap();
+    assert_eq!(second.finish(pending).unwrap(), tensor);
+
+    let module = device.load_module(vmfb()).unwrap();
+    let other = instance.device("local-sync").unwrap();
+    let foreign = other.upload(&tensor).unwrap();
+    let error = module
+        .invoke("add", &[&on_device, &foreign])
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(
+        error.contains("input 1 of `add`") && error.contains("another device"),
+        "{error}"
+    );
+}
+
 #[test]
 fn cpu_drivers_are_registered() {
     let drivers = Instance::new().unwrap().drivers().unwrap();

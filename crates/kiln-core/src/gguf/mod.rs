@@ -156,7 +156,11 @@ impl GgufFile {
         // SAFETY: the map is read-only and private to this process. A file
         // changed by another process while mapped could change what is read
         // (every read is bounds-checked against the length mapped), as for
-        // any model loader that maps its weights.
+        // any model loader that maps its weights. A file truncated while
+        // mapped is worse: touching a page past its new end raises SIGBUS,
+        // which kills the process (llama.cpp and safetensors users share
+        // this). kiln trusts a model file not to shrink while it runs; copy
+        // the file rather than truncate or rewrite it in place.
         let map = unsafe { memmap2::Mmap::map(&file) }.map_err(|error| Error::Io {
             path: path.to_path_buf(),
             error,
