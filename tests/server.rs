@@ -1025,3 +1025,39 @@ async fn health_is_503_until_the_modules_are_ready() {
     let body = json!({"model": "embedded", "prompt": "Hi", "max_tokens": 4});
     assert_eq!(server.post("/v1/completions", &body).await.0, 200);
 }
+
+/// A model whose chat template puts a namespace inside itself and prints
+/// it: rendering it overflows any stack. It is rendered in a child process,
+/// so the request is a 400 naming the crash and the server serves on.
+#[tokio::test]
+async fn a_template_that_crashes_its_renderer_does_not_take_the_server() {
+    let dir = tempfile::tempdir().unwrap();
+    let fixture = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/llama-gqa-untied");
+    for entry in std::fs::read_dir(&fixture).unwrap() {
+        let path = entry.unwrap().path();
+        std::fs::copy(&path, dir.path().join(path.file_name().unwrap())).unwrap();
+    }
+    std::fs::write(
+        dir.path().join("chat_template.jinja"),
+        "{% set ns = namespace(x=[]) %}{% set ns.x = [ns, 1] %}{{ ns.x ~ '' }}",
+    )
+    .unwrap();
+    let id = dir
+        .path()
+        .file_name()
+        .unwrap()
+        .to_str()
+        .unwrap()
+        .to_string();
+    let server = Server::start(&["--model", dir.path().to_str().unwrap()]);
+    server.wait_ready().await;
+    let chat =
+        json!({"model": id, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2});
+    let (status, body) = server.post("/v1/chat/completions", &chat).await;
+    assert_eq!(status, 400, "{body}");
+    let message = body["error"]["message"].as_str().unwrap();
+    assert!(message.contains("crashed its renderer"), "{message}");
+    let text = json!({"model": id, "prompt": "Hi", "max_tokens": 2});
+    let (status, body) = server.post("/v1/completions", &text).await;
+    assert_eq!(status, 200, "{body}");
+}

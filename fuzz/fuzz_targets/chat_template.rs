@@ -1,13 +1,17 @@
-//! Chat templates, as a model file ships them, rendered with the server's
-//! limits: any template and conversation is a bounded prompt or an error,
-//! never a panic, an abort or a stack overflow. The input is the template,
-//! then a NUL, then the user's message.
+//! Chat templates, as a model file ships them, rendered as the server
+//! renders them (in a child process, with its limits): any template and
+//! conversation is a bounded prompt or an error, never a panic, an abort, a
+//! hang or a stack overflow of the fuzzer's process. The input is the
+//! template, then a NUL, then the user's message. The child is this fuzzer
+//! executable, which renders and exits when asked in its environment.
 #![no_main]
 
 use kiln_core::chat_template::{ChatTemplate, MAX_RENDERED_BYTES, Message};
 use libfuzzer_sys::fuzz_target;
 
-fuzz_target!(|data: &[u8]| {
+fuzz_target!(init: {
+    kiln_core::chat_template::serve_child_if_asked();
+}, |data: &[u8]| {
     let Ok(text) = std::str::from_utf8(data) else {
         return;
     };
@@ -19,7 +23,7 @@ fuzz_target!(|data: &[u8]| {
         Message::new("system", "You are kind."),
         Message::new("user", content),
     ];
-    if let Ok(prompt) = template.render(&messages, true) {
+    if let Ok(prompt) = template.render_isolated(&messages, true) {
         assert!(prompt.len() <= MAX_RENDERED_BYTES);
     }
 });

@@ -88,6 +88,8 @@ fn seconds(min: u64, max: u64) -> clap::builder::RangedU64ValueParser<u64> {
 }
 
 fn main() -> ExitCode {
+    // Chat templates are rendered in a child: this executable, asked so.
+    kiln_core::chat_template::serve_child_if_asked();
     let args = Args::parse();
     let runtime = match tokio::runtime::Runtime::new() {
         Ok(runtime) => runtime,

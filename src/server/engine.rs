@@ -272,7 +272,11 @@ fn tokenize(
                     model.name
                 ))
             })?;
-            let rendered = template.render(&messages, true).map_err(internal)?;
+            // In a child process: a template that crashes its renderer
+            // (a value that contains itself) must not take the server.
+            let rendered = template
+                .render_isolated(&messages, true)
+                .map_err(internal)?;
             let ids = model
                 .tokenizer
                 .encode_rendered(&rendered)

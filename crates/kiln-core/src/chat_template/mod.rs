@@ -10,6 +10,8 @@
 //! render runs on a fuel budget that bounds both its steps and the memory it
 //! allocates.
 
+mod isolated;
+
 use std::path::Path;
 
 use minijinja::value::Value;
@@ -18,9 +20,10 @@ use serde::Serialize;
 use serde_json::ser::{Formatter, PrettyFormatter, Serializer};
 
 use crate::error::{Error, Result};
+pub use isolated::{CHILD_ENV, serve_child_if_asked};
 
 /// One turn of a conversation, as chat templates read it.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, serde::Deserialize)]
 pub struct Message {
     pub role: String,
     pub content: String,
@@ -48,6 +51,13 @@ pub const RENDER_FUEL: u64 = 1_000_000;
 /// deepest `tojson(indent=N)`: real templates use a handful of spaces.
 pub const MAX_FORMAT_WIDTH: usize = 4096;
 pub const MAX_JSON_INDENT: usize = 64;
+/// The most parts (items, keys, values) a value printed or serialised may
+/// have, and how deeply they may nest. A namespace can be put inside its
+/// own attribute (`{% set ns.x = [ns] %}`): printing that recursed until
+/// the stack overflowed, whatever its size. Real templates print the
+/// conversation, some hundreds of parts.
+pub const MAX_PRINTED_PARTS: usize = 1 << 20;
+pub const MAX_PRINTED_DEPTH: usize = 10_000;
 /// The stack a render runs on. Printing, comparing or serialising a value
 /// recurses once per level of nesting (dropping it too), and within its
 /// fuel a template can nest a list about 110,000 deep (`{% set ns.x =
@@ -61,6 +71,8 @@ const NAME: &str = "chat_template";
 /// A compiled chat template and the special tokens it may print.
 pub struct ChatTemplate {
     env: Environment<'static>,
+    /// The source, for [`ChatTemplate::render_isolated`]'s child.
+    source: String,
     origin: String,
     bos_token: String,
     eos_token: String,
@@ -102,6 +114,17 @@ impl ChatTemplate {
                 .map_err(|e| invalid(e.to_string()))?,
         );
         env.set_auto_escape_callback(|_| AutoEscape::None);
+        env.set_formatter(|out, state, value| {
+            check_printable(value)?;
+            minijinja::escape_formatter(out, state, value)
+        });
+        env.add_filter("string", |value: Value| {
+            check_printable(&value)?;
+            Ok::<_, minijinja::Error>(match value.as_str() {
+                Some(_) => value,
+                None => Value::from(value.to_string()),
+            })
+        });
         env.set_fuel(Some(RENDER_FUEL));
         env.set_unknown_method_callback(python_method);
         env.add_function("raise_exception", raise_exception);
@@ -111,6 +134,7 @@ impl ChatTemplate {
             .map_err(|e| invalid(describe(&e)))?;
         Ok(ChatTemplate {
             env,
+            source: source.to_owned(),
             origin: origin.into(),
             bos_token: bos_token.into(),
             eos_token: eos_token.into(),
@@ -297,6 +321,7 @@ fn tojson(
 ) -> std::result::Result<Value, minijinja::Error> {
     let indent: Option<usize> = kwargs.get("indent")?;
     kwargs.assert_all_used()?;
+    check_printable(&value)?;
     if indent.is_some_and(|n| n > MAX_JSON_INDENT) {
         return Err(minijinja::Error::new(
             ErrorKind::InvalidOperation,
@@ -319,6 +344,47 @@ fn tojson(
         .map_err(|e| minijinja::Error::new(ErrorKind::BadSerialization, format!("tojson: {e}")))?;
     let text = String::from_utf8(out.bytes).expect("serde_json writes UTF-8");
     Ok(Value::from_safe_string(text))
+}
+
+/// Walks `value` without recursing, and refuses it when printing it would
+/// visit more than [`MAX_PRINTED_PARTS`] parts or nest deeper than
+/// [`MAX_PRINTED_DEPTH`] (a value that contains itself does both). One-shot
+/// iterables are not walked: walking would use them up.
+fn check_printable(value: &Value) -> std::result::Result<(), minijinja::Error> {
+    let refused = |what: String| minijinja::Error::new(ErrorKind::InvalidOperation, what);
+    let mut pending = vec![(value.clone(), 0usize)];
+    let mut parts = 0usize;
+    while let Some((value, depth)) = pending.pop() {
+        parts += 1;
+        if parts > MAX_PRINTED_PARTS {
+            return Err(refused(format!(
+                "a value of more than {MAX_PRINTED_PARTS} parts (or one that contains itself) \
+                 cannot be printed"
+            )));
+        }
+        if depth > MAX_PRINTED_DEPTH {
+            return Err(refused(format!(
+                "a value nested more than {MAX_PRINTED_DEPTH} deep (or one that contains itself) \
+                 cannot be printed"
+            )));
+        }
+        match value.kind() {
+            minijinja::value::ValueKind::Seq => {
+                for item in value.try_iter()? {
+                    pending.push((item, depth + 1));
+                }
+            }
+            minijinja::value::ValueKind::Map => {
+                for key in value.try_iter()? {
+                    let item = value.get_item(&key)?;
+                    pending.push((key, depth + 1));
+                    pending.push((item, depth + 1));
+                }
+            }
+            _ => {}
+        }
+    }
+    Ok(())
 }
 
 /// Python's string, list and dict methods (minijinja-contrib's), with the
@@ -672,14 +738,34 @@ mod tests {
         // each aborted the process.
         let deep = "{% set ns = namespace(x=[]) %}{% for j in range(10) %}\
             {% for i in range(10000) %}{% set ns.x = [ns.x] %}{% endfor %}{% endfor %}";
-        for (use_it, expected) in [
-            ("{{ ns.x }}", 200_002),
-            ("{{ ns.x|tojson }}", 200_002),
-            ("{{ ns.x == ns.x }}", 4),
-            ("{{ ns.x|string|length }}", 6),
+        for use_it in [
+            "{{ ns.x }}",
+            "{{ ns.x|tojson }}",
+            "{{ ns.x|string|length }}",
         ] {
-            let text = render(&format!("{deep}{use_it}"), &user).unwrap();
-            assert_eq!(text.len(), expected, "{use_it}");
+            let error = render(&format!("{deep}{use_it}"), &user).unwrap_err();
+            assert!(
+                error.to_string().contains("nested more than"),
+                "{use_it}: {error}"
+            );
+        }
+        assert_eq!(
+            render(&format!("{deep}{{{{ ns.x == ns.x }}}}"), &user).unwrap(),
+            "True"
+        );
+        // A namespace inside its own attribute: printing it never ended.
+        let cycle = "{% set ns = namespace(x=[]) %}{% set ns.x = [ns, 1] %}";
+        for use_it in [
+            "{{ ns }}",
+            "{{ ns.x }}",
+            "{{ ns|tojson }}",
+            "{{ ns.x|string }}",
+        ] {
+            let error = render(&format!("{cycle}{use_it}"), &user).unwrap_err();
+            assert!(
+                error.to_string().contains("contains itself"),
+                "{use_it}: {error}"
+            );
         }
         // Deeper, the fuel runs out first.
         let deeper = deep.replace("range(10)", "range(13)");
