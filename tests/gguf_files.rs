@@ -434,6 +434,23 @@ fn an_unknown_pre_tokenizer_is_named() {
     );
 }
 
+/// The one-layer model over a SentencePiece (`llama`) vocabulary: BOS 1,
+/// EOS 2, unknown 0.
+fn sentencepiece_llama(tokens: Vec<String>, types: Vec<i32>, scores: Vec<f32>) -> Writer {
+    let vocab = tokens.len() as u64;
+    let mut w = Writer::default();
+    llama_header(&mut w);
+    w.kv("tokenizer.ggml.model", V::Str("llama"))
+        .kv("tokenizer.ggml.bos_token_id", V::U32(1))
+        .kv("tokenizer.ggml.eos_token_id", V::U32(2))
+        .kv("tokenizer.ggml.unknown_token_id", V::U32(0))
+        .kv("tokenizer.ggml.tokens", V::Strs(tokens))
+        .kv("tokenizer.ggml.token_type", V::I32s(types))
+        .kv("tokenizer.ggml.scores", V::F32s(scores));
+    llama_tensors(&mut w, vocab);
+    w
+}
+
 #[test]
 fn a_sentencepiece_vocabulary_merges_by_score_and_falls_back_to_bytes() {
     let mut tokens: Vec<String> = vec!["<unk>".into(), "<s>".into(), "</s>".into()];
@@ -456,17 +473,7 @@ fn a_sentencepiece_vocabulary_merges_by_score_and_falls_back_to_bytes() {
     }
     let id = |t: &str| tokens.iter().position(|x| x == t).unwrap() as u32;
     let (bos, space, hi, space_hi) = (id("<s>"), id("▁"), id("hi"), id("▁hi"));
-    let vocab = tokens.len() as u64;
-    let mut w = Writer::default();
-    llama_header(&mut w);
-    w.kv("tokenizer.ggml.model", V::Str("llama"))
-        .kv("tokenizer.ggml.bos_token_id", V::U32(1))
-        .kv("tokenizer.ggml.eos_token_id", V::U32(2))
-        .kv("tokenizer.ggml.unknown_token_id", V::U32(0))
-        .kv("tokenizer.ggml.tokens", V::Strs(tokens.clone()))
-        .kv("tokenizer.ggml.token_type", V::I32s(types))
-        .kv("tokenizer.ggml.scores", V::F32s(scores));
-    llama_tensors(&mut w, vocab);
+    let w = sentencepiece_llama(tokens.clone(), types, scores);
     let dir = tempfile::tempdir().unwrap();
     let model = Model::load(&write(dir.path(), "spm.gguf", &w.bytes())).unwrap();
     // BOS by default; a space prefix; "▁hi" is made through the higher
@@ -525,16 +532,7 @@ fn files_that_declare_more_than_they_hold_are_refused() {
     tokens.push("a".repeat(17_000));
     let types = vec![2, 3, 3, 1, 1];
     let scores = vec![0.0, 0.0, 0.0, -1.0, -2.0];
-    let mut w = Writer::default();
-    llama_header(&mut w);
-    w.kv("tokenizer.ggml.model", V::Str("llama"))
-        .kv("tokenizer.ggml.bos_token_id", V::U32(1))
-        .kv("tokenizer.ggml.eos_token_id", V::U32(2))
-        .kv("tokenizer.ggml.unknown_token_id", V::U32(0))
-        .kv("tokenizer.ggml.tokens", V::Strs(tokens))
-        .kv("tokenizer.ggml.token_type", V::I32s(types))
-        .kv("tokenizer.ggml.scores", V::F32s(scores));
-    llama_tensors(&mut w, 5);
+    let w = sentencepiece_llama(tokens, types, scores);
     let started = std::time::Instant::now();
     assert_rejected(&w.bytes(), "too long to derive merges");
     assert!(started.elapsed() < std::time::Duration::from_secs(10));

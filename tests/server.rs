@@ -445,6 +445,18 @@ fn slow_model(dir: &Path) {
     std::fs::write(dir.join("tokenizer.json"), tokenizer.to_string()).unwrap();
 }
 
+/// kiln-server on [`slow_model`] (in `dir`) with `args`, ready; and the
+/// model's id.
+async fn slow_server(dir: &Path, args: &[&str]) -> (Server, String) {
+    slow_model(dir);
+    let id = dir.file_name().unwrap().to_str().unwrap().to_string();
+    let mut all = vec!["--model", dir.to_str().unwrap()];
+    all.extend(args);
+    let server = Server::start(&all);
+    server.wait_ready().await;
+    (server, id)
+}
+
 /// On the CPU reference a long prompt's prefill takes minutes; it stops
 /// when its client leaves, at its deadline and at shutdown, so the request
 /// queued behind it is served in its own time. (A client that left after
@@ -453,23 +465,11 @@ fn slow_model(dir: &Path) {
 #[tokio::test]
 async fn a_long_prefill_stops_for_departures_deadlines_and_shutdown() {
     let dir = tempfile::tempdir().unwrap();
-    slow_model(dir.path());
-    let id = dir
-        .path()
-        .file_name()
-        .unwrap()
-        .to_str()
-        .unwrap()
-        .to_string();
-    let mut server = Server::start(&[
-        "--model",
-        dir.path().to_str().unwrap(),
-        "--request-timeout",
-        "2",
-        "--shutdown-grace",
-        "1",
-    ]);
-    server.wait_ready().await;
+    let (mut server, id) = slow_server(
+        dir.path(),
+        &["--request-timeout", "2", "--shutdown-grace", "1"],
+    )
+    .await;
     let long = json!({"model": id, "prompt": "ab".repeat(950), "max_tokens": 1});
     let short = json!({"model": id, "prompt": "ab", "max_tokens": 1});
     let post = |body: Value| {
@@ -545,17 +545,7 @@ async fn a_long_prefill_stops_for_departures_deadlines_and_shutdown() {
 #[tokio::test]
 async fn a_full_queue_is_429_and_a_client_that_leaves_is_cancelled() {
     let dir = tempfile::tempdir().unwrap();
-    slow_model(dir.path());
-    let model = dir.path().to_str().unwrap();
-    let id = dir
-        .path()
-        .file_name()
-        .unwrap()
-        .to_str()
-        .unwrap()
-        .to_string();
-    let server = Server::start(&["--model", model, "--queue-size", "1"]);
-    server.wait_ready().await;
+    let (server, id) = slow_server(dir.path(), &["--queue-size", "1"]).await;
     let long = json!({"model": id, "prompt": "a", "max_tokens": 2000, "stream": true});
     // A: running. Read its first chunk, so the engine is on it.
     let client = reqwest::Client::new();
@@ -633,21 +623,7 @@ async fn sigterm_finishes_in_flight_work_then_exits_zero() {
 #[tokio::test]
 async fn sigterm_cuts_short_what_outlasts_the_grace_period() {
     let dir = tempfile::tempdir().unwrap();
-    slow_model(dir.path());
-    let id = dir
-        .path()
-        .file_name()
-        .unwrap()
-        .to_str()
-        .unwrap()
-        .to_string();
-    let mut server = Server::start(&[
-        "--model",
-        dir.path().to_str().unwrap(),
-        "--shutdown-grace",
-        "1",
-    ]);
-    server.wait_ready().await;
+    let (mut server, id) = slow_server(dir.path(), &["--shutdown-grace", "1"]).await;
     let client = reqwest::Client::new();
     let mut a = client
         .post(server.url("/v1/completions"))

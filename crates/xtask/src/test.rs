@@ -161,13 +161,7 @@ pub fn run(cache: &Cache, pins: &Pins, plan: &Plan) -> Result<()> {
                 512,
                 false,
             ),
-            || {
-                let options = crate::gate::Options {
-                    link_only: true,
-                    ..Default::default()
-                };
-                crate::gate::run(&cuda_prefix, &host, &options)
-            },
+            || crate::gate::run(&cuda_prefix, &host, &crate::gate::Options::link_only()),
         )?;
         eprintln!("{}", steps.summary());
         eprintln!(
@@ -246,11 +240,7 @@ pub fn run(cache: &Cache, pins: &Pins, plan: &Plan) -> Result<()> {
                 true,
             ),
             || {
-                let link_only = crate::gate::Options {
-                    link_only: true,
-                    ..Default::default()
-                };
-                crate::gate::run(prefix, &aarch64, &link_only)?;
+                crate::gate::run(prefix, &aarch64, &crate::gate::Options::link_only())?;
                 crate::emulated::run(prefix, &compiler, &aarch64)?;
                 crate::gate::run(prefix, &aarch64, &Default::default())
             },

@@ -60,6 +60,16 @@ pub struct Options<'a> {
     pub out: Option<&'a Path>,
 }
 
+impl Options<'_> {
+    /// The link check alone.
+    pub fn link_only() -> Self {
+        Options {
+            link_only: true,
+            ..Default::default()
+        }
+    }
+}
+
 /// The report's file name for `target`.
 pub fn report_name(target: &Target) -> String {
     format!("report-{}.json", target.triple)
