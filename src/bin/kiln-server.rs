@@ -65,6 +65,11 @@ struct Args {
     /// they are cut short.
     #[arg(long, default_value_t = 10, value_parser = seconds(0, MAX_SECONDS))]
     shutdown_grace: u64,
+    /// Read special tokens that users type in chat messages as text: a user
+    /// who writes `<|im_start|>system` gets those characters, not a system
+    /// turn. By default, as transformers does, they are control tokens.
+    #[arg(long)]
+    user_content_as_text: bool,
 }
 
 /// The largest queue: its slots are allocated at start.
@@ -149,6 +154,7 @@ async fn run(args: Args) -> Result<()> {
         let shared = shared.clone();
         let model_args = args.model.clone();
         let speculation = args.speculation.clone();
+        let user_content_as_text = args.user_content_as_text;
         std::thread::Builder::new()
             .name("kiln-engine".into())
             .spawn(move || {
@@ -181,6 +187,8 @@ async fn run(args: Args) -> Result<()> {
                 let mut loaded = Loaded {
                     model: &model,
                     template,
+                    user_text: user_content_as_text
+                        .then(|| model.tokenizer.with_special_tokens_as_text()),
                     decoder,
                 };
                 shared.ready.store(true, Ordering::Release);

@@ -114,6 +114,9 @@ impl Queue {
 pub struct Loaded<'m> {
     pub model: &'m Model,
     pub template: Option<ChatTemplate>,
+    /// With `--user-content-as-text`: the model's tokenizer reading special
+    /// tokens as text, for what users wrote.
+    pub user_text: Option<kiln_core::Tokenizer>,
     pub decoder: Decoder<'m>,
 }
 
@@ -274,16 +277,82 @@ fn tokenize(
             })?;
             // In a child process: a template that crashes its renderer
             // (a value that contains itself) must not take the server.
-            let rendered = template
-                .render_isolated(&messages, true)
-                .map_err(internal)?;
-            let ids = model
-                .tokenizer
-                .encode_rendered(&rendered)
-                .map_err(internal)?;
+            let ids = match &loaded.user_text {
+                Some(as_text) => encode_chat_keeping_user_text(model, template, as_text, messages)?,
+                None => {
+                    let rendered = template
+                        .render_isolated(&messages, true)
+                        .map_err(internal)?;
+                    model
+                        .tokenizer
+                        .encode_rendered(&rendered)
+                        .map_err(internal)?
+                }
+            };
             Ok((ids, chat_stop_tokens(model, template), "messages"))
         }
     }
+}
+
+/// The prompt of `messages` with what users wrote encoded by `as_text`, so
+/// that a special token typed in a user turn stays text (a user cannot
+/// forge a system turn). Each user content is rendered as a marker that no
+/// message contains; the rendered text is split at the markers, the
+/// template's parts encoded as usual and each user's part as text. A
+/// template that changes or drops a user's content (so its marker is not
+/// found whole) is an error: the option cannot be kept with it.
+fn encode_chat_keeping_user_text(
+    model: &Model,
+    template: &ChatTemplate,
+    as_text: &kiln_core::Tokenizer,
+    mut messages: Vec<kiln_core::Message>,
+) -> Result<Vec<u32>, ApiError> {
+    let internal = |e: kiln_core::Error| ApiError::invalid(e.to_string());
+    let mut tag = 0u64;
+    let marker = loop {
+        let marker = format!("\u{E000}kiln-user-{tag}:");
+        if !messages.iter().any(|m| m.content.contains(&marker)) {
+            break marker;
+        }
+        tag += 1;
+    };
+    let mut users = Vec::new();
+    for message in messages.iter_mut().filter(|m| m.role == "user") {
+        let marked = format!("{marker}{}\u{E000}", users.len());
+        users.push(std::mem::replace(&mut message.content, marked));
+    }
+    let rendered = template
+        .render_isolated(&messages, true)
+        .map_err(internal)?;
+    let mut ids = Vec::new();
+    let mut found = vec![false; users.len()];
+    let mut rest = rendered.as_str();
+    while let Some(at) = rest.find(&marker) {
+        ids.extend(
+            model
+                .tokenizer
+                .encode_rendered(&rest[..at])
+                .map_err(internal)?,
+        );
+        let after = &rest[at + marker.len()..];
+        let index = after
+            .find('\u{E000}')
+            .and_then(|end| Some((after[..end].parse::<usize>().ok()?, end)))
+            .filter(|(index, _)| *index < users.len());
+        let Some((index, end)) = index else { break };
+        ids.extend(as_text.encode_rendered(&users[index]).map_err(internal)?);
+        found[index] = true;
+        rest = &after[end + '\u{E000}'.len_utf8()..];
+    }
+    if found.iter().any(|f| !f) || rest.contains(&marker) {
+        return Err(ApiError::invalid_param(
+            "messages",
+            "this model's chat template changes or drops what users wrote, so the server's \
+             --user-content-as-text cannot keep it as text; restart the server without it",
+        ));
+    }
+    ids.extend(model.tokenizer.encode_rendered(rest).map_err(internal)?);
+    Ok(ids)
 }
 
 /// The stop tokens `kiln chat` uses for this model and template.

@@ -94,6 +94,20 @@ impl Tokenizer {
         Tokenizer::HuggingFace(Box::new(tokenizer))
     }
 
+    /// A copy that reads special tokens spelled in a text as that text:
+    /// `<|im_start|>` typed by a user is characters, not the control token
+    /// (the byte tokenizer has none to recognise).
+    pub fn with_special_tokens_as_text(&self) -> Tokenizer {
+        match self {
+            Tokenizer::Bytes(t) => Tokenizer::Bytes(t.clone()),
+            Tokenizer::HuggingFace(t) => {
+                let mut t = t.clone();
+                t.set_encode_special_tokens(true);
+                Tokenizer::HuggingFace(t)
+            }
+        }
+    }
+
     /// Token ids of `text`, with the special tokens the tokenizer adds.
     pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
         self.encode_with(text, true)
