@@ -457,6 +457,42 @@ async fn slow_server(dir: &Path, args: &[&str]) -> (Server, String) {
     (server, id)
 }
 
+/// A client that sends a long prompt and leaves after 0.3 s: the request
+/// after it is served at once (the prefill, about 9 s on [`slow_model`],
+/// stopped), and the first counted as cancelled.
+async fn a_departure_stops_the_prefill(server: &Server, id: &str) {
+    let long = json!({"model": id, "prompt": "ab".repeat(950), "max_tokens": 1});
+    let short = json!({"model": id, "prompt": "ab", "max_tokens": 1});
+    let client = reqwest::Client::new();
+    let url = server.url("/v1/completions");
+    let _ = tokio::time::timeout(
+        Duration::from_millis(300),
+        client.post(&url).json(&long).send(),
+    )
+    .await;
+    let started = Instant::now();
+    let r = client.post(&url).json(&short).send().await.unwrap();
+    assert_eq!(r.status(), 200);
+    let took = started.elapsed();
+    assert!(
+        took < Duration::from_secs(3),
+        "served {took:?} after the departure"
+    );
+    let cancelled = server
+        .metric("kiln_requests_total{outcome=\"cancelled\"}")
+        .await;
+    assert_eq!(cancelled, 1.0);
+}
+
+/// The same with speculative decoding, whose target prefills as it starts.
+#[tokio::test]
+async fn a_long_speculative_prefill_stops_when_its_client_leaves() {
+    let dir = tempfile::tempdir().unwrap();
+    let args = ["--speculate", "prompt-lookup", "--draft-tokens", "4"];
+    let (server, id) = slow_server(dir.path(), &args).await;
+    a_departure_stops_the_prefill(&server, &id).await;
+}
+
 /// On the CPU reference a long prompt's prefill takes minutes; it stops
 /// when its client leaves, at its deadline and at shutdown, so the request
 /// queued behind it is served in its own time. (A client that left after
@@ -487,31 +523,7 @@ async fn a_long_prefill_stops_for_departures_deadlines_and_shutdown() {
     };
 
     // A departure: the next request is served at once, not after the prefill.
-    let url = server.url("/v1/completions");
-    let leaving = tokio::spawn({
-        let long = long.clone();
-        async move {
-            let client = reqwest::Client::new();
-            let _ = tokio::time::timeout(
-                Duration::from_millis(300),
-                client.post(url).json(&long).send(),
-            )
-            .await;
-        }
-    });
-    leaving.await.unwrap();
-    let (status, took) = post(short.clone()).await;
-    assert_eq!(status, 200);
-    assert!(
-        took < Duration::from_secs(3),
-        "served {took:?} after the departure"
-    );
-    assert_eq!(
-        server
-            .metric("kiln_requests_total{outcome=\"cancelled\"}")
-            .await,
-        1.0
-    );
+    a_departure_stops_the_prefill(&server, &id).await;
 
     // A deadline: the prefill (about 9 s here) stops at 2 s, and the
     // request queued behind it is answered within its own 2 s.

@@ -556,6 +556,33 @@ fn generate(loaded: &mut Loaded, job: Job, shared: &Shared) -> Result<Option<Fin
     }
 }
 
+/// Runs `work` (a prefill), which asks as it goes whether `generation`
+/// should stop: the client, the deadline and shutdown are checked inside
+/// prefill too (on the CPU reference a long prompt takes minutes).
+/// `Ok(None)` when the client left.
+fn unless_interrupted<T>(
+    generation: &Generation,
+    shared: &Shared,
+    work: impl FnOnce(&mut dyn FnMut() -> bool) -> kiln_core::Result<T>,
+) -> Result<Option<T>, ApiError> {
+    let mut stopped = None;
+    let result = work(&mut || match generation.interrupted(shared) {
+        Ok(false) => true,
+        Ok(true) => {
+            stopped = Some(Ok(None));
+            false
+        }
+        Err(error) => {
+            stopped = Some(Err(error));
+            false
+        }
+    });
+    match result {
+        Err(kiln_core::Error::Interrupted) => stopped.expect("interrupted when asked to stop"),
+        other => other.map(Some).map_err(backend_failed),
+    }
+}
+
 /// One token per pass of the model.
 fn generate_plain(
     backend: &mut dyn Backend,
@@ -563,26 +590,11 @@ fn generate_plain(
     prompt_ids: &[u32],
     shared: &Shared,
 ) -> Result<Option<Finish>, ApiError> {
-    // The client, the deadline and shutdown are checked inside prefill too
-    // (on the CPU reference a long prompt takes minutes).
-    let mut stopped = None;
-    let prefilled =
-        backend.prefill_until(prompt_ids, &mut || match generation.interrupted(shared) {
-            Ok(false) => true,
-            Ok(true) => {
-                stopped = Some(Ok(None));
-                false
-            }
-            Err(error) => {
-                stopped = Some(Err(error));
-                false
-            }
-        });
-    let logits = match prefilled {
-        Err(kiln_core::Error::Interrupted) => {
-            return stopped.expect("interrupted when asked to stop");
-        }
-        other => other.map_err(backend_failed)?,
+    let Some(logits) = unless_interrupted(&generation, shared, |keep_going| {
+        backend.prefill_until(prompt_ids, keep_going)
+    })?
+    else {
+        return Ok(None);
     };
     let mut token = generation.sampler.sample(&logits).map_err(backend_failed)?;
     loop {
@@ -614,14 +626,19 @@ fn generate_speculative(
 ) -> Result<Option<Finish>, ApiError> {
     let sampler =
         Sampler::new(generation.sampling.clone()).map_err(|e| ApiError::invalid(e.to_string()))?;
-    let (mut speculator, first) = Speculator::start(
-        speculative.backend.as_mut(),
-        speculative.proposer.as_mut(),
-        speculative.draft_tokens,
-        sampler,
-        prompt_ids,
-    )
-    .map_err(backend_failed)?;
+    let Some((mut speculator, first)) = unless_interrupted(&generation, shared, |keep_going| {
+        Speculator::start(
+            speculative.backend.as_mut(),
+            speculative.proposer.as_mut(),
+            speculative.draft_tokens,
+            sampler,
+            prompt_ids,
+            keep_going,
+        )
+    })?
+    else {
+        return Ok(None);
+    };
     let mut tokens = vec![first];
     loop {
         for token in tokens {

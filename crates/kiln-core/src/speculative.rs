@@ -192,8 +192,14 @@ pub fn generate_speculative(
     if max_tokens == 0 {
         return Ok((Vec::new(), SpeculationStats::default()));
     }
-    let (mut speculator, first) =
-        Speculator::start(backend, proposer, draft_tokens, sampler, prompt)?;
+    let (mut speculator, first) = Speculator::start(
+        backend,
+        proposer,
+        draft_tokens,
+        sampler,
+        prompt,
+        &mut || true,
+    )?;
     let mut generated = Vec::with_capacity(max_tokens);
     let mut choices = vec![first];
     loop {
@@ -234,17 +240,19 @@ pub struct Speculator<'s, 'b> {
 }
 
 impl<'s, 'b> Speculator<'s, 'b> {
-    /// Prefills `prompt`; returns the speculator and the first token. The
-    /// caller checks that the prompt and its longest answer fit the
-    /// backend's context.
+    /// Prefills `prompt`, asking `keep_going` as it goes
+    /// ([`Backend::prefill_until`]); returns the speculator and the first
+    /// token. The caller checks that the prompt and its longest answer fit
+    /// the backend's context.
     pub fn start(
         backend: &'s mut (dyn Backend + 'b),
         proposer: &'s mut (dyn Proposer + 'b),
         draft_tokens: usize,
         mut sampler: Sampler,
         prompt: &[u32],
+        keep_going: &mut dyn FnMut() -> bool,
     ) -> Result<(Speculator<'s, 'b>, u32)> {
-        let first = sampler.sample(&backend.prefill(prompt)?)?;
+        let first = sampler.sample(&backend.prefill_until(prompt, keep_going)?)?;
         let mut tokens = prompt.to_vec();
         tokens.push(first);
         let speculator = Speculator {
