@@ -1,5 +1,11 @@
 //! The cache folder: downloads, unpacked inputs, IREE prefixes and the
 //! compiler, each in a folder named by the content that went into it.
+//!
+//! A folder's name says what went into it; a digest beside it
+//! (`<folder>.tree-sha256`, written before the folder is published) says
+//! what came out. An entry is reused only when its tree still hashes to that
+//! digest: one edited, truncated or half-deleted since is removed and built
+//! again, loudly.
 
 use std::path::{Path, PathBuf};
 
@@ -45,7 +51,7 @@ impl Cache {
     /// staging folder and renames it to `dest`. A failed or interrupted fill
     /// leaves nothing at `dest`, so a half-made entry is never reused.
     pub fn publish(&self, dest: &Path, fill: impl FnOnce(&Path) -> Result<()>) -> Result<PathBuf> {
-        if dest.exists() {
+        if self.reusable(dest)? {
             return Ok(dest.to_path_buf());
         }
         let staging_root = self.path("staging");
@@ -59,13 +65,195 @@ impl Cache {
             std::fs::create_dir_all(parent)?;
         }
         let staged = staging.keep();
+        // The digest first: a folder at `dest` without one is never reused.
+        write_atomically(&digest_path(dest), &tree_digest(&staged)?)?;
         std::fs::rename(&staged, dest)
             .with_context(|| format!("cannot move {} to {}", staged.display(), dest.display()))?;
         Ok(dest.to_path_buf())
     }
 }
 
+impl Cache {
+    /// Whether `dest` may be reused: it exists and its tree hashes to the
+    /// digest recorded when it was published. A damaged entry (no digest,
+    /// or another tree) is moved out of the way and removed, with a line
+    /// that says so, and `false` comes back: the caller builds it again.
+    pub fn reusable(&self, dest: &Path) -> Result<bool> {
+        if !dest.exists() {
+            return Ok(false);
+        }
+        let why = match intact(dest) {
+            Ok(()) => return Ok(true),
+            Err(why) => why,
+        };
+        eprintln!(
+            "cache: {} is damaged ({why:#}): removing it and building it again",
+            dest.display()
+        );
+        let staging_root = self.path("staging");
+        std::fs::create_dir_all(&staging_root)?;
+        let aside = tempfile::Builder::new()
+            .prefix("damaged-")
+            .tempdir_in(&staging_root)?
+            .keep();
+        std::fs::rename(dest, aside.join("entry"))
+            .with_context(|| format!("cannot move the damaged {} aside", dest.display()))?;
+        std::fs::remove_dir_all(&aside)
+            .with_context(|| format!("cannot remove {}", aside.display()))?;
+        std::fs::remove_file(digest_path(dest)).ok();
+        Ok(false)
+    }
+}
+
+/// Ok when `dest`'s tree hashes to the digest recorded beside it.
+pub fn intact(dest: &Path) -> Result<()> {
+    let recorded = std::fs::read_to_string(digest_path(dest))
+        .with_context(|| format!("no digest {}", digest_path(dest).display()))?;
+    let found = tree_digest(dest)?;
+    if recorded.trim() != found {
+        return Err(anyhow!(
+            "its tree hashes to {} where {} was recorded",
+            &found[..16],
+            &recorded.trim()[..16.min(recorded.trim().len())]
+        ));
+    }
+    Ok(())
+}
+
+/// Where the digest of an entry is kept: beside it, so that the entry's
+/// own tree is exactly what was published.
+fn digest_path(dest: &Path) -> PathBuf {
+    let mut name = dest.file_name().unwrap_or_default().to_os_string();
+    name.push(".tree-sha256");
+    dest.with_file_name(name)
+}
+
+/// sha256 over a folder: every entry's path relative to it, its kind, and a
+/// file's content or a link's target, in path order. Permission bits are
+/// left out (tools set executable bits on unpacked wheels after publishing).
+pub fn tree_digest(dir: &Path) -> Result<String> {
+    let mut hash = Sha256::new();
+    for entry in walkdir::WalkDir::new(dir).sort_by_file_name() {
+        let entry = entry.with_context(|| format!("cannot walk {}", dir.display()))?;
+        let relative = entry.path().strip_prefix(dir).unwrap_or(entry.path());
+        let kind = entry.file_type();
+        if kind.is_symlink() {
+            let target = std::fs::read_link(entry.path())?;
+            hash.update(format!(
+                "link {} {}\n",
+                relative.display(),
+                target.display()
+            ));
+        } else if kind.is_dir() {
+            hash.update(format!("dir {}\n", relative.display()));
+        } else {
+            let file = crate::fetch::sha256_file(entry.path())?;
+            hash.update(format!("file {} {file}\n", relative.display()));
+        }
+    }
+    Ok(hex::encode(hash.finalize()))
+}
+
+/// Writes `text` to `path` whole: a temporary file in the same folder,
+/// renamed.
+fn write_atomically(path: &Path, text: &str) -> Result<()> {
+    let parent = path.parent().context("a cache path has a parent")?;
+    std::fs::create_dir_all(parent)?;
+    let mut file = tempfile::NamedTempFile::new_in(parent)?;
+    std::io::Write::write_all(&mut file, text.as_bytes())?;
+    file.persist(path)
+        .with_context(|| format!("cannot write {}", path.display()))?;
+    Ok(())
+}
+
 /// sha256 of a JSON value in canonical form (serde_json sorts object keys).
 pub fn content_key(inputs: &serde_json::Value) -> String {
     hex::encode(Sha256::digest(inputs.to_string().as_bytes()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::cell::Cell;
+
+    /// Publishes `dest` with one file, counting the fills.
+    fn publish_one(cache: &Cache, dest: &Path, fills: &Cell<u32>) -> PathBuf {
+        cache
+            .publish(dest, |staging| {
+                fills.set(fills.get() + 1);
+                std::fs::create_dir_all(staging.join("lib"))?;
+                std::fs::write(staging.join("lib/libthing.a"), b"archive")?;
+                Ok(())
+            })
+            .unwrap()
+    }
+
+    #[test]
+    fn an_intact_entry_is_reused_without_filling_it_again() {
+        let root = tempfile::tempdir().unwrap();
+        let cache = Cache::at(root.path());
+        let dest = cache.path("prefix/cpu-0123");
+        let fills = Cell::new(0);
+        publish_one(&cache, &dest, &fills);
+        publish_one(&cache, &dest, &fills);
+        assert_eq!(fills.get(), 1);
+        intact(&dest).unwrap();
+    }
+
+    #[test]
+    fn an_edited_entry_is_removed_and_built_again() {
+        let root = tempfile::tempdir().unwrap();
+        let cache = Cache::at(root.path());
+        let dest = cache.path("prefix/cpu-0123");
+        let fills = Cell::new(0);
+        publish_one(&cache, &dest, &fills);
+        std::fs::write(dest.join("lib/libthing.a"), b"truncat").unwrap();
+        std::fs::write(dest.join("lib/extra.a"), b"left by hand").unwrap();
+        assert!(intact(&dest).is_err());
+        assert!(!cache.reusable(&dest).unwrap());
+        assert!(!dest.exists(), "the damaged entry is removed");
+        publish_one(&cache, &dest, &fills);
+        assert_eq!(fills.get(), 2);
+        assert_eq!(
+            std::fs::read(dest.join("lib/libthing.a")).unwrap(),
+            b"archive"
+        );
+        assert!(!dest.join("lib/extra.a").exists());
+        intact(&dest).unwrap();
+    }
+
+    #[test]
+    fn an_entry_without_a_digest_is_not_trusted() {
+        // What an older xtask, or a copy by hand, leaves.
+        let root = tempfile::tempdir().unwrap();
+        let cache = Cache::at(root.path());
+        let dest = cache.path("tools/abc");
+        std::fs::create_dir_all(&dest).unwrap();
+        std::fs::write(dest.join("cmake"), b"#!/bin/sh\n").unwrap();
+        let fills = Cell::new(0);
+        publish_one(&cache, &dest, &fills);
+        assert_eq!(fills.get(), 1);
+        assert!(!dest.join("cmake").exists());
+    }
+
+    #[test]
+    fn the_digest_covers_names_contents_and_links_but_not_modes() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().unwrap();
+        let d = dir.path();
+        std::fs::write(d.join("a"), b"one").unwrap();
+        std::os::unix::fs::symlink("a", d.join("link")).unwrap();
+        let first = tree_digest(d).unwrap();
+        std::fs::set_permissions(d.join("a"), std::fs::Permissions::from_mode(0o755)).unwrap();
+        assert_eq!(tree_digest(d).unwrap(), first, "modes are left out");
+        std::fs::write(d.join("a"), b"two").unwrap();
+        let content = tree_digest(d).unwrap();
+        assert_ne!(content, first);
+        std::fs::remove_file(d.join("link")).unwrap();
+        std::os::unix::fs::symlink("b", d.join("link")).unwrap();
+        let link = tree_digest(d).unwrap();
+        assert_ne!(link, content);
+        std::fs::rename(d.join("a"), d.join("c")).unwrap();
+        assert_ne!(tree_digest(d).unwrap(), link);
+    }
 }

@@ -22,7 +22,7 @@ fn pinned_wheel(pins: &Pins) -> Result<&Download> {
 
 /// The folder the pinned compiler files unpack to (it may not exist yet),
 /// named by the wheel and the file list.
-fn compiler_dir(cache: &Cache, pins: &Pins) -> Result<PathBuf> {
+pub fn compiler_dir(cache: &Cache, pins: &Pins) -> Result<PathBuf> {
     let key = content_key(&serde_json::json!({
         "wheel": pinned_wheel(pins)?.sha256,
         "files": pins.iree.compiler.files,

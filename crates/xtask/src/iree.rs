@@ -97,7 +97,7 @@ pub fn prefix_location(
 pub fn build(cache: &Cache, pins: &Pins, variant: Variant, target: &Target) -> Result<PathBuf> {
     let (dest, inputs) = prefix_location(cache, pins, variant, target)?;
     let what = format!("{}{}", target.cache_tag(), variant.name());
-    if dest.exists() {
+    if cache.reusable(&dest)? {
         eprintln!("IREE prefix ({what}) is up to date: {}", dest.display());
         return Ok(dest);
     }

@@ -302,7 +302,7 @@ fn cargo_tool_dir(cache: &Cache, tool: &CargoTool) -> PathBuf {
 /// Cargo.lock (`--locked`) into the cache.
 fn install_cargo_tool(cache: &Cache, tool: &CargoTool) -> Result<()> {
     let dest = cargo_tool_dir(cache, tool);
-    if dest.exists() {
+    if cache.reusable(&dest)? {
         return Ok(());
     }
     let crate_name = format!("{}-{}", tool.name, tool.version);

@@ -93,20 +93,31 @@ impl Runner {
     }
 
     /// A step whose product is a cache folder named by its content key:
-    /// reused when that folder is there before the step starts.
+    /// reused when that folder is there, intact (its tree matches the digest
+    /// recorded when it was made), before the step starts.
     pub fn produce<T>(
         &mut self,
         name: &str,
         folder: &Path,
         f: impl FnOnce() -> Result<T>,
     ) -> Result<T> {
-        let reused = folder.exists().then(|| Verdict::Reused {
-            key: folder
-                .file_name()
-                .map(|n| n.to_string_lossy().into_owned())
-                .unwrap_or_default(),
-            when: modified(folder),
-        });
+        // A file here would never be intact, and the step would say `ran`
+        // on every run: name the folder, not something in it.
+        if folder.exists() && !folder.is_dir() {
+            return Err(anyhow!(
+                "step {name}: {} is not a cache folder",
+                folder.display()
+            ));
+        }
+        let reused = crate::cache::intact(folder)
+            .is_ok()
+            .then(|| Verdict::Reused {
+                key: folder
+                    .file_name()
+                    .map(|n| n.to_string_lossy().into_owned())
+                    .unwrap_or_default(),
+                when: modified(folder),
+            });
         self.begin(name);
         let started = Instant::now();
         let result = f();
@@ -358,6 +369,48 @@ mod tests {
             deferrable,
             reusable: true,
         }
+    }
+
+    #[test]
+    fn a_product_is_reused_only_when_its_folder_is_intact() {
+        let dir = tempfile::tempdir().unwrap();
+        let cache = Cache::at(dir.path());
+        let mut steps = runner(dir.path(), None);
+        let folder = cache.path("iree-runtime/cpu-0123");
+        let fill = |staging: &Path| std::fs::write(staging.join("lib.a"), b"a").map_err(Into::into);
+        steps
+            .produce("prefix", &folder, || cache.publish(&folder, fill))
+            .unwrap();
+        steps
+            .produce("prefix", &folder, || cache.publish(&folder, fill))
+            .unwrap();
+        std::fs::write(folder.join("lib.a"), b"edited").unwrap();
+        steps
+            .produce("prefix", &folder, || cache.publish(&folder, fill))
+            .unwrap();
+        let verdicts: Vec<bool> = steps
+            .done
+            .iter()
+            .map(|(_, v)| matches!(v, Verdict::Reused { .. }))
+            .collect();
+        assert_eq!(verdicts, [false, true, false]);
+    }
+
+    #[test]
+    fn a_file_is_refused_as_a_product() {
+        // The compiler's binary, passed where its folder belongs, made the
+        // step say `ran` on every warm run.
+        let dir = tempfile::tempdir().unwrap();
+        let mut steps = runner(dir.path(), None);
+        let binary = dir.path().join("iree-compile");
+        std::fs::write(&binary, b"").unwrap();
+        let error = steps
+            .produce("iree-compile", &binary, || Ok(()))
+            .unwrap_err();
+        assert!(
+            format!("{error:#}").contains("is not a cache folder"),
+            "{error:#}"
+        );
     }
 
     /// A step's work: counts its runs under `name`.

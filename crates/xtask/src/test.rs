@@ -71,7 +71,7 @@ pub fn run(cache: &Cache, pins: &Pins, plan: &Plan) -> Result<()> {
     } else {
         None
     };
-    let compiler_folder = compiler::compiler_location(cache, pins)?;
+    let compiler_folder = compiler::compiler_dir(cache, pins)?;
     let (compiler, _) = steps.produce("iree-compile", &compiler_folder, || {
         compiler::install(cache, pins)
     })?;
