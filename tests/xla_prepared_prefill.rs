@@ -308,6 +308,57 @@ fn both_weight_layouts_give_the_same_model() {
     }
 }
 
+/// A small random Llama whose gate/up and output rows at `[in, out]` are a
+/// whole number of 4 KiB pages at f32 and at f16 (2,048 columns each), so
+/// that both are stored padded ([`kiln_xla::padded_row`]).
+fn page_wide_model() -> Model {
+    let config = kiln_core::ModelConfig {
+        hidden_size: 64,
+        intermediate_size: 1024,
+        num_layers: 2,
+        num_heads: 4,
+        num_kv_heads: 2,
+        head_dim: 16,
+        vocab_size: 2048,
+        rms_norm_eps: 1e-5,
+        rope_theta: 10000.0,
+        rope_scaling: None,
+        tie_word_embeddings: false,
+        max_position_embeddings: 128,
+        bos_token_id: None,
+        eos_token_ids: vec![],
+    };
+    Model::random("page-wide", config, 4096)
+}
+
+/// Padded rows (their zero columns sliced off in the graph) give the same
+/// model: at f32 within the f32 bound, at f16 and bf16 within the half
+/// bound of the reference on the rounded weights.
+#[test]
+fn padded_weight_rows_give_the_same_model() {
+    let model = page_wide_model();
+    for width in [2 * model.config.intermediate_size, model.config.vocab_size] {
+        assert_ne!(kiln_xla::padded_row(width, 4), width);
+        assert_ne!(kiln_xla::padded_row(width, 2), width);
+    }
+    let mut xla = on_cpu(
+        &model,
+        Some(Precision::F32),
+        Some(WeightLayout::InOut),
+        default_cache(),
+    );
+    agrees(&model, &mut xla, 1e-4, 8);
+    let rounded = rounded_to_f16(&model);
+    let mut xla = on_cpu(
+        &rounded,
+        Some(Precision::F16),
+        Some(WeightLayout::InOut),
+        default_cache(),
+    );
+    let worst = agrees(&rounded, &mut xla, F16_BOUND, 8);
+    println!("page-wide f16 worst |iree - cpu| = {worst:e}");
+}
+
 /// The CUDA target's graph choices, run on the CPU: each KV head's query
 /// group padded with zero heads, and the RMSNorm weights folded into the
 /// next matrices with the one-row products in f32, in both weight layouts

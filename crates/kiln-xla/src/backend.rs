@@ -90,8 +90,13 @@ pub const APPEND_ROWS: [usize; 3] = [4, 8, 16];
 /// layout (precision is applied on upload). kiln-core holds matrices `[out,
 /// in]`; q/k/v and gate/up are stacked along the output dimension.
 fn weight_arguments<'w>(w: &'w Weights, graph: &GraphOptions) -> Vec<Cow<'w, [f32]>> {
+    let bytes = graph.precision.storage_bytes();
     let layout = |m: Cow<'w, Matrix>| match graph.layout {
-        WeightLayout::InOut => Cow::Owned(m.transposed()),
+        WeightLayout::InOut => Cow::Owned(pad_rows(
+            m.transposed(),
+            m.rows,
+            crate::graph::padded_row(m.rows, bytes),
+        )),
         WeightLayout::OutIn => match m {
             Cow::Borrowed(m) => Cow::Borrowed(m.data.as_slice()),
             Cow::Owned(m) => Cow::Owned(m.data),
@@ -136,6 +141,20 @@ pub(crate) fn scale_columns(mut m: Matrix, scale: &[f32]) -> Matrix {
     m
 }
 
+/// Row-major rows of `width` elements, each followed by zeros up to
+/// `padded` (see [`crate::graph::padded_row`]).
+fn pad_rows(data: Vec<f32>, width: usize, padded: usize) -> Vec<f32> {
+    if padded == width {
+        return data;
+    }
+    let mut out = Vec::with_capacity(data.len() / width * padded);
+    for row in data.chunks_exact(width) {
+        out.extend_from_slice(row);
+        out.resize(out.len() + padded - width, 0.0);
+    }
+    out
+}
+
 /// `[out, in]` matrices of one input width stacked into one.
 fn stack_rows(ms: &[&Matrix]) -> Matrix {
     Matrix {
@@ -162,6 +181,7 @@ fn packed_weights(model: &Model, graph: &GraphOptions) -> kiln_core::Result<Vec<
     let shapes = crate::llama::weight_shapes(&model.config, graph.layout);
     let (mut dense, mut quants) = (Vec::new(), Vec::new());
     for (i, (part, shape)) in parts.iter().zip(&shapes).enumerate() {
+        let shape = &crate::llama::stored_shape(i, shape, graph);
         if !crate::llama::is_quantized(i, shape) {
             dense.extend(part.iter().copied().map(f16::from_f32));
             continue;

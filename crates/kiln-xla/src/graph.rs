@@ -50,6 +50,14 @@ impl Precision {
         }
     }
 
+    /// Bytes per stored weight element (q4's scales and offsets are f16).
+    pub fn storage_bytes(self) -> usize {
+        match self {
+            Precision::F32 => 4,
+            Precision::F16 | Precision::Bf16 | Precision::Q4 => 2,
+        }
+    }
+
     pub fn name(self) -> &'static str {
         match self {
             Precision::F32 => "f32",
@@ -139,6 +147,26 @@ impl FromStr for WeightLayout {
 
     fn from_str(s: &str) -> Result<WeightLayout, String> {
         by_name(&WeightLayout::ALL, WeightLayout::name, s, "weight layout")
+    }
+}
+
+/// The row length, in elements, a matrix row of `columns` elements of
+/// `bytes` each is stored with: one 64-byte line longer when the row would
+/// be a whole number of 4 KiB pages. A matrix-vector kernel over `[in, out]`
+/// weights reads one line from each of 16 consecutive rows per iteration;
+/// with a page-multiple stride those lines all fall in the same cache sets
+/// and evict each other. On SmolLM2's f32 step the gate/up (12,288-byte
+/// rows) and output (196,608-byte rows) products read 7-13 GB/s against
+/// 23-35 GB/s for the others, and padding them halved the step (`perf` over
+/// `iree-benchmark-module`, docs/models.md). The padding columns are zeros
+/// the graph slices off before the product.
+pub fn padded_row(columns: usize, bytes: usize) -> usize {
+    const PAGE: usize = 4096;
+    const LINE: usize = 64;
+    if (columns * bytes).is_multiple_of(PAGE) {
+        columns + LINE / bytes
+    } else {
+        columns
     }
 }
 

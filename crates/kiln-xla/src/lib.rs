@@ -20,5 +20,5 @@ pub use backend::{
 pub use batched::{BatchedDecoder, Choice, MAX_SLOTS, SlotOutput, batch_sizes};
 pub use compiler::{Compiler, Target};
 pub use error::{Error, Result};
-pub use graph::{GraphOptions, Precision, WeightLayout};
+pub use graph::{GraphOptions, Precision, WeightLayout, padded_row};
 pub use module_cache::{ModuleCache, Origin};

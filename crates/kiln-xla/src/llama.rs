@@ -41,7 +41,7 @@
 
 use kiln_core::ModelConfig;
 
-use crate::graph::{GraphOptions, Precision, WeightLayout};
+use crate::graph::{GraphOptions, Precision, WeightLayout, padded_row};
 use crate::q4::BLOCK;
 use crate::stablehlo::{Function, Ty, Val, module};
 
@@ -73,6 +73,19 @@ pub fn weight_shapes(c: &ModelConfig, layout: WeightLayout) -> Vec<Vec<usize>> {
     shapes.push(vec![h]);
     shapes.push(matrix(h, v));
     shapes
+}
+
+/// How entry `index` of [`weight_shapes`] is stored in the packed buffer:
+/// at `[in, out]`, a product matrix's rows padded by [`padded_row`] (the
+/// graph slices the padding off). The embedding is read a row at a time,
+/// and `[out, in]` rows are reduced whole: both are stored as they are.
+pub fn stored_shape(index: usize, shape: &[usize], g: &GraphOptions) -> Vec<usize> {
+    match (index > 0, shape, g.layout) {
+        (true, &[inputs, outputs], WeightLayout::InOut) => {
+            vec![inputs, padded_row(outputs, g.precision.storage_bytes())]
+        }
+        _ => shape.to_vec(),
+    }
 }
 
 /// Whether entry `index` of [`weight_shapes`] is stored in 4-bit blocks at
@@ -149,7 +162,7 @@ fn weight_params(f: &mut Function, c: &ModelConfig, g: &GraphOptions) -> Params 
     let total: usize = shapes
         .iter()
         .enumerate()
-        .map(|(i, s)| dense_size(i, s))
+        .map(|(i, s)| dense_size(i, &stored_shape(i, s, g)))
         .sum();
     let dense = f.param(&[total], g.precision.storage());
     let quants = q4.then(|| {
@@ -178,7 +191,15 @@ fn weight_params(f: &mut Function, c: &ModelConfig, g: &GraphOptions) -> Params 
                     offsets,
                 }
             }
-            _ => Weight::Dense(take(f, &dense, &mut offset, s)),
+            _ => {
+                let stored = stored_shape(i, s, g);
+                let w = take(f, &dense, &mut offset, &stored);
+                Weight::Dense(if stored == *s {
+                    w
+                } else {
+                    f.slice(&w, &[0, 0], s)
+                })
+            }
         });
     }
     let mut weights = weights.into_iter();
@@ -1145,6 +1166,67 @@ mod tests {
         module
             .lines()
             .any(|l| l.contains("stablehlo.pad") && l.ends_with(shape))
+    }
+
+    /// The shapes of real models' weights (kiln's presets and two more).
+    fn real_shapes() -> Vec<ModelConfig> {
+        let mut configs: Vec<ModelConfig> = ["random-100m", "tinyllama-1.1b", "smollm2-135m"]
+            .iter()
+            .map(|name| kiln_core::model::preset(name).unwrap().0)
+            .collect();
+        // Qwen2.5-0.5B and Llama-3.2-1B.
+        for (h, i, heads, kv, v) in [(896, 4864, 14, 2, 151_936), (2048, 8192, 32, 8, 128_256)] {
+            let mut c = configs[0].clone();
+            (c.hidden_size, c.intermediate_size, c.num_heads) = (h, i, heads);
+            (c.num_kv_heads, c.head_dim, c.vocab_size) = (kv, h / heads, v);
+            configs.push(c);
+        }
+        configs
+    }
+
+    #[test]
+    fn no_in_out_row_is_a_whole_number_of_pages() {
+        // Such rows put the lines a matrix-vector kernel loads together in
+        // the same cache sets (see `padded_row`).
+        for c in real_shapes() {
+            for precision in [Precision::F32, Precision::F16, Precision::Bf16] {
+                let g = GraphOptions::for_target(Target::LlvmCpu, Some(precision), None);
+                assert_eq!(g.layout, WeightLayout::InOut);
+                let bytes = precision.storage_bytes();
+                let mut padded = 0;
+                for (i, shape) in weight_shapes(&c, g.layout).iter().enumerate() {
+                    let stored = stored_shape(i, shape, &g);
+                    if i == 0 || shape.len() != 2 {
+                        assert_eq!(&stored, shape, "only product matrices are padded");
+                        continue;
+                    }
+                    let stride = stored[1] * bytes;
+                    assert_ne!(
+                        stride % 4096,
+                        0,
+                        "{precision} {shape:?}: rows of {stride} bytes"
+                    );
+                    assert!(stored[1] - shape[1] <= 64 / bytes);
+                    padded += usize::from(stored != *shape);
+                }
+                println!(
+                    "hidden {} {precision}: {padded} matrices padded",
+                    c.hidden_size
+                );
+            }
+        }
+        // SmolLM2 at f32: every gate/up (3,072 columns) and the output (49,152).
+        let smollm2 = kiln_core::model::preset("smollm2-135m").unwrap().0;
+        let g = GraphOptions::for_target(Target::LlvmCpu, Some(Precision::F32), None);
+        let shapes = weight_shapes(&smollm2, g.layout);
+        let padded: Vec<usize> = (0..shapes.len())
+            .filter(|&i| stored_shape(i, &shapes[i], &g) != shapes[i])
+            .collect();
+        assert_eq!(padded.len(), smollm2.num_layers + 1);
+        assert_eq!(
+            stored_shape(shapes.len() - 1, &shapes[shapes.len() - 1], &g),
+            [576, 49_168]
+        );
     }
 
     #[test]
