@@ -156,7 +156,7 @@ pub fn tree_digest(dir: &Path) -> Result<String> {
 
 /// Writes `text` to `path` whole: a temporary file in the same folder,
 /// renamed.
-fn write_atomically(path: &Path, text: &str) -> Result<()> {
+pub fn write_atomically(path: &Path, text: &str) -> Result<()> {
     let parent = path.parent().context("a cache path has a parent")?;
     std::fs::create_dir_all(parent)?;
     let mut file = tempfile::NamedTempFile::new_in(parent)?;

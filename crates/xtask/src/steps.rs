@@ -160,7 +160,7 @@ impl Runner {
         if !step.reusable {
             return Ok(());
         }
-        write_stamp(&self.stamps, &stamp, &key)
+        crate::cache::write_atomically(&stamp, &key)
     }
 
     /// The closing lines: how many steps ran and were reused, and every
@@ -295,16 +295,6 @@ fn toolchain_identity() -> Result<String> {
         identity.push_str(&String::from_utf8_lossy(&output.stdout));
     }
     Ok(identity)
-}
-
-/// The stamp, written whole under a temporary name and renamed.
-fn write_stamp(dir: &Path, stamp: &Path, key: &str) -> Result<()> {
-    std::fs::create_dir_all(dir)?;
-    let mut file = tempfile::NamedTempFile::new_in(dir)?;
-    std::io::Write::write_all(&mut file, key.as_bytes())?;
-    file.persist(stamp)
-        .with_context(|| format!("cannot write {}", stamp.display()))?;
-    Ok(())
 }
 
 fn slug(name: &str) -> String {
