@@ -157,9 +157,9 @@ impl FromStr for WeightLayout {
 /// with a page-multiple stride those lines all fall in the same cache sets
 /// and evict each other. On SmolLM2's f32 step the gate/up (12,288-byte
 /// rows) and output (196,608-byte rows) products read 7-13 GB/s against
-/// 23-35 GB/s for the others, and padding them halved the step (`perf` over
-/// `iree-benchmark-module`, docs/models.md). The padding columns are zeros
-/// the graph slices off before the product.
+/// 23-35 GB/s for the others (`perf` over `iree-benchmark-module`); padded,
+/// the f32 decode runs 1.5-1.6x faster (docs/models.md). The padding columns
+/// are zeros the graph slices off inside the product's own dispatch.
 pub fn padded_row(columns: usize, bytes: usize) -> usize {
     const PAGE: usize = 4096;
     const LINE: usize = 64;
