@@ -17,6 +17,7 @@ mod iree_patches;
 mod lint_nix;
 mod lint_workflows;
 mod load;
+mod nix_build;
 mod pins;
 mod prefix;
 mod ptxas;
@@ -146,6 +147,22 @@ enum Task {
         #[arg(long)]
         check: bool,
     },
+    /// Build the flake's packages and checks for this system with this
+    /// machine's Nix (nix-bin), against kiln's host-backed package set
+    /// (nix/build/host-nixpkgs.nix); the machine's /nix/store is kept.
+    NixBuild {
+        /// As for eval-nix: nixpkgs-lib/, crane/, rust-overlay/ at
+        /// flake.lock's revisions (default: downloaded from GitHub).
+        #[arg(long)]
+        inputs: Option<PathBuf>,
+        /// Build in Nix's sandbox (nixbld users; the host's tool folders
+        /// visible read-only, no network but for fixed-output downloads).
+        #[arg(long)]
+        sandbox: bool,
+        /// Outputs to build, e.g. checks.link (default: every package and
+        /// check).
+        attributes: Vec<String>,
+    },
     /// Assemble the PTX of every module kiln prepares (embedded model and
     /// TinyLlama's shape, f32 and f16) with the pinned CUDA's ptxas for each
     /// pinned capability; report registers, spills and shared memory per kernel.
@@ -268,6 +285,18 @@ fn run(cli: Cli) -> Result<()> {
                 eval_nix::run(&Cache::open()?, inputs.as_deref())?;
             }
         }
+        Task::NixBuild {
+            inputs,
+            sandbox,
+            attributes,
+        } => nix_build::run(
+            &Cache::open()?,
+            nix_build::Options {
+                inputs: inputs.as_deref(),
+                sandbox,
+                attributes,
+            },
+        )?,
         Task::Ptxas {
             bench,
             compiler,

@@ -9,7 +9,7 @@
 //! test suite) holds the working tree to.
 
 mod controls;
-mod inputs;
+pub mod inputs;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
@@ -271,7 +271,7 @@ fn evaluate_raw(
 }
 
 /// An absolute path as a Nix path literal.
-fn nix_path(path: &Path) -> Result<String> {
+pub fn nix_path(path: &Path) -> Result<String> {
     let path = std::fs::canonicalize(path)
         .with_context(|| format!("{} does not exist", path.display()))?;
     let text = path

@@ -1,0 +1,276 @@
+//! `cargo xtask nix-build`: the flake's packages and checks built by real
+//! Nix on this machine (Debian's nix-bin), from the flake's own Nix files,
+//! with the locked crane and rust-overlay, nixpkgs' `lib`, and kiln's
+//! host-backed package set (nix/build/host-nixpkgs.nix says what in it is
+//! the host's). The store is the machine's `/nix/store`, kept between runs:
+//! an output already there is reused by Nix, and said so here.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::Instant;
+
+use anyhow::{Context, Result, anyhow};
+
+use crate::cache::Cache;
+use crate::eval_nix::{self, inputs::Inputs};
+use crate::pins::repo_root;
+use crate::setup::Toolbox;
+
+/// Every output `nix flake check` and `nix build` would build for this
+/// system, cheapest first, so a broken package set fails early.
+pub const ALL: [&str; 14] = [
+    "checks.rustfmt",
+    "checks.nix-lint",
+    "packages.iree-compiler",
+    "packages.iree-runtime",
+    "packages.iree-runtime-cuda",
+    "checks.link",
+    "checks.mutations",
+    "checks.clippy",
+    "checks.tests",
+    "checks.tests-cpu",
+    "checks.doctests",
+    "packages.kiln",
+    "checks.ptxas",
+    "checks.reproducible",
+];
+
+/// Folders a sandboxed build sees besides the store: the host's tools and
+/// what they read (Debian's alternatives, the loader's cache, certificates).
+const SANDBOX_PATHS: [&str; 8] = [
+    "/usr",
+    "/bin",
+    "/lib",
+    "/lib64",
+    "/etc/alternatives",
+    "/etc/ld.so.cache",
+    "/etc/ssl",
+    "/etc/ca-certificates",
+];
+
+pub struct Options<'a> {
+    pub inputs: Option<&'a Path>,
+    pub sandbox: bool,
+    pub attributes: Vec<String>,
+}
+
+/// The host's tools the package set takes, found here.
+struct Host {
+    bash: PathBuf,
+    rust_toolchain: PathBuf,
+    rust_version: String,
+    cargo_nextest: PathBuf,
+    nixpkgs_fmt: PathBuf,
+    deadnix: PathBuf,
+    libclang: PathBuf,
+}
+
+fn find_host(cache: &Cache) -> Result<Host> {
+    for (program, package) in [
+        ("nix-build", "nix-bin"),
+        ("jq", "jq"),
+        ("zstd", "zstd"),
+        ("rsync", "rsync"),
+        ("unzip", "unzip"),
+        ("patchelf", "patchelf"),
+        ("pkg-config", "pkg-config"),
+        ("curl", "curl"),
+    ] {
+        which(program).map_err(|_| {
+            anyhow!(
+                "the Nix build's host package set needs {program}: apt-get install -y {package}"
+            )
+        })?;
+    }
+    let sysroot = output(Command::new("rustc").args(["--print", "sysroot"]))?;
+    let version_line = output(Command::new("rustc").arg("--version"))?;
+    let rust_version = version_line
+        .split_whitespace()
+        .nth(1)
+        .ok_or_else(|| anyhow!("cannot read rustc's version from `{version_line}`"))?
+        .to_string();
+    let libclang = [
+        "/usr/lib/llvm-14/lib",
+        "/usr/lib/x86_64-linux-gnu",
+        "/usr/lib/aarch64-linux-gnu",
+    ]
+    .iter()
+    .map(PathBuf::from)
+    .find(|d| d.join("libclang.so").exists() || d.join("libclang-14.so.1").exists())
+    .ok_or_else(|| anyhow!("no libclang found (apt-get install -y libclang-dev)"))?;
+    let toolbox = Toolbox::installed(cache)?;
+    Ok(Host {
+        bash: std::fs::canonicalize("/bin/bash")?,
+        // rustup's `1.95.0` is often a link to `stable`: the store copy is
+        // of the real folder.
+        rust_toolchain: std::fs::canonicalize(&sysroot)
+            .with_context(|| format!("rustc's sysroot {sysroot} does not exist"))?,
+        rust_version,
+        cargo_nextest: which("cargo-nextest")?,
+        nixpkgs_fmt: toolbox.find("nixpkgs-fmt", "the nix-lint check")?,
+        deadnix: toolbox.find("deadnix", "the nix-lint check")?,
+        libclang,
+    })
+}
+
+fn output(command: &mut Command) -> Result<String> {
+    let out = command
+        .output()
+        .with_context(|| format!("cannot run {command:?}"))?;
+    if !out.status.success() {
+        return Err(anyhow!(
+            "{command:?} failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        ));
+    }
+    Ok(String::from_utf8_lossy(&out.stdout).trim().to_string())
+}
+
+fn which(program: &str) -> Result<PathBuf> {
+    let found = output(Command::new("sh").args(["-c", &format!("command -v {program}")]))
+        .map_err(|_| anyhow!("{program} is not on PATH (the Nix build copies the host's)"))?;
+    Ok(std::fs::canonicalize(found)?)
+}
+
+fn path_text(path: &Path) -> Result<&str> {
+    path.to_str()
+        .ok_or_else(|| anyhow!("{} is not UTF-8", path.display()))
+}
+
+/// `nix-build`'s arguments for the driver, for one attribute.
+fn driver_args(checkout: &Path, inputs: &Inputs, host: &Host, system: &str) -> Result<Vec<String>> {
+    let driver = repo_root().join("nix/build/default.nix");
+    let mut args = vec![path_text(&driver)?.to_string()];
+    for (name, path) in [
+        ("repo", checkout),
+        ("nixpkgsLib", &inputs.nixpkgs_lib),
+        ("crane", &inputs.crane),
+        ("rustOverlay", &inputs.rust_overlay),
+    ] {
+        args.extend(["--arg".into(), name.into(), eval_nix::nix_path(path)?]);
+    }
+    for (name, value) in [
+        ("system", system.to_string()),
+        ("hostPath", "/usr/bin:/bin".to_string()),
+        ("hostBash", path_text(&host.bash)?.to_string()),
+        (
+            "hostCertificates",
+            "/etc/ssl/certs/ca-certificates.crt".to_string(),
+        ),
+        (
+            "rustToolchain",
+            path_text(&host.rust_toolchain)?.to_string(),
+        ),
+        ("rustVersion", host.rust_version.clone()),
+        ("cargoNextest", path_text(&host.cargo_nextest)?.to_string()),
+        ("nixpkgsFmt", path_text(&host.nixpkgs_fmt)?.to_string()),
+        ("deadnix", path_text(&host.deadnix)?.to_string()),
+        ("libclang", path_text(&host.libclang)?.to_string()),
+    ] {
+        args.extend(["--argstr".into(), name.into(), value]);
+    }
+    Ok(args)
+}
+
+fn nix_options(sandbox: bool) -> Vec<String> {
+    let mut options = vec![
+        // No binary cache: everything is built here (and cache.nixos.org is
+        // out of reach).
+        "--option".to_string(),
+        "substituters".to_string(),
+        String::new(),
+        "--option".to_string(),
+        "sandbox".to_string(),
+        sandbox.to_string(),
+        "--cores".to_string(),
+        "0".to_string(),
+        "--max-jobs".to_string(),
+        "1".to_string(),
+    ];
+    if sandbox {
+        options.extend([
+            "--option".to_string(),
+            "build-users-group".to_string(),
+            "nixbld".to_string(),
+            "--option".to_string(),
+            "extra-sandbox-paths".to_string(),
+            SANDBOX_PATHS.join(" "),
+        ]);
+    } else {
+        options.extend([
+            "--option".to_string(),
+            "build-users-group".to_string(),
+            String::new(),
+        ]);
+    }
+    options
+}
+
+/// Whether every output of `attribute`'s derivation is already in the store.
+fn in_store(base: &[String], attribute: &str) -> Result<bool> {
+    let drv = output(Command::new("nix-instantiate").args(base).args([
+        "-A",
+        attribute,
+        "--option",
+        "build-users-group",
+        "",
+    ]))?;
+    let outputs = output(Command::new("nix-store").args(["--query", "--outputs", &drv]))?;
+    Ok(outputs.lines().all(|o| Path::new(o).exists()))
+}
+
+pub fn run(cache: &Cache, options: Options) -> Result<()> {
+    let host = find_host(cache)?;
+    let inputs = match options.inputs {
+        Some(dir) => eval_nix::inputs::from_folder(dir)?,
+        None => eval_nix::inputs::download(cache)?,
+    };
+    let system = crate::pins::host_system()?;
+    // The tracked files only, as a flake sees its source.
+    let work = tempfile::tempdir().context("cannot create a scratch folder")?;
+    let checkout = work.path().join("kiln");
+    crate::tree::copy_checkout(&repo_root(), &checkout)?;
+    let base = driver_args(&checkout, &inputs, &host, &system)?;
+    let attributes = if options.attributes.is_empty() {
+        ALL.iter().map(|a| a.to_string()).collect()
+    } else {
+        options.attributes
+    };
+    eprintln!(
+        "nix-build: {} outputs for {system}, {}; rust {} from {}",
+        attributes.len(),
+        if options.sandbox {
+            "sandboxed"
+        } else {
+            "unsandboxed"
+        },
+        host.rust_version,
+        host.rust_toolchain.display()
+    );
+    let mut failed = Vec::new();
+    for attribute in &attributes {
+        let started = Instant::now();
+        let reused = in_store(&base, attribute)?;
+        let status = Command::new("nix-build")
+            .args(&base)
+            .args(["-A", attribute, "--no-out-link"])
+            .args(nix_options(options.sandbox))
+            .status()
+            .context("cannot run nix-build")?;
+        let seconds = started.elapsed().as_secs_f64();
+        let verdict = match (status.success(), reused) {
+            (true, true) => "reused (already in the store)",
+            (true, false) => "built",
+            (false, _) => "FAILED",
+        };
+        eprintln!("nix-build {attribute}: {verdict} in {seconds:.1} s");
+        if !status.success() {
+            failed.push(attribute.clone());
+        }
+    }
+    if failed.is_empty() {
+        Ok(())
+    } else {
+        Err(anyhow!("nix-build failed: {}", failed.join(", ")))
+    }
+}
