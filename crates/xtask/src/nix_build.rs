@@ -187,23 +187,47 @@ fn nix_options(sandbox: bool) -> Vec<String> {
         "--max-jobs".to_string(),
         "1".to_string(),
     ];
+    // Single-user, as root: Nix builds as an unprivileged user of its own
+    // user namespace, with or without the sandbox; no nixbld users needed.
+    options.extend([
+        "--option".to_string(),
+        "build-users-group".to_string(),
+        String::new(),
+    ]);
     if sandbox {
         options.extend([
-            "--option".to_string(),
-            "build-users-group".to_string(),
-            "nixbld".to_string(),
             "--option".to_string(),
             "extra-sandbox-paths".to_string(),
             SANDBOX_PATHS.join(" "),
         ]);
-    } else {
-        options.extend([
-            "--option".to_string(),
-            "build-users-group".to_string(),
-            String::new(),
-        ]);
     }
     options
+}
+
+/// The negative control of `--sandbox`: a derivation (new every run, so
+/// never reused) that tries to reach a package registry must find no network,
+/// with the options every build here gets.
+fn sandbox_has_no_network() -> Result<()> {
+    let nonce = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)?
+        .as_nanos();
+    let expression = format!(
+        r#"derivation {{ name = "kiln-sandbox-control"; system = builtins.currentSystem; builder = "/bin/sh"; nonce = "{nonce}";
+            args = [ "-c" "PATH=/usr/bin:/bin; if curl --silent --max-time 10 --output /dev/null https://pypi.org/simple/; then echo reached > $out; else echo isolated > $out; fi" ]; }}"#
+    );
+    let out = output(
+        Command::new("nix-build")
+            .args(["--no-out-link", "-E", &expression])
+            .args(nix_options(true)),
+    )?;
+    let verdict = std::fs::read_to_string(out.lines().last().unwrap_or_default())?;
+    if verdict.trim() != "isolated" {
+        return Err(anyhow!(
+            "a sandboxed build reached https://pypi.org: Nix's sandbox is not on here (nix-build --option sandbox true)"
+        ));
+    }
+    eprintln!("nix-build: the sandbox's control derivation found no network (as it must)");
+    Ok(())
 }
 
 /// Whether every output of `attribute`'s derivation is already in the store.
@@ -247,6 +271,9 @@ pub fn run(cache: &Cache, options: Options) -> Result<()> {
         host.rust_version,
         host.rust_toolchain.display()
     );
+    if options.sandbox {
+        sandbox_has_no_network()?;
+    }
     let mut failed = Vec::new();
     for attribute in &attributes {
         let started = Instant::now();
@@ -272,5 +299,91 @@ pub fn run(cache: &Cache, options: Options) -> Result<()> {
         Ok(())
     } else {
         Err(anyhow!("nix-build failed: {}", failed.join(", ")))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every check the flake has for x86_64-linux (as evaluated into the
+    /// committed summary) and every IREE and kiln package is built.
+    #[test]
+    fn every_check_and_package_is_built() {
+        let path = repo_root().join("nix/eval/summary.json");
+        let summary: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+        let outputs = summary["systems"]["x86_64-linux"].as_object().unwrap();
+        let wanted: Vec<&String> = outputs
+            .keys()
+            .filter(|k| {
+                k.starts_with("checks.")
+                    || (k.starts_with("packages.")
+                        && (k.contains("iree") || k.as_str() == "packages.kiln"))
+            })
+            .collect();
+        assert!(wanted.len() >= 14, "the summary lists {wanted:?}");
+        let missing: Vec<&&String> = wanted
+            .iter()
+            .filter(|k| !ALL.contains(&k.as_str()))
+            .collect();
+        assert!(missing.is_empty(), "nix-build does not build {missing:?}");
+    }
+
+    /// nix/build/setup.sh run as Nix would run it, without Nix: the phases in
+    /// order, a setup hook's hooks after the phase's own, a replaced phase,
+    /// a source folder unpacked, patched and installed.
+    #[test]
+    fn the_setup_script_runs_phases_and_hooks_in_order() {
+        let dir = tempfile::tempdir().unwrap();
+        let root = dir.path();
+        let src = root.join("kiln-src");
+        std::fs::create_dir_all(&src).unwrap();
+        std::fs::write(src.join("greeting"), "hello\n").unwrap();
+        std::fs::write(
+            root.join("fix.patch"),
+            "--- a/greeting\n+++ b/greeting\n@@ -1 +1 @@\n-hello\n+hello, patched\n",
+        )
+        .unwrap();
+        let hook_package = root.join("hook");
+        std::fs::create_dir_all(hook_package.join("nix-support")).unwrap();
+        std::fs::write(
+            hook_package.join("nix-support/setup-hook"),
+            "fromHook() { echo hook-postPatch >> \"$TMPDIR/log\"; }\npostPatchHooks+=(fromHook)\n",
+        )
+        .unwrap();
+        let out = root.join("out");
+        let tmp = root.join("tmp");
+        std::fs::create_dir_all(&tmp).unwrap();
+        let status = Command::new("bash")
+            .arg("-e")
+            .arg(repo_root().join("nix/build/setup.sh"))
+            .env_clear()
+            // This process's PATH: under Nix, the tests' own tools.
+            .env("initialPath", std::env::var_os("PATH").unwrap())
+            .env("TMPDIR", &tmp)
+            .env("out", &out)
+            .env("src", &src)
+            .env("patches", root.join("fix.patch"))
+            .env("nativeBuildInputs", &hook_package)
+            .env("postPatch", "echo own-postPatch >> \"$TMPDIR/log\"")
+            .env(
+                "buildPhase",
+                "runHook preBuild; echo build >> \"$TMPDIR/log\"; runHook postBuild",
+            )
+            .env("installPhase", "mkdir -p $out; cp greeting $out/")
+            .env("doCheck", "")
+            .env("checkPhase", "echo check-must-not-run >> \"$TMPDIR/log\"")
+            .status()
+            .unwrap();
+        assert!(status.success());
+        assert_eq!(
+            std::fs::read_to_string(out.join("greeting")).unwrap(),
+            "hello, patched\n"
+        );
+        assert_eq!(
+            std::fs::read_to_string(tmp.join("log")).unwrap(),
+            "own-postPatch\nhook-postPatch\nbuild\n"
+        );
     }
 }
