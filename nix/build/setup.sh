@@ -17,6 +17,8 @@
 # hardening flags, no stripping, no shebang patching. The compilers are the
 # host's (initialPath).
 
+# shellcheck disable=SC2154 # initialPath, out and the rest come from Nix.
+
 set -o pipefail
 shopt -s nullglob
 
@@ -31,6 +33,7 @@ export NIX_BUILD_CORES="${NIX_BUILD_CORES:-1}"
 for phaseName in Unpack Patch Configure Build Check Install Fixup InstallCheck; do
     declare -a "pre${phaseName}Hooks=()" "post${phaseName}Hooks=()"
 done
+# shellcheck disable=SC2034 # filled by setup hooks, run by runHook.
 declare -a fixupOutputHooks=()
 
 # runHook NAME [ARGS]: the attribute or function NAME, then NAMEHooks.
@@ -63,7 +66,7 @@ addInput() {
     local propagated="$input/nix-support/propagated-build-inputs"
     if [ -f "$propagated" ]; then
         local p
-        for p in $(cat "$propagated"); do
+        for p in $(<"$propagated"); do
             addInput "$p"
         done
     fi
@@ -238,7 +241,7 @@ genericBuild() {
     fi
     [ -z "${dontUnpack:-}" ] && runPhase unpack
     if [ -n "${sourceRoot:-}" ]; then
-        cd "$sourceRoot"
+        cd "$sourceRoot" || return 1
     fi
     [ -z "${dontPatch:-}" ] && runPhase patch
     [ -z "${dontConfigure:-}" ] && runPhase configure
@@ -252,6 +255,6 @@ genericBuild() {
 
 # The dev shell sources this file without building.
 if [ -z "${kilnSetupOnly:-}" ]; then
-    cd "${TMPDIR:-/tmp}"
+    cd "${TMPDIR:-/tmp}" || exit 1
     genericBuild
 fi
