@@ -216,7 +216,8 @@ let
     in
     fromWheel {
       pname = wheel.nixpkgs;
-      inherit (wheel) version pin;
+      inherit (wheel) version;
+      inherit pin;
       outputs = [
         "out"
         "bin"
