@@ -311,9 +311,9 @@ mod tests {
     /// committed summary) and every IREE and kiln package is built.
     #[test]
     fn every_check_and_package_is_built() {
-        let path = repo_root().join("nix/eval/summary.json");
-        let summary: serde_json::Value =
-            serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+        let Some(summary) = crate::flake_contract::summary() else {
+            return;
+        };
         let outputs = summary["systems"]["x86_64-linux"].as_object().unwrap();
         let wanted: Vec<&String> = outputs
             .keys()
