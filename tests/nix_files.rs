@@ -26,17 +26,19 @@ fn json(path: &str) -> Value {
     serde_json::from_str(&std::fs::read_to_string(root().join(path)).unwrap()).unwrap()
 }
 
-/// flake.nix and every file under nix/ that ends in .nix, except nix/eval/:
-/// the evaluator's stand-in describes nixpkgs (its CUDA versions among
-/// others) independently of the pins, so that comparing the two means
-/// something.
+/// flake.nix and every file under nix/ that ends in .nix, except nix/eval/
+/// and nix/build/: the evaluator's stand-in and the build's host-backed
+/// package set stand for nixpkgs, not for kiln's packaging (the stand-in
+/// describes nixpkgs' CUDA versions independently of the pins, so that
+/// comparing the two means something; the package set fetches crane's own
+/// helper's crates from crates.io by their Cargo.lock checksums).
 fn nix_files() -> Vec<(PathBuf, String)> {
     let mut files = vec![root().join("flake.nix")];
     let mut dirs = vec![root().join("nix")];
     while let Some(dir) = dirs.pop() {
         for entry in std::fs::read_dir(dir).unwrap() {
             let path = entry.unwrap().path();
-            if path == root().join("nix/eval") {
+            if path == root().join("nix/eval") || path == root().join("nix/build") {
                 continue;
             }
             if path.is_dir() {
