@@ -43,24 +43,9 @@ let
   };
   lib = importFile (nixpkgsLib + "/lib");
 
-  callFlake =
-    dir: inputs:
-    let
-      flake = importFile (dir + "/flake.nix");
-      self = flake.outputs (inputs // { inherit self; }) // {
-        outPath = dir;
-      };
-    in
-    self;
-
-  nixpkgs = {
-    inherit lib;
-    outPath = standInDir;
-  };
-  kiln = callFlake repo {
-    inherit nixpkgs;
-    crane = callFlake crane { };
-    rust-overlay = callFlake rustOverlay { inherit nixpkgs; };
+  kiln = import ../eval/call-flake.nix {
+    inherit importFile lib repo crane rustOverlay;
+    nixpkgsDir = standInDir;
   };
 in
 {

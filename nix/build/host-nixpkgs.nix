@@ -423,28 +423,13 @@ let
         );
       };
 
-      callPackage = lib.callPackageWith final;
-      newScope = extra: lib.callPackageWith (final // extra);
-      makeScopeWithSplicing' = lib.makeScopeWithSplicing' {
-        inherit (final) newScope;
-        # No cross-compilation: every package set is this one.
-        splicePackages = { pkgsHostTarget, ... }: pkgsHostTarget;
-      };
-      splicePackages = { pkgsHostTarget, ... }: pkgsHostTarget;
-      pkgsBuildBuild = final;
-      pkgsBuildHost = final;
-      pkgsBuildTarget = final;
-      pkgsHostHost = final;
-      pkgsHostTarget = final;
-      pkgsTargetTarget = final;
-      buildPackages = final;
-
       # nixpkgs' own Rust, crane's default before overrideToolchain.
       rustc = rustToolchain;
       cargo = rustToolchain;
       clippy = rustToolchain;
       rustfmt = rustToolchain;
     }
+    // import ../eval/scope.nix { inherit lib final; }
     // {
       "cudaPackages_${lib.replaceStrings [ "." ] [ "_" ] pins.cuda.version}" = cudaPackages;
     };

@@ -18,26 +18,9 @@ let
   };
   lib = importFile (nixpkgsLib + "/lib");
 
-  # A flake's outputs, called with the given inputs (what `nix flake` does
-  # after fetching them by the lock file).
-  callFlake =
-    dir: inputs:
-    let
-      flake = importFile (dir + "/flake.nix");
-      self = flake.outputs (inputs // { inherit self; }) // {
-        outPath = dir;
-      };
-    in
-    self;
-
-  nixpkgs = {
-    inherit lib;
-    outPath = standInDir;
-  };
-  kiln = callFlake repo {
-    inherit nixpkgs;
-    crane = callFlake crane { };
-    rust-overlay = callFlake rustOverlay { inherit nixpkgs; };
+  kiln = import ./call-flake.nix {
+    inherit importFile lib repo crane rustOverlay;
+    nixpkgsDir = standInDir;
   };
 
   systems = if onlySystem == null then builtins.attrNames kiln.packages else [ onlySystem ];

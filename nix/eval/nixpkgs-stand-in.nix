@@ -499,21 +499,6 @@ let
             meta = args.meta or { };
           };
 
-      callPackage = lib.callPackageWith final;
-      newScope = extra: lib.callPackageWith (final // extra);
-      makeScopeWithSplicing' = lib.makeScopeWithSplicing' {
-        inherit (final) newScope;
-        # No cross-compilation: every package set is this one.
-        splicePackages = { pkgsHostTarget, ... }: pkgsHostTarget;
-      };
-      splicePackages = { pkgsHostTarget, ... }: pkgsHostTarget;
-      pkgsBuildBuild = final;
-      pkgsBuildHost = final;
-      pkgsBuildTarget = final;
-      pkgsHostHost = final;
-      pkgsHostTarget = final;
-      pkgsTargetTarget = final;
-      buildPackages = final;
 
       inherit makeSetupHook;
       runCommand = runCommandWith;
@@ -547,6 +532,7 @@ let
           }
         );
     }
+    // import ./scope.nix { inherit lib final; }
     // lib.mapAttrs' (attr: release: lib.nameValuePair "cudaPackages_${attr}" (mkCudaPackages release)) cudaReleases;
 in
 lib.fix (lib.foldl' (base: overlay: lib.extends overlay base) basePackages overlays)

@@ -28,8 +28,10 @@ use inputs::Inputs;
 const SUMMARY: &str = "nix/eval/summary.json";
 /// The evaluation's own files: they change what it finds, so they are
 /// hashed too.
-const EVALUATOR: [&str; 4] = [
+const EVALUATOR: [&str; 6] = [
     "nix/eval/default.nix",
+    "nix/eval/call-flake.nix",
+    "nix/eval/scope.nix",
     "nix/eval/read-as-nix-2-8.nix",
     "nix/eval/nixpkgs-stand-in.nix",
     "flake.lock",
