@@ -16,10 +16,24 @@ pub struct ModelArgs {
     /// the embedded model when left out (chat: the pinned SmolLM2).
     #[arg(long)]
     pub model: Option<PathBuf>,
-    #[arg(long, value_enum, default_value_t = BackendKind::Cpu)]
-    pub backend: BackendKind,
+    /// The backend: cpu when left out (chat: cpu-q4).
+    #[arg(long, value_enum)]
+    pub backend: Option<BackendKind>,
     #[command(flatten)]
-    pub iree: IreeOptions,
+    pub options: BackendOptions,
+}
+
+impl ModelArgs {
+    /// `--backend`, or `default` when it is left out.
+    pub fn backend_or(&self, default: BackendKind) -> BackendKind {
+        self.backend.unwrap_or(default)
+    }
+
+    /// `--backend`, or the CPU reference when it is left out (every command
+    /// but chat).
+    pub fn backend(&self) -> BackendKind {
+        self.backend_or(BackendKind::Cpu)
+    }
 }
 
 /// The name `--model` takes for kiln's embedded model (the default of every
@@ -35,17 +49,37 @@ pub fn load_model(spec: Option<&Path>) -> Result<Model> {
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 pub enum BackendKind {
-    /// The pure-Rust CPU reference.
+    /// The pure-Rust CPU reference: f32, one thread.
     Cpu,
+    /// The CPU reference's forward pass over matrices in 4-bit blocks (a
+    /// Q4_1 GGUF's as stored, others quantized on load), SIMD block
+    /// products on `--threads` threads: kiln's fastest CPU decode.
+    CpuQ4,
     /// IREE on the CPU (`local-task`), modules compiled for llvm-cpu.
     IreeCpu,
     /// IREE on an NVIDIA GPU (`cuda`), sm_80 PTX JIT-compiled by the driver.
     IreeCuda,
 }
 
-/// Backend options that only the IREE backends use.
+impl BackendKind {
+    /// The name `--backend` takes.
+    pub fn name(self) -> &'static str {
+        match self {
+            BackendKind::Cpu => "cpu",
+            BackendKind::CpuQ4 => "cpu-q4",
+            BackendKind::IreeCpu => "iree-cpu",
+            BackendKind::IreeCuda => "iree-cuda",
+        }
+    }
+}
+
+/// Backend options: the IREE backends' and cpu-q4's thread count.
 #[derive(Clone, Debug, clap::Args)]
-pub struct IreeOptions {
+pub struct BackendOptions {
+    /// Threads of the cpu-q4 backend's products (default: one per core;
+    /// the iree backends take `--iree-flag=--task_topology_cpu_ids=…`).
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u16).range(1..=1024))]
+    pub threads: Option<u16>,
     /// Longest sequence (prompt plus generated tokens) the IREE modules hold.
     #[arg(long, default_value_t = 256)]
     pub max_context: usize,
@@ -81,10 +115,23 @@ pub struct IreeOptions {
 pub fn open<'m>(
     model: &'m Model,
     kind: BackendKind,
-    options: &IreeOptions,
+    options: &BackendOptions,
 ) -> Result<Box<dyn Backend + 'm>> {
+    if options.threads.is_some() && kind != BackendKind::CpuQ4 {
+        bail!(
+            "--threads is the cpu-q4 backend's; {} does not take it",
+            kind.name()
+        );
+    }
     match kind {
         BackendKind::Cpu => Ok(Box::new(CpuBackend::new(model))),
+        BackendKind::CpuQ4 => {
+            let threads = match options.threads {
+                Some(n) => usize::from(n),
+                None => std::thread::available_parallelism().map_or(1, usize::from),
+            };
+            Ok(Box::new(kiln_cpu::backend(model, threads)?))
+        }
         BackendKind::IreeCpu | BackendKind::IreeCuda => iree(model, kind, options),
     }
 }
@@ -97,11 +144,11 @@ pub fn open<'m>(
 pub fn open_loaded<'m>(
     model: &'m Model,
     kind: BackendKind,
-    options: &IreeOptions,
+    options: &BackendOptions,
     draft_tokens: Option<usize>,
 ) -> Result<Box<dyn Backend + 'm>> {
     #[cfg(feature = "xla-iree")]
-    if kind != BackendKind::Cpu {
+    if matches!(kind, BackendKind::IreeCpu | BackendKind::IreeCuda) {
         let mut backend = open_iree(model, kind, options)?;
         let mut kinds = backend.module_kinds();
         if let Some(k) = draft_tokens {
@@ -120,7 +167,7 @@ pub fn open_loaded<'m>(
 fn iree<'m>(
     model: &'m Model,
     kind: BackendKind,
-    options: &IreeOptions,
+    options: &BackendOptions,
 ) -> Result<Box<dyn Backend + 'm>> {
     Ok(Box::new(open_iree(model, kind, options)?))
 }
@@ -130,7 +177,7 @@ fn iree<'m>(
 pub fn open_iree<'m>(
     model: &'m Model,
     kind: BackendKind,
-    options: &IreeOptions,
+    options: &BackendOptions,
 ) -> Result<kiln_xla::IreeBackend<'m>> {
     use kiln_xla::{IreeBackend, ModuleCache, Target};
     let target = target(kind)?;
@@ -166,13 +213,15 @@ pub fn target(kind: BackendKind) -> Result<kiln_xla::Target> {
         ),
         BackendKind::IreeCuda => Ok(kiln_xla::Target::Cuda),
         BackendKind::IreeCpu => Ok(kiln_xla::Target::LlvmCpu),
-        BackendKind::Cpu => bail!("the cpu backend is not an IREE backend"),
+        BackendKind::Cpu | BackendKind::CpuQ4 => {
+            bail!("the {} backend is not an IREE backend", kind.name())
+        }
     }
 }
 
 /// The graph choices of `target` with the user's overrides.
 #[cfg(feature = "xla-iree")]
-pub fn graph(target: kiln_xla::Target, options: &IreeOptions) -> Result<kiln_xla::GraphOptions> {
+pub fn graph(target: kiln_xla::Target, options: &BackendOptions) -> Result<kiln_xla::GraphOptions> {
     let precision = parse_option("--precision", options.precision.as_deref())?;
     let layout = parse_option("--weight-layout", options.weight_layout.as_deref())?;
     Ok(kiln_xla::GraphOptions::for_target(
@@ -194,7 +243,7 @@ fn parse_option<T: std::str::FromStr<Err = String>>(
 
 /// The sequence buckets and context the IREE modules are compiled for.
 #[cfg(feature = "xla-iree")]
-pub fn buckets(model: &Model, options: &IreeOptions) -> Result<kiln_xla::Buckets> {
+pub fn buckets(model: &Model, options: &BackendOptions) -> Result<kiln_xla::Buckets> {
     if options.max_context == 0 {
         bail!("--max-context must be positive");
     }
@@ -216,7 +265,7 @@ pub fn compiler() -> Result<Option<kiln_xla::Compiler>> {
 fn iree<'m>(
     _model: &'m Model,
     kind: BackendKind,
-    _options: &IreeOptions,
+    _options: &BackendOptions,
 ) -> Result<Box<dyn Backend + 'm>> {
     let features = if kind == BackendKind::IreeCuda {
         "cuda,xla-iree"

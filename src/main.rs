@@ -165,7 +165,7 @@ fn generate(
     let model = load(args.model.as_ref())?;
     let prompt_ids = model.tokenizer.encode(prompt)?;
     let draft = speculation.draft_model(&model)?;
-    let mut backend = backends::open(&model, args.backend, &args.iree)?;
+    let mut backend = backends::open(&model, args.backend(), &args.options)?;
     let started = Instant::now();
     let mut first_token_at = None;
     let mut text = TextStream::new(&model.tokenizer);
@@ -189,7 +189,7 @@ fn generate(
         ),
         Some(kind) => {
             let mut proposer =
-                kiln::speculation::proposer(kind, draft.as_ref(), args.backend, &args.iree)?;
+                kiln::speculation::proposer(kind, draft.as_ref(), args.backend(), &args.options)?;
             let (tokens, stats) = kiln_core::generate_speculative(
                 backend.as_mut(),
                 proposer.as_mut(),
@@ -235,7 +235,11 @@ fn chat(args: &ChatArgs) -> Result<()> {
         Some(path) => kiln::chat::load(path)?,
         None => kiln::chat::default_model()?,
     };
-    let mut backend = backends::open(&model, args.model.backend, &args.model.iree)?;
+    let mut backend = backends::open(
+        &model,
+        args.model.backend_or(backends::BackendKind::CpuQ4),
+        &args.model.options,
+    )?;
     kiln::chat::run(
         &model,
         template,
@@ -248,7 +252,7 @@ fn chat(args: &ChatArgs) -> Result<()> {
 fn prefill(args: &ModelArgs, prompt: &str, top: usize) -> Result<()> {
     let model = load(args.model.as_ref())?;
     let ids = model.tokenizer.encode(prompt)?;
-    let mut backend = backends::open(&model, args.backend, &args.iree)?;
+    let mut backend = backends::open(&model, args.backend(), &args.options)?;
     let logits = backend.prefill(&ids)?;
     let mut order: Vec<usize> = (0..logits.len()).collect();
     order.sort_by(|&a, &b| logits[b].total_cmp(&logits[a]).then(a.cmp(&b)));
@@ -279,9 +283,10 @@ fn prefill(args: &ModelArgs, prompt: &str, top: usize) -> Result<()> {
 fn prepare(args: &ModelArgs, batch_slots: usize, draft_tokens: Option<usize>) -> Result<()> {
     use anyhow::Context;
     use indicatif::{ProgressBar, ProgressStyle};
-    if args.backend == backends::BackendKind::Cpu {
+    if let kind @ (backends::BackendKind::Cpu | backends::BackendKind::CpuQ4) = args.backend() {
         anyhow::bail!(
-            "the cpu backend has nothing to prepare; pass --backend iree-cpu or iree-cuda"
+            "the {} backend has nothing to prepare; pass --backend iree-cpu or iree-cuda",
+            kind.name()
         );
     }
     if batch_slots > kiln_xla::MAX_SLOTS {
@@ -290,15 +295,15 @@ fn prepare(args: &ModelArgs, batch_slots: usize, draft_tokens: Option<usize>) ->
             kiln_xla::MAX_SLOTS
         );
     }
-    kiln_xla::check_steps_per_call(args.iree.steps_per_call)?;
+    kiln_xla::check_steps_per_call(args.options.steps_per_call)?;
     let model = load(args.model.as_ref())?;
-    let target = backends::target(args.backend)?;
-    let buckets = backends::buckets(&model, &args.iree)?;
-    let graph = backends::graph(target, &args.iree)?;
+    let target = backends::target(args.backend())?;
+    let buckets = backends::buckets(&model, &args.options)?;
+    let graph = backends::graph(target, &args.options)?;
     let compiler = kiln_xla::Compiler::from_env()?;
     let cache = kiln_xla::ModuleCache::default_location()?;
     let started = Instant::now();
-    let mut kinds = kiln_xla::prepared::module_kinds(&buckets, args.iree.steps_per_call);
+    let mut kinds = kiln_xla::prepared::module_kinds(&buckets, args.options.steps_per_call);
     kinds.extend(kiln_xla::prepared::batch_module_kinds(batch_slots));
     if let Some(k) = draft_tokens {
         kinds.extend(kiln_xla::prepared::append_module_kinds(k));
@@ -343,7 +348,7 @@ fn prepare(args: &ModelArgs, batch_slots: usize, draft_tokens: Option<usize>) ->
 fn prepare(args: &ModelArgs, _batch_slots: usize, _draft_tokens: Option<usize>) -> Result<()> {
     // Opening the backend reports what is not compiled in.
     let model = load(args.model.as_ref())?;
-    backends::open(&model, args.backend, &args.iree)?;
+    backends::open(&model, args.backend(), &args.options)?;
     anyhow::bail!("the cpu backend has nothing to prepare; pass --backend iree-cpu or iree-cuda")
 }
 

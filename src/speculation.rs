@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 use anyhow::{Context, Result, bail};
 use kiln_core::{Backend, Model, ModelDraft, PromptLookup, Proposer};
 
-use crate::backends::{self, BackendKind, IreeOptions};
+use crate::backends::{self, BackendKind, BackendOptions};
 
 /// How draft tokens are proposed.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
@@ -115,9 +115,9 @@ pub fn proposer<'m>(
     kind: ProposerKind,
     draft: Option<&'m Model>,
     backend: BackendKind,
-    iree: &IreeOptions,
+    options: &BackendOptions,
 ) -> Result<Box<dyn Proposer + 'm>> {
-    proposer_on(kind, draft, |draft| backends::open(draft, backend, iree))
+    proposer_on(kind, draft, |draft| backends::open(draft, backend, options))
 }
 
 /// [`proposer`], with the draft model's backend opened by `open`.

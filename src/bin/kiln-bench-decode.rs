@@ -16,7 +16,7 @@ use std::time::Instant;
 
 use anyhow::{Context, Result, bail};
 use clap::Parser;
-use kiln::backends::{self, BackendKind, IreeOptions};
+use kiln::backends::{self, BackendKind, BackendOptions};
 use kiln_core::sampling::argmax;
 use kiln_core::tokenizer::ByteTokenizer;
 use kiln_core::{Model, ModelConfig, Tokenizer};
@@ -60,6 +60,9 @@ struct Args {
     /// `--iree-flags "" --iree-flags "--cuda_allow_inline_execution=true"`.
     #[arg(long, allow_hyphen_values = true)]
     iree_flags: Vec<String>,
+    /// Threads of the cpu-q4 backend (default: one per core).
+    #[arg(long, value_name = "N")]
+    threads: Option<u16>,
     /// Greedy pipeline settings to measure (repeat for several): `on`
     /// queues each step while the host reads the token before it, `off`
     /// only after (see `--no-pipeline`).
@@ -89,7 +92,7 @@ struct Args {
 impl Args {
     /// The IREE options of each variant to measure for `kind`: one for the
     /// CPU reference, every precision × layout asked for otherwise.
-    fn variants(&self, kind: BackendKind) -> Vec<IreeOptions> {
+    fn variants(&self, kind: BackendKind) -> Vec<BackendOptions> {
         let some_or_default = |v: &[String]| -> Vec<Option<String>> {
             if v.is_empty() {
                 vec![None]
@@ -97,8 +100,14 @@ impl Args {
                 v.iter().cloned().map(Some).collect()
             }
         };
-        if kind == BackendKind::Cpu {
-            return vec![self.iree(None, None)];
+        match kind {
+            BackendKind::Cpu => return vec![self.iree(None, None)],
+            BackendKind::CpuQ4 => {
+                let mut options = self.iree(None, None);
+                options.threads = self.threads;
+                return vec![options];
+            }
+            BackendKind::IreeCpu | BackendKind::IreeCuda => {}
         }
         let flag_sets = if self.iree_flags.is_empty() {
             vec![String::new()]
@@ -125,8 +134,9 @@ impl Args {
         out
     }
 
-    fn iree(&self, precision: Option<String>, weight_layout: Option<String>) -> IreeOptions {
-        IreeOptions {
+    fn iree(&self, precision: Option<String>, weight_layout: Option<String>) -> BackendOptions {
+        BackendOptions {
+            threads: None,
             max_context: self.max_context,
             precision,
             weight_layout,
@@ -244,7 +254,11 @@ fn prepare(args: &Args) -> Result<()> {
     for spec in &args.model {
         let config = config(spec)?;
         let context = config.max_position_embeddings.min(args.max_context);
-        for &kind in args.backend.iter().filter(|k| **k != BackendKind::Cpu) {
+        for &kind in args
+            .backend
+            .iter()
+            .filter(|k| matches!(k, BackendKind::IreeCpu | BackendKind::IreeCuda))
+        {
             let target = backends::target(kind)?;
             let buckets = Buckets::for_context(context);
             for options in args.variants(kind) {
@@ -333,7 +347,7 @@ fn prepare(_args: &Args) -> Result<()> {
 fn measure(
     model: &Model,
     kind: BackendKind,
-    options: &IreeOptions,
+    options: &BackendOptions,
     args: &Args,
 ) -> Result<Vec<Row>> {
     let v = model.config.vocab_size as u32;
@@ -384,15 +398,18 @@ fn measure(
 }
 
 /// Precision and layout names of a variant, and its bits per weight.
-fn describe(kind: BackendKind, options: &IreeOptions) -> Result<(String, String, u64)> {
-    if kind == BackendKind::Cpu {
-        return Ok(("f32".into(), "out-in".into(), 32));
+fn describe(kind: BackendKind, options: &BackendOptions) -> Result<(String, String, u64)> {
+    match kind {
+        BackendKind::Cpu => return Ok(("f32".into(), "out-in".into(), 32)),
+        // 4 bits a weight and an f32 scale and minimum a block of 32.
+        BackendKind::CpuQ4 => return Ok(("q4".into(), "out-in".into(), 6)),
+        BackendKind::IreeCpu | BackendKind::IreeCuda => {}
     }
     iree_graph(kind, options)
 }
 
 #[cfg(feature = "xla-iree")]
-fn iree_graph(kind: BackendKind, options: &IreeOptions) -> Result<(String, String, u64)> {
+fn iree_graph(kind: BackendKind, options: &BackendOptions) -> Result<(String, String, u64)> {
     let graph = backends::graph(backends::target(kind)?, options)?;
     Ok((
         graph.precision.to_string(),
@@ -402,7 +419,7 @@ fn iree_graph(kind: BackendKind, options: &IreeOptions) -> Result<(String, Strin
 }
 
 #[cfg(not(feature = "xla-iree"))]
-fn iree_graph(kind: BackendKind, options: &IreeOptions) -> Result<(String, String, u64)> {
+fn iree_graph(kind: BackendKind, options: &BackendOptions) -> Result<(String, String, u64)> {
     // Opening reports that the backend is not compiled in.
     let _ = (kind, options);
     bail!("IREE backends need `--features xla-iree`")

@@ -19,7 +19,7 @@ use std::time::Instant;
 
 use anyhow::{Context, Result, bail};
 use clap::Parser;
-use kiln::backends::{self, BackendKind, IreeOptions};
+use kiln::backends::{self, BackendKind, BackendOptions};
 use kiln::speculation::{self, MAX_DRAFT_TOKENS, ProposerKind};
 use kiln_core::{Backend, Chat, SamplingParams, generate, generate_speculative};
 use serde::Serialize;
@@ -34,7 +34,7 @@ struct Args {
     #[arg(long, value_enum, default_value_t = BackendKind::Cpu)]
     backend: BackendKind,
     #[command(flatten)]
-    iree: IreeOptions,
+    options: BackendOptions,
     /// Proposers to measure (repeat the flag).
     #[arg(long, value_enum, default_values_t = [ProposerKind::PromptLookup])]
     proposer: Vec<ProposerKind>,
@@ -273,7 +273,7 @@ fn run() -> Result<()> {
     // Every module the run uses is loaded first (the model's and each draft
     // model's), so that no compilation or load is timed.
     let max_k = args.draft_tokens.iter().copied().max();
-    let mut backend = backends::open_loaded(&model, args.backend, &args.iree, max_k)?;
+    let mut backend = backends::open_loaded(&model, args.backend, &args.options, max_k)?;
     println!(
         "{:<10} {:>6} {:<14} {:>2} {:>5} {:>6} {:>8} {:>8} {:>10} {:>10} {:>7} {:>8} {:>8} {:>8}  identical",
         "prompt",
@@ -324,7 +324,7 @@ fn run() -> Result<()> {
         for (kind, draft) in &drafts {
             for &k in &args.draft_tokens {
                 let mut proposer = speculation::proposer_on(*kind, draft.as_ref(), |draft| {
-                    backends::open_loaded(draft, args.backend, &args.iree, max_k)
+                    backends::open_loaded(draft, args.backend, &args.options, max_k)
                 })?;
                 let mut stats = None;
                 let mut passes = PassTimer::new(backend.as_mut());

@@ -212,7 +212,7 @@ async fn run(args: Args) -> Result<()> {
     });
     eprintln!(
         "kiln-server: listening on http://{address} (model {model_id}, backend {:?}{})",
-        args.model.backend,
+        args.model.backend(),
         if api_key.is_some() {
             ", API key required"
         } else {

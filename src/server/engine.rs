@@ -827,9 +827,9 @@ pub fn open_decoder<'m>(
     use crate::backends::open_loaded;
     if let Some(kind) = speculation.speculate {
         let draft_tokens = usize::from(speculation.draft_tokens);
-        let backend = open_loaded(model, args.backend, &args.iree, Some(draft_tokens))?;
+        let backend = open_loaded(model, args.backend(), &args.options, Some(draft_tokens))?;
         let proposer = crate::speculation::proposer_on(kind, draft, |draft| {
-            open_loaded(draft, args.backend, &args.iree, Some(draft_tokens))
+            open_loaded(draft, args.backend(), &args.options, Some(draft_tokens))
         })?;
         return Ok(Decoder::Speculative(Box::new(Speculative {
             backend,
@@ -840,11 +840,11 @@ pub fn open_decoder<'m>(
     #[cfg(feature = "xla-iree")]
     if slots > 1
         && matches!(
-            args.backend,
+            args.backend(),
             crate::backends::BackendKind::IreeCpu | crate::backends::BackendKind::IreeCuda
         )
     {
-        let backend = crate::backends::open_iree(model, args.backend, &args.iree)?;
+        let backend = crate::backends::open_iree(model, args.backend(), &args.options)?;
         let mut decoder = kiln_xla::BatchedDecoder::new(backend, slots)?;
         decoder.prepare(|_, _| {})?;
         return Ok(Decoder::Batched(Box::new(decoder)));
@@ -855,8 +855,8 @@ pub fn open_decoder<'m>(
     let _ = slots;
     Ok(Decoder::Single(open_loaded(
         model,
-        args.backend,
-        &args.iree,
+        args.backend(),
+        &args.options,
         None,
     )?))
 }

@@ -1,7 +1,7 @@
 //! The `Backend` trait every engine implements, and the CPU reference backend.
 
 use crate::error::{Error, Result};
-use crate::forward::{self, KvCache};
+use crate::forward::{self, ForwardWeights, KvCache};
 use crate::model::Model;
 
 /// A way to run a model: prefill a prompt, then decode one token at a time.
@@ -94,16 +94,34 @@ pub fn rewind_past_end(len: usize, held: usize) -> Error {
     ))
 }
 
-/// The CPU reference, behind the same trait as every other backend.
+/// The CPU forward pass behind the same trait as every other backend: the
+/// f32 reference ([`CpuBackend::new`]), or the same pass over another
+/// backend's matrices ([`CpuBackend::with_weights`]).
 pub struct CpuBackend<'m> {
     model: &'m Model,
+    weights: Box<dyn ForwardWeights + 'm>,
+    name: &'static str,
     cache: KvCache,
 }
 
 impl<'m> CpuBackend<'m> {
+    /// The f32 reference over the model's own weights.
     pub fn new(model: &'m Model) -> CpuBackend<'m> {
+        CpuBackend::with_weights(model, Box::new(&model.weights), "cpu")
+    }
+
+    /// The forward pass over `weights` (which must be `model`'s, in another
+    /// form), reported as `name`. The embedding rows still come from the
+    /// model's own weights.
+    pub fn with_weights(
+        model: &'m Model,
+        weights: Box<dyn ForwardWeights + 'm>,
+        name: &'static str,
+    ) -> CpuBackend<'m> {
         CpuBackend {
             model,
+            weights,
+            name,
             cache: KvCache::new(model.config.num_layers),
         }
     }
@@ -150,7 +168,7 @@ impl<'m> CpuBackend<'m> {
         }
         let logits = forward::forward_until(
             &self.model.config,
-            &self.model.weights,
+            self.weights.as_ref(),
             embeddings,
             &mut self.cache,
             keep_going,
@@ -172,7 +190,7 @@ impl<'m> CpuBackend<'m> {
         let embeddings = forward::embed(&self.model.weights, tokens);
         forward::forward(
             &self.model.config,
-            &self.model.weights,
+            self.weights.as_ref(),
             &embeddings,
             &mut self.cache,
         )
@@ -198,7 +216,7 @@ pub fn check_tokens(model: &Model, tokens: &[u32]) -> Result<()> {
 
 impl Backend for CpuBackend<'_> {
     fn name(&self) -> &str {
-        "cpu"
+        self.name
     }
 
     fn max_context(&self) -> usize {

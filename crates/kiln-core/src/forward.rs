@@ -48,6 +48,114 @@ impl KvCache {
     }
 }
 
+/// A weight matrix as the forward pass multiplies it: `rows` rows `x`
+/// `[rows, in]` times its transpose, `[rows, out]`. The reference's f32
+/// [`Matrix`] is one; a faster backend brings its own (kiln-cpu's 4-bit
+/// blocks) and reuses the rest of this pass.
+pub trait Linear: Sync {
+    fn apply(&self, x: &[f32], rows: usize) -> Vec<f32>;
+}
+
+impl Linear for Matrix {
+    fn apply(&self, x: &[f32], rows: usize) -> Vec<f32> {
+        debug_assert_eq!(x.len(), rows * self.cols);
+        x.chunks_exact(self.cols)
+            .flat_map(|row| matvec(self, row))
+            .collect()
+    }
+}
+
+impl<T: Linear + ?Sized> Linear for &T {
+    fn apply(&self, x: &[f32], rows: usize) -> Vec<f32> {
+        (**self).apply(x, rows)
+    }
+}
+
+/// Several matrices of one input width as one product: each row's outputs
+/// are the first matrix's, then the second's, and so on (the query, key and
+/// value projections; the gate and up projections).
+pub struct Stacked<'a>(pub Vec<&'a dyn Linear>);
+
+impl Linear for Stacked<'_> {
+    fn apply(&self, x: &[f32], rows: usize) -> Vec<f32> {
+        let parts: Vec<Vec<f32>> = self.0.iter().map(|m| m.apply(x, rows)).collect();
+        let mut out = Vec::with_capacity(parts.iter().map(Vec::len).sum());
+        for r in 0..rows {
+            for part in &parts {
+                let width = part.len() / rows;
+                out.extend_from_slice(&part[r * width..][..width]);
+            }
+        }
+        out
+    }
+}
+
+/// One layer's weights as the forward pass takes them.
+pub struct LayerView<'a> {
+    pub attn_norm: &'a [f32],
+    /// Outputs `[q | k | v]` per row.
+    pub qkv: Box<dyn Linear + 'a>,
+    pub wo: &'a dyn Linear,
+    pub mlp_norm: &'a [f32],
+    /// Outputs `[gate | up]` per row.
+    pub gate_up: Box<dyn Linear + 'a>,
+    pub w_down: &'a dyn Linear,
+}
+
+/// A model's weights as the forward pass takes them (all but the embedding,
+/// which [`embed`] reads from the model's own [`Weights`]).
+pub trait ForwardWeights {
+    fn num_layers(&self) -> usize;
+    fn layer(&self, index: usize) -> LayerView<'_>;
+    fn final_norm(&self) -> &[f32];
+    /// The output projection, `[vocab, hidden]`.
+    fn output(&self) -> &dyn Linear;
+}
+
+impl ForwardWeights for Weights {
+    fn num_layers(&self) -> usize {
+        self.layers.len()
+    }
+
+    fn layer(&self, index: usize) -> LayerView<'_> {
+        let l = &self.layers[index];
+        LayerView {
+            attn_norm: &l.attn_norm,
+            qkv: Box::new(Stacked(vec![&l.wq, &l.wk, &l.wv])),
+            wo: &l.wo,
+            mlp_norm: &l.mlp_norm,
+            gate_up: Box::new(Stacked(vec![&l.w_gate, &l.w_up])),
+            w_down: &l.w_down,
+        }
+    }
+
+    fn final_norm(&self) -> &[f32] {
+        &self.final_norm
+    }
+
+    fn output(&self) -> &dyn Linear {
+        Weights::output(self)
+    }
+}
+
+impl<T: ForwardWeights + ?Sized> ForwardWeights for &T {
+    fn num_layers(&self) -> usize {
+        (**self).num_layers()
+    }
+
+    fn layer(&self, index: usize) -> LayerView<'_> {
+        (**self).layer(index)
+    }
+
+    fn final_norm(&self) -> &[f32] {
+        (**self).final_norm()
+    }
+
+    fn output(&self) -> &dyn Linear {
+        (**self).output()
+    }
+}
+
 /// `y = W x` for a `[out, in]` matrix.
 fn matvec(w: &Matrix, x: &[f32]) -> Vec<f32> {
     debug_assert_eq!(x.len(), w.cols);
@@ -92,7 +200,7 @@ pub fn embed(weights: &Weights, tokens: &[u32]) -> Vec<f32> {
 /// row, `[n * vocab]`.
 pub fn forward(
     config: &ModelConfig,
-    weights: &Weights,
+    weights: &dyn ForwardWeights,
     embeddings: &[f32],
     cache: &mut KvCache,
 ) -> Result<Vec<f32>> {
@@ -102,10 +210,14 @@ pub fn forward(
 /// [`forward`], asking `keep_going` before each row of each layer and
 /// returning [`Error::Interrupted`](crate::Error::Interrupted) (the cache
 /// then half-extended: the caller discards it) when it says no. A long
-/// prompt on this single-threaded reference takes minutes.
+/// prompt on the single-threaded reference takes minutes.
+///
+/// Each product takes all of the chunk's rows at once (a backend's product
+/// can then read its weights once for all of them); every row's arithmetic
+/// is the same as one row at a time.
 pub fn forward_until(
     config: &ModelConfig,
-    weights: &Weights,
+    weights: &dyn ForwardWeights,
     embeddings: &[f32],
     cache: &mut KvCache,
     keep_going: &mut dyn FnMut() -> bool,
@@ -118,34 +230,38 @@ pub fn forward_until(
     let (cos, sin) = config.rope_tables(start + n)?;
     let half = d / 2;
     let scale = 1.0 / (d as f32).sqrt();
+    let q_width = config.num_heads * d;
+    let kv_width = config.num_kv_heads * d;
 
-    let mut xs: Vec<Vec<f32>> = embeddings.chunks_exact(h).map(<[f32]>::to_vec).collect();
-    for (l, layer) in weights.layers.iter().enumerate() {
+    let mut xs = embeddings.to_vec();
+    for l in 0..weights.num_layers() {
+        let layer = weights.layer(l);
         // Project this chunk's rows and extend the cache first, so each row
         // attends to every earlier position and to itself.
-        let mut queries = Vec::with_capacity(n);
-        for (r, x) in xs.iter().enumerate() {
+        let normed = rms_norm_rows(&xs, layer.attn_norm, config.rms_norm_eps);
+        let qkv = layer.qkv.apply(&normed, n);
+        let mut queries = Vec::with_capacity(n * q_width);
+        for (r, row) in qkv.chunks_exact(q_width + 2 * kv_width).enumerate() {
             let pos = start + r;
             let (c, s) = (&cos[pos * half..][..half], &sin[pos * half..][..half]);
-            let normed = rms_norm(x, &layer.attn_norm, config.rms_norm_eps);
-            let mut q = matvec(&layer.wq, &normed);
-            let mut k = matvec(&layer.wk, &normed);
+            let (q, kv) = row.split_at(q_width);
+            let (k, v) = kv.split_at(kv_width);
+            let (mut q, mut k) = (q.to_vec(), k.to_vec());
             apply_rope(&mut q, d, c, s);
             apply_rope(&mut k, d, c, s);
             cache.keys[l].extend_from_slice(&k);
-            cache.values[l].extend_from_slice(&matvec(&layer.wv, &normed));
-            queries.push(q);
+            cache.values[l].extend_from_slice(v);
+            queries.extend_from_slice(&q);
         }
-        let kv_width = config.num_kv_heads * d;
-        for (r, x) in xs.iter_mut().enumerate() {
+        let mut attended = vec![0.0f32; n * q_width];
+        for (r, out) in attended.chunks_exact_mut(q_width).enumerate() {
             if !keep_going() {
                 return Err(crate::Error::Interrupted);
             }
             let visible = start + r + 1;
-            let mut attended = vec![0.0f32; config.num_heads * d];
             for head in 0..config.num_heads {
                 let kv_head = head / group;
-                let q = &queries[r][head * d..][..d];
+                let q = &queries[r * q_width + head * d..][..d];
                 let scores: Vec<f32> = (0..visible)
                     .map(|p| {
                         let k = &cache.keys[l][p * kv_width + kv_head * d..][..d];
@@ -155,7 +271,7 @@ pub fn forward_until(
                 let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
                 let exps: Vec<f32> = scores.iter().map(|s| (s - max).exp()).collect();
                 let total: f32 = exps.iter().sum();
-                let out = &mut attended[head * d..][..d];
+                let out = &mut out[head * d..][..d];
                 for (p, e) in exps.iter().enumerate() {
                     let v = &cache.values[l][p * kv_width + kv_head * d..][..d];
                     for (o, vi) in out.iter_mut().zip(v) {
@@ -163,27 +279,32 @@ pub fn forward_until(
                     }
                 }
             }
-            let projected = matvec(&layer.wo, &attended);
-            for (xi, p) in x.iter_mut().zip(&projected) {
-                *xi += p;
-            }
-            let normed = rms_norm(x, &layer.mlp_norm, config.rms_norm_eps);
-            let gate = matvec(&layer.w_gate, &normed);
-            let up = matvec(&layer.w_up, &normed);
-            let hidden: Vec<f32> = gate.iter().zip(&up).map(|(g, u)| silu(*g) * u).collect();
-            for (xi, m) in x.iter_mut().zip(matvec(&layer.w_down, &hidden)) {
-                *xi += m;
-            }
+        }
+        for (xi, p) in xs.iter_mut().zip(layer.wo.apply(&attended, n)) {
+            *xi += p;
+        }
+        let normed = rms_norm_rows(&xs, layer.mlp_norm, config.rms_norm_eps);
+        let gate_up = layer.gate_up.apply(&normed, n);
+        let inter = gate_up.len() / n / 2;
+        let hidden: Vec<f32> = gate_up
+            .chunks_exact(2 * inter)
+            .flat_map(|row| {
+                let (gate, up) = row.split_at(inter);
+                gate.iter().zip(up).map(|(g, u)| silu(*g) * u)
+            })
+            .collect();
+        for (xi, m) in xs.iter_mut().zip(layer.w_down.apply(&hidden, n)) {
+            *xi += m;
         }
     }
     cache.len += n;
-    Ok(xs
-        .iter()
-        .flat_map(|x| {
-            matvec(
-                weights.output(),
-                &rms_norm(x, &weights.final_norm, config.rms_norm_eps),
-            )
-        })
-        .collect())
+    let normed = rms_norm_rows(&xs, weights.final_norm(), config.rms_norm_eps);
+    Ok(weights.output().apply(&normed, n))
+}
+
+/// [`rms_norm`] of each row of `xs`.
+fn rms_norm_rows(xs: &[f32], weight: &[f32], eps: f32) -> Vec<f32> {
+    xs.chunks_exact(weight.len())
+        .flat_map(|x| rms_norm(x, weight, eps))
+        .collect()
 }

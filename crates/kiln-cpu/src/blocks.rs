@@ -1,0 +1,276 @@
+//! Matrices in blocks: each `[out, in]` row cut into blocks of [`BLOCK`]
+//! inputs. [`Q4Blocks`]: 4-bit levels `u` in 0..16 with an f32 `scale` and
+//! `min` a block, `w = u · scale + min` (GGUF's Q4_1). [`Q8Blocks`]: signed
+//! 8-bit `q` with an f32 `scale`, `w = q · scale` (GGUF's Q8_0), for the
+//! output projection, whose error goes straight into the logits.
+
+use kiln_core::weights::Matrix;
+
+/// Inputs per block.
+pub const BLOCK: usize = 32;
+
+/// Bytes of levels per block: two levels a byte.
+pub const BLOCK_BYTES: usize = BLOCK / 2;
+
+/// A matrix in 4-bit blocks.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Q4Blocks {
+    pub rows: usize,
+    pub cols: usize,
+    /// [`BLOCK_BYTES`] a block, blocks row-major: byte `j` of a block holds
+    /// level `j` in its low nibble and level `j + 16` in its high nibble
+    /// (GGUF's Q4_0/Q4_1 order), so one shift splits a block in halves.
+    pub levels: Vec<u8>,
+    /// One per block, row-major `[rows, cols / BLOCK]`.
+    pub scales: Vec<f32>,
+    pub mins: Vec<f32>,
+}
+
+/// Why a matrix cannot be stored in 4-bit blocks.
+#[derive(Debug, thiserror::Error, PartialEq)]
+pub enum BlockError {
+    #[error(
+        "its rows of {cols} inputs are not a whole number of {BLOCK}-input blocks; \
+         use --backend cpu (the f32 reference)"
+    )]
+    Width { cols: usize },
+    #[error("the matrices stacked into one product have {0} and {1} inputs")]
+    Mismatch(usize, usize),
+}
+
+impl Q4Blocks {
+    /// Quantizes `m`: each block's smallest and largest weight are its
+    /// ends, `scale = (max − min) / 15`, and a weight's level is the nearest,
+    /// so it moves by at most half a step. A block of `d·u + m` values that
+    /// uses levels 0 and 15 (every block of a Q4_1 file whose range is not
+    /// a single value) comes back up to the rounding of `scale`.
+    pub fn quantize(m: &Matrix) -> Result<Q4Blocks, BlockError> {
+        Q4Blocks::stack(&[m])
+    }
+
+    /// `parts` quantized as one matrix: the rows of the first, then of the
+    /// second, and so on (one product for q, k and v).
+    pub fn stack(parts: &[&Matrix]) -> Result<Q4Blocks, BlockError> {
+        let cols = parts.first().map_or(0, |m| m.cols);
+        if let Some(other) = parts.iter().find(|m| m.cols != cols) {
+            return Err(BlockError::Mismatch(cols, other.cols));
+        }
+        if cols == 0 || !cols.is_multiple_of(BLOCK) {
+            return Err(BlockError::Width { cols });
+        }
+        let rows: usize = parts.iter().map(|m| m.rows).sum();
+        let blocks = rows * cols / BLOCK;
+        let mut q = Q4Blocks {
+            rows,
+            cols,
+            levels: Vec::with_capacity(blocks * BLOCK_BYTES),
+            scales: Vec::with_capacity(blocks),
+            mins: Vec::with_capacity(blocks),
+        };
+        for block in parts.iter().flat_map(|m| m.data.chunks_exact(BLOCK)) {
+            let (min, max) = block
+                .iter()
+                .fold((f32::INFINITY, f32::NEG_INFINITY), |(lo, hi), &w| {
+                    (lo.min(w), hi.max(w))
+                });
+            let scale = (max - min) / 15.0;
+            let level = |w: f32| match scale > 0.0 {
+                true => ((w - min) / scale).round().clamp(0.0, 15.0) as u8,
+                false => 0,
+            };
+            let (low, high) = block.split_at(BLOCK / 2);
+            q.levels.extend(
+                low.iter()
+                    .zip(high)
+                    .map(|(&a, &b)| level(a) | (level(b) << 4)),
+            );
+            q.scales.push(scale);
+            q.mins.push(min);
+        }
+        Ok(q)
+    }
+
+    /// Blocks per row.
+    pub fn blocks_per_row(&self) -> usize {
+        self.cols / BLOCK
+    }
+
+    /// The f32 matrix the blocks stand for.
+    pub fn dequantize(&self) -> Matrix {
+        let mut data = Vec::with_capacity(self.rows * self.cols);
+        for (b, bytes) in self.levels.chunks_exact(BLOCK_BYTES).enumerate() {
+            let (scale, min) = (self.scales[b], self.mins[b]);
+            let value = |u: u8| f32::from(u) * scale + min;
+            data.extend(bytes.iter().map(|&q| value(q & 0x0f)));
+            data.extend(bytes.iter().map(|&q| value(q >> 4)));
+        }
+        Matrix {
+            rows: self.rows,
+            cols: self.cols,
+            data,
+        }
+    }
+}
+
+/// A matrix in 8-bit blocks.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Q8Blocks {
+    pub rows: usize,
+    pub cols: usize,
+    /// [`BLOCK`] a block, blocks row-major.
+    pub values: Vec<i8>,
+    /// One per block, row-major `[rows, cols / BLOCK]`.
+    pub scales: Vec<f32>,
+}
+
+impl Q8Blocks {
+    /// Quantizes `m`: a block's scale is its largest magnitude over 127 and
+    /// each weight's value the nearest, so it moves by at most half a step.
+    /// A Q8_0 block (whose largest value is ±127 steps) comes back up to the
+    /// rounding of the scale.
+    pub fn quantize(m: &Matrix) -> Result<Q8Blocks, BlockError> {
+        if m.cols == 0 || !m.cols.is_multiple_of(BLOCK) {
+            return Err(BlockError::Width { cols: m.cols });
+        }
+        let blocks = m.rows * m.cols / BLOCK;
+        let mut q = Q8Blocks {
+            rows: m.rows,
+            cols: m.cols,
+            values: Vec::with_capacity(m.rows * m.cols),
+            scales: Vec::with_capacity(blocks),
+        };
+        for block in m.data.chunks_exact(BLOCK) {
+            let largest = block.iter().fold(0.0f32, |a, w| a.max(w.abs()));
+            let scale = largest / 127.0;
+            q.values.extend(block.iter().map(|&w| match scale > 0.0 {
+                true => (w / scale).round().clamp(-127.0, 127.0) as i8,
+                false => 0,
+            }));
+            q.scales.push(scale);
+        }
+        Ok(q)
+    }
+
+    /// Blocks per row.
+    pub fn blocks_per_row(&self) -> usize {
+        self.cols / BLOCK
+    }
+
+    /// The f32 matrix the blocks stand for.
+    pub fn dequantize(&self) -> Matrix {
+        let data = self
+            .values
+            .chunks_exact(BLOCK)
+            .zip(&self.scales)
+            .flat_map(|(block, &scale)| block.iter().map(move |&q| f32::from(q) * scale))
+            .collect();
+        Matrix {
+            rows: self.rows,
+            cols: self.cols,
+            data,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn matrix(rows: usize, cols: usize, f: impl Fn(usize) -> f32) -> Matrix {
+        Matrix {
+            rows,
+            cols,
+            data: (0..rows * cols).map(f).collect(),
+        }
+    }
+
+    proptest! {
+        /// No weight moves by more than half its block's step.
+        #[test]
+        fn each_weight_is_within_half_a_step(
+            data in proptest::collection::vec(-4.0f32..4.0, 3 * 64),
+        ) {
+            let m = Matrix { rows: 3, cols: 64, data };
+            let back = Q4Blocks::quantize(&m).unwrap().dequantize();
+            for (block, (want, got)) in m.data.chunks(BLOCK).zip(back.data.chunks(BLOCK)).enumerate() {
+                let (lo, hi) = want.iter().fold((f32::MAX, f32::MIN), |(l, h), &w| (l.min(w), h.max(w)));
+                let half_step = (hi - lo) / 30.0;
+                for (w, g) in want.iter().zip(got) {
+                    prop_assert!((w - g).abs() <= half_step * 1.0001 + 1e-6,
+                        "block {block}: {w} came back as {g} (half step {half_step})");
+                }
+            }
+        }
+    }
+
+    /// Blocks of `d·u + m` using levels 0 and 15 (Q4_1's) come back to
+    /// within the rounding of the scale.
+    #[test]
+    fn q4_1_blocks_come_back() {
+        let (d, m) = (0.0123f32, -0.07f32);
+        let m = matrix(2, 64, |i| f32::from(((i * 7) % 16) as u8) * d + m);
+        let back = Q4Blocks::quantize(&m).unwrap().dequantize();
+        for (w, g) in m.data.iter().zip(&back.data) {
+            assert!((w - g).abs() <= 1e-6, "{w} came back as {g}");
+        }
+    }
+
+    #[test]
+    fn stacking_keeps_the_rows_in_order() {
+        let a = matrix(2, 32, |i| i as f32);
+        let b = matrix(3, 32, |i| -(i as f32));
+        let stacked = Q4Blocks::stack(&[&a, &b]).unwrap();
+        assert_eq!((stacked.rows, stacked.cols), (5, 32));
+        let parts = [
+            Q4Blocks::quantize(&a).unwrap(),
+            Q4Blocks::quantize(&b).unwrap(),
+        ];
+        assert_eq!(
+            stacked.levels,
+            [parts[0].levels.clone(), parts[1].levels.clone()].concat()
+        );
+        assert_eq!(
+            Q4Blocks::stack(&[&a, &matrix(1, 64, |_| 0.0)]),
+            Err(BlockError::Mismatch(32, 64))
+        );
+    }
+
+    /// 8-bit blocks: within half a step, and Q8_0's blocks come back.
+    #[test]
+    fn eight_bit_blocks() {
+        let m = matrix(2, 64, |i| ((i * 37) % 101) as f32 / 50.0 - 1.0);
+        let back = Q8Blocks::quantize(&m).unwrap().dequantize();
+        for (block, (want, got)) in m
+            .data
+            .chunks(BLOCK)
+            .zip(back.data.chunks(BLOCK))
+            .enumerate()
+        {
+            let half_step = want.iter().fold(0.0f32, |a, w| a.max(w.abs())) / 254.0;
+            for (w, g) in want.iter().zip(got) {
+                assert!(
+                    (w - g).abs() <= half_step * 1.0001,
+                    "block {block}: {w} -> {g}"
+                );
+            }
+        }
+        let d = 0.0031f32;
+        let q8_0 = matrix(1, 32, |i| (i as f32 * 8.0 - 127.0).clamp(-127.0, 127.0) * d);
+        let back = Q8Blocks::quantize(&q8_0).unwrap().dequantize();
+        assert!(kiln_core::testing::max_abs_diff(&q8_0.data, &back.data) <= 1e-6);
+        assert_eq!(
+            Q8Blocks::quantize(&matrix(1, 40, |_| 1.0)),
+            Err(BlockError::Width { cols: 40 })
+        );
+    }
+
+    #[test]
+    fn constant_blocks_and_bad_widths() {
+        let flat = matrix(1, 32, |_| 0.5);
+        assert_eq!(Q4Blocks::quantize(&flat).unwrap().dequantize(), flat);
+        let error = Q4Blocks::quantize(&matrix(2, 48, |_| 0.0)).unwrap_err();
+        assert_eq!(error, BlockError::Width { cols: 48 });
+        assert!(error.to_string().contains("--backend cpu"), "{error}");
+    }
+}

@@ -1,0 +1,319 @@
+//! The block products: output rows of a [`Q4Blocks`] or [`Q8Blocks`]
+//! matrix against `n` f32 input rows. Per block and input row it computes `t = Σ u·x`
+//! over the block's 32 levels and adds `scale · t`; the `min` terms are
+//! `Σ_blocks min · Σ x`, with each input block's sum computed once per
+//! product ([`block_sums`]). So a block costs one unpack and, per input
+//! row, four vector multiply-adds on AVX2 — the weights are read once for
+//! all `n` rows.
+//!
+//! An 8-bit block is the same without the `min` terms.
+//!
+//! [`q4_rows`] and [`q8_rows`] pick the AVX2+FMA kernel where the CPU has
+//! it and the portable one (plain loops the compiler vectorizes) elsewhere;
+//! both are public so that tests hold each against the other.
+
+use crate::blocks::{BLOCK, BLOCK_BYTES, Q4Blocks, Q8Blocks};
+
+/// Inputs handled together: their accumulators stay in registers.
+const GROUP: usize = 4;
+
+/// The sum of each [`BLOCK`] of each input row: `[n, cols / BLOCK]`.
+pub fn block_sums(x: &[f32]) -> Vec<f32> {
+    x.chunks_exact(BLOCK).map(|b| b.iter().sum()).collect()
+}
+
+/// `out[(r − first) · n + i] = Σ_c w[r][c] · x[i][c]` for the rows `first..`
+/// that `out` has room for (`out.len() / n` of them); `sums` is
+/// [`block_sums`] of `x`.
+pub fn q4_rows(m: &Q4Blocks, first: usize, x: &[f32], sums: &[f32], out: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    if has_avx2() {
+        // SAFETY: the CPU has AVX2 and FMA.
+        unsafe { avx2::q4_rows(m, first, x, sums, out) };
+        return;
+    }
+    portable_q4_rows(m, first, x, sums, out);
+}
+
+/// [`q4_rows`] of 8-bit blocks (which need no block sums).
+pub fn q8_rows(m: &Q8Blocks, first: usize, x: &[f32], out: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    if has_avx2() {
+        // SAFETY: the CPU has AVX2 and FMA.
+        unsafe { avx2::q8_rows(m, first, x, out) };
+        return;
+    }
+    portable_q8_rows(m, first, x, out);
+}
+
+#[cfg(target_arch = "x86_64")]
+fn has_avx2() -> bool {
+    std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
+}
+
+/// [`q8_rows`] without SIMD intrinsics.
+pub fn portable_q8_rows(m: &Q8Blocks, first: usize, x: &[f32], out: &mut [f32]) {
+    let blocks = m.blocks_per_row();
+    let n = x.len() / m.cols;
+    for (r, out) in (first..).zip(out.chunks_exact_mut(n)) {
+        let values = &m.values[r * m.cols..][..m.cols];
+        let scales = &m.scales[r * blocks..][..blocks];
+        for (i, out) in out.iter_mut().enumerate() {
+            let x = &x[i * m.cols..][..m.cols];
+            *out = values
+                .chunks_exact(BLOCK)
+                .zip(x.chunks_exact(BLOCK))
+                .zip(scales)
+                .map(|((q, x), s)| {
+                    s * q
+                        .iter()
+                        .zip(x)
+                        .map(|(&q, &x)| f32::from(q) * x)
+                        .sum::<f32>()
+                })
+                .sum();
+        }
+    }
+}
+
+/// [`q4_rows`] without SIMD intrinsics.
+pub fn portable_q4_rows(m: &Q4Blocks, first: usize, x: &[f32], sums: &[f32], out: &mut [f32]) {
+    let blocks = m.blocks_per_row();
+    let n = x.len() / m.cols;
+    for (r, out) in (first..).zip(out.chunks_exact_mut(n)) {
+        let row_blocks = r * blocks..(r + 1) * blocks;
+        let levels = &m.levels[row_blocks.start * BLOCK_BYTES..row_blocks.end * BLOCK_BYTES];
+        let (scales, mins) = (&m.scales[row_blocks.clone()], &m.mins[row_blocks]);
+        for (i, out) in out.iter_mut().enumerate() {
+            let x = &x[i * m.cols..][..m.cols];
+            let sums = &sums[i * blocks..][..blocks];
+            let mut total = 0.0f32;
+            for b in 0..blocks {
+                let bytes = &levels[b * BLOCK_BYTES..][..BLOCK_BYTES];
+                let (low, high) = x[b * BLOCK..][..BLOCK].split_at(BLOCK / 2);
+                let t: f32 = bytes
+                    .iter()
+                    .zip(low.iter().zip(high))
+                    .map(|(&q, (&a, &c))| f32::from(q & 0x0f) * a + f32::from(q >> 4) * c)
+                    .sum();
+                total += scales[b] * t + mins[b] * sums[b];
+            }
+            *out = total;
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    use super::{BLOCK, BLOCK_BYTES, GROUP, Q4Blocks, Q8Blocks};
+    use std::arch::x86_64::*;
+
+    /// [`super::q8_rows`] with AVX2 and FMA.
+    ///
+    /// # Safety
+    /// The CPU must have AVX2 and FMA.
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn q8_rows(m: &Q8Blocks, first: usize, x: &[f32], out: &mut [f32]) {
+        let blocks = m.blocks_per_row();
+        let n = x.len() / m.cols;
+        for (r, out) in (first..).zip(out.chunks_exact_mut(n)) {
+            let values = &m.values[r * m.cols..][..m.cols];
+            let scales = &m.scales[r * blocks..][..blocks];
+            for (g, out) in out.chunks_mut(GROUP).enumerate() {
+                let x = &x[g * GROUP * m.cols..][..out.len() * m.cols];
+                q8_group(values, scales, m.cols, x, out);
+            }
+        }
+    }
+
+    /// One row of 8-bit blocks against up to [`GROUP`] inputs.
+    #[target_feature(enable = "avx2,fma")]
+    fn q8_group(values: &[i8], scales: &[f32], cols: usize, x: &[f32], out: &mut [f32]) {
+        let mut acc = [_mm256_setzero_ps(); GROUP];
+        for (b, &scale) in scales.iter().enumerate() {
+            let block = &values[b * BLOCK..][..BLOCK];
+            // SAFETY: `block` holds the 32 bytes the two loads read.
+            let (first, second) = unsafe {
+                let p = block.as_ptr().cast::<__m128i>();
+                (_mm_loadu_si128(p), _mm_loadu_si128(p.add(1)))
+            };
+            let q = [
+                _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(first)),
+                _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128::<8>(first))),
+                _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(second)),
+                _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128::<8>(second))),
+            ];
+            let scale = _mm256_set1_ps(scale);
+            for (i, acc) in acc.iter_mut().enumerate().take(out.len()) {
+                let t = dot32(&q, &x[i * cols + b * BLOCK..][..BLOCK]);
+                *acc = _mm256_fmadd_ps(scale, t, *acc);
+            }
+        }
+        for (out, acc) in out.iter_mut().zip(acc) {
+            *out = horizontal_sum(acc);
+        }
+    }
+
+    /// The lane-wise products of `w`'s 32 values and `x`, summed to 8 lanes.
+    #[target_feature(enable = "avx2,fma")]
+    fn dot32(w: &[__m256; 4], x: &[f32]) -> __m256 {
+        assert!(x.len() >= BLOCK);
+        // SAFETY: `x` holds the 32 f32 the four loads read (checked above).
+        unsafe {
+            let p = x.as_ptr();
+            let t = _mm256_mul_ps(w[0], _mm256_loadu_ps(p));
+            let t = _mm256_fmadd_ps(w[1], _mm256_loadu_ps(p.add(8)), t);
+            let t = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(p.add(16)), t);
+            _mm256_fmadd_ps(w[3], _mm256_loadu_ps(p.add(24)), t)
+        }
+    }
+
+    /// [`super::q4_rows`] with AVX2 and FMA.
+    ///
+    /// # Safety
+    /// The CPU must have AVX2 and FMA.
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn q4_rows(m: &Q4Blocks, first: usize, x: &[f32], sums: &[f32], out: &mut [f32]) {
+        let blocks = m.blocks_per_row();
+        let n = x.len() / m.cols;
+        for (r, out) in (first..).zip(out.chunks_exact_mut(n)) {
+            let row_blocks = r * blocks..(r + 1) * blocks;
+            let levels = &m.levels[row_blocks.start * BLOCK_BYTES..row_blocks.end * BLOCK_BYTES];
+            let (scales, mins) = (&m.scales[row_blocks.clone()], &m.mins[row_blocks]);
+            for (g, out) in out.chunks_mut(GROUP).enumerate() {
+                let inputs = g * GROUP..g * GROUP + out.len();
+                let x = &x[inputs.start * m.cols..inputs.end * m.cols];
+                let sums = &sums[inputs.start * blocks..inputs.end * blocks];
+                q4_group(levels, scales, mins, m.cols, x, sums, out);
+            }
+        }
+    }
+
+    /// One row of 4-bit blocks against up to [`GROUP`] inputs (`out.len()`
+    /// of them).
+    #[target_feature(enable = "avx2,fma")]
+    fn q4_group(
+        levels: &[u8],
+        scales: &[f32],
+        mins: &[f32],
+        cols: usize,
+        x: &[f32],
+        sums: &[f32],
+        out: &mut [f32],
+    ) {
+        let blocks = cols / BLOCK;
+        let mask = _mm_set1_epi8(0x0f);
+        let mut acc = [_mm256_setzero_ps(); GROUP];
+        for b in 0..blocks {
+            let bytes = &levels[b * BLOCK_BYTES..][..BLOCK_BYTES];
+            // SAFETY: `bytes` holds the 16 bytes the unaligned load reads.
+            let packed = unsafe { _mm_loadu_si128(bytes.as_ptr().cast()) };
+            let low = _mm_and_si128(packed, mask);
+            let high = _mm_and_si128(_mm_srli_epi16::<4>(packed), mask);
+            // Levels 0-7, 8-15 (low nibbles), 16-23, 24-31 (high) as f32.
+            let u = [
+                _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(low)),
+                _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128::<8>(low))),
+                _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(high)),
+                _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128::<8>(high))),
+            ];
+            let scale = _mm256_set1_ps(scales[b]);
+            for (i, acc) in acc.iter_mut().enumerate().take(out.len()) {
+                let t = dot32(&u, &x[i * cols + b * BLOCK..][..BLOCK]);
+                *acc = _mm256_fmadd_ps(scale, t, *acc);
+            }
+        }
+        for (i, out) in out.iter_mut().enumerate() {
+            let sums = &sums[i * blocks..][..blocks];
+            let offsets: f32 = mins.iter().zip(sums).map(|(m, s)| m * s).sum();
+            *out = horizontal_sum(acc[i]) + offsets;
+        }
+    }
+
+    /// The sum of the eight lanes.
+    #[target_feature(enable = "avx2,fma")]
+    fn horizontal_sum(v: __m256) -> f32 {
+        let halves = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
+        let pairs = _mm_add_ps(halves, _mm_movehl_ps(halves, halves));
+        let one = _mm_add_ss(pairs, _mm_shuffle_ps::<1>(pairs, pairs));
+        _mm_cvtss_f32(one)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kiln_core::weights::Matrix;
+    use proptest::prelude::*;
+
+    /// The product of the dequantized matrix `w`, in f64.
+    fn reference(w: &Matrix, x: &[f32]) -> Vec<f64> {
+        let n = x.len() / w.cols;
+        let mut out = vec![0.0; w.rows * n];
+        for r in 0..w.rows {
+            for i in 0..n {
+                out[r * n + i] = w
+                    .row(r)
+                    .iter()
+                    .zip(&x[i * w.cols..][..w.cols])
+                    .map(|(a, b)| f64::from(*a) * f64::from(*b))
+                    .sum();
+            }
+        }
+        out
+    }
+
+    /// `kernel(first, out)` computes the rows from `first` of the matrix
+    /// whose dequantized values are `w`.
+    fn check(w: &Matrix, x: &[f32], kernel: &dyn Fn(usize, &mut [f32])) {
+        let n = x.len() / w.cols;
+        let want = reference(w, x);
+        let mut got = vec![0.0; w.rows * n];
+        kernel(0, &mut got);
+        // Relative to the sum of the terms' magnitudes: f32 accumulation.
+        let scale: f64 = x.iter().map(|v| f64::from(v.abs())).sum::<f64>() + 1.0;
+        for (k, (w, g)) in want.iter().zip(&got).enumerate() {
+            assert!(
+                (w - f64::from(*g)).abs() <= 2e-5 * scale,
+                "output {k}: {g} against {w}"
+            );
+        }
+        // A later first row writes only its own rows.
+        if w.rows > 1 {
+            let mut tail = vec![0.0; (w.rows - 1) * n];
+            kernel(1, &mut tail);
+            assert_eq!(tail, got[n..]);
+        }
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(48))]
+        #[test]
+        fn both_kernels_compute_the_dequantized_product(
+            height in 1usize..6,
+            blocks in 1usize..5,
+            n in 1usize..7,
+            seed in any::<u64>(),
+        ) {
+            let cols = blocks * BLOCK;
+            let mut state = seed | 1;
+            let mut next = move || {
+                state ^= state << 13;
+                state ^= state >> 7;
+                state ^= state << 17;
+                (state % 2001) as f32 / 1000.0 - 1.0
+            };
+            let w = Matrix { rows: height, cols, data: (0..height * cols).map(|_| next()).collect() };
+            let x: Vec<f32> = (0..n * cols).map(|_| next() * 3.0).collect();
+            let sums = block_sums(&x);
+            let q4 = Q4Blocks::quantize(&w).unwrap();
+            let q4_values = q4.dequantize();
+            check(&q4_values, &x, &|first, out| portable_q4_rows(&q4, first, &x, &sums, out));
+            check(&q4_values, &x, &|first, out| q4_rows(&q4, first, &x, &sums, out));
+            let q8 = Q8Blocks::quantize(&w).unwrap();
+            let q8_values = q8.dequantize();
+            check(&q8_values, &x, &|first, out| portable_q8_rows(&q8, first, &x, out));
+            check(&q8_values, &x, &|first, out| q8_rows(&q8, first, &x, out));
+        }
+    }
+}

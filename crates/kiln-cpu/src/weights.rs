@@ -1,0 +1,183 @@
+//! A model's matrices in blocks, as the forward pass takes them: q, k and v
+//! stacked into one product, gate and up into another, each layer's in 4
+//! bits and the output projection in 8 (its error goes straight into the
+//! logits: a Q4_1 GGUF keeps it at Q8_0, and so does kiln), and each
+//! product's output rows shared out over the backend's thread pool.
+
+use std::sync::Arc;
+
+use kiln_core::forward::{ForwardWeights, LayerView, Linear};
+use kiln_core::weights::{Matrix, Weights};
+use rayon::prelude::*;
+
+use crate::Error;
+use crate::blocks::{BlockError, Q4Blocks, Q8Blocks};
+use crate::kernel;
+
+/// The blocks of one product.
+enum Blocks {
+    Q4(Q4Blocks),
+    Q8(Q8Blocks),
+}
+
+impl Blocks {
+    /// `(rows, cols)`.
+    fn shape(&self) -> (usize, usize) {
+        match self {
+            Blocks::Q4(m) => (m.rows, m.cols),
+            Blocks::Q8(m) => (m.rows, m.cols),
+        }
+    }
+
+    /// Output rows from `first` (as many as `out` holds, `[rows, n]`) of
+    /// `x`; `sums` is `kernel::block_sums(x)` where 4-bit blocks need it.
+    fn rows(&self, first: usize, x: &[f32], sums: &[f32], out: &mut [f32]) {
+        match self {
+            Blocks::Q4(m) => kernel::q4_rows(m, first, x, sums, out),
+            Blocks::Q8(m) => kernel::q8_rows(m, first, x, out),
+        }
+    }
+}
+
+/// A product of blocks run on a shared pool.
+struct PooledProduct {
+    blocks: Blocks,
+    /// `None`: one thread, run on the caller's.
+    pool: Option<Arc<rayon::ThreadPool>>,
+}
+
+/// Output rows a task takes at least: below this, handing rows to another
+/// thread costs more than computing them (a 576-input row takes about 0.1 µs
+/// a token).
+const MIN_ROWS_PER_TASK: usize = 32;
+
+impl Linear for PooledProduct {
+    fn apply(&self, x: &[f32], rows: usize) -> Vec<f32> {
+        let (outputs, cols) = self.blocks.shape();
+        debug_assert_eq!(x.len(), rows * cols);
+        let sums = match self.blocks {
+            Blocks::Q4(_) => kernel::block_sums(x),
+            Blocks::Q8(_) => Vec::new(),
+        };
+        // Computed as `[out, rows]`: each task owns whole output rows.
+        let mut by_output = vec![0.0f32; outputs * rows];
+        match &self.pool {
+            None => self.blocks.rows(0, x, &sums, &mut by_output),
+            Some(pool) => {
+                let tasks = 4 * pool.current_num_threads();
+                let per_task = outputs.div_ceil(tasks).max(MIN_ROWS_PER_TASK);
+                pool.install(|| {
+                    by_output
+                        .par_chunks_mut(per_task * rows)
+                        .enumerate()
+                        .for_each(|(t, out)| self.blocks.rows(t * per_task, x, &sums, out));
+                });
+            }
+        }
+        if rows == 1 {
+            return by_output;
+        }
+        let mut out = vec![0.0f32; rows * outputs];
+        for (o, column) in by_output.chunks_exact(rows).enumerate() {
+            for (i, v) in column.iter().enumerate() {
+                out[i * outputs + o] = *v;
+            }
+        }
+        out
+    }
+}
+
+struct Layer {
+    attn_norm: Vec<f32>,
+    qkv: PooledProduct,
+    wo: PooledProduct,
+    mlp_norm: Vec<f32>,
+    gate_up: PooledProduct,
+    w_down: PooledProduct,
+}
+
+/// A model's matrices in 4-bit blocks; the embedding stays the model's.
+pub struct Q4Weights {
+    layers: Vec<Layer>,
+    final_norm: Vec<f32>,
+    output: PooledProduct,
+}
+
+impl Q4Weights {
+    /// Quantizes `w`'s matrices, for products on `threads` threads.
+    pub fn new(w: &Weights, threads: usize) -> Result<Q4Weights, Error> {
+        let pool = match threads {
+            0 | 1 => None,
+            _ => Some(Arc::new(
+                rayon::ThreadPoolBuilder::new()
+                    .num_threads(threads)
+                    .thread_name(|i| format!("kiln-cpu-q4-{i}"))
+                    .build()
+                    .map_err(|e| Error::Threads {
+                        threads,
+                        reason: e.to_string(),
+                    })?,
+            )),
+        };
+        let pooled = |name: String, blocks: Result<Blocks, BlockError>| {
+            Ok(PooledProduct {
+                blocks: blocks.map_err(|source| Error::Matrix {
+                    matrix: name,
+                    source,
+                })?,
+                pool: pool.clone(),
+            })
+        };
+        let product =
+            |name: String, parts: &[&Matrix]| pooled(name, Q4Blocks::stack(parts).map(Blocks::Q4));
+        let layers = w
+            .layers
+            .iter()
+            .enumerate()
+            .map(|(i, l)| {
+                Ok(Layer {
+                    attn_norm: l.attn_norm.clone(),
+                    qkv: product(format!("layer {i} q/k/v"), &[&l.wq, &l.wk, &l.wv])?,
+                    wo: product(format!("layer {i} attention output"), &[&l.wo])?,
+                    mlp_norm: l.mlp_norm.clone(),
+                    gate_up: product(format!("layer {i} gate/up"), &[&l.w_gate, &l.w_up])?,
+                    w_down: product(format!("layer {i} down"), &[&l.w_down])?,
+                })
+            })
+            .collect::<Result<Vec<_>, Error>>()?;
+        Ok(Q4Weights {
+            layers,
+            final_norm: w.final_norm.clone(),
+            output: pooled(
+                "the output projection".into(),
+                Q8Blocks::quantize(w.output()).map(Blocks::Q8),
+            )?,
+        })
+    }
+}
+
+impl ForwardWeights for Q4Weights {
+    fn num_layers(&self) -> usize {
+        self.layers.len()
+    }
+
+    fn layer(&self, index: usize) -> LayerView<'_> {
+        let l = &self.layers[index];
+        LayerView {
+            attn_norm: &l.attn_norm,
+            qkv: Box::new(&l.qkv),
+            wo: &l.wo,
+            mlp_norm: &l.mlp_norm,
+            gate_up: Box::new(&l.gate_up),
+            w_down: &l.w_down,
+        }
+    }
+
+    fn final_norm(&self) -> &[f32] {
+        &self.final_norm
+    }
+
+    fn output(&self) -> &dyn Linear {
+        &self.output
+    }
+}

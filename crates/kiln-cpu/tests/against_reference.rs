@@ -1,0 +1,129 @@
+//! The cpu-q4 backend against the f32 reference on weights that 4-bit
+//! blocks hold exactly (each matrix snapped to its blocks first): the two
+//! differ only by summation order, so a wrong block, row or stacking order
+//! shows as a difference of whole logits.
+
+use kiln_core::testing::max_abs_diff;
+use kiln_core::{Backend, CpuBackend, Model};
+use kiln_cpu::{Q4Blocks, Q8Blocks};
+
+/// The embedded model with every layer matrix replaced by its 4-bit
+/// blocks' values and the (tied) output projection by its 8-bit ones.
+fn snapped() -> Model {
+    let mut model = Model::embedded();
+    let snap = |m: &mut kiln_core::weights::Matrix| {
+        *m = Q4Blocks::quantize(m).unwrap().dequantize();
+    };
+    for l in &mut model.weights.layers {
+        for m in [
+            &mut l.wq,
+            &mut l.wk,
+            &mut l.wv,
+            &mut l.wo,
+            &mut l.w_gate,
+            &mut l.w_up,
+            &mut l.w_down,
+        ] {
+            snap(m);
+        }
+    }
+    let embed = &mut model.weights.embed;
+    *embed = Q8Blocks::quantize(embed).unwrap().dequantize();
+    model
+}
+
+/// Nineteen token ids of the embedded model's 98-token vocabulary.
+const PROMPT: [u32; 19] = [
+    1, 40, 69, 76, 76, 79, 12, 2, 87, 79, 82, 76, 68, 3, 2, 52, 72, 69, 2,
+];
+
+/// Measured: 1.2e-6 on logits of magnitude up to about 0.5 (f32 sums in
+/// another order); a wrong block or row moves them by far more.
+const BOUND: f32 = 1e-5;
+
+#[test]
+fn logits_and_greedy_tokens_match_the_reference() {
+    let model = snapped();
+    let mut reference = CpuBackend::new(&model);
+    let mut q4 = kiln_cpu::backend(&model, 2).unwrap();
+    assert_eq!(q4.name(), "cpu-q4");
+    let (want, got) = (
+        reference.prefill(&PROMPT).unwrap(),
+        q4.prefill(&PROMPT).unwrap(),
+    );
+    let mut worst = max_abs_diff(&want, &got);
+    let mut token = kiln_core::sampling::argmax(&want) as u32;
+    for step in 0..12 {
+        let (want, got) = (reference.decode(token).unwrap(), q4.decode(token).unwrap());
+        worst = worst.max(max_abs_diff(&want, &got));
+        let next = kiln_core::sampling::argmax(&want) as u32;
+        assert_eq!(
+            kiln_core::sampling::argmax(&got) as u32,
+            next,
+            "step {step}"
+        );
+        token = next;
+    }
+    eprintln!("largest |cpu-q4 - cpu| logit difference: {worst:.2e}");
+    assert!(worst <= BOUND, "logits differ by {worst:.2e} > {BOUND:.0e}");
+}
+
+/// Each output row is computed by the same code whichever thread takes it,
+/// so the thread count changes nothing, to the bit.
+#[test]
+fn every_thread_count_gives_the_same_logits() {
+    let model = Model::embedded();
+    let logits = |threads| {
+        let mut backend = kiln_cpu::backend(&model, threads).unwrap();
+        let mut all = backend.prefill(&PROMPT).unwrap();
+        all.extend(backend.decode(42).unwrap());
+        all
+    };
+    let one = logits(1);
+    for threads in [2, 3, 5] {
+        assert_eq!(logits(threads), one, "{threads} threads");
+    }
+}
+
+/// Several rows in one product (prefill, speculation's append) give each
+/// row what it gets alone.
+#[test]
+fn appending_rows_equals_decoding_them_one_by_one() {
+    let model = Model::embedded();
+    let mut one_by_one = kiln_cpu::backend(&model, 2).unwrap();
+    one_by_one.prefill(&PROMPT[..5]).unwrap();
+    let mut want = Vec::new();
+    for &t in &PROMPT[5..11] {
+        want.extend(one_by_one.decode(t).unwrap());
+    }
+    let mut appended = kiln_cpu::backend(&model, 2).unwrap();
+    appended.prefill(&PROMPT[..5]).unwrap();
+    let got = appended.append(&PROMPT[5..11]).unwrap();
+    assert!(max_abs_diff(&want, &got) <= 1e-6);
+    // Rewinding drops the appended rows: the next decode is as if they
+    // had never been.
+    appended.rewind(5).unwrap();
+    let mut fresh = kiln_cpu::backend(&model, 2).unwrap();
+    fresh.prefill(&PROMPT[..5]).unwrap();
+    assert_eq!(appended.decode(7).unwrap(), fresh.decode(7).unwrap());
+}
+
+#[test]
+fn a_width_that_is_not_whole_blocks_is_refused_with_the_fix() {
+    let (mut config, seed) = kiln_core::model::preset("random-100m").unwrap();
+    config.hidden_size = 48;
+    config.num_heads = 3;
+    config.num_kv_heads = 1;
+    config.head_dim = 16;
+    config.intermediate_size = 64;
+    config.num_layers = 1;
+    config.vocab_size = 300;
+    let model = Model::random("narrow", config, seed);
+    let error = kiln_cpu::backend(&model, 1).err().unwrap().to_string();
+    assert!(
+        error.contains("layer 0 q/k/v")
+            && error.contains("48 inputs")
+            && error.contains("--backend cpu"),
+        "{error}"
+    );
+}
