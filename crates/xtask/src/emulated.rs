@@ -2,7 +2,8 @@
 //! here under user-mode emulation (`qemu-aarch64`). They are the test
 //! executables the gate's link check built for that target (release,
 //! `cuda,xla-iree`), so they cost no second build of the workspace for it:
-//! kiln-core's unit tests, and `xla_prepared_prefill` on `local-task`, whose
+//! kiln-core's unit tests, kiln-cpu's (there its portable block kernels,
+//! which x86_64 runs only in its tests), and `xla_prepared_prefill` on `local-task`, whose
 //! modules the pinned `iree-compile` generates for the target's architecture
 //! and whose logits are held to the same CPU-reference bounds as on x86_64.
 //! Its CUDA tests are left out: no GPU is emulated.
@@ -16,8 +17,10 @@ use crate::gate::{TestExecutable, test_executables};
 use crate::target::Target;
 
 /// The tests run, each a cargo target (kind, name) and its test-name filters.
-const TESTS: [(&str, &str, &[&str]); 2] = [
+const TESTS: [(&str, &str, &[&str]); 4] = [
     ("lib", "kiln_core", &[]),
+    ("lib", "kiln_cpu", &[]),
+    ("test", "against_reference", &[]),
     ("test", "xla_prepared_prefill", &["--skip", "cuda::"]),
 ];
 

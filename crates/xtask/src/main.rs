@@ -123,7 +123,7 @@ enum Task {
         #[arg(long)]
         out: Option<PathBuf>,
     },
-    /// Run another architecture's kiln-core tests and xla_prepared_prefill
+    /// Run another architecture's kiln-core and kiln-cpu tests and xla_prepared_prefill
     /// (local-task) under qemu: the executables the gate's link check built
     /// for it (the link check runs first if they are not current).
     EmulatedTests {

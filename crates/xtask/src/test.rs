@@ -234,7 +234,7 @@ pub fn run(cache: &Cache, pins: &Pins, plan: &Plan) -> Result<()> {
         // leaves out all three or none.
         steps.keyed(
             whole(
-                "aarch64: link check, tests under qemu-aarch64 (kiln-core, xla_prepared_prefill on local-task), mutation suite",
+                "aarch64: link check, tests under qemu-aarch64 (kiln-core, kiln-cpu, xla_prepared_prefill on local-task), mutation suite",
                 prefix,
                 630,
                 true,
