@@ -1,20 +1,32 @@
 #!/usr/bin/env python3
 """kiln's CPU backends and llama.cpp on one GGUF file, side by side in one run:
 the same synthetic prompt (token i is (i * 7919 + 11) % vocab), the same greedy
-decode length, the same thread counts. Prints a Markdown table.
+decode length, the same thread counts. Each round runs every row once, rows
+interleaved, so that a change in the machine's load falls on all of them; the
+table gives each row's range over the rounds and the 1-minute load average
+before and after its runs. Prints a Markdown table.
 
+    python3 -m venv ~/llama-venv   # outside the repository, once
+    CMAKE_ARGS="-DGGML_NATIVE=ON" ~/llama-venv/bin/pip install --require-hashes \\
+        -r scripts/requirements-llama-cpp.txt   # builds llama.cpp, ~10+ min
+    cargo build --release --features xla-iree --bin kiln-bench-decode
     ~/llama-venv/bin/python scripts/bench_cpu.py \\
         --kiln-bench target/release/kiln-bench-decode \\
         --model smollm2-135m-instruct --gguf ~/.cache/kiln/models/smollm2-135m-instruct.gguf \\
-        --threads 1 --threads 2 --prompt-tokens 128 --decode-tokens 64
+        --threads 1 --threads 2 --iree-precision f32 --iree-precision f16
 
-(the venv as in scripts/llama_cpp_reference.py). kiln's `cpu` backend is
-single-threaded at any count; `iree-cpu` is pinned to the first N CPUs with
-IREE's `--task_topology_cpu_ids`; llama.cpp gets `n_threads=N`.
+Rows: kiln `cpu` (the f32 reference; one thread whatever the count, so it
+runs at the first count only; `--no-reference` leaves it out), kiln `cpu-q4`
+(`--threads N`), kiln `iree-cpu` at each `--iree-precision` (none: no row;
+pinned to the first N CPUs with IREE's `--task_topology_cpu_ids`, modules
+compiled before timing by the untimed warm-up), llama.cpp on the file as
+given (`n_threads=N`). kiln-bench-decode needs `--features xla-iree` only for
+iree-cpu rows.
 """
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -23,7 +35,11 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 
 
-def kiln(args, backend: str, threads: int) -> dict:
+def load() -> float:
+    return os.getloadavg()[0]
+
+
+def kiln(args, backend: str, threads: int, precision=None) -> dict:
     """One kiln-bench-decode run of one backend; its single JSON result."""
     with tempfile.TemporaryDirectory() as scratch:
         out = Path(scratch) / "kiln.json"
@@ -35,9 +51,12 @@ def kiln(args, backend: str, threads: int) -> dict:
             "--max-context", str(args.prompt_tokens + args.decode_tokens + 8),
             "--json", str(out),
         ]
+        if backend == "cpu-q4":
+            command += ["--threads", str(threads)]
         if backend == "iree-cpu":
             cpus = ",".join(str(i) for i in range(threads))
-            command += ["--iree-flags", f"--task_topology_cpu_ids={cpus}"]
+            command += ["--iree-flags", f"--task_topology_cpu_ids={cpus}",
+                        "--precision", precision]
         subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
         (result,) = json.loads(out.read_text())
         return result
@@ -54,33 +73,62 @@ def llama_cpp(args, threads: int) -> dict:
     return json.loads(out.strip().splitlines()[-1])
 
 
+def rows(args) -> list:
+    """(engine, precision, threads, run) for every row of the table."""
+    out = []
+    counts = args.threads or [1]
+    for threads in counts:
+        if threads == counts[0] and not args.no_reference:
+            out.append(("kiln `cpu`", "f32", 1, lambda: kiln(args, "cpu", 1)))
+        out.append(("kiln `cpu-q4`", "q4 blocks, q8 output", threads,
+                    lambda t=threads: kiln(args, "cpu-q4", t)))
+        for precision in args.iree_precision or []:
+            out.append(("kiln `iree-cpu`", precision, threads,
+                        lambda t=threads, p=precision: kiln(args, "iree-cpu", t, p)))
+        out.append(("llama.cpp", "as the file stores it", threads,
+                    lambda t=threads: llama_cpp(args, t)))
+    return out
+
+
+def span(values: list) -> str:
+    low, high = min(values), max(values)
+    return f"{low:.1f}" if f"{low:.1f}" == f"{high:.1f}" else f"{low:.1f}-{high:.1f}"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--kiln-bench", required=True)
     parser.add_argument("--model", required=True, help="what kiln-bench-decode --model takes")
     parser.add_argument("--gguf", required=True, help="the same model's GGUF file, for llama.cpp")
     parser.add_argument("--threads", type=int, action="append")
+    parser.add_argument("--iree-precision", action="append")
+    parser.add_argument("--no-reference", action="store_true")
     parser.add_argument("--prompt-tokens", type=int, default=128)
     parser.add_argument("--decode-tokens", type=int, default=64)
     parser.add_argument("--repeat", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=2)
     args = parser.parse_args()
 
-    rows = []
-    for threads in args.threads or [1]:
-        for engine, run in [
-            ("kiln `cpu` (f32, one thread)", lambda: kiln(args, "cpu", threads)),
-            ("kiln `iree-cpu` (f32)", lambda: kiln(args, "iree-cpu", threads)),
-            ("llama.cpp (Q4_1 in 4 bits)", lambda: llama_cpp(args, threads)),
-        ]:
+    table = rows(args)
+    results = [{"prefill": [], "decode": [], "load": []} for _ in table]
+    for round_ in range(args.rounds):
+        for (engine, precision, threads, run), result in zip(table, results):
+            before = load()
             r = run()
-            rows.append((engine, threads, r["prefill_tokens_per_s"], r["decode_tokens_per_s"]))
-            print(f"{engine}, {threads} thread(s): done", file=sys.stderr)
+            result["prefill"].append(r["prefill_tokens_per_s"])
+            result["decode"].append(r["decode_tokens_per_s"])
+            result["load"] += [before, load()]
+            print(f"round {round_ + 1}: {engine} {precision}, {threads} thread(s): "
+                  f"{r['prefill_tokens_per_s']:.1f} / {r['decode_tokens_per_s']:.1f} tok/s",
+                  file=sys.stderr)
 
-    print(f"prompt {args.prompt_tokens} tokens, {args.decode_tokens} greedy decode steps\n")
-    print("| engine | threads | prefill tok/s | decode tok/s |")
-    print("| --- | --- | --- | --- |")
-    for engine, threads, prefill, decode in rows:
-        print(f"| {engine} | {threads} | {prefill:.1f} | {decode:.1f} |")
+    print(f"prompt {args.prompt_tokens} tokens, {args.decode_tokens} greedy decode steps, "
+          f"{args.rounds} rounds (ranges over them)\n")
+    print("| engine | precision | threads | prefill tok/s | decode tok/s | load avg |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for (engine, precision, threads, _), r in zip(table, results):
+        print(f"| {engine} | {precision} | {threads} | {span(r['prefill'])} | "
+              f"{span(r['decode'])} | {span(r['load'])} |")
 
 
 if __name__ == "__main__":
