@@ -8,9 +8,13 @@
 //!
 //! An 8-bit block is the same without the `min` terms.
 //!
-//! [`q4_rows`] and [`q8_rows`] pick the AVX2+FMA kernel where the CPU has
-//! it and the portable one (plain loops the compiler vectorizes) elsewhere;
-//! both are public so that tests hold each against the other.
+//! Each set of [`Kernels`] computes the same products: AVX-512 (16 lanes),
+//! AVX2+FMA (8 lanes), and portable loops the compiler vectorizes for any
+//! CPU (aarch64's among them). [`best`] is the first of [`available`] this
+//! CPU runs; the tests hold every available set against the dequantized
+//! product.
+
+use std::sync::OnceLock;
 
 use crate::blocks::{BLOCK, BLOCK_BYTES, Q4Blocks, Q8Blocks};
 
@@ -25,33 +29,54 @@ pub fn block_sums(x: &[f32]) -> Vec<f32> {
 /// `out[(r − first) · n + i] = Σ_c w[r][c] · x[i][c]` for the rows `first..`
 /// that `out` has room for (`out.len() / n` of them); `sums` is
 /// [`block_sums`] of `x`.
-pub fn q4_rows(m: &Q4Blocks, first: usize, x: &[f32], sums: &[f32], out: &mut [f32]) {
+pub type Q4Rows = fn(m: &Q4Blocks, first: usize, x: &[f32], sums: &[f32], out: &mut [f32]);
+
+/// [`Q4Rows`] of 8-bit blocks (which need no block sums).
+pub type Q8Rows = fn(m: &Q8Blocks, first: usize, x: &[f32], out: &mut [f32]);
+
+/// One implementation of both products.
+pub struct Kernels {
+    pub name: &'static str,
+    pub q4_rows: Q4Rows,
+    pub q8_rows: Q8Rows,
+}
+
+/// The kernel sets this CPU can run, fastest first; the portable set last.
+pub fn available() -> Vec<Kernels> {
+    let mut sets = Vec::new();
     #[cfg(target_arch = "x86_64")]
-    if has_avx2() {
-        // SAFETY: the CPU has AVX2 and FMA.
-        unsafe { avx2::q4_rows(m, first, x, sums, out) };
-        return;
+    {
+        use std::arch::is_x86_feature_detected as has;
+        if has!("avx512f") {
+            sets.push(Kernels {
+                name: "avx512",
+                q4_rows: avx512::q4_rows_checked,
+                q8_rows: avx512::q8_rows_checked,
+            });
+        }
+        if has!("avx2") && has!("fma") {
+            sets.push(Kernels {
+                name: "avx2",
+                q4_rows: avx2::q4_rows_checked,
+                q8_rows: avx2::q8_rows_checked,
+            });
+        }
     }
-    portable_q4_rows(m, first, x, sums, out);
+    sets.push(Kernels {
+        name: "portable",
+        q4_rows: portable_q4_rows,
+        q8_rows: portable_q8_rows,
+    });
+    sets
 }
 
-/// [`q4_rows`] of 8-bit blocks (which need no block sums).
-pub fn q8_rows(m: &Q8Blocks, first: usize, x: &[f32], out: &mut [f32]) {
-    #[cfg(target_arch = "x86_64")]
-    if has_avx2() {
-        // SAFETY: the CPU has AVX2 and FMA.
-        unsafe { avx2::q8_rows(m, first, x, out) };
-        return;
-    }
-    portable_q8_rows(m, first, x, out);
+/// The fastest kernel set this CPU runs.
+pub fn best() -> &'static Kernels {
+    static BEST: OnceLock<Kernels> = OnceLock::new();
+    BEST.get_or_init(|| available().swap_remove(0))
 }
 
-#[cfg(target_arch = "x86_64")]
-fn has_avx2() -> bool {
-    std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
-}
-
-/// [`q8_rows`] without SIMD intrinsics.
+/// [`Q8Rows`] without SIMD intrinsics.
 pub fn portable_q8_rows(m: &Q8Blocks, first: usize, x: &[f32], out: &mut [f32]) {
     let blocks = m.blocks_per_row();
     let n = x.len() / m.cols;
@@ -76,7 +101,7 @@ pub fn portable_q8_rows(m: &Q8Blocks, first: usize, x: &[f32], out: &mut [f32]) 
     }
 }
 
-/// [`q4_rows`] without SIMD intrinsics.
+/// [`Q4Rows`] without SIMD intrinsics.
 pub fn portable_q4_rows(m: &Q4Blocks, first: usize, x: &[f32], sums: &[f32], out: &mut [f32]) {
     let blocks = m.blocks_per_row();
     let n = x.len() / m.cols;
@@ -108,12 +133,27 @@ mod avx2 {
     use super::{BLOCK, BLOCK_BYTES, GROUP, Q4Blocks, Q8Blocks};
     use std::arch::x86_64::*;
 
-    /// [`super::q8_rows`] with AVX2 and FMA.
+    /// [`q4_rows`], for [`super::available`], which lists it only where
+    /// the CPU has AVX2 and FMA.
+    pub fn q4_rows_checked(m: &Q4Blocks, first: usize, x: &[f32], sums: &[f32], out: &mut [f32]) {
+        assert!(is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma"));
+        // SAFETY: checked just above.
+        unsafe { q4_rows(m, first, x, sums, out) }
+    }
+
+    /// [`q8_rows`], as [`q4_rows_checked`].
+    pub fn q8_rows_checked(m: &Q8Blocks, first: usize, x: &[f32], out: &mut [f32]) {
+        assert!(is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma"));
+        // SAFETY: checked just above.
+        unsafe { q8_rows(m, first, x, out) }
+    }
+
+    /// [`super::Q8Rows`] with AVX2 and FMA.
     ///
     /// # Safety
     /// The CPU must have AVX2 and FMA.
     #[target_feature(enable = "avx2,fma")]
-    pub unsafe fn q8_rows(m: &Q8Blocks, first: usize, x: &[f32], out: &mut [f32]) {
+    unsafe fn q8_rows(m: &Q8Blocks, first: usize, x: &[f32], out: &mut [f32]) {
         let blocks = m.blocks_per_row();
         let n = x.len() / m.cols;
         for (r, out) in (first..).zip(out.chunks_exact_mut(n)) {
@@ -168,12 +208,12 @@ mod avx2 {
         }
     }
 
-    /// [`super::q4_rows`] with AVX2 and FMA.
+    /// [`super::Q4Rows`] with AVX2 and FMA.
     ///
     /// # Safety
     /// The CPU must have AVX2 and FMA.
     #[target_feature(enable = "avx2,fma")]
-    pub unsafe fn q4_rows(m: &Q4Blocks, first: usize, x: &[f32], sums: &[f32], out: &mut [f32]) {
+    unsafe fn q4_rows(m: &Q4Blocks, first: usize, x: &[f32], sums: &[f32], out: &mut [f32]) {
         let blocks = m.blocks_per_row();
         let n = x.len() / m.cols;
         for (r, out) in (first..).zip(out.chunks_exact_mut(n)) {
@@ -237,6 +277,122 @@ mod avx2 {
         let pairs = _mm_add_ps(halves, _mm_movehl_ps(halves, halves));
         let one = _mm_add_ss(pairs, _mm_shuffle_ps::<1>(pairs, pairs));
         _mm_cvtss_f32(one)
+    }
+}
+
+/// The AVX2 kernels' arithmetic on 16 lanes: a block is two vectors, its
+/// low and high nibbles (levels 0-15 and 16-31).
+#[cfg(target_arch = "x86_64")]
+mod avx512 {
+    use super::{BLOCK, BLOCK_BYTES, GROUP, Q4Blocks, Q8Blocks};
+    use std::arch::x86_64::*;
+
+    /// [`q4_rows`], for [`super::available`], which lists it only where
+    /// the CPU has AVX-512F.
+    pub fn q4_rows_checked(m: &Q4Blocks, first: usize, x: &[f32], sums: &[f32], out: &mut [f32]) {
+        assert!(is_x86_feature_detected!("avx512f"));
+        // SAFETY: checked just above.
+        unsafe { q4_rows(m, first, x, sums, out) }
+    }
+
+    /// [`q8_rows`], as [`q4_rows_checked`].
+    pub fn q8_rows_checked(m: &Q8Blocks, first: usize, x: &[f32], out: &mut [f32]) {
+        assert!(is_x86_feature_detected!("avx512f"));
+        // SAFETY: checked just above.
+        unsafe { q8_rows(m, first, x, out) }
+    }
+
+    /// [`super::Q4Rows`] with AVX-512F.
+    ///
+    /// # Safety
+    /// The CPU must have AVX-512F.
+    #[target_feature(enable = "avx512f")]
+    unsafe fn q4_rows(m: &Q4Blocks, first: usize, x: &[f32], sums: &[f32], out: &mut [f32]) {
+        let blocks = m.blocks_per_row();
+        let n = x.len() / m.cols;
+        let mask = _mm_set1_epi8(0x0f);
+        for (r, out) in (first..).zip(out.chunks_exact_mut(n)) {
+            let row_blocks = r * blocks..(r + 1) * blocks;
+            let levels = &m.levels[row_blocks.start * BLOCK_BYTES..row_blocks.end * BLOCK_BYTES];
+            let (scales, mins) = (&m.scales[row_blocks.clone()], &m.mins[row_blocks]);
+            for (g, out) in out.chunks_mut(GROUP).enumerate() {
+                let x = &x[g * GROUP * m.cols..][..out.len() * m.cols];
+                let sums = &sums[g * GROUP * blocks..][..out.len() * blocks];
+                let mut acc = [_mm512_setzero_ps(); GROUP];
+                for b in 0..blocks {
+                    let bytes = &levels[b * BLOCK_BYTES..][..BLOCK_BYTES];
+                    // SAFETY: `bytes` holds the 16 bytes the load reads.
+                    let packed = unsafe { _mm_loadu_si128(bytes.as_ptr().cast()) };
+                    let low = _mm_and_si128(packed, mask);
+                    let high = _mm_and_si128(_mm_srli_epi16::<4>(packed), mask);
+                    let u = [
+                        _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(low)),
+                        _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(high)),
+                    ];
+                    let scale = _mm512_set1_ps(scales[b]);
+                    for (i, acc) in acc.iter_mut().enumerate().take(out.len()) {
+                        let t = dot32(&u, &x[i * m.cols + b * BLOCK..][..BLOCK]);
+                        *acc = _mm512_fmadd_ps(scale, t, *acc);
+                    }
+                }
+                for (i, out) in out.iter_mut().enumerate() {
+                    let sums = &sums[i * blocks..][..blocks];
+                    let offsets: f32 = mins.iter().zip(sums).map(|(m, s)| m * s).sum();
+                    *out = _mm512_reduce_add_ps(acc[i]) + offsets;
+                }
+            }
+        }
+    }
+
+    /// [`super::Q8Rows`] with AVX-512F.
+    ///
+    /// # Safety
+    /// The CPU must have AVX-512F.
+    #[target_feature(enable = "avx512f")]
+    unsafe fn q8_rows(m: &Q8Blocks, first: usize, x: &[f32], out: &mut [f32]) {
+        let blocks = m.blocks_per_row();
+        let n = x.len() / m.cols;
+        for (r, out) in (first..).zip(out.chunks_exact_mut(n)) {
+            let values = &m.values[r * m.cols..][..m.cols];
+            let scales = &m.scales[r * blocks..][..blocks];
+            for (g, out) in out.chunks_mut(GROUP).enumerate() {
+                let x = &x[g * GROUP * m.cols..][..out.len() * m.cols];
+                let mut acc = [_mm512_setzero_ps(); GROUP];
+                for (b, &scale) in scales.iter().enumerate() {
+                    let block = &values[b * BLOCK..][..BLOCK];
+                    // SAFETY: `block` holds the 32 bytes the two loads read.
+                    let (first, second) = unsafe {
+                        let p = block.as_ptr().cast::<__m128i>();
+                        (_mm_loadu_si128(p), _mm_loadu_si128(p.add(1)))
+                    };
+                    let q = [
+                        _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(first)),
+                        _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(second)),
+                    ];
+                    let scale = _mm512_set1_ps(scale);
+                    for (i, acc) in acc.iter_mut().enumerate().take(out.len()) {
+                        let t = dot32(&q, &x[i * m.cols + b * BLOCK..][..BLOCK]);
+                        *acc = _mm512_fmadd_ps(scale, t, *acc);
+                    }
+                }
+                for (out, acc) in out.iter_mut().zip(acc) {
+                    *out = _mm512_reduce_add_ps(acc);
+                }
+            }
+        }
+    }
+
+    /// The lane-wise products of `w`'s 32 values and `x`, summed to 16
+    /// lanes.
+    #[target_feature(enable = "avx512f")]
+    fn dot32(w: &[__m512; 2], x: &[f32]) -> __m512 {
+        assert!(x.len() >= BLOCK);
+        // SAFETY: `x` holds the 32 f32 the two loads read (checked above).
+        unsafe {
+            let p = x.as_ptr();
+            let t = _mm512_mul_ps(w[0], _mm512_loadu_ps(p));
+            _mm512_fmadd_ps(w[1], _mm512_loadu_ps(p.add(16)), t)
+        }
     }
 }
 
@@ -308,12 +464,13 @@ mod tests {
             let sums = block_sums(&x);
             let q4 = Q4Blocks::quantize(&w).unwrap();
             let q4_values = q4.dequantize();
-            check(&q4_values, &x, &|first, out| portable_q4_rows(&q4, first, &x, &sums, out));
-            check(&q4_values, &x, &|first, out| q4_rows(&q4, first, &x, &sums, out));
             let q8 = Q8Blocks::quantize(&w).unwrap();
             let q8_values = q8.dequantize();
-            check(&q8_values, &x, &|first, out| portable_q8_rows(&q8, first, &x, out));
-            check(&q8_values, &x, &|first, out| q8_rows(&q8, first, &x, out));
+            for kernels in available() {
+                eprintln!("{}", kernels.name);
+                check(&q4_values, &x, &|first, out| (kernels.q4_rows)(&q4, first, &x, &sums, out));
+                check(&q8_values, &x, &|first, out| (kernels.q8_rows)(&q8, first, &x, out));
+            }
         }
     }
 }

@@ -33,8 +33,8 @@ impl Blocks {
     /// `x`; `sums` is `kernel::block_sums(x)` where 4-bit blocks need it.
     fn rows(&self, first: usize, x: &[f32], sums: &[f32], out: &mut [f32]) {
         match self {
-            Blocks::Q4(m) => kernel::q4_rows(m, first, x, sums, out),
-            Blocks::Q8(m) => kernel::q8_rows(m, first, x, out),
+            Blocks::Q4(m) => (kernel::best().q4_rows)(m, first, x, sums, out),
+            Blocks::Q8(m) => (kernel::best().q8_rows)(m, first, x, out),
         }
     }
 }
