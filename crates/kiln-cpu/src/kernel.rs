@@ -265,7 +265,7 @@ mod avx2 {
         }
         for (i, out) in out.iter_mut().enumerate() {
             let sums = &sums[i * blocks..][..blocks];
-            let offsets: f32 = mins.iter().zip(sums).map(|(m, s)| m * s).sum();
+            let offsets = kiln_core::forward::dot(mins, sums);
             *out = horizontal_sum(acc[i]) + offsets;
         }
     }
@@ -337,7 +337,7 @@ mod avx512 {
                 }
                 for (i, out) in out.iter_mut().enumerate() {
                     let sums = &sums[i * blocks..][..blocks];
-                    let offsets: f32 = mins.iter().zip(sums).map(|(m, s)| m * s).sum();
+                    let offsets = kiln_core::forward::dot(mins, sums);
                     *out = _mm512_reduce_add_ps(acc[i]) + offsets;
                 }
             }

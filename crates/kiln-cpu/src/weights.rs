@@ -8,7 +8,6 @@ use std::sync::Arc;
 
 use kiln_core::forward::{ForwardWeights, LayerView, Linear};
 use kiln_core::weights::{Matrix, Weights};
-use rayon::prelude::*;
 
 use crate::Error;
 use crate::blocks::{BlockError, Q4Blocks, Q8Blocks};
@@ -39,17 +38,13 @@ impl Blocks {
     }
 }
 
-/// A product of blocks run on a shared pool.
+/// A product of blocks, its rows shared between the calling thread and a
+/// pool of `threads − 1` more.
 struct PooledProduct {
     blocks: Blocks,
-    /// `None`: one thread, run on the caller's.
+    /// `None`: one thread, the caller's.
     pool: Option<Arc<rayon::ThreadPool>>,
 }
-
-/// Output rows a task takes at least: below this, handing rows to another
-/// thread costs more than computing them (a 576-input row takes about 0.1 µs
-/// a token).
-const MIN_ROWS_PER_TASK: usize = 32;
 
 impl Linear for PooledProduct {
     fn apply(&self, x: &[f32], rows: usize) -> Vec<f32> {
@@ -59,18 +54,23 @@ impl Linear for PooledProduct {
             Blocks::Q4(_) => kernel::block_sums(x),
             Blocks::Q8(_) => Vec::new(),
         };
-        // Computed as `[out, rows]`: each task owns whole output rows.
+        // Computed as `[out, rows]`: each thread owns whole output rows.
         let mut by_output = vec![0.0f32; outputs * rows];
         match &self.pool {
             None => self.blocks.rows(0, x, &sums, &mut by_output),
             Some(pool) => {
-                let tasks = 4 * pool.current_num_threads();
-                let per_task = outputs.div_ceil(tasks).max(MIN_ROWS_PER_TASK);
-                pool.install(|| {
-                    by_output
-                        .par_chunks_mut(per_task * rows)
-                        .enumerate()
-                        .for_each(|(t, out)| self.blocks.rows(t * per_task, x, &sums, out));
+                // One equal share per thread, the caller's first: it works
+                // rather than waits for the pool.
+                let threads = pool.current_num_threads() + 1;
+                let share = outputs.div_ceil(threads);
+                let mut shares = by_output.chunks_mut(share * rows).enumerate();
+                let (_, mine) = shares.next().expect("a product has rows");
+                pool.in_place_scope(|scope| {
+                    for (t, out) in shares {
+                        let (blocks, sums) = (&self.blocks, &sums);
+                        scope.spawn(move |_| blocks.rows(t * share, x, sums, out));
+                    }
+                    self.blocks.rows(0, x, &sums, mine);
                 });
             }
         }
@@ -110,7 +110,7 @@ impl Q4Weights {
             0 | 1 => None,
             _ => Some(Arc::new(
                 rayon::ThreadPoolBuilder::new()
-                    .num_threads(threads)
+                    .num_threads(threads - 1)
                     .thread_name(|i| format!("kiln-cpu-q4-{i}"))
                     .build()
                     .map_err(|e| Error::Threads {
