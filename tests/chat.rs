@@ -10,9 +10,16 @@ use kiln_core::testing::chatml_model;
 /// SmolLM2-135M-Instruct's chat template.
 const SMOLLM2: &str = "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}{{ '<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n' }}{% endif %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}";
 
+/// `kiln chat` on the f32 reference: the scripted models' weights are their
+/// program, run as written (chat's default, cpu-q4, would round them).
 fn kiln_chat(model: &Path, args: &[&str], stdin: Option<&str>) -> Output {
+    kiln_chat_on(&["--backend", "cpu"], model, args, stdin)
+}
+
+fn kiln_chat_on(backend: &[&str], model: &Path, args: &[&str], stdin: Option<&str>) -> Output {
     let mut child = Command::new(env!("CARGO_BIN_EXE_kiln"))
         .arg("chat")
+        .args(backend)
         .arg("--model")
         .arg(model)
         .args(args)
@@ -112,7 +119,7 @@ fn a_terminal_gets_a_conversation_that_ctrl_d_ends() {
     let dir = tempfile::tempdir().unwrap();
     chatml_model(dir.path(), Some(SMOLLM2)).unwrap();
     let command = format!(
-        "'{}' chat --show-prompt --model '{}'",
+        "'{}' chat --backend cpu --show-prompt --model '{}'",
         env!("CARGO_BIN_EXE_kiln"),
         dir.path().display()
     );
@@ -142,4 +149,24 @@ fn a_terminal_gets_a_conversation_that_ctrl_d_ends() {
         "{screen}"
     );
     assert!(screen.ends_with("> \n"), "{screen}");
+}
+
+/// chat's default backend is cpu-q4; a model whose rows are not whole
+/// 32-weight blocks is refused with what to pass instead, never run on
+/// another backend unasked.
+#[test]
+fn chat_defaults_to_cpu_q4_and_names_the_way_out() {
+    let dir = tempfile::tempdir().unwrap();
+    chatml_model(dir.path(), Some(SMOLLM2)).unwrap();
+    let out = kiln_chat_on(&[], dir.path(), &["Hello"], None);
+    assert!(!out.status.success());
+    let stderr = text(&out.stderr);
+    assert!(
+        stderr.contains("cpu-q4 backend cannot store layer 0 q/k/v")
+            && stderr.contains("not a whole number of 32-input blocks")
+            && stderr.contains("--backend cpu"),
+        "{stderr}"
+    );
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    assert!(out.stdout.is_empty(), "{}", text(&out.stdout));
 }

@@ -243,8 +243,11 @@ async fn completions_equal_kiln_generate_streamed_or_not() {
 async fn chat_equals_kiln_chat_streamed_or_not() {
     let server = Server::start(&[]);
     server.wait_ready().await;
+    // The server's backend, the CPU reference, not chat's default.
     let expected = kiln(&[
         "chat",
+        "--backend",
+        "cpu",
         "--model",
         "embedded",
         "--max-tokens",

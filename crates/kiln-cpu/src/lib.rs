@@ -30,7 +30,7 @@ pub fn backend(model: &Model, threads: usize) -> Result<CpuBackend<'_>, Error> {
 /// Why the `cpu-q4` backend cannot take a model.
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
-    #[error("{matrix}: {source}")]
+    #[error("the cpu-q4 backend cannot store {matrix} in blocks")]
     Matrix {
         matrix: String,
         #[source]

@@ -119,9 +119,11 @@ fn a_width_that_is_not_whole_blocks_is_refused_with_the_fix() {
     config.num_layers = 1;
     config.vocab_size = 300;
     let model = Model::random("narrow", config, seed);
-    let error = kiln_cpu::backend(&model, 1).err().unwrap().to_string();
+    let error = kiln_cpu::backend(&model, 1).err().unwrap();
+    let why = std::error::Error::source(&error).unwrap().to_string();
+    let error = format!("{error}: {why}");
     assert!(
-        error.contains("layer 0 q/k/v")
+        error.contains("cannot store layer 0 q/k/v")
             && error.contains("48 inputs")
             && error.contains("--backend cpu"),
         "{error}"
