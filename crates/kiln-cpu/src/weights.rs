@@ -28,6 +28,14 @@ impl Blocks {
         }
     }
 
+    /// Blocks in all.
+    fn count(&self) -> usize {
+        match self {
+            Blocks::Q4(m) => m.scales.len(),
+            Blocks::Q8(m) => m.scales.len(),
+        }
+    }
+
     /// Output rows from `first` (as many as `out` holds, `[rows, n]`) of
     /// `x`; `sums` is `kernel::block_sums(x)` where 4-bit blocks need it.
     fn rows(&self, first: usize, x: &[f32], sums: &[f32], out: &mut [f32]) {
@@ -37,6 +45,15 @@ impl Blocks {
         }
     }
 }
+
+/// Blocks × input rows below which a product runs on the calling thread
+/// alone: handing a share to a pool thread and waiting for it costs tens of
+/// µs here (a sleeping thread is woken, the caller sleeps until it is done),
+/// more than the share of a one-row layer product saves (SmolLM2's largest,
+/// gate/up, is 55,296 blocks, about 0.15 ms on one thread). So a decode step
+/// shares only the output projection (884,736 blocks) and prefill shares
+/// every product.
+const MIN_SHARED_WORK: usize = 131_072;
 
 /// A product of blocks, its rows shared between the calling thread and a
 /// pool of `threads − 1` more.
@@ -57,8 +74,7 @@ impl Linear for PooledProduct {
         // Computed as `[out, rows]`: each thread owns whole output rows.
         let mut by_output = vec![0.0f32; outputs * rows];
         match &self.pool {
-            None => self.blocks.rows(0, x, &sums, &mut by_output),
-            Some(pool) => {
+            Some(pool) if self.blocks.count() * rows >= MIN_SHARED_WORK => {
                 // One equal share per thread, the caller's first: it works
                 // rather than waits for the pool.
                 let threads = pool.current_num_threads() + 1;
@@ -73,6 +89,7 @@ impl Linear for PooledProduct {
                     self.blocks.rows(0, x, &sums, mine);
                 });
             }
+            _ => self.blocks.rows(0, x, &sums, &mut by_output),
         }
         if rows == 1 {
             return by_output;
