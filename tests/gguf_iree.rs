@@ -49,5 +49,8 @@ fn smollm2_on_iree_cpu_matches_the_cpu_reference() {
         worst = worst.max(max_abs_diff(&want, &got));
     }
     eprintln!("largest |iree-cpu - cpu| logit difference on SmolLM2: {worst:.3e}");
-    assert!(worst <= 1e-4, "{worst}");
+    // Measured: 7.9e-5, and 1.0e-4 since the reference sums attention scores
+    // in eight lanes (f32 sums in another order through 30 layers, on logits
+    // of magnitude 15-30); a wrong weight or index moves logits by units.
+    assert!(worst <= 3e-4, "{worst}");
 }
