@@ -4,7 +4,7 @@
 //! (GGUF's Q4_1, f32 ends), the output projection in 8 bits with an f32
 //! scale (Q8_0). The [`kernel`]s unpack a block in registers and accumulate
 //! against f32 activations; a product's output rows are shared out over a
-//! thread pool.
+//! [`team`] of threads kept awake between products.
 //!
 //! A Q4_1 file's blocks (and its Q8_0 embedding) come back exactly, so on
 //! such a model `cpu-q4` differs from the reference only by summation
@@ -13,6 +13,7 @@
 
 pub mod blocks;
 pub mod kernel;
+pub mod team;
 mod weights;
 
 pub use blocks::{BLOCK, BlockError, Q4Blocks, Q8Blocks};

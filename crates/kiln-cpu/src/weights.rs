@@ -2,9 +2,9 @@
 //! stacked into one product, gate and up into another, each layer's in 4
 //! bits and the output projection in 8 (its error goes straight into the
 //! logits: a Q4_1 GGUF keeps it at Q8_0, and so does kiln), and each
-//! product's output rows shared out over the backend's thread pool.
+//! product's output rows shared out over the backend's [`Team`].
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use kiln_core::forward::{ForwardWeights, LayerView, Linear};
 use kiln_core::weights::{Matrix, Weights};
@@ -12,6 +12,7 @@ use kiln_core::weights::{Matrix, Weights};
 use crate::Error;
 use crate::blocks::{BlockError, Q4Blocks, Q8Blocks};
 use crate::kernel;
+use crate::team::Team;
 
 /// The blocks of one product.
 enum Blocks {
@@ -47,20 +48,17 @@ impl Blocks {
 }
 
 /// Blocks × input rows below which a product runs on the calling thread
-/// alone: handing a share to a pool thread and waiting for it costs tens of
-/// µs here (a sleeping thread is woken, the caller sleeps until it is done),
-/// more than the share of a one-row layer product saves (SmolLM2's largest,
-/// gate/up, is 55,296 blocks, about 0.15 ms on one thread). So a decode step
-/// shares only the output projection (884,736 blocks) and prefill shares
-/// every product.
-const MIN_SHARED_WORK: usize = 131_072;
+/// alone, the hand-off to the workers costing more than their share saves.
+/// SmolLM2's smallest product (10,368 blocks) is above it: sharing every
+/// product of a decode step took 2 threads from 81 to 130 tok/s on the
+/// 2-core VM of docs/models.md, sharing only the output projection (as
+/// when the workers slept between products) did not.
+const MIN_SHARED_WORK: usize = 4_096;
 
-/// A product of blocks, its rows shared between the calling thread and a
-/// pool of `threads − 1` more.
+/// A product of blocks, its output rows shared out over a [`Team`].
 struct PooledProduct {
     blocks: Blocks,
-    /// `None`: one thread, the caller's.
-    pool: Option<Arc<rayon::ThreadPool>>,
+    team: Arc<Team>,
 }
 
 impl Linear for PooledProduct {
@@ -73,23 +71,20 @@ impl Linear for PooledProduct {
         };
         // Computed as `[out, rows]`: each thread owns whole output rows.
         let mut by_output = vec![0.0f32; outputs * rows];
-        match &self.pool {
-            Some(pool) if self.blocks.count() * rows >= MIN_SHARED_WORK => {
-                // One equal share per thread, the caller's first: it works
-                // rather than waits for the pool.
-                let threads = pool.current_num_threads() + 1;
-                let share = outputs.div_ceil(threads);
-                let mut shares = by_output.chunks_mut(share * rows).enumerate();
-                let (_, mine) = shares.next().expect("a product has rows");
-                pool.in_place_scope(|scope| {
-                    for (t, out) in shares {
-                        let (blocks, sums) = (&self.blocks, &sums);
-                        scope.spawn(move |_| blocks.rows(t * share, x, sums, out));
-                    }
-                    self.blocks.rows(0, x, &sums, mine);
-                });
-            }
-            _ => self.blocks.rows(0, x, &sums, &mut by_output),
+        let threads = self.team.threads();
+        if threads > 1 && self.blocks.count() * rows >= MIN_SHARED_WORK {
+            // One equal share per thread; each locks only its own.
+            let share = outputs.div_ceil(threads);
+            let shares: Vec<Mutex<&mut [f32]>> =
+                by_output.chunks_mut(share * rows).map(Mutex::new).collect();
+            self.team.run(&|t| {
+                if let Some(out) = shares.get(t) {
+                    let mut out = out.lock().expect("a share is locked by its thread only");
+                    self.blocks.rows(t * share, x, &sums, &mut out);
+                }
+            });
+        } else {
+            self.blocks.rows(0, x, &sums, &mut by_output);
         }
         if rows == 1 {
             return by_output;
@@ -123,26 +118,17 @@ pub struct Q4Weights {
 impl Q4Weights {
     /// Quantizes `w`'s matrices, for products on `threads` threads.
     pub fn new(w: &Weights, threads: usize) -> Result<Q4Weights, Error> {
-        let pool = match threads {
-            0 | 1 => None,
-            _ => Some(Arc::new(
-                rayon::ThreadPoolBuilder::new()
-                    .num_threads(threads - 1)
-                    .thread_name(|i| format!("kiln-cpu-q4-{i}"))
-                    .build()
-                    .map_err(|e| Error::Threads {
-                        threads,
-                        reason: e.to_string(),
-                    })?,
-            )),
-        };
+        let team = Arc::new(Team::new(threads).map_err(|e| Error::Threads {
+            threads,
+            reason: e.to_string(),
+        })?);
         let pooled = |name: String, blocks: Result<Blocks, BlockError>| {
             Ok(PooledProduct {
                 blocks: blocks.map_err(|source| Error::Matrix {
                     matrix: name,
                     source,
                 })?,
-                pool: pool.clone(),
+                team: Arc::clone(&team),
             })
         };
         let product =
