@@ -89,14 +89,24 @@ impl Linear for PooledProduct {
         if rows == 1 {
             return by_output;
         }
-        let mut out = vec![0.0f32; rows * outputs];
-        for (o, column) in by_output.chunks_exact(rows).enumerate() {
-            for (i, v) in column.iter().enumerate() {
-                out[i * outputs + o] = *v;
+        transpose(&by_output, outputs, rows)
+    }
+}
+
+/// `[a, b]` to `[b, a]`, a few rows of the source at a time: each
+/// destination row then gets whole cache lines, not one value per line.
+fn transpose(m: &[f32], a: usize, b: usize) -> Vec<f32> {
+    const TILE: usize = 16;
+    let mut out = vec![0.0f32; a * b];
+    for start in (0..a).step_by(TILE) {
+        let end = (start + TILE).min(a);
+        for j in 0..b {
+            for (i, slot) in (start..end).zip(&mut out[j * a + start..j * a + end]) {
+                *slot = m[i * b + j];
             }
         }
-        out
     }
+    out
 }
 
 struct Layer {
