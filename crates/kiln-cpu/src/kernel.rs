@@ -1,12 +1,11 @@
 //! The block products: output rows of a [`Q4Blocks`] or [`Q8Blocks`]
-//! matrix against `n` f32 input rows. Per block and input row it computes `t = Σ u·x`
-//! over the block's 32 levels and adds `scale · t`; the `min` terms are
-//! `Σ_blocks min · Σ x`, with each input block's sum computed once per
-//! product ([`block_sums`]). So a block costs one unpack and, per input
-//! row, four vector multiply-adds on AVX2 — the weights are read once for
-//! all `n` rows.
-//!
-//! An 8-bit block is the same without the `min` terms.
+//! matrix against `n` f32 input rows. A 4-bit block is unpacked and
+//! dequantized in registers once (`scale · level + min`, fused) and then
+//! multiplied into a group of input rows: per block and input row, two
+//! vector multiply-adds on AVX-512, four on AVX2. An 8-bit block's product
+//! is summed per block and scaled (`scale · Σ q·x`). The weights are read
+//! once for all `n` rows; the rows go in tiles so that a group's inputs
+//! stay in L1.
 //!
 //! Each set of [`Kernels`] computes the same products: AVX-512 (16 lanes),
 //! AVX2+FMA (8 lanes), and portable loops the compiler vectorizes for any
@@ -46,17 +45,11 @@ fn for_each_group<const GROUP: usize>(
     }
 }
 
-/// The sum of each [`BLOCK`] of each input row: `[n, cols / BLOCK]`.
-pub fn block_sums(x: &[f32]) -> Vec<f32> {
-    x.chunks_exact(BLOCK).map(|b| b.iter().sum()).collect()
-}
-
 /// `out[(r − first) · n + i] = Σ_c w[r][c] · x[i][c]` for the rows `first..`
-/// that `out` has room for (`out.len() / n` of them); `sums` is
-/// [`block_sums`] of `x`.
-pub type Q4Rows = fn(m: &Q4Blocks, first: usize, x: &[f32], sums: &[f32], out: &mut [f32]);
+/// that `out` has room for (`out.len() / n` of them).
+pub type Q4Rows = fn(m: &Q4Blocks, first: usize, x: &[f32], out: &mut [f32]);
 
-/// [`Q4Rows`] of 8-bit blocks (which need no block sums).
+/// [`Q4Rows`] of 8-bit blocks.
 pub type Q8Rows = fn(m: &Q8Blocks, first: usize, x: &[f32], out: &mut [f32]);
 
 /// One implementation of both products.
@@ -127,7 +120,7 @@ pub fn portable_q8_rows(m: &Q8Blocks, first: usize, x: &[f32], out: &mut [f32]) 
 }
 
 /// [`Q4Rows`] without SIMD intrinsics.
-pub fn portable_q4_rows(m: &Q4Blocks, first: usize, x: &[f32], sums: &[f32], out: &mut [f32]) {
+pub fn portable_q4_rows(m: &Q4Blocks, first: usize, x: &[f32], out: &mut [f32]) {
     let blocks = m.blocks_per_row();
     let n = x.len() / m.cols;
     for (r, out) in (first..).zip(out.chunks_exact_mut(n)) {
@@ -136,17 +129,16 @@ pub fn portable_q4_rows(m: &Q4Blocks, first: usize, x: &[f32], sums: &[f32], out
         let (scales, mins) = (&m.scales[row_blocks.clone()], &m.mins[row_blocks]);
         for (i, out) in out.iter_mut().enumerate() {
             let x = &x[i * m.cols..][..m.cols];
-            let sums = &sums[i * blocks..][..blocks];
             let mut total = 0.0f32;
             for b in 0..blocks {
                 let bytes = &levels[b * BLOCK_BYTES..][..BLOCK_BYTES];
                 let (low, high) = x[b * BLOCK..][..BLOCK].split_at(BLOCK / 2);
-                let t: f32 = bytes
+                let weight = |level: u8| scales[b].mul_add(f32::from(level), mins[b]);
+                total += bytes
                     .iter()
                     .zip(low.iter().zip(high))
-                    .map(|(&q, (&a, &c))| f32::from(q & 0x0f) * a + f32::from(q >> 4) * c)
-                    .sum();
-                total += scales[b] * t + mins[b] * sums[b];
+                    .map(|(&q, (&a, &c))| weight(q & 0x0f) * a + weight(q >> 4) * c)
+                    .sum::<f32>();
             }
             *out = total;
         }
@@ -165,10 +157,10 @@ mod avx2 {
 
     /// [`q4_rows`], for [`super::available`], which lists it only where
     /// the CPU has AVX2 and FMA.
-    pub fn q4_rows_checked(m: &Q4Blocks, first: usize, x: &[f32], sums: &[f32], out: &mut [f32]) {
+    pub fn q4_rows_checked(m: &Q4Blocks, first: usize, x: &[f32], out: &mut [f32]) {
         assert!(is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma"));
         // SAFETY: checked just above.
-        unsafe { q4_rows(m, first, x, sums, out) }
+        unsafe { q4_rows(m, first, x, out) }
     }
 
     /// [`q8_rows`], as [`q4_rows_checked`].
@@ -241,7 +233,7 @@ mod avx2 {
     /// # Safety
     /// The CPU must have AVX2 and FMA.
     #[target_feature(enable = "avx2,fma")]
-    unsafe fn q4_rows(m: &Q4Blocks, first: usize, x: &[f32], sums: &[f32], out: &mut [f32]) {
+    unsafe fn q4_rows(m: &Q4Blocks, first: usize, x: &[f32], out: &mut [f32]) {
         let blocks = m.blocks_per_row();
         let n = x.len() / m.cols;
         for_each_group::<GROUP>(first, n, out, |r, inputs, out| {
@@ -249,8 +241,7 @@ mod avx2 {
             let levels = &m.levels[row_blocks.start * BLOCK_BYTES..row_blocks.end * BLOCK_BYTES];
             let (scales, mins) = (&m.scales[row_blocks.clone()], &m.mins[row_blocks]);
             let x = &x[inputs.start * m.cols..inputs.end * m.cols];
-            let sums = &sums[inputs.start * blocks..inputs.end * blocks];
-            q4_group(levels, scales, mins, m.cols, x, sums, out);
+            q4_group(levels, scales, mins, m.cols, x, out);
         });
     }
 
@@ -263,7 +254,6 @@ mod avx2 {
         mins: &[f32],
         cols: usize,
         x: &[f32],
-        sums: &[f32],
         out: &mut [f32],
     ) {
         let blocks = cols / BLOCK;
@@ -275,23 +265,22 @@ mod avx2 {
             let packed = unsafe { _mm_loadu_si128(bytes.as_ptr().cast()) };
             let low = _mm_and_si128(packed, mask);
             let high = _mm_and_si128(_mm_srli_epi16::<4>(packed), mask);
-            // Levels 0-7, 8-15 (low nibbles), 16-23, 24-31 (high) as f32.
-            let u = [
-                _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(low)),
-                _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128::<8>(low))),
-                _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(high)),
-                _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128::<8>(high))),
+            let (scale, min) = (_mm256_set1_ps(scales[b]), _mm256_set1_ps(mins[b]));
+            // Weights 0-7, 8-15 (low nibbles), 16-23, 24-31 (high).
+            let weight = |levels| _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(levels), min);
+            let w = [
+                weight(_mm256_cvtepu8_epi32(low)),
+                weight(_mm256_cvtepu8_epi32(_mm_srli_si128::<8>(low))),
+                weight(_mm256_cvtepu8_epi32(high)),
+                weight(_mm256_cvtepu8_epi32(_mm_srli_si128::<8>(high))),
             ];
-            let scale = _mm256_set1_ps(scales[b]);
             for (i, acc) in acc.iter_mut().enumerate().take(out.len()) {
-                let t = dot32(&u, &x[i * cols + b * BLOCK..][..BLOCK]);
-                *acc = _mm256_fmadd_ps(scale, t, *acc);
+                let t = dot32(&w, &x[i * cols + b * BLOCK..][..BLOCK]);
+                *acc = _mm256_add_ps(t, *acc);
             }
         }
-        for (i, out) in out.iter_mut().enumerate() {
-            let sums = &sums[i * blocks..][..blocks];
-            let offsets = kiln_core::forward::dot(mins, sums);
-            *out = horizontal_sum(acc[i]) + offsets;
+        for (out, acc) in out.iter_mut().zip(acc) {
+            *out = horizontal_sum(acc);
         }
     }
 
@@ -318,10 +307,10 @@ mod avx512 {
 
     /// [`q4_rows`], for [`super::available`], which lists it only where
     /// the CPU has AVX-512F.
-    pub fn q4_rows_checked(m: &Q4Blocks, first: usize, x: &[f32], sums: &[f32], out: &mut [f32]) {
+    pub fn q4_rows_checked(m: &Q4Blocks, first: usize, x: &[f32], out: &mut [f32]) {
         assert!(is_x86_feature_detected!("avx512f"));
         // SAFETY: checked just above.
-        unsafe { q4_rows(m, first, x, sums, out) }
+        unsafe { q4_rows(m, first, x, out) }
     }
 
     /// [`q8_rows`], as [`q4_rows_checked`].
@@ -336,7 +325,7 @@ mod avx512 {
     /// # Safety
     /// The CPU must have AVX-512F.
     #[target_feature(enable = "avx512f")]
-    unsafe fn q4_rows(m: &Q4Blocks, first: usize, x: &[f32], sums: &[f32], out: &mut [f32]) {
+    unsafe fn q4_rows(m: &Q4Blocks, first: usize, x: &[f32], out: &mut [f32]) {
         let blocks = m.blocks_per_row();
         let n = x.len() / m.cols;
         for_each_group::<GROUP>(first, n, out, |r, inputs, out| {
@@ -344,8 +333,7 @@ mod avx512 {
             let levels = &m.levels[row_blocks.start * BLOCK_BYTES..row_blocks.end * BLOCK_BYTES];
             let (scales, mins) = (&m.scales[row_blocks.clone()], &m.mins[row_blocks]);
             let x = &x[inputs.start * m.cols..inputs.end * m.cols];
-            let sums = &sums[inputs.start * blocks..inputs.end * blocks];
-            q4_group(levels, scales, mins, m.cols, x, sums, out);
+            q4_group(levels, scales, mins, m.cols, x, out);
         });
     }
 
@@ -358,32 +346,35 @@ mod avx512 {
         mins: &[f32],
         cols: usize,
         x: &[f32],
-        sums: &[f32],
         out: &mut [f32],
     ) {
         let blocks = cols / BLOCK;
         let mask = _mm_set1_epi8(0x0f);
-        let mut acc = [_mm512_setzero_ps(); GROUP];
+        let mut acc = [[_mm512_setzero_ps(); 2]; GROUP];
         for b in 0..blocks {
             let bytes = &levels[b * BLOCK_BYTES..][..BLOCK_BYTES];
             // SAFETY: `bytes` holds the 16 bytes the load reads.
             let packed = unsafe { _mm_loadu_si128(bytes.as_ptr().cast()) };
             let low = _mm_and_si128(packed, mask);
             let high = _mm_and_si128(_mm_srli_epi16::<4>(packed), mask);
-            let u = [
-                _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(low)),
-                _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(high)),
+            let (scale, min) = (_mm512_set1_ps(scales[b]), _mm512_set1_ps(mins[b]));
+            // Weights 0-15 (low nibbles) and 16-31 (high).
+            let weight = |levels| _mm512_fmadd_ps(scale, _mm512_cvtepi32_ps(levels), min);
+            let w = [
+                weight(_mm512_cvtepu8_epi32(low)),
+                weight(_mm512_cvtepu8_epi32(high)),
             ];
-            let scale = _mm512_set1_ps(scales[b]);
+            // Two sums an input, each half its own chain of multiply-adds.
             for (i, acc) in acc.iter_mut().enumerate().take(out.len()) {
-                let t = dot32(&u, &x[i * cols + b * BLOCK..][..BLOCK]);
-                *acc = _mm512_fmadd_ps(scale, t, *acc);
+                // SAFETY: the slice holds the 32 f32 the two loads read.
+                let p = x[i * cols + b * BLOCK..][..BLOCK].as_ptr();
+                let (a, c) = unsafe { (_mm512_loadu_ps(p), _mm512_loadu_ps(p.add(16))) };
+                acc[0] = _mm512_fmadd_ps(w[0], a, acc[0]);
+                acc[1] = _mm512_fmadd_ps(w[1], c, acc[1]);
             }
         }
-        for (i, out) in out.iter_mut().enumerate() {
-            let sums = &sums[i * blocks..][..blocks];
-            let offsets = kiln_core::forward::dot(mins, sums);
-            *out = _mm512_reduce_add_ps(acc[i]) + offsets;
+        for (out, acc) in out.iter_mut().zip(acc) {
+            *out = _mm512_reduce_add_ps(_mm512_add_ps(acc[0], acc[1]));
         }
     }
 
@@ -510,14 +501,13 @@ mod tests {
             };
             let w = Matrix { rows: height, cols, data: (0..height * cols).map(|_| next()).collect() };
             let x: Vec<f32> = (0..n * cols).map(|_| next() * 3.0).collect();
-            let sums = block_sums(&x);
             let q4 = Q4Blocks::quantize(&w).unwrap();
             let q4_values = q4.dequantize();
             let q8 = Q8Blocks::quantize(&w).unwrap();
             let q8_values = q8.dequantize();
             for kernels in available() {
                 eprintln!("{}", kernels.name);
-                check(&q4_values, &x, &|first, out| (kernels.q4_rows)(&q4, first, &x, &sums, out));
+                check(&q4_values, &x, &|first, out| (kernels.q4_rows)(&q4, first, &x, out));
                 check(&q8_values, &x, &|first, out| (kernels.q8_rows)(&q8, first, &x, out));
             }
         }

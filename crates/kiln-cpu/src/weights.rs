@@ -38,10 +38,10 @@ impl Blocks {
     }
 
     /// Output rows from `first` (as many as `out` holds, `[rows, n]`) of
-    /// `x`; `sums` is `kernel::block_sums(x)` where 4-bit blocks need it.
-    fn rows(&self, first: usize, x: &[f32], sums: &[f32], out: &mut [f32]) {
+    /// `x`.
+    fn rows(&self, first: usize, x: &[f32], out: &mut [f32]) {
         match self {
-            Blocks::Q4(m) => (kernel::best().q4_rows)(m, first, x, sums, out),
+            Blocks::Q4(m) => (kernel::best().q4_rows)(m, first, x, out),
             Blocks::Q8(m) => (kernel::best().q8_rows)(m, first, x, out),
         }
     }
@@ -65,10 +65,6 @@ impl Linear for PooledProduct {
     fn apply(&self, x: &[f32], rows: usize) -> Vec<f32> {
         let (outputs, cols) = self.blocks.shape();
         debug_assert_eq!(x.len(), rows * cols);
-        let sums = match self.blocks {
-            Blocks::Q4(_) => kernel::block_sums(x),
-            Blocks::Q8(_) => Vec::new(),
-        };
         // Computed as `[out, rows]`: each thread owns whole output rows.
         let mut by_output = vec![0.0f32; outputs * rows];
         let threads = self.team.threads();
@@ -80,11 +76,11 @@ impl Linear for PooledProduct {
             self.team.run(&|t| {
                 if let Some(out) = shares.get(t) {
                     let mut out = out.lock().expect("a share is locked by its thread only");
-                    self.blocks.rows(t * share, x, &sums, &mut out);
+                    self.blocks.rows(t * share, x, &mut out);
                 }
             });
         } else {
-            self.blocks.rows(0, x, &sums, &mut by_output);
+            self.blocks.rows(0, x, &mut by_output);
         }
         if rows == 1 {
             return by_output;
