@@ -2,15 +2,17 @@
 //! (kiln-core's `forward`) over matrices stored in blocks of [`BLOCK`]
 //! weights: each layer's in 4 bits with an f32 scale and minimum a block
 //! (GGUF's Q4_1, f32 ends), the output projection in 8 bits with an f32
-//! scale (Q8_0). The [`kernel`]s unpack and dequantize a block in registers
-//! and accumulate against f32 activations; a product's output rows are shared out over a
-//! [`team`] of threads kept awake between products.
+//! scale (Q8_0). The [`kernel`]s unpack and dequantize a block in
+//! registers and accumulate against f32 activations; a product's output
+//! rows are shared out over a [`team`] of threads kept awake between
+//! products.
 //!
 //! A Q4_1 file's blocks (and its Q8_0 embedding) come back exactly, so on
 //! such a model `cpu-q4` differs from the reference only by summation
 //! order and the rounding of each dequantized weight (one fused
-//! multiply-add, where the reference rounds twice); on other models it adds the block rounding, at most half a step
-//! per weight. The activations stay f32: no 8-bit rounding of them.
+//! multiply-add, where the reference rounds twice); on other models it
+//! adds the block rounding, at most half a step per weight. The
+//! activations stay f32: no 8-bit rounding of them.
 
 pub mod blocks;
 pub mod kernel;
