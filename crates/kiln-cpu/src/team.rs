@@ -101,7 +101,8 @@ impl Team {
 
     /// Calls `job(i)` for every `i` in `0..self.threads()` at once, `0` on
     /// this thread, and returns when all have returned. A panic in any call
-    /// is raised here once all have returned.
+    /// is raised here once all have returned. A job must not call `run` on
+    /// its own team: that deadlocks (another team's is fine).
     pub fn run(&self, job: &(dyn Fn(usize) + Sync)) {
         let shared = &*self.shared;
         if self.workers.is_empty() {
@@ -117,11 +118,13 @@ impl Team {
         *shared.job.lock().expect("kiln-cpu team lock") = Some(SendJob(erased));
         shared.remaining.store(self.workers.len(), Ordering::SeqCst);
         shared.generation.fetch_add(1, Ordering::SeqCst);
+        // From here the workers may be inside `job`: whatever unwinds, we
+        // wait for them.
+        let finish = Finish(shared);
         if shared.sleepers.load(Ordering::SeqCst) > 0 {
             let _held = shared.sleep.lock().expect("kiln-cpu team lock");
             shared.wake.notify_all();
         }
-        let finish = Finish(shared);
         job(0);
         drop(finish);
         if shared.panicked.load(Ordering::SeqCst) {
@@ -163,8 +166,11 @@ fn work(shared: &Shared, index: usize) {
         // SAFETY: `run` keeps the job alive until `remaining` reaches 0,
         // which this worker's decrement below is part of.
         let called = panic::catch_unwind(AssertUnwindSafe(|| unsafe { (*job.0)(index) }));
-        if called.is_err() {
+        if let Err(payload) = called {
             shared.panicked.store(true, Ordering::SeqCst);
+            // A payload whose drop panics must not end this thread: the
+            // next run would wait for it forever.
+            let _ = panic::catch_unwind(AssertUnwindSafe(|| drop(payload)));
         }
         shared.remaining.fetch_sub(1, Ordering::Release);
     }
