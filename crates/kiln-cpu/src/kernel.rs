@@ -45,6 +45,51 @@ fn for_each_group<const GROUP: usize>(
     }
 }
 
+/// [`for_each_group`] over a 4-bit matrix: `group(levels, scales, mins, x,
+/// out)` gets one output row's blocks and one group's inputs.
+#[inline(always)]
+fn q4_rows_in_groups<const GROUP: usize>(
+    m: &Q4Blocks,
+    first: usize,
+    x: &[f32],
+    out: &mut [f32],
+    group: impl Fn(&[u8], &[f32], &[f32], &[f32], &mut [f32]),
+) {
+    let blocks = m.blocks_per_row();
+    let n = x.len() / m.cols;
+    for_each_group::<GROUP>(first, n, out, |r, inputs, out| {
+        let row_blocks = r * blocks..(r + 1) * blocks;
+        let levels = &m.levels[row_blocks.start * BLOCK_BYTES..row_blocks.end * BLOCK_BYTES];
+        let (scales, mins) = (&m.scales[row_blocks.clone()], &m.mins[row_blocks]);
+        let x = &x[inputs.start * m.cols..inputs.end * m.cols];
+        group(levels, scales, mins, x, out);
+    });
+}
+
+/// [`for_each_group`] over an 8-bit matrix: `group(values, scales, x, out)`
+/// gets one output row's blocks and one group's inputs.
+#[inline(always)]
+fn q8_rows_in_groups<const GROUP: usize>(
+    m: &Q8Blocks,
+    first: usize,
+    x: &[f32],
+    out: &mut [f32],
+    group: impl Fn(&[i8], &[f32], &[f32], &mut [f32]),
+) {
+    let blocks = m.blocks_per_row();
+    let n = x.len() / m.cols;
+    for_each_group::<GROUP>(first, n, out, |r, inputs, out| {
+        let values = &m.values[r * m.cols..][..m.cols];
+        let scales = &m.scales[r * blocks..][..blocks];
+        group(
+            values,
+            scales,
+            &x[inputs.start * m.cols..inputs.end * m.cols],
+            out,
+        );
+    });
+}
+
 /// `out[(r − first) · n + i] = Σ_c w[r][c] · x[i][c]` for the rows `first..`
 /// that `out` has room for (`out.len() / n` of them).
 pub type Q4Rows = fn(m: &Q4Blocks, first: usize, x: &[f32], out: &mut [f32]);
@@ -147,7 +192,7 @@ pub fn portable_q4_rows(m: &Q4Blocks, first: usize, x: &[f32], out: &mut [f32]) 
 
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
-    use super::{BLOCK, BLOCK_BYTES, Q4Blocks, Q8Blocks, for_each_group};
+    use super::{BLOCK, BLOCK_BYTES, Q4Blocks, Q8Blocks, q4_rows_in_groups, q8_rows_in_groups};
 
     /// Inputs a block is applied to at once (16 registers: four
     /// accumulators, the block's four vectors, the products).
@@ -176,13 +221,8 @@ mod avx2 {
     /// The CPU must have AVX2 and FMA.
     #[target_feature(enable = "avx2,fma")]
     unsafe fn q8_rows(m: &Q8Blocks, first: usize, x: &[f32], out: &mut [f32]) {
-        let blocks = m.blocks_per_row();
-        let n = x.len() / m.cols;
-        for_each_group::<GROUP>(first, n, out, |r, inputs, out| {
-            let values = &m.values[r * m.cols..][..m.cols];
-            let scales = &m.scales[r * blocks..][..blocks];
-            let x = &x[inputs.start * m.cols..inputs.end * m.cols];
-            q8_group(values, scales, m.cols, x, out);
+        q8_rows_in_groups::<GROUP>(m, first, x, out, |values, scales, x, out| {
+            q8_group(values, scales, m.cols, x, out)
         });
     }
 
@@ -234,14 +274,8 @@ mod avx2 {
     /// The CPU must have AVX2 and FMA.
     #[target_feature(enable = "avx2,fma")]
     unsafe fn q4_rows(m: &Q4Blocks, first: usize, x: &[f32], out: &mut [f32]) {
-        let blocks = m.blocks_per_row();
-        let n = x.len() / m.cols;
-        for_each_group::<GROUP>(first, n, out, |r, inputs, out| {
-            let row_blocks = r * blocks..(r + 1) * blocks;
-            let levels = &m.levels[row_blocks.start * BLOCK_BYTES..row_blocks.end * BLOCK_BYTES];
-            let (scales, mins) = (&m.scales[row_blocks.clone()], &m.mins[row_blocks]);
-            let x = &x[inputs.start * m.cols..inputs.end * m.cols];
-            q4_group(levels, scales, mins, m.cols, x, out);
+        q4_rows_in_groups::<GROUP>(m, first, x, out, |levels, scales, mins, x, out| {
+            q4_group(levels, scales, mins, m.cols, x, out)
         });
     }
 
@@ -298,7 +332,7 @@ mod avx2 {
 /// low and high nibbles (levels 0-15 and 16-31).
 #[cfg(target_arch = "x86_64")]
 mod avx512 {
-    use super::{BLOCK, BLOCK_BYTES, Q4Blocks, Q8Blocks, for_each_group};
+    use super::{BLOCK, BLOCK_BYTES, Q4Blocks, Q8Blocks, q4_rows_in_groups, q8_rows_in_groups};
 
     /// Inputs a block is applied to at once (32 registers).
     const GROUP: usize = 8;
@@ -326,14 +360,8 @@ mod avx512 {
     /// The CPU must have AVX-512F.
     #[target_feature(enable = "avx512f")]
     unsafe fn q4_rows(m: &Q4Blocks, first: usize, x: &[f32], out: &mut [f32]) {
-        let blocks = m.blocks_per_row();
-        let n = x.len() / m.cols;
-        for_each_group::<GROUP>(first, n, out, |r, inputs, out| {
-            let row_blocks = r * blocks..(r + 1) * blocks;
-            let levels = &m.levels[row_blocks.start * BLOCK_BYTES..row_blocks.end * BLOCK_BYTES];
-            let (scales, mins) = (&m.scales[row_blocks.clone()], &m.mins[row_blocks]);
-            let x = &x[inputs.start * m.cols..inputs.end * m.cols];
-            q4_group(levels, scales, mins, m.cols, x, out);
+        q4_rows_in_groups::<GROUP>(m, first, x, out, |levels, scales, mins, x, out| {
+            q4_group(levels, scales, mins, m.cols, x, out)
         });
     }
 
@@ -384,13 +412,8 @@ mod avx512 {
     /// The CPU must have AVX-512F.
     #[target_feature(enable = "avx512f")]
     unsafe fn q8_rows(m: &Q8Blocks, first: usize, x: &[f32], out: &mut [f32]) {
-        let blocks = m.blocks_per_row();
-        let n = x.len() / m.cols;
-        for_each_group::<GROUP>(first, n, out, |r, inputs, out| {
-            let values = &m.values[r * m.cols..][..m.cols];
-            let scales = &m.scales[r * blocks..][..blocks];
-            let x = &x[inputs.start * m.cols..inputs.end * m.cols];
-            q8_group(values, scales, m.cols, x, out);
+        q8_rows_in_groups::<GROUP>(m, first, x, out, |values, scales, x, out| {
+            q8_group(values, scales, m.cols, x, out)
         });
     }
 
