@@ -1,10 +1,13 @@
 #!/usr/bin/env python3
-"""Makes kiln's Hugging Face reference fixtures: random-weight Llama models
-(grouped-query attention, odd sizes, tied and untied embeddings, two RoPE
-scalings) saved as safetensors, with the logits `transformers` computes for a
-few prompts and its greedy continuation. kiln's CPU reference must match them.
+"""Makes kiln's Hugging Face reference fixtures: random-weight Llama and
+Mistral models (grouped-query attention, odd sizes, tied and untied
+embeddings, two RoPE scalings, a sliding window) saved as safetensors, with
+the logits `transformers` computes for a few prompts and its greedy
+continuation. kiln's CPU reference must match them.
 
-    python3 scripts/make_fixture.py tests/fixtures
+    python3 scripts/make_fixture.py tests/fixtures [NAME ...]
+
+makes every fixture, or only those named.
 
 Needs torch and transformers (any recent version; the committed fixtures were
 made with the versions printed into each fixture's reference.json).
@@ -15,7 +18,10 @@ from pathlib import Path
 
 import torch
 import transformers
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
+
+FAMILIES = {"llama": (LlamaConfig, LlamaForCausalLM),
+            "mistral": (MistralConfig, MistralForCausalLM)}
 
 MODELS = {
     # Untied, GQA 6:2, odd intermediate and vocabulary, llama3 RoPE scaling.
@@ -36,6 +42,17 @@ MODELS = {
         max_position_embeddings=64, bos_token_id=1, eos_token_id=2,
         rope_theta=10000.0,
         rope_scaling={"rope_type": "linear", "factor": 2.0},
+    ),
+    # Mistral's own config (model_type "mistral"), GQA 4:2, θ 1e6 as Mistral
+    # 7B v0.2/v0.3, and v0.1's sliding window, wider than every sequence
+    # here (kiln caps its context at the window, where attention is full).
+    "mistral-gqa-window": dict(
+        family="mistral",
+        hidden_size=48, intermediate_size=83, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=12,
+        vocab_size=97, rms_norm_eps=1e-5, tie_word_embeddings=False,
+        max_position_embeddings=64, sliding_window=40, bos_token_id=1,
+        eos_token_id=2, rope_theta=1000000.0,
     ),
 }
 
@@ -59,11 +76,14 @@ def word_level_tokenizer(vocab_size):
     }
 
 
-def main(out_dir):
-    torch.manual_seed(0)
-    for name, kwargs in MODELS.items():
-        config = LlamaConfig(**kwargs, attn_implementation="eager")
-        model = LlamaForCausalLM(config).to(torch.float32).eval()
+def main(out_dir, names):
+    for name in names:
+        kwargs = dict(MODELS[name])
+        config_class, model_class = FAMILIES[kwargs.pop("family", "llama")]
+        # Seeded per model, so one fixture can be made again on its own.
+        torch.manual_seed(sorted(MODELS).index(name))
+        config = config_class(**kwargs, attn_implementation="eager")
+        model = model_class(config).to(torch.float32).eval()
         # Norm weights away from 1.0, so a missed norm weight shows.
         with torch.no_grad():
             for n, p in model.named_parameters():
@@ -90,4 +110,4 @@ def main(out_dir):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1] if len(sys.argv) > 1 else "tests/fixtures")
+    main(sys.argv[1] if len(sys.argv) > 1 else "tests/fixtures", sys.argv[2:] or list(MODELS))

@@ -362,7 +362,8 @@ fn inspect(model: Option<&PathBuf>) -> Result<()> {
         model.name
     );
     println!(
-        "  layers {}, hidden {}, intermediate {}, heads {}/{} (q/kv), head dim {}, vocab {}, context {}",
+        "  family {}: layers {}, hidden {}, intermediate {}, heads {}/{} (q/kv), head dim {}, vocab {}, context {}",
+        c.family.model_type(),
         c.num_layers,
         c.hidden_size,
         c.intermediate_size,
@@ -370,7 +371,26 @@ fn inspect(model: Option<&PathBuf>) -> Result<()> {
         c.num_kv_heads,
         c.head_dim,
         c.vocab_size,
-        c.max_position_embeddings
+        c.context_limit()
+    );
+    let rope = match &c.rope_scaling {
+        None => "none".to_string(),
+        Some(kiln_core::RopeScaling::Linear { factor }) => format!("linear x{factor}"),
+        Some(kiln_core::RopeScaling::Llama3 { factor, .. }) => format!("llama3 x{factor}"),
+    };
+    println!(
+        "  rope theta {}, scaling {rope}, tied output {}, sliding window {}",
+        c.rope_theta,
+        c.tie_word_embeddings,
+        match c.sliding_window {
+            Some(w) if w < c.max_position_embeddings => format!(
+                "{w} (kiln runs it up to {w} positions, where attention is full; \
+                 max_position_embeddings {})",
+                c.max_position_embeddings
+            ),
+            Some(w) => format!("{w} (wider than the context: full attention)"),
+            None => "none".into(),
+        }
     );
     iree_report()
 }

@@ -407,3 +407,32 @@ fn a_damaged_pulled_model_is_refused_and_pull_removes_leftovers() {
     );
     assert!(stdout(&kiln_in(cache.path(), &["list"])).contains("DAMAGED"));
 }
+
+/// `kiln inspect` names the family and the switches the graph takes from it.
+#[test]
+fn inspect_names_the_family_and_its_switches() {
+    let dir = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/tests/fixtures/mistral-gqa-window"
+    );
+    let out = kiln(&["inspect", "--model", dir]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let text = stdout(&out);
+    for expected in [
+        "family mistral",
+        "context 40",
+        "rope theta 1000000",
+        "tied output false",
+        "sliding window 40 (kiln runs it up to 40 positions",
+    ] {
+        assert!(text.contains(expected), "{expected:?} not in {text}");
+    }
+    let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/llama-mqa-tied");
+    let text = stdout(&kiln(&["inspect", "--model", dir]));
+    assert!(
+        text.contains("family llama")
+            && text.contains("scaling linear x2")
+            && text.contains("tied output true"),
+        "{text}"
+    );
+}

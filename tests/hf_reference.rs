@@ -1,10 +1,11 @@
-//! The CPU reference agrees with Hugging Face transformers' Llama: logits of
-//! every prompt position within 1e-4 (f32), and the same greedy continuation.
-//! The fixtures are made by `scripts/make_fixture.py`.
+//! The CPU reference agrees with Hugging Face transformers' Llama and
+//! Mistral: logits of every prompt position within 1e-4 (f32), and the same
+//! greedy continuation. The fixtures are made by `scripts/make_fixture.py`.
 
 use std::path::PathBuf;
 
-use kiln_core::{CpuBackend, Model};
+use kiln_core::config::Family;
+use kiln_core::{Backend, CpuBackend, Model};
 use serde::Deserialize;
 
 #[derive(Deserialize)]
@@ -68,6 +69,34 @@ fn tied_multi_query_linear_rope_matches_transformers() {
 }
 
 #[test]
+fn mistral_with_a_sliding_window_matches_transformers() {
+    check("mistral-gqa-window");
+}
+
+/// kiln does not window attention: it runs a model with a sliding window
+/// only up to the window, where the window holds every position, and
+/// refuses a longer sequence instead of attending to all of it.
+#[test]
+fn a_sliding_window_caps_the_context() {
+    let (model, _) = fixture("mistral-gqa-window");
+    let window = model
+        .config
+        .sliding_window
+        .expect("the fixture has a window");
+    assert!(window < model.config.max_position_embeddings);
+    let mut backend = CpuBackend::new(&model);
+    assert_eq!(backend.max_context(), window);
+    let ids: Vec<u32> = (0..window as u32).map(|i| i % 90 + 3).collect();
+    backend
+        .prefill(&ids)
+        .expect("a window's worth of tokens runs");
+    let mut longer = ids.clone();
+    longer.push(5);
+    let error = backend.prefill(&longer).unwrap_err().to_string();
+    assert!(error.contains(&window.to_string()), "{error}");
+}
+
+#[test]
 fn fixtures_cover_what_they_claim() {
     let (untied, _) = fixture("llama-gqa-untied");
     assert!(!untied.config.tie_word_embeddings && untied.weights.lm_head.is_some());
@@ -76,6 +105,11 @@ fn fixtures_cover_what_they_claim() {
         untied.config.rope_scaling,
         Some(kiln_core::RopeScaling::Llama3 { .. })
     ));
+    assert_eq!(untied.config.family, Family::Llama);
+    let (mistral, _) = fixture("mistral-gqa-window");
+    assert_eq!(mistral.config.family, Family::Mistral);
+    assert_eq!(mistral.config.rope_theta, 1e6);
+    assert!(mistral.config.rope_scaling.is_none() && mistral.weights.lm_head.is_some());
     let (tied, _) = fixture("llama-mqa-tied");
     assert!(tied.config.tie_word_embeddings && tied.weights.lm_head.is_none());
     assert_eq!(tied.config.num_kv_heads, 1);

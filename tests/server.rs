@@ -458,6 +458,8 @@ fn slow_model(dir: &Path) {
         rope_scaling: None,
         tie_word_embeddings: true,
         max_position_embeddings: 2048,
+        sliding_window: None,
+        family: kiln_core::config::Family::Llama,
         bos_token_id: None,
         eos_token_ids: Vec::new(),
     };

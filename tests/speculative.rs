@@ -395,6 +395,8 @@ fn tiny_model() -> Model {
         rope_scaling: None,
         tie_word_embeddings: false,
         max_position_embeddings: 64,
+        sliding_window: None,
+        family: kiln_core::config::Family::Llama,
         bos_token_id: None,
         eos_token_ids: Vec::new(),
     };

@@ -173,6 +173,16 @@ fn tied_mqa_fixture_matches_the_cpu_reference() {
     agrees_with_the_cpu_reference(&fixture("llama-mqa-tied"));
 }
 
+/// Mistral's config (θ 1e6, a sliding window the context is capped at):
+/// the same graph, within the same bound (tests/hf_reference.rs holds the
+/// reference to transformers).
+#[test]
+fn mistral_fixture_matches_the_cpu_reference() {
+    let model = fixture("mistral-gqa-window");
+    assert_eq!(model.config.context_limit(), 40);
+    agrees_with_the_cpu_reference(&model);
+}
+
 /// A random model with a 32000-token vocabulary (`random-100m`).
 fn wide_vocabulary_model() -> Model {
     let (config, seed) = kiln_core::model::preset("random-100m").unwrap();
@@ -325,6 +335,8 @@ fn page_wide_model() -> Model {
         rope_scaling: None,
         tie_word_embeddings: false,
         max_position_embeddings: 128,
+        sliding_window: None,
+        family: kiln_core::config::Family::Llama,
         bos_token_id: None,
         eos_token_ids: vec![],
     };
@@ -723,5 +735,10 @@ mod cuda {
     #[test]
     fn tied_mqa_fixture_on_the_gpu_matches_the_cpu_reference() {
         on_gpu(&fixture("llama-mqa-tied"));
+    }
+
+    #[test]
+    fn mistral_fixture_on_the_gpu_matches_the_cpu_reference() {
+        on_gpu(&fixture("mistral-gqa-window"));
     }
 }

@@ -253,7 +253,7 @@ fn prepare(args: &Args) -> Result<()> {
     let cache = ModuleCache::default_location()?;
     for spec in &args.model {
         let config = config(spec)?;
-        let context = config.max_position_embeddings.min(args.max_context);
+        let context = config.context_limit().min(args.max_context);
         for &kind in args
             .backend
             .iter()

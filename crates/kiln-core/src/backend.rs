@@ -220,7 +220,7 @@ impl Backend for CpuBackend<'_> {
     }
 
     fn max_context(&self) -> usize {
-        self.model.config.max_position_embeddings
+        self.model.config.context_limit()
     }
 
     fn prefill(&mut self, tokens: &[u32]) -> Result<Vec<f32>> {

@@ -1,5 +1,5 @@
-//! The model configuration: the fields of a Hugging Face Llama `config.json`
-//! that kiln uses, checked for consistency.
+//! The model configuration: the fields of a Hugging Face Llama or Mistral
+//! `config.json` that kiln uses, checked for consistency.
 
 use std::path::Path;
 
@@ -19,6 +19,26 @@ pub enum RopeScaling {
         high_freq_factor: f64,
         original_max_position_embeddings: f64,
     },
+}
+
+/// The model families kiln runs: one graph (Llama's), named as the model's
+/// `model_type` names it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Family {
+    Llama,
+    /// Llama's graph under Mistral's own config; v0.1 sets a sliding
+    /// window (see [`ModelConfig::sliding_window`]).
+    Mistral,
+}
+
+impl Family {
+    /// The `model_type` that names it.
+    pub fn model_type(self) -> &'static str {
+        match self {
+            Family::Llama => "llama",
+            Family::Mistral => "mistral",
+        }
+    }
 }
 
 /// The largest `config.json` kiln reads (real ones are a few KB).
@@ -42,6 +62,7 @@ pub const LIMITS: [(&str, usize); 8] = [
 /// A Llama-architecture decoder's shape and constants.
 #[derive(Clone, Debug, PartialEq)]
 pub struct ModelConfig {
+    pub family: Family,
     pub hidden_size: usize,
     pub intermediate_size: usize,
     pub num_layers: usize,
@@ -54,6 +75,11 @@ pub struct ModelConfig {
     pub rope_scaling: Option<RopeScaling>,
     pub tie_word_embeddings: bool,
     pub max_position_embeddings: usize,
+    /// Mistral v0.1's sliding-window attention: each position attends to
+    /// the last `w` only. kiln does not window its attention; it caps the
+    /// context at `w` instead ([`ModelConfig::context_limit`]), where the
+    /// window holds every position and attention is full.
+    pub sliding_window: Option<usize>,
     pub bos_token_id: Option<u32>,
     pub eos_token_ids: Vec<u32>,
 }
@@ -76,6 +102,7 @@ struct RawConfig {
     #[serde(default)]
     tie_word_embeddings: bool,
     max_position_embeddings: Option<usize>,
+    sliding_window: Option<usize>,
     bos_token_id: Option<u32>,
     eos_token_id: Option<serde_json::Value>,
     #[serde(default)]
@@ -138,13 +165,16 @@ impl ModelConfig {
                 path => format!("field {path}: {}", e.inner()),
             }
         })?;
-        if let Some(kind) = &raw.model_type
-            && kind != "llama"
-        {
-            return Err(format!(
-                "model_type is {kind:?}; kiln runs Llama-architecture models (\"llama\")"
-            ));
-        }
+        let family = match raw.model_type.as_deref() {
+            None | Some("llama") => Family::Llama,
+            Some("mistral") => Family::Mistral,
+            Some(kind) => {
+                return Err(format!(
+                    "model_type is {kind:?}; kiln runs the Llama and Mistral families \
+                     (\"llama\", \"mistral\")"
+                ));
+            }
+        };
         if raw.attention_bias || raw.mlp_bias {
             return Err("attention_bias/mlp_bias are set; kiln's Llama has no biases".into());
         }
@@ -162,6 +192,7 @@ impl ModelConfig {
             None => 0,
         };
         let config = ModelConfig {
+            family,
             hidden_size: raw.hidden_size,
             intermediate_size: raw.intermediate_size,
             num_layers: raw.num_hidden_layers,
@@ -184,6 +215,7 @@ impl ModelConfig {
             )?,
             tie_word_embeddings: raw.tie_word_embeddings,
             max_position_embeddings: raw.max_position_embeddings.unwrap_or(2048),
+            sliding_window: raw.sliding_window,
             bos_token_id: raw.bos_token_id,
             eos_token_ids: parse_eos(raw.eos_token_id.as_ref())?,
         };
@@ -235,6 +267,9 @@ impl ModelConfig {
         if !(self.rope_theta.is_finite() && self.rope_theta > 0.0) {
             return Err("rope_theta must be positive".into());
         }
+        if self.sliding_window == Some(0) {
+            return Err("sliding_window must be positive (or null: no window)".into());
+        }
         if let Some(bad) = self
             .eos_token_ids
             .iter()
@@ -244,6 +279,17 @@ impl ModelConfig {
             return Err(format!("special token id {bad} is outside the vocabulary"));
         }
         Ok(())
+    }
+
+    /// The longest sequence kiln runs the model at: its
+    /// `max_position_embeddings`, or its sliding window where that is
+    /// shorter (beyond it the model would attend to a window, which kiln
+    /// does not do).
+    pub fn context_limit(&self) -> usize {
+        match self.sliding_window {
+            Some(window) => self.max_position_embeddings.min(window),
+            None => self.max_position_embeddings,
+        }
     }
 
     /// Query heads per key/value head.
@@ -393,6 +439,21 @@ mod tests {
     }
 
     #[test]
+    fn mistral_is_the_llama_graph_with_its_window() {
+        let v03 = with("model_type", "\"mistral\"").unwrap();
+        assert_eq!(v03.family, Family::Mistral);
+        assert_eq!((v03.sliding_window, v03.context_limit()), (None, 2048));
+        let mut json: serde_json::Value = serde_json::from_str(BASE).unwrap();
+        json["model_type"] = "mistral".into();
+        json["sliding_window"] = 512.into();
+        let v01 = ModelConfig::from_json(&json.to_string()).unwrap();
+        assert_eq!((v01.sliding_window, v01.context_limit()), (Some(512), 512));
+        json["sliding_window"] = serde_json::Value::Null;
+        let null = ModelConfig::from_json(&json.to_string()).unwrap();
+        assert_eq!(null.sliding_window, None);
+    }
+
+    #[test]
     fn defaults_are_filled_in() {
         let c = ModelConfig::from_json(BASE).unwrap();
         assert_eq!(c.head_dim, 16);
@@ -410,6 +471,8 @@ mod tests {
                 "multiple of num_key_value_heads",
             ),
             ("model_type", "\"gpt2\"", "model_type"),
+            ("model_type", "\"qwen2\"", "Llama and Mistral"),
+            ("sliding_window", "0", "sliding_window"),
             ("head_dim", "15", "even"),
             ("hidden_size", "\"wide\"", "hidden_size"),
             (

@@ -94,6 +94,8 @@ impl Model {
             rope_scaling: None,
             tie_word_embeddings: true,
             max_position_embeddings: 256,
+            sliding_window: None,
+            family: crate::config::Family::Llama,
             bos_token_id: Some(ByteTokenizer::BOS),
             eos_token_ids: vec![ByteTokenizer::EOS],
         };
@@ -208,6 +210,8 @@ pub fn preset(name: &str) -> Option<(ModelConfig, u64)> {
         rope_scaling: None,
         tie_word_embeddings: tied,
         max_position_embeddings: 2048,
+        sliding_window: None,
+        family: crate::config::Family::Llama,
         bos_token_id: None,
         eos_token_ids: Vec::new(),
     };

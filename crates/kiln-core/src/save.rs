@@ -9,7 +9,7 @@ use safetensors::Dtype;
 use safetensors::tensor::TensorView;
 use serde_json::json;
 
-use crate::config::{ModelConfig, RopeScaling};
+use crate::config::{Family, ModelConfig, RopeScaling};
 use crate::error::{Error, Result};
 use crate::weights::{Matrix, Weights};
 
@@ -32,8 +32,11 @@ fn config_json(config: &ModelConfig) -> serde_json::Value {
         }),
     });
     json!({
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+        "architectures": [match config.family {
+            Family::Llama => "LlamaForCausalLM",
+            Family::Mistral => "MistralForCausalLM",
+        }],
+        "model_type": config.family.model_type(),
         "hidden_size": config.hidden_size,
         "intermediate_size": config.intermediate_size,
         "num_hidden_layers": config.num_layers,
@@ -46,6 +49,7 @@ fn config_json(config: &ModelConfig) -> serde_json::Value {
         "rope_scaling": rope_scaling,
         "tie_word_embeddings": config.tie_word_embeddings,
         "max_position_embeddings": config.max_position_embeddings,
+        "sliding_window": config.sliding_window,
         "bos_token_id": config.bos_token_id,
         "eos_token_id": config.eos_token_ids,
         "hidden_act": "silu",

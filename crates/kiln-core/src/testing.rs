@@ -185,6 +185,8 @@ pub fn successor_model(
         rope_scaling: None,
         tie_word_embeddings: false,
         max_position_embeddings: 1024,
+        sliding_window: None,
+        family: crate::config::Family::Llama,
         bos_token_id: None,
         eos_token_ids,
     };

@@ -28,9 +28,9 @@ pub struct Buckets {
 
 impl Buckets {
     /// The buckets of [`Buckets::for_context`] for the model's
-    /// `max_position_embeddings` capped at `max_context`.
+    /// The model's context limit (`ModelConfig::context_limit`) capped at `max_context`.
     pub fn for_model(model: &Model, max_context: usize) -> Buckets {
-        Buckets::for_context(model.config.max_position_embeddings.min(max_context))
+        Buckets::for_context(model.config.context_limit().min(max_context))
     }
 
     /// Prefill buckets 16, 64, 128, 256, 512, 1024, 2048 below `context`, and

@@ -119,6 +119,8 @@ pub fn model_config(file: &GgufFile) -> Result<ModelConfig> {
         rope_scaling,
         tie_word_embeddings: file.tensor("output.weight").is_none(),
         max_position_embeddings: usize_key(file, "llama.context_length")?,
+        sliding_window: None,
+        family: crate::config::Family::Llama,
         bos_token_id: None,
         eos_token_ids: Vec::new(),
     };
