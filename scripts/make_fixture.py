@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
-"""Makes kiln's Hugging Face reference fixtures: random-weight Llama and
-Mistral models (grouped-query attention, odd sizes, tied and untied
-embeddings, two RoPE scalings, a sliding window) saved as safetensors, with
+"""Makes kiln's Hugging Face reference fixtures: random-weight Llama,
+Mistral and Qwen2 models (grouped-query attention, odd sizes, tied and
+untied embeddings, two RoPE scalings, a sliding window, q/k/v biases) saved
+as safetensors, with
 the logits `transformers` computes for a few prompts and its greedy
 continuation. kiln's CPU reference must match them.
 
@@ -18,10 +19,12 @@ from pathlib import Path
 
 import torch
 import transformers
-from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
+from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM,
+                          Qwen2Config, Qwen2ForCausalLM)
 
 FAMILIES = {"llama": (LlamaConfig, LlamaForCausalLM),
-            "mistral": (MistralConfig, MistralForCausalLM)}
+            "mistral": (MistralConfig, MistralForCausalLM),
+            "qwen2": (Qwen2Config, Qwen2ForCausalLM)}
 
 MODELS = {
     # Untied, GQA 6:2, odd intermediate and vocabulary, llama3 RoPE scaling.
@@ -54,6 +57,17 @@ MODELS = {
         max_position_embeddings=64, sliding_window=40, bos_token_id=1,
         eos_token_id=2, rope_theta=1000000.0,
     ),
+    # Qwen2.5's small sizes: biases on q/k/v, tied embeddings, θ 1e6, and a
+    # sliding window that `use_sliding_window: false` switches off. Sizes
+    # in whole blocks of 32, so cpu-q4 can take it too.
+    "qwen2-tied-bias": dict(
+        family="qwen2",
+        hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        vocab_size=97, rms_norm_eps=1e-6, tie_word_embeddings=True,
+        max_position_embeddings=64, use_sliding_window=False, sliding_window=32,
+        max_window_layers=1, bos_token_id=1, eos_token_id=2, rope_theta=1000000.0,
+    ),
 }
 
 PROMPTS = [[1, 5, 9], [1, 17, 3, 42, 8, 8, 0, 33, 71, 12, 5, 60, 2, 19]]
@@ -84,11 +98,14 @@ def main(out_dir, names):
         torch.manual_seed(sorted(MODELS).index(name))
         config = config_class(**kwargs, attn_implementation="eager")
         model = model_class(config).to(torch.float32).eval()
-        # Norm weights away from 1.0, so a missed norm weight shows.
+        # Norm weights away from 1.0, so a missed norm weight shows, and
+        # biases (initialized to zero) large enough that a missed one does.
         with torch.no_grad():
             for n, p in model.named_parameters():
                 if "norm" in n:
                     p.uniform_(0.5, 1.5)
+                elif n.endswith(".bias"):
+                    p.uniform_(-0.5, 0.5)
         folder = Path(out_dir) / name
         model.save_pretrained(folder, safe_serialization=True)
         (folder / "tokenizer.json").write_text(json.dumps(word_level_tokenizer(config.vocab_size)))

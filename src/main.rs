@@ -379,9 +379,10 @@ fn inspect(model: Option<&PathBuf>) -> Result<()> {
         Some(kiln_core::RopeScaling::Llama3 { factor, .. }) => format!("llama3 x{factor}"),
     };
     println!(
-        "  rope theta {}, scaling {rope}, tied output {}, sliding window {}",
+        "  rope theta {}, scaling {rope}, tied output {}, q/k/v biases {}, sliding window {}",
         c.rope_theta,
         c.tie_word_embeddings,
+        c.qkv_bias,
         match c.sliding_window {
             Some(w) if w < c.max_position_embeddings => format!(
                 "{w} (kiln runs it up to {w} positions, where attention is full; \

@@ -427,6 +427,18 @@ fn inspect_names_the_family_and_its_switches() {
     ] {
         assert!(text.contains(expected), "{expected:?} not in {text}");
     }
+    let dir = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/tests/fixtures/qwen2-tied-bias"
+    );
+    let text = stdout(&kiln(&["inspect", "--model", dir]));
+    assert!(
+        text.contains("family qwen2")
+            && text.contains("q/k/v biases true")
+            && text.contains("sliding window none")
+            && text.contains("context 64"),
+        "{text}"
+    );
     let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/llama-mqa-tied");
     let text = stdout(&kiln(&["inspect", "--model", dir]));
     assert!(

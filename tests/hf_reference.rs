@@ -1,5 +1,5 @@
-//! The CPU reference agrees with Hugging Face transformers' Llama and
-//! Mistral: logits of every prompt position within 1e-4 (f32), and the same
+//! The CPU reference agrees with Hugging Face transformers' Llama, Mistral
+//! and Qwen2: logits of every prompt position within 1e-4 (f32), and the same
 //! greedy continuation. The fixtures are made by `scripts/make_fixture.py`.
 
 use std::path::PathBuf;
@@ -97,6 +97,11 @@ fn a_sliding_window_caps_the_context() {
 }
 
 #[test]
+fn qwen2_with_qkv_biases_matches_transformers() {
+    check("qwen2-tied-bias");
+}
+
+#[test]
 fn fixtures_cover_what_they_claim() {
     let (untied, _) = fixture("llama-gqa-untied");
     assert!(!untied.config.tie_word_embeddings && untied.weights.lm_head.is_some());
@@ -110,6 +115,14 @@ fn fixtures_cover_what_they_claim() {
     assert_eq!(mistral.config.family, Family::Mistral);
     assert_eq!(mistral.config.rope_theta, 1e6);
     assert!(mistral.config.rope_scaling.is_none() && mistral.weights.lm_head.is_some());
+    let (qwen2, _) = fixture("qwen2-tied-bias");
+    assert_eq!(qwen2.config.family, Family::Qwen2);
+    assert!(qwen2.config.qkv_bias && qwen2.config.tie_word_embeddings);
+    // Its window is switched off (`use_sliding_window: false`).
+    assert_eq!(qwen2.config.context_limit(), 64);
+    let bias = qwen2.weights.layers[1].qkv_bias.as_ref().unwrap();
+    assert_eq!(bias.len(), 64 + 2 * 32);
+    assert!(bias.iter().any(|b| b.abs() > 0.1), "biases far from zero");
     let (tied, _) = fixture("llama-mqa-tied");
     assert!(tied.config.tie_word_embeddings && tied.weights.lm_head.is_none());
     assert_eq!(tied.config.num_kv_heads, 1);

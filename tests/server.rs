@@ -459,6 +459,7 @@ fn slow_model(dir: &Path) {
         tie_word_embeddings: true,
         max_position_embeddings: 2048,
         sliding_window: None,
+        qkv_bias: false,
         family: kiln_core::config::Family::Llama,
         bos_token_id: None,
         eos_token_ids: Vec::new(),

@@ -396,6 +396,7 @@ fn tiny_model() -> Model {
         tie_word_embeddings: false,
         max_position_embeddings: 64,
         sliding_window: None,
+        qkv_bias: false,
         family: kiln_core::config::Family::Llama,
         bos_token_id: None,
         eos_token_ids: Vec::new(),

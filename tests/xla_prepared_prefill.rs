@@ -183,6 +183,39 @@ fn mistral_fixture_matches_the_cpu_reference() {
     agrees_with_the_cpu_reference(&model);
 }
 
+/// Qwen2's q/k/v biases are not in the graph yet: the IREE backends refuse
+/// the model, naming what is missing and what runs it, instead of running it
+/// without them.
+#[test]
+fn a_model_with_qkv_biases_is_refused_by_name() {
+    let model = fixture("qwen2-tied-bias");
+    let graph = GraphOptions::for_target(Target::LlvmCpu, None, None);
+    let error = match open(
+        &model,
+        "local-task",
+        Target::LlvmCpu,
+        graph,
+        default_cache(),
+    ) {
+        Ok(_) => panic!("the graph ran a model with biases it does not have"),
+        Err(error) => error.to_string(),
+    };
+    assert!(
+        error.contains("q/k/v biases") && error.contains("--backend cpu-q4"),
+        "{error}"
+    );
+    let prepared = kiln_xla::prepared::obtain(
+        &model.config,
+        &graph,
+        kiln_xla::ModuleKind::Decode,
+        &kiln_xla::Buckets::for_context(64),
+        Target::LlvmCpu,
+        None,
+        &default_cache(),
+    );
+    assert!(prepared.unwrap_err().to_string().contains("q/k/v biases"));
+}
+
 /// A random model with a 32000-token vocabulary (`random-100m`).
 fn wide_vocabulary_model() -> Model {
     let (config, seed) = kiln_core::model::preset("random-100m").unwrap();
@@ -336,6 +369,7 @@ fn page_wide_model() -> Model {
         tie_word_embeddings: false,
         max_position_embeddings: 128,
         sliding_window: None,
+        qkv_bias: false,
         family: kiln_core::config::Family::Llama,
         bos_token_id: None,
         eos_token_ids: vec![],

@@ -1,5 +1,5 @@
-//! The model configuration: the fields of a Hugging Face Llama or Mistral
-//! `config.json` that kiln uses, checked for consistency.
+//! The model configuration: the fields of a Hugging Face Llama, Mistral or
+//! Qwen2 `config.json` that kiln uses, checked for consistency.
 
 use std::path::Path;
 
@@ -29,6 +29,9 @@ pub enum Family {
     /// Llama's graph under Mistral's own config; v0.1 sets a sliding
     /// window (see [`ModelConfig::sliding_window`]).
     Mistral,
+    /// Llama's graph with biases on the q, k and v projections
+    /// ([`ModelConfig::qkv_bias`]).
+    Qwen2,
 }
 
 impl Family {
@@ -37,6 +40,7 @@ impl Family {
         match self {
             Family::Llama => "llama",
             Family::Mistral => "mistral",
+            Family::Qwen2 => "qwen2",
         }
     }
 }
@@ -80,6 +84,9 @@ pub struct ModelConfig {
     /// context at `w` instead ([`ModelConfig::context_limit`]), where the
     /// window holds every position and attention is full.
     pub sliding_window: Option<usize>,
+    /// Biases added to the q, k and v projections (Qwen2's); the layer
+    /// weights then carry them ([`crate::weights::LayerWeights::qkv_bias`]).
+    pub qkv_bias: bool,
     pub bos_token_id: Option<u32>,
     pub eos_token_ids: Vec<u32>,
 }
@@ -103,6 +110,8 @@ struct RawConfig {
     tie_word_embeddings: bool,
     max_position_embeddings: Option<usize>,
     sliding_window: Option<usize>,
+    /// Qwen2's switch for its `sliding_window` (off in every Qwen2.5).
+    use_sliding_window: Option<bool>,
     bos_token_id: Option<u32>,
     eos_token_id: Option<serde_json::Value>,
     #[serde(default)]
@@ -168,15 +177,28 @@ impl ModelConfig {
         let family = match raw.model_type.as_deref() {
             None | Some("llama") => Family::Llama,
             Some("mistral") => Family::Mistral,
+            Some("qwen2") => Family::Qwen2,
             Some(kind) => {
                 return Err(format!(
-                    "model_type is {kind:?}; kiln runs the Llama and Mistral families \
-                     (\"llama\", \"mistral\")"
+                    "model_type is {kind:?}; kiln runs the Llama, Mistral and Qwen2 families \
+                     (\"llama\", \"mistral\", \"qwen2\")"
                 ));
             }
         };
+        // Qwen2 applies its window only where `use_sliding_window` says so;
+        // Mistral wherever one is set.
+        let sliding_window = match (family, raw.use_sliding_window) {
+            (Family::Qwen2, Some(true)) | (Family::Llama | Family::Mistral, _) => {
+                raw.sliding_window
+            }
+            (Family::Qwen2, _) => None,
+        };
         if raw.attention_bias || raw.mlp_bias {
-            return Err("attention_bias/mlp_bias are set; kiln's Llama has no biases".into());
+            return Err(
+                "attention_bias/mlp_bias are set; kiln runs only Qwen2's biases (q, k and v; \
+                 attention_bias also biases the output projection, mlp_bias the MLP)"
+                    .into(),
+            );
         }
         if let Some(act) = &raw.hidden_act
             && act != "silu"
@@ -215,7 +237,8 @@ impl ModelConfig {
             )?,
             tie_word_embeddings: raw.tie_word_embeddings,
             max_position_embeddings: raw.max_position_embeddings.unwrap_or(2048),
-            sliding_window: raw.sliding_window,
+            sliding_window,
+            qkv_bias: family == Family::Qwen2,
             bos_token_id: raw.bos_token_id,
             eos_token_ids: parse_eos(raw.eos_token_id.as_ref())?,
         };
@@ -454,6 +477,22 @@ mod tests {
     }
 
     #[test]
+    fn qwen2_has_qkv_biases_and_its_window_only_when_switched_on() {
+        let mut json: serde_json::Value = serde_json::from_str(BASE).unwrap();
+        json["model_type"] = "qwen2".into();
+        json["sliding_window"] = 32.into();
+        json["use_sliding_window"] = false.into();
+        let off = ModelConfig::from_json(&json.to_string()).unwrap();
+        assert_eq!(off.family, Family::Qwen2);
+        assert!(off.qkv_bias);
+        assert_eq!((off.sliding_window, off.context_limit()), (None, 2048));
+        json["use_sliding_window"] = true.into();
+        let on = ModelConfig::from_json(&json.to_string()).unwrap();
+        assert_eq!((on.sliding_window, on.context_limit()), (Some(32), 32));
+        assert!(!with("model_type", "\"mistral\"").unwrap().qkv_bias);
+    }
+
+    #[test]
     fn defaults_are_filled_in() {
         let c = ModelConfig::from_json(BASE).unwrap();
         assert_eq!(c.head_dim, 16);
@@ -471,7 +510,7 @@ mod tests {
                 "multiple of num_key_value_heads",
             ),
             ("model_type", "\"gpt2\"", "model_type"),
-            ("model_type", "\"qwen2\"", "Llama and Mistral"),
+            ("model_type", "\"gemma\"", "Llama, Mistral and Qwen2"),
             ("sliding_window", "0", "sliding_window"),
             ("head_dim", "15", "even"),
             ("hidden_size", "\"wide\"", "hidden_size"),

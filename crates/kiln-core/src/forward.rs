@@ -95,6 +95,8 @@ pub struct LayerView<'a> {
     pub attn_norm: &'a [f32],
     /// Outputs `[q | k | v]` per row.
     pub qkv: Box<dyn Linear + 'a>,
+    /// Added to each row of `qkv`'s output, where the model has biases.
+    pub qkv_bias: Option<&'a [f32]>,
     pub wo: &'a dyn Linear,
     pub mlp_norm: &'a [f32],
     /// Outputs `[gate | up]` per row.
@@ -122,6 +124,7 @@ impl ForwardWeights for Weights {
         LayerView {
             attn_norm: &l.attn_norm,
             qkv: Box::new(Stacked(vec![&l.wq, &l.wk, &l.wv])),
+            qkv_bias: l.qkv_bias.as_deref(),
             wo: &l.wo,
             mlp_norm: &l.mlp_norm,
             gate_up: Box::new(Stacked(vec![&l.w_gate, &l.w_up])),
@@ -260,7 +263,12 @@ pub fn forward_until(
         // Project this chunk's rows and extend the cache first, so each row
         // attends to every earlier position and to itself.
         let normed = rms_norm_rows(&xs, layer.attn_norm, config.rms_norm_eps);
-        let qkv = layer.qkv.apply(&normed, n);
+        let mut qkv = layer.qkv.apply(&normed, n);
+        if let Some(bias) = layer.qkv_bias {
+            for row in qkv.chunks_exact_mut(bias.len()) {
+                row.iter_mut().zip(bias).for_each(|(v, b)| *v += b);
+            }
+        }
         let mut queries = Vec::with_capacity(n * q_width);
         for (r, row) in qkv.chunks_exact(q_width + 2 * kv_width).enumerate() {
             let pos = start + r;

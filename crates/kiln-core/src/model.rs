@@ -95,6 +95,7 @@ impl Model {
             tie_word_embeddings: true,
             max_position_embeddings: 256,
             sliding_window: None,
+            qkv_bias: false,
             family: crate::config::Family::Llama,
             bos_token_id: Some(ByteTokenizer::BOS),
             eos_token_ids: vec![ByteTokenizer::EOS],
@@ -211,6 +212,7 @@ pub fn preset(name: &str) -> Option<(ModelConfig, u64)> {
         tie_word_embeddings: tied,
         max_position_embeddings: 2048,
         sliding_window: None,
+        qkv_bias: false,
         family: crate::config::Family::Llama,
         bos_token_id: None,
         eos_token_ids: Vec::new(),
@@ -247,6 +249,7 @@ pub fn random_weights(config: &ModelConfig, seed: u64) -> Weights {
             w_gate: matrix(i, h),
             w_up: matrix(i, h),
             w_down: matrix(h, i),
+            qkv_bias: None,
         })
         .collect();
     let lm_head = (!config.tie_word_embeddings).then(|| matrix(config.vocab_size, h));

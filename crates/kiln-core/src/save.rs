@@ -35,6 +35,7 @@ fn config_json(config: &ModelConfig) -> serde_json::Value {
         "architectures": [match config.family {
             Family::Llama => "LlamaForCausalLM",
             Family::Mistral => "MistralForCausalLM",
+            Family::Qwen2 => "Qwen2ForCausalLM",
         }],
         "model_type": config.family.model_type(),
         "hidden_size": config.hidden_size,
@@ -114,6 +115,14 @@ fn named_f16_tensors(config: &ModelConfig, w: &Weights) -> Vec<(String, Vec<usiz
             matrix(format!("{p}.mlp.up_proj.weight"), &layer.w_up),
             matrix(format!("{p}.mlp.down_proj.weight"), &layer.w_down),
         ]);
+        if let Some(bias) = &layer.qkv_bias {
+            let (q, kv) = (layer.wq.rows, layer.wk.rows);
+            out.extend([
+                vector(format!("{p}.self_attn.q_proj.bias"), &bias[..q]),
+                vector(format!("{p}.self_attn.k_proj.bias"), &bias[q..q + kv]),
+                vector(format!("{p}.self_attn.v_proj.bias"), &bias[q + kv..]),
+            ]);
+        }
     }
     out.push(vector("model.norm.weight".into(), &w.final_norm));
     if let (false, Some(head)) = (config.tie_word_embeddings, &w.lm_head) {

@@ -186,6 +186,7 @@ pub fn successor_model(
         tie_word_embeddings: false,
         max_position_embeddings: 1024,
         sliding_window: None,
+        qkv_bias: false,
         family: crate::config::Family::Llama,
         bos_token_id: None,
         eos_token_ids,
@@ -211,6 +212,7 @@ pub fn successor_model(
         w_gate: zeros(8, hidden),
         w_up: zeros(8, hidden),
         w_down: zeros(hidden, 8),
+        qkv_bias: None,
     };
     let weights = Weights {
         embed,

@@ -47,6 +47,8 @@ pub struct LayerWeights {
     pub w_gate: Matrix,
     pub w_up: Matrix,
     pub w_down: Matrix,
+    /// `[q | k | v]` biases, where the model has them (Qwen2).
+    pub qkv_bias: Option<Vec<f32>>,
 }
 
 #[derive(Clone, Debug)]
@@ -248,6 +250,18 @@ fn from_table(mut t: TensorTable, c: &ModelConfig) -> Result<Weights> {
             w_gate: t.matrix(&format!("{p}.mlp.gate_proj.weight"), i, h)?,
             w_up: t.matrix(&format!("{p}.mlp.up_proj.weight"), i, h)?,
             w_down: t.matrix(&format!("{p}.mlp.down_proj.weight"), h, i)?,
+            qkv_bias: match c.qkv_bias {
+                true => Some(
+                    [("q", q), ("k", kv), ("v", kv)]
+                        .iter()
+                        .map(|(name, width)| {
+                            t.take(&format!("{p}.self_attn.{name}_proj.bias"), &[*width])
+                        })
+                        .collect::<Result<Vec<_>>>()?
+                        .concat(),
+                ),
+                false => None,
+            },
         });
     }
     let final_norm = t.take("model.norm.weight", &[h])?;

@@ -108,6 +108,7 @@ fn transpose(m: &[f32], a: usize, b: usize) -> Vec<f32> {
 struct Layer {
     attn_norm: Vec<f32>,
     qkv: PooledProduct,
+    qkv_bias: Option<Vec<f32>>,
     wo: PooledProduct,
     mlp_norm: Vec<f32>,
     gate_up: PooledProduct,
@@ -147,6 +148,7 @@ impl Q4Weights {
                 Ok(Layer {
                     attn_norm: l.attn_norm.clone(),
                     qkv: product(format!("layer {i} q/k/v"), &[&l.wq, &l.wk, &l.wv])?,
+                    qkv_bias: l.qkv_bias.clone(),
                     wo: product(format!("layer {i} attention output"), &[&l.wo])?,
                     mlp_norm: l.mlp_norm.clone(),
                     gate_up: product(format!("layer {i} gate/up"), &[&l.w_gate, &l.w_up])?,
@@ -175,6 +177,7 @@ impl ForwardWeights for Q4Weights {
         LayerView {
             attn_norm: &l.attn_norm,
             qkv: Box::new(&l.qkv),
+            qkv_bias: l.qkv_bias.as_deref(),
             wo: &l.wo,
             mlp_norm: &l.mlp_norm,
             gate_up: Box::new(&l.gate_up),

@@ -11,7 +11,13 @@ use kiln_cpu::{Q4Blocks, Q8Blocks};
 /// The embedded model with every layer matrix replaced by its 4-bit
 /// blocks' values and the (tied) output projection by its 8-bit ones.
 fn snapped() -> Model {
-    let mut model = Model::embedded();
+    snap(Model::embedded())
+}
+
+/// `model` with every layer matrix replaced by its 4-bit blocks' values and
+/// the tied output projection by its 8-bit ones.
+fn snap(mut model: Model) -> Model {
+    assert!(model.config.tie_word_embeddings);
     let snap = |m: &mut kiln_core::weights::Matrix| {
         *m = Q4Blocks::quantize(m).unwrap().dequantize();
     };
@@ -44,13 +50,30 @@ const BOUND: f32 = 1e-5;
 
 #[test]
 fn logits_and_greedy_tokens_match_the_reference() {
-    let model = snapped();
-    let mut reference = CpuBackend::new(&model);
-    let mut q4 = kiln_cpu::backend(&model, 2).unwrap();
+    agrees_with_the_reference(&snapped(), &PROMPT);
+}
+
+/// Qwen2's q/k/v biases (the transformers fixture, whose sizes are whole
+/// blocks) are added by cpu-q4 as by the reference.
+#[test]
+fn qwen2_biases_match_the_reference() {
+    let dir = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../../tests/fixtures/qwen2-tied-bias"
+    );
+    let model = Model::load(std::path::Path::new(dir)).unwrap();
+    assert!(model.weights.layers[0].qkv_bias.is_some());
+    let prompt: Vec<u32> = (0..19).map(|i| (i * 29 + 3) % 97).collect();
+    agrees_with_the_reference(&snap(model), &prompt);
+}
+
+fn agrees_with_the_reference(model: &Model, prompt: &[u32]) {
+    let mut reference = CpuBackend::new(model);
+    let mut q4 = kiln_cpu::backend(model, 2).unwrap();
     assert_eq!(q4.name(), "cpu-q4");
     let (want, got) = (
-        reference.prefill(&PROMPT).unwrap(),
-        q4.prefill(&PROMPT).unwrap(),
+        reference.prefill(prompt).unwrap(),
+        q4.prefill(prompt).unwrap(),
     );
     let mut worst = max_abs_diff(&want, &got);
     let mut token = kiln_core::sampling::argmax(&want) as u32;

@@ -317,6 +317,7 @@ impl<'m> IreeBackend<'m> {
     ) -> kiln_core::Result<IreeBackend<'m>> {
         // Every size below is a product of the config's: bounded only if valid.
         model.config.validate().map_err(kiln_core::Error::Invalid)?;
+        crate::llama::check_supported(&model.config).map_err(kiln_core::Error::Invalid)?;
         let device = Instance::new()
             .and_then(|i| i.device(device_uri))
             .map_err(to_core)?;

@@ -75,6 +75,19 @@ pub fn weight_shapes(c: &ModelConfig, layout: WeightLayout) -> Vec<Vec<usize>> {
     shapes
 }
 
+/// Whether the graph can run a model of this config: the switches it has
+/// not yet got are refused here, by name, rather than left out.
+pub fn check_supported(c: &ModelConfig) -> Result<(), String> {
+    if c.qkv_bias {
+        return Err(format!(
+            "this {} model has q/k/v biases, which kiln's StableHLO graph (the iree backends) \
+             does not have yet; use --backend cpu-q4 or --backend cpu",
+            c.family.model_type()
+        ));
+    }
+    Ok(())
+}
+
 /// How entry `index` of [`weight_shapes`] is stored in the packed buffer:
 /// at `[in, out]`, a product matrix's rows padded by [`padded_row`] (the
 /// graph slices the padding off). The embedding is read a row at a time,
@@ -1152,6 +1165,7 @@ mod tests {
             tie_word_embeddings: false,
             max_position_embeddings: 64,
             sliding_window: None,
+            qkv_bias: false,
             family: kiln_core::config::Family::Llama,
             bos_token_id: None,
             eos_token_ids: vec![],

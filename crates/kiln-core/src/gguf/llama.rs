@@ -49,7 +49,9 @@ pub fn model_config(file: &GgufFile) -> Result<ModelConfig> {
     let arch = file.require_str("general.architecture")?;
     if arch != "llama" {
         return Err(file.error(format!(
-            "general.architecture is {arch:?}; kiln runs Llama-architecture models (\"llama\")"
+            "general.architecture is {arch:?}; kiln reads GGUF files of the \"llama\" \
+             architecture (llama.cpp writes Mistral's as \"llama\" too); for Qwen2, use the \
+             model's Hugging Face folder"
         )));
     }
     let hidden_size = usize_key(file, "llama.embedding_length")?;
@@ -120,6 +122,7 @@ pub fn model_config(file: &GgufFile) -> Result<ModelConfig> {
         tie_word_embeddings: file.tensor("output.weight").is_none(),
         max_position_embeddings: usize_key(file, "llama.context_length")?,
         sliding_window: None,
+        qkv_bias: false,
         family: crate::config::Family::Llama,
         bos_token_id: None,
         eos_token_ids: Vec::new(),
@@ -220,6 +223,7 @@ fn weights(file: &GgufFile, c: &ModelConfig) -> Result<Weights> {
             w_gate: matrix(file, &format!("{p}.ffn_gate.weight"), i, h)?,
             w_up: matrix(file, &format!("{p}.ffn_up.weight"), i, h)?,
             w_down: matrix(file, &format!("{p}.ffn_down.weight"), h, i)?,
+            qkv_bias: None,
         });
     }
     let final_norm = take(file, "output_norm.weight", &[h])?;
