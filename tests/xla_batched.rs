@@ -208,13 +208,19 @@ fn tied_mqa_fixture_batched_equals_alone() {
     batching_equals_alone(&fixture("llama-mqa-tied"));
 }
 
+/// Qwen2's q/k/v biases in the batched step and the multi-token steps.
+#[test]
+fn qwen2_fixture_batched_equals_alone() {
+    batching_equals_alone(&fixture("qwen2-tied-bias"));
+}
+
 /// The batched step with the CUDA target's graph choices (each KV head's
 /// query group padded to 8 rows, the norm weights folded into the next
 /// matrices, `[out, in]` weights) gives the CPU target's single-sequence
 /// tokens.
 #[test]
 fn cuda_graph_choices_batched_equal_alone() {
-    for name in ["llama-gqa-untied", "llama-mqa-tied"] {
+    for name in ["llama-gqa-untied", "llama-mqa-tied", "qwen2-tied-bias"] {
         let model = fixture(name);
         let graph = GraphOptions {
             precision: kiln_xla::Precision::F32,

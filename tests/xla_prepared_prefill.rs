@@ -183,37 +183,12 @@ fn mistral_fixture_matches_the_cpu_reference() {
     agrees_with_the_cpu_reference(&model);
 }
 
-/// Qwen2's q/k/v biases are not in the graph yet: the IREE backends refuse
-/// the model, naming what is missing and what runs it, instead of running it
-/// without them.
+/// Qwen2's q/k/v biases (far from zero in the fixture), tied embeddings,
+/// θ 1e6: within the same bound (tests/hf_reference.rs holds the reference
+/// to transformers).
 #[test]
-fn a_model_with_qkv_biases_is_refused_by_name() {
-    let model = fixture("qwen2-tied-bias");
-    let graph = GraphOptions::for_target(Target::LlvmCpu, None, None);
-    let error = match open(
-        &model,
-        "local-task",
-        Target::LlvmCpu,
-        graph,
-        default_cache(),
-    ) {
-        Ok(_) => panic!("the graph ran a model with biases it does not have"),
-        Err(error) => error.to_string(),
-    };
-    assert!(
-        error.contains("q/k/v biases") && error.contains("--backend cpu-q4"),
-        "{error}"
-    );
-    let prepared = kiln_xla::prepared::obtain(
-        &model.config,
-        &graph,
-        kiln_xla::ModuleKind::Decode,
-        &kiln_xla::Buckets::for_context(64),
-        Target::LlvmCpu,
-        None,
-        &default_cache(),
-    );
-    assert!(prepared.unwrap_err().to_string().contains("q/k/v biases"));
+fn qwen2_fixture_matches_the_cpu_reference() {
+    agrees_with_the_cpu_reference(&fixture("qwen2-tied-bias"));
 }
 
 /// A random model with a 32000-token vocabulary (`random-100m`).
@@ -774,5 +749,10 @@ mod cuda {
     #[test]
     fn mistral_fixture_on_the_gpu_matches_the_cpu_reference() {
         on_gpu(&fixture("mistral-gqa-window"));
+    }
+
+    #[test]
+    fn qwen2_fixture_on_the_gpu_matches_the_cpu_reference() {
+        on_gpu(&fixture("qwen2-tied-bias"));
     }
 }

@@ -118,6 +118,9 @@ fn weight_arguments<'w>(w: &'w Weights, graph: &GraphOptions) -> Vec<Cow<'w, [f3
         args.extend([
             Cow::Borrowed(l.attn_norm.as_slice()),
             after_norm(stacked(&[&l.wq, &l.wk, &l.wv]), &l.attn_norm),
+        ]);
+        args.extend(l.qkv_bias.as_deref().map(Cow::Borrowed));
+        args.extend([
             matrix(&l.wo),
             Cow::Borrowed(l.mlp_norm.as_slice()),
             after_norm(stacked(&[&l.w_gate, &l.w_up]), &l.mlp_norm),
@@ -317,7 +320,6 @@ impl<'m> IreeBackend<'m> {
     ) -> kiln_core::Result<IreeBackend<'m>> {
         // Every size below is a product of the config's: bounded only if valid.
         model.config.validate().map_err(kiln_core::Error::Invalid)?;
-        crate::llama::check_supported(&model.config).map_err(kiln_core::Error::Invalid)?;
         let device = Instance::new()
             .and_then(|i| i.device(device_uri))
             .map_err(to_core)?;

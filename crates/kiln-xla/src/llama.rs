@@ -61,31 +61,15 @@ pub fn weight_shapes(c: &ModelConfig, layout: WeightLayout) -> Vec<Vec<usize>> {
     };
     let mut shapes = vec![vec![v, h]];
     for _ in 0..c.num_layers {
-        shapes.extend([
-            vec![h],
-            matrix(h, q + 2 * kv),
-            matrix(q, h),
-            vec![h],
-            matrix(h, 2 * i),
-            matrix(i, h),
-        ]);
+        shapes.extend([vec![h], matrix(h, q + 2 * kv)]);
+        if c.qkv_bias {
+            shapes.push(vec![q + 2 * kv]);
+        }
+        shapes.extend([matrix(q, h), vec![h], matrix(h, 2 * i), matrix(i, h)]);
     }
     shapes.push(vec![h]);
     shapes.push(matrix(h, v));
     shapes
-}
-
-/// Whether the graph can run a model of this config: the switches it has
-/// not yet got are refused here, by name, rather than left out.
-pub fn check_supported(c: &ModelConfig) -> Result<(), String> {
-    if c.qkv_bias {
-        return Err(format!(
-            "this {} model has q/k/v biases, which kiln's StableHLO graph (the iree backends) \
-             does not have yet; use --backend cpu-q4 or --backend cpu",
-            c.family.model_type()
-        ));
-    }
-    Ok(())
 }
 
 /// How entry `index` of [`weight_shapes`] is stored in the packed buffer:
@@ -146,6 +130,8 @@ impl Weight {
 struct Layer {
     attn_norm: Val,
     qkv: Weight,
+    /// `[q | k | v]` biases (Qwen2's), where the model has them.
+    qkv_bias: Option<Val>,
     o: Weight,
     mlp_norm: Val,
     gate_up: Weight,
@@ -222,6 +208,7 @@ fn weight_params(f: &mut Function, c: &ModelConfig, g: &GraphOptions) -> Params 
         .map(|_| Layer {
             attn_norm: next().dense(),
             qkv: next(),
+            qkv_bias: c.qkv_bias.then(|| next().dense()),
             o: next(),
             mlp_norm: next().dense(),
             gate_up: next(),
@@ -673,12 +660,19 @@ fn project_qkv(
     f: &mut Function,
     dm: &Dims,
     normed: &Normed,
-    wqkv: &Weight,
+    layer: &Layer,
     rope_tables: &(Val, Val),
 ) -> (Val, Val, Val) {
     let n = normed.rows();
     let (q_width, kv_width) = (dm.heads * dm.d, dm.kv_heads * dm.d);
-    let qkv = linear_normed(f, dm, normed, wqkv);
+    let mut qkv = linear_normed(f, dm, normed, &layer.qkv);
+    if let Some(bias) = &layer.qkv_bias {
+        // Added in f32, as the reference adds it to its f32 product.
+        let wide = f.convert(&qkv, Ty::F32);
+        let bias = f.convert(bias, Ty::F32);
+        let bias = f.broadcast(&bias, &wide.shape, &[1]);
+        qkv = f.binary("add", &wide, &bias);
+    }
     let qkv = f.convert(&qkv, dm.storage);
     let qk = columns(f, &qkv, 0, q_width + kv_width);
     let v = columns(f, &qkv, q_width + kv_width, q_width + 2 * kv_width);
@@ -751,7 +745,7 @@ fn prefill(
     let mut values = Vec::new();
     for w in &p.layers {
         let normed = rms_norm(&mut f, &dm, &x, &w.attn_norm, c.rms_norm_eps);
-        let (q, k, v) = project_qkv(&mut f, &dm, &normed, &w.qkv, &rope_tables);
+        let (q, k, v) = project_qkv(&mut f, &dm, &normed, w, &rope_tables);
         // The caches' layouts: k [kv, t, d], v [kv, d, t].
         let k = f.transpose(&k, &[1, 0, 2]);
         let v = f.transpose(&v, &[1, 2, 0]);
@@ -866,7 +860,7 @@ fn decode_one(
     let mut x = embed(f, p, token);
     for (l, w) in p.layers.iter().enumerate() {
         let normed = rms_norm(f, dm, &x, &w.attn_norm, c.rms_norm_eps);
-        let (q, k, v) = project_qkv(f, dm, &normed, &w.qkv, &rope_tables);
+        let (q, k, v) = project_qkv(f, dm, &normed, w, &rope_tables);
         let at = layer_rows(f, &key_at, l);
         caches.k = scatter_flat(f, &caches.k, &at, &k, d);
         let keys = f.slice(&caches.k, &[l, 0, 0, 0], &[l + 1, kv, context, d]);
@@ -910,7 +904,7 @@ fn append_tokens(c: &ModelConfig, g: &GraphOptions, context: usize, rows: usize)
     let mut x = embed(&mut f, &p, &tokens);
     for (l, w) in p.layers.iter().enumerate() {
         let normed = rms_norm(&mut f, &dm, &x, &w.attn_norm, c.rms_norm_eps);
-        let (q, k, v) = project_qkv(&mut f, &dm, &normed, &w.qkv, &rope_tables);
+        let (q, k, v) = project_qkv(&mut f, &dm, &normed, w, &rope_tables);
         let layer = f.constant_i32(l as i32, &[]);
         let k = f.transpose(&k, &[1, 0, 2]);
         let k = f.reshape(&k, &[1, kv, rows, dm.d]);
@@ -970,7 +964,7 @@ fn decode_batch(
     let mut x = embed(&mut f, &p, &tokens);
     for (l, w) in p.layers.iter().enumerate() {
         let normed = rms_norm(&mut f, &dm, &x, &w.attn_norm, c.rms_norm_eps);
-        let (q, k, v) = project_qkv(&mut f, &dm, &normed, &w.qkv, &rope_tables);
+        let (q, k, v) = project_qkv(&mut f, &dm, &normed, w, &rope_tables);
         let at = layer_rows(&mut f, &key_at, l);
         k_cache = scatter_flat(&mut f, &k_cache, &at, &k, d);
         let at = layer_rows(&mut f, &value_at, l);

@@ -139,7 +139,6 @@ pub fn obtain(
 ) -> Result<(Vec<u8>, Origin)> {
     // The graph's sizes are products of the config's: bounded only if valid.
     config.validate().map_err(Error::Config)?;
-    crate::llama::check_supported(config).map_err(Error::Config)?;
     graph.check().map_err(Error::Graph)?;
     let (mlir, bucket) = source(config, graph, kind, buckets.context);
     // Without a compiler only the cache serves, with the key of modules
