@@ -19,7 +19,33 @@ pub(super) fn check(json: &[u8]) -> Result<(), String> {
     let walk = Walk { problem: &problem };
     // A syntax error, or a `problem` stopping the walk, ends it early.
     let _ = walk.deserialize(&mut serde_json::Deserializer::from_slice(json));
-    problem.into_inner().map_or(Ok(()), Err)
+    if let Some(problem) = problem.into_inner() {
+        return Err(problem);
+    }
+    // The walk stops at the first syntax error, yet the library has been
+    // seen to reach a charsmap past one (the fuzzer's find: `"nor", …`
+    // before the normalizer). So every literal occurrence of the key is
+    // checked too, wherever it stands.
+    literal_charsmaps(json)
+        .find_map(|charsmap| oversized_trie(&charsmap))
+        .map_or(Ok(()), Err)
+}
+
+/// The string after each `"precompiled_charsmap"` key spelled without
+/// escapes, read as a JSON string (escapes in it decoded).
+fn literal_charsmaps(json: &[u8]) -> impl Iterator<Item = String> + '_ {
+    const KEY: &[u8] = b"\"precompiled_charsmap\"";
+    (0..json.len().saturating_sub(KEY.len()))
+        .filter(move |&at| json[at..].starts_with(KEY))
+        .filter_map(move |at| {
+            let rest = &json[at + KEY.len()..];
+            let rest = rest
+                .trim_ascii_start()
+                .strip_prefix(b":")?
+                .trim_ascii_start();
+            let mut strings = serde_json::Deserializer::from_slice(rest).into_iter::<String>();
+            strings.next()?.ok()
+        })
 }
 
 /// Why `charsmap` (base64) cannot be a precompiled charsmap; `None` if its
@@ -113,6 +139,23 @@ mod tests {
 
     fn charsmap(bytes: &[u8]) -> String {
         base64::engine::general_purpose::STANDARD.encode(bytes)
+    }
+
+    /// The fuzzer's second find: a syntax error before the normalizer
+    /// stopped the walk, and the library still sized its trie.
+    #[test]
+    fn a_charsmap_past_a_syntax_error_is_checked_too() {
+        let json = br#"{"version": "1.0", "added_tokens": [], "nor", "normalizer": {"type": "Precompiled", "precompiled_charsmap" : "AAAA1A=="}, "model"#;
+        let error = check(json).unwrap_err();
+        assert!(error.contains("trie of 3556769792 bytes"), "{error}");
+        // A sound charsmap past the same error passes.
+        let mut sound = 4u32.to_le_bytes().to_vec();
+        sound.extend([0; 4]);
+        let json = format!(
+            r#"{{"nor", "precompiled_charsmap": "{}"}}"#,
+            charsmap(&sound)
+        );
+        assert_eq!(check(json.as_bytes()), Ok(()));
     }
 
     #[test]
