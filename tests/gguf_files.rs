@@ -208,16 +208,23 @@ const FFN: u64 = 16;
 /// A one-layer Llama over a byte-level vocabulary of 256 bytes, "<|im_end|>"
 /// (a control token) and one merge, with `edit` applied to the metadata.
 fn tiny_llama(edit: impl FnOnce(&mut Writer)) -> Writer {
+    tiny_llama_splitting("smollm", &[], edit)
+}
+
+/// [`tiny_llama`] with the pre-tokenizer `pre` and, after its tokens and
+/// merge, each of `merges` with the token it makes.
+fn tiny_llama_splitting(pre: &str, merges: &[&str], edit: impl FnOnce(&mut Writer)) -> Writer {
     let mut w = Writer::default();
     let mut tokens: Vec<String> = (0..=255u8).map(|b| byte_char(b).to_string()).collect();
     tokens.push("<|im_end|>".into());
     tokens.push("ab".into());
+    tokens.extend(merges.iter().map(|m| m.replace(' ', "")));
     let vocab = tokens.len() as u64;
     let mut types = vec![1; tokens.len()];
     types[256] = 3;
     llama_header(&mut w);
     w.kv("tokenizer.ggml.model", V::Str("gpt2"))
-        .kv("tokenizer.ggml.pre", V::Str("smollm"))
+        .kv("tokenizer.ggml.pre", V::Str(pre))
         .kv("tokenizer.ggml.eos_token_id", V::U32(256))
         .kv("tokenizer.ggml.add_bos_token", V::Bool(false))
         .kv("tokenizer.chat_template", V::Str("{{ messages }}"));
@@ -229,7 +236,8 @@ fn tiny_llama(edit: impl FnOnce(&mut Writer)) -> Writer {
         w.kv("tokenizer.ggml.token_type", V::I32s(types));
     }
     if !w.kv.windows(21).any(|k| k == b"tokenizer.ggml.merges") {
-        w.kv("tokenizer.ggml.merges", V::Strs(vec!["a b".into()]));
+        let all = ["a b"].iter().chain(merges).map(|m| m.to_string());
+        w.kv("tokenizer.ggml.merges", V::Strs(all.collect()));
     }
     llama_tensors(&mut w, vocab);
     w
@@ -262,6 +270,29 @@ fn a_tiny_gguf_llama_loads_tokenizes_and_runs() {
     let logits = kiln_core::Backend::prefill(&mut backend, &ids).unwrap();
     assert_eq!(logits.len(), 258);
     assert!(logits.iter().all(|v| v.is_finite()));
+}
+
+/// Qwen2's pre-tokenizer (`qwen2`) splits every digit alone where Llama 3's
+/// keeps runs of three, and puts text in NFC first as Hugging Face's Qwen2
+/// tokenizers do: a decomposed "é" is the precomposed one's token.
+#[test]
+fn qwen2_splits_digits_alone_and_composes_text() {
+    let dir = tempfile::tempdir().unwrap();
+    let encode = |pre: &str, text: &str| {
+        let bytes = tiny_llama_splitting(pre, &["1 2", "12 3"], |_| {}).bytes();
+        let path = write(dir.path(), &format!("{pre}.gguf"), &bytes);
+        Model::load(&path).unwrap().tokenizer.encode(text).unwrap()
+    };
+    let byte = |b: u8| u32::from(b);
+    assert_eq!(encode("llama-bpe", "12312"), [259, 258]);
+    assert_eq!(
+        encode("qwen2", "12312"),
+        [b'1', b'2', b'3', b'1', b'2'].map(byte)
+    );
+    let composed = encode("qwen2", "\u{e9}");
+    assert_eq!(composed, [0xc3, 0xa9].map(byte));
+    assert_eq!(encode("qwen2", "e\u{301}"), composed);
+    assert_ne!(encode("llama-bpe", "e\u{301}"), composed);
 }
 
 /// The error of loading `bytes`, which must name the file and `expected`.

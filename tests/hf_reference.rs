@@ -24,9 +24,58 @@ fn fixture(name: &str) -> (Model, Reference) {
     (model, serde_json::from_str(&text).unwrap())
 }
 
+/// The fixture written as a GGUF file by `scripts/make_gguf_fixture.py`
+/// (llama.cpp's writer, llama.cpp's layout for the family), with the
+/// folder's reference.
+fn gguf_fixture(name: &str) -> (Model, Reference) {
+    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures/gguf")
+        .join(format!("{name}.gguf"));
+    let model = Model::load(&path).unwrap_or_else(|e| panic!("{e}"));
+    (model, fixture(name).1)
+}
+
 fn check(name: &str) {
     let (model, reference) = fixture(name);
-    let mut backend = CpuBackend::new(&model);
+    agrees(name, &model, &reference);
+}
+
+/// The GGUF file describes the folder's model (the family, its switches
+/// and sizes) and gives transformers' logits and greedy tokens.
+fn check_gguf(name: &str) {
+    let (model, reference) = gguf_fixture(name);
+    let folder = fixture(name).0.config;
+    let c = &model.config;
+    // llama.cpp writes Mistral as `llama`: the same graph, and the window
+    // is its own key.
+    let family = match folder.family {
+        Family::Mistral => Family::Llama,
+        other => other,
+    };
+    assert_eq!(c.family, family, "{name}");
+    assert_eq!(c.qkv_bias, folder.qkv_bias, "{name}");
+    assert_eq!(c.tie_word_embeddings, folder.tie_word_embeddings, "{name}");
+    assert_eq!(c.sliding_window, folder.sliding_window, "{name}");
+    assert_eq!(c.context_limit(), folder.context_limit(), "{name}");
+    assert_eq!(c.rope_theta, folder.rope_theta, "{name}");
+    let sizes = |c: &kiln_core::ModelConfig| {
+        (
+            c.hidden_size,
+            c.intermediate_size,
+            c.num_layers,
+            c.num_heads,
+        )
+    };
+    assert_eq!(sizes(c), sizes(&folder), "{name}");
+    assert_eq!(
+        (c.num_kv_heads, c.head_dim),
+        (folder.num_kv_heads, folder.head_dim)
+    );
+    agrees(&format!("{name}.gguf"), &model, &reference);
+}
+
+fn agrees(name: &str, model: &Model, reference: &Reference) {
+    let mut backend = CpuBackend::new(model);
     let vocab = model.config.vocab_size;
     for (i, prompt) in reference.prompts.iter().enumerate() {
         let ours = backend.prefill_all(prompt).unwrap();
@@ -94,6 +143,20 @@ fn a_sliding_window_caps_the_context() {
     longer.push(5);
     let error = backend.prefill(&longer).unwrap_err().to_string();
     assert!(error.contains(&window.to_string()), "{error}");
+}
+
+/// Mistral as llama.cpp writes it: architecture `llama`, q and k rows
+/// permuted, the window under `llama.attention.sliding_window`.
+#[test]
+fn mistral_gguf_matches_transformers() {
+    check_gguf("mistral-gqa-window");
+}
+
+/// Qwen2 as llama.cpp writes it: architecture `qwen2`, q and k as stored,
+/// the biases as `blk.N.attn_{q,k,v}.bias`, no output matrix (tied).
+#[test]
+fn qwen2_gguf_matches_transformers() {
+    check_gguf("qwen2-tied-bias");
 }
 
 #[test]

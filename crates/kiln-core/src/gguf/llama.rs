@@ -1,16 +1,18 @@
-//! A GGUF `llama` model: `llama.*` metadata to [`ModelConfig`], tensors to
-//! [`Weights`] (dequantized to f32), and the tokenizer from the metadata.
+//! A GGUF `llama` or `qwen2` model: `<architecture>.*` metadata to
+//! [`ModelConfig`], tensors to [`Weights`] (dequantized to f32), and the
+//! tokenizer from the metadata.
 
 use std::path::Path;
 
 use super::{GgufFile, TensorInfo, tokenizer_from_gguf};
-use crate::config::{ModelConfig, RopeScaling};
+use crate::config::{Family, ModelConfig, RopeScaling};
 use crate::error::Result;
 use crate::model::Model;
 use crate::tokenizer::Tokenizer;
 use crate::weights::{LayerWeights, Matrix, Weights};
 
-/// Loads a GGUF Llama model: configuration, weights and tokenizer.
+/// Loads a GGUF Llama (or Mistral) or Qwen2 model: configuration, weights
+/// and tokenizer.
 pub fn load_model(path: &Path) -> Result<Model> {
     let file = GgufFile::open(path)?;
     let mut config = model_config(&file)?;
@@ -43,31 +45,37 @@ fn optional_usize(file: &GgufFile, key: &str) -> Result<Option<usize>> {
         .map(|v| usize::try_from(v).unwrap_or(usize::MAX)))
 }
 
-/// The model configuration from `llama.*` metadata (without the special
-/// token ids, which come with the tokenizer).
+/// The model configuration from `<architecture>.*` metadata (without the
+/// special token ids, which come with the tokenizer).
 pub fn model_config(file: &GgufFile) -> Result<ModelConfig> {
     let arch = file.require_str("general.architecture")?;
-    if arch != "llama" {
-        return Err(file.error(format!(
-            "general.architecture is {arch:?}; kiln reads GGUF files of the \"llama\" \
-             architecture (llama.cpp writes Mistral's as \"llama\" too); for Qwen2, use the \
-             model's Hugging Face folder"
-        )));
-    }
-    let hidden_size = usize_key(file, "llama.embedding_length")?;
-    let num_heads = usize_key(file, "llama.attention.head_count")?;
-    let num_kv_heads = optional_usize(file, "llama.attention.head_count_kv")?.unwrap_or(num_heads);
-    let head_dim = match optional_usize(file, "llama.attention.key_length")? {
+    let family = match arch {
+        "llama" => Family::Llama,
+        "qwen2" => Family::Qwen2,
+        _ => {
+            return Err(file.error(format!(
+                "general.architecture is {arch:?}; kiln reads GGUF files of the \"llama\" \
+                 (Llama, and Mistral, which llama.cpp writes as \"llama\") and \"qwen2\" \
+                 architectures"
+            )));
+        }
+    };
+    // Every model key is under the architecture's name.
+    let key = |name: &str| format!("{arch}.{name}");
+    let hidden_size = usize_key(file, &key("embedding_length"))?;
+    let num_heads = usize_key(file, &key("attention.head_count"))?;
+    let num_kv_heads = optional_usize(file, &key("attention.head_count_kv"))?.unwrap_or(num_heads);
+    let head_dim = match optional_usize(file, &key("attention.key_length"))? {
         Some(d) => d,
         None if num_heads > 0 => hidden_size / num_heads,
         None => 0,
     };
-    if let Some(rope_dims) = optional_usize(file, "llama.rope.dimension_count")?
+    if let Some(rope_dims) = optional_usize(file, &key("rope.dimension_count"))?
         && rope_dims != head_dim
     {
         return Err(file.error(format!(
-            "llama.rope.dimension_count is {rope_dims} but heads have {head_dim} dimensions; \
-             kiln rotates whole heads"
+            "{} is {rope_dims} but heads have {head_dim} dimensions; kiln rotates whole heads",
+            key("rope.dimension_count")
         )));
     }
     if file.tensor("rope_freqs.weight").is_some() {
@@ -75,23 +83,27 @@ pub fn model_config(file: &GgufFile) -> Result<ModelConfig> {
             "the model has a rope_freqs tensor (Llama 3.1 frequency factors), which kiln does not apply yet",
         ));
     }
-    let rope_scaling = match file.optional("llama.rope.scaling.type", "a string", |v| v.as_str())? {
+    let rope_scaling = match file.optional(&key("rope.scaling.type"), "a string", |v| v.as_str())? {
         None | Some("none") => None,
         Some("linear") => {
             let factor = file
-                .optional("llama.rope.scaling.factor", "a number", |v| v.as_f64())?
+                .optional(&key("rope.scaling.factor"), "a number", |v| v.as_f64())?
                 .ok_or_else(|| {
-                    file.error("linear RoPE scaling without llama.rope.scaling.factor")
+                    file.error(format!(
+                        "linear RoPE scaling without {}",
+                        key("rope.scaling.factor")
+                    ))
                 })?;
             Some(RopeScaling::Linear { factor })
         }
         Some(other) => {
             return Err(file.error(format!(
-                "llama.rope.scaling.type {other:?} is not supported (kiln knows none and linear)"
+                "{} {other:?} is not supported (kiln knows none and linear)",
+                key("rope.scaling.type")
             )));
         }
     };
-    let vocab_size = match optional_usize(file, "llama.vocab_size")? {
+    let vocab_size = match optional_usize(file, &key("vocab_size"))? {
         Some(v) => v,
         None => file
             .require("tokenizer.ggml.tokens")?
@@ -100,30 +112,36 @@ pub fn model_config(file: &GgufFile) -> Result<ModelConfig> {
             .ok_or_else(|| file.error("tokenizer.ggml.tokens is not an array"))?,
     };
     let rms_norm_eps = file
-        .optional("llama.attention.layer_norm_rms_epsilon", "a number", |v| {
+        .optional(&key("attention.layer_norm_rms_epsilon"), "a number", |v| {
             v.as_f64()
         })?
         .ok_or_else(|| {
-            file.error("metadata key llama.attention.layer_norm_rms_epsilon is missing")
+            file.error(format!(
+                "metadata key {} is missing",
+                key("attention.layer_norm_rms_epsilon")
+            ))
         })? as f32;
     let config = ModelConfig {
         hidden_size,
-        intermediate_size: usize_key(file, "llama.feed_forward_length")?,
-        num_layers: usize_key(file, "llama.block_count")?,
+        intermediate_size: usize_key(file, &key("feed_forward_length"))?,
+        num_layers: usize_key(file, &key("block_count"))?,
         num_heads,
         num_kv_heads,
         head_dim,
         vocab_size,
         rms_norm_eps,
         rope_theta: file
-            .optional("llama.rope.freq_base", "a number", |v| v.as_f64())?
+            .optional(&key("rope.freq_base"), "a number", |v| v.as_f64())?
             .unwrap_or(10_000.0),
         rope_scaling,
         tie_word_embeddings: file.tensor("output.weight").is_none(),
-        max_position_embeddings: usize_key(file, "llama.context_length")?,
-        sliding_window: None,
-        qkv_bias: false,
-        family: crate::config::Family::Llama,
+        max_position_embeddings: usize_key(file, &key("context_length"))?,
+        // Where the file has one (llama.cpp's writer puts Mistral's here);
+        // it caps the context as for a Hugging Face folder.
+        sliding_window: optional_usize(file, &key("attention.sliding_window"))?,
+        // Qwen2 always has q/k/v biases (llama.cpp's loader requires them).
+        qkv_bias: family == Family::Qwen2,
+        family,
         bos_token_id: None,
         eos_token_ids: Vec::new(),
     };
@@ -151,7 +169,7 @@ pub fn model_config(file: &GgufFile) -> Result<ModelConfig> {
     ] {
         if a.checked_mul(b).is_none_or(|n| n > bytes) {
             return Err(file.error(format!(
-                "llama.* metadata make {what} = {a} x {b} weights, more than the file's {bytes} bytes hold"
+                "{arch}.* metadata make {what} = {a} x {b} weights, more than the file's {bytes} bytes hold"
             )));
         }
     }
@@ -211,8 +229,23 @@ fn weights(file: &GgufFile, c: &ModelConfig) -> Result<Weights> {
         let p = format!("blk.{l}");
         let mut wq = matrix(file, &format!("{p}.attn_q.weight"), q, h)?;
         let mut wk = matrix(file, &format!("{p}.attn_k.weight"), kv, h)?;
-        unpermute_rows(&mut wq, c.num_heads);
-        unpermute_rows(&mut wk, c.num_kv_heads);
+        // llama.cpp's converter permutes Llama's q and k rows for its RoPE;
+        // Qwen2's it stores as Hugging Face does (llama.cpp rotates those
+        // in the half-split "neox" order).
+        if c.family == Family::Llama {
+            unpermute_rows(&mut wq, c.num_heads);
+            unpermute_rows(&mut wk, c.num_kv_heads);
+        }
+        let qkv_bias = match c.qkv_bias {
+            true => Some(
+                [("attn_q", q), ("attn_k", kv), ("attn_v", kv)]
+                    .iter()
+                    .map(|(name, n)| take(file, &format!("{p}.{name}.bias"), &[*n]))
+                    .collect::<Result<Vec<_>>>()?
+                    .concat(),
+            ),
+            false => None,
+        };
         layers.push(LayerWeights {
             attn_norm: take(file, &format!("{p}.attn_norm.weight"), &[h])?,
             wq,
@@ -223,7 +256,7 @@ fn weights(file: &GgufFile, c: &ModelConfig) -> Result<Weights> {
             w_gate: matrix(file, &format!("{p}.ffn_gate.weight"), i, h)?,
             w_up: matrix(file, &format!("{p}.ffn_up.weight"), i, h)?,
             w_down: matrix(file, &format!("{p}.ffn_down.weight"), h, i)?,
-            qkv_bias: None,
+            qkv_bias,
         });
     }
     let final_norm = take(file, "output_norm.weight", &[h])?;

@@ -35,6 +35,10 @@ const PRE_DIGITS_GPT2: &[&str] = &[
 /// Llama 3's split.
 const PRE_LLAMA3: &[&str] = &["llama-bpe", "llama3", "llama-v3", "falcon3", "pixtral"];
 const LLAMA3_REGEX: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+/// Qwen2's split: Llama 3's with every digit alone. Hugging Face's Qwen2
+/// tokenizers also put text in Unicode NFC first; kiln does as they do.
+const PRE_QWEN2: &[&str] = &["qwen2"];
+const QWEN2_REGEX: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 
 /// The tokenizer of `file`, with its special tokens and chat template.
 pub fn tokenizer_from_gguf(file: &GgufFile) -> Result<(tokenizers::Tokenizer, ChatFormat)> {
@@ -45,11 +49,13 @@ pub fn tokenizer_from_gguf(file: &GgufFile) -> Result<(tokenizers::Tokenizer, Ch
         None => vec![NORMAL; n],
         Some(_) => int_array(file, "tokenizer.ggml.token_type", n)?,
     };
-    if let Some(vocab) = file.get("llama.vocab_size").and_then(Value::as_u64)
+    let arch = file.get("general.architecture").and_then(Value::as_str);
+    let vocab_key = format!("{}.vocab_size", arch.unwrap_or("llama"));
+    if let Some(vocab) = file.get(&vocab_key).and_then(Value::as_u64)
         && vocab != n as u64
     {
         return Err(file.error(format!(
-            "tokenizer.ggml.tokens has {n} entries but llama.vocab_size is {vocab}"
+            "tokenizer.ggml.tokens has {n} entries but {vocab_key} is {vocab}"
         )));
     }
     let id = |key: &str| -> Result<Option<u32>> {
@@ -100,28 +106,39 @@ pub fn tokenizer_from_gguf(file: &GgufFile) -> Result<(tokenizers::Tokenizer, Ch
                 json!({"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true,
                        "use_regex": use_regex})
             };
+            let split = |regex: &str| {
+                json!({"type": "Sequence", "pretokenizers": [
+                    {"type": "Split", "pattern": {"Regex": regex},
+                     "behavior": "Isolated", "invert": false},
+                    byte_level(false)]})
+            };
             let pre_tokenizer = if PRE_GPT2.contains(&pre) {
                 byte_level(true)
             } else if PRE_DIGITS_GPT2.contains(&pre) {
                 json!({"type": "Sequence", "pretokenizers": [
                     {"type": "Digits", "individual_digits": true}, byte_level(true)]})
             } else if PRE_LLAMA3.contains(&pre) {
-                json!({"type": "Sequence", "pretokenizers": [
-                    {"type": "Split", "pattern": {"Regex": LLAMA3_REGEX},
-                     "behavior": "Isolated", "invert": false},
-                    byte_level(false)]})
+                split(LLAMA3_REGEX)
+            } else if PRE_QWEN2.contains(&pre) {
+                split(QWEN2_REGEX)
             } else {
                 return Err(file.error(format!(
                     "tokenizer.ggml.pre {pre:?} is not supported; kiln knows {}",
-                    [PRE_GPT2, PRE_DIGITS_GPT2, PRE_LLAMA3].concat().join(", ")
+                    [PRE_GPT2, PRE_DIGITS_GPT2, PRE_LLAMA3, PRE_QWEN2]
+                        .concat()
+                        .join(", ")
                 )));
+            };
+            let normalizer = match PRE_QWEN2.contains(&pre) {
+                true => json!({"type": "NFC"}),
+                false => Json::Null,
             };
             let bpe = json!({"type": "BPE", "dropout": null, "unk_token": null,
                 "continuing_subword_prefix": null, "end_of_word_suffix": null,
                 "fuse_unk": false, "byte_fallback": false, "ignore_merges": false,
                 "vocab": vocab, "merges": merges});
             (
-                Json::Null,
+                normalizer,
                 pre_tokenizer,
                 byte_level(true),
                 bpe,
