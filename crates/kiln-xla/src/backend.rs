@@ -90,8 +90,13 @@ pub const APPEND_ROWS: [usize; 3] = [4, 8, 16];
 /// layout (precision is applied on upload). kiln-core holds matrices `[out,
 /// in]`; q/k/v and gate/up are stacked along the output dimension.
 fn weight_arguments<'w>(w: &'w Weights, graph: &GraphOptions) -> Vec<Cow<'w, [f32]>> {
+    let bytes = graph.precision.storage_bytes();
     let layout = |m: Cow<'w, Matrix>| match graph.layout {
-        WeightLayout::InOut => Cow::Owned(m.transposed()),
+        WeightLayout::InOut => Cow::Owned(pad_rows(
+            m.transposed(),
+            m.rows,
+            crate::graph::padded_row(m.rows, bytes),
+        )),
         WeightLayout::OutIn => match m {
             Cow::Borrowed(m) => Cow::Borrowed(m.data.as_slice()),
             Cow::Owned(m) => Cow::Owned(m.data),
@@ -141,7 +146,10 @@ pub(crate) fn scale_columns(mut m: Matrix, scale: &[f32]) -> Matrix {
 
 /// Row-major rows of `width` elements, each followed by zeros up to
 /// `padded` (see [`crate::graph::padded_row`]).
-fn pad_rows(data: &[f32], width: usize, padded: usize) -> Vec<f32> {
+fn pad_rows(data: Vec<f32>, width: usize, padded: usize) -> Vec<f32> {
+    if padded == width {
+        return data;
+    }
     let mut out = Vec::with_capacity(data.len() / width * padded);
     for row in data.chunks_exact(width) {
         out.extend_from_slice(row);
@@ -165,19 +173,7 @@ fn stack_rows(ms: &[&Matrix]) -> Matrix {
 /// quantized matrix's block scales and offsets in its place, and a second
 /// buffer of the matrices' packed 4-bit values.
 fn packed_weights(model: &Model, graph: &GraphOptions) -> kiln_core::Result<Vec<Tensor>> {
-    let shapes = crate::llama::weight_shapes(&model.config, graph.layout);
-    let parts: Vec<Cow<'_, [f32]>> = weight_arguments(&model.weights, graph)
-        .into_iter()
-        .zip(&shapes)
-        .enumerate()
-        .map(|(i, (part, shape))| {
-            let stored = crate::llama::stored_shape(i, shape, graph);
-            match stored == *shape {
-                true => part,
-                false => Cow::Owned(pad_rows(&part, shape[1], stored[1])),
-            }
-        })
-        .collect();
+    let parts = weight_arguments(&model.weights, graph);
     if graph.precision != Precision::Q4 {
         let total: usize = parts.iter().map(|p| p.len()).sum();
         let values = parts.iter().flat_map(|p| p.iter().copied());
@@ -185,6 +181,7 @@ fn packed_weights(model: &Model, graph: &GraphOptions) -> kiln_core::Result<Vec<
             stored(graph.precision, &[total as i64], values).map_err(to_core)?,
         ]);
     }
+    let shapes = crate::llama::weight_shapes(&model.config, graph.layout);
     let (mut dense, mut quants) = (Vec::new(), Vec::new());
     for (i, (part, shape)) in parts.iter().zip(&shapes).enumerate() {
         let shape = &crate::llama::stored_shape(i, shape, graph);

@@ -150,42 +150,24 @@ impl FromStr for WeightLayout {
     }
 }
 
-/// The row length, in elements, a matrix row of `columns` elements is
-/// stored with at `precision`: one 64-byte line longer when the row would be
-/// a whole number of 4 KiB pages (at q4 the rows of 4-bit values count,
-/// and the line is 4 blocks of zeros, whose scale and offset are zero; the
-/// block scales' rows are 1/16 of those and so never page multiples when
-/// they are not). A CPU matrix-vector kernel reads one line from each of
-/// 16 consecutive rows per iteration; with a page-multiple stride those
-/// lines all fall in the same cache sets and evict each other. On
-/// SmolLM2's f32 step at `[in, out]` the gate/up (12,288-byte rows) and
-/// output (196,608-byte rows) products read 7-13 GB/s against 23-35 GB/s
-/// for the others (`perf` over `iree-benchmark-module`); padded, the f32
-/// decode runs 1.5-1.6x faster (docs/models.md). The padding columns are
-/// zeros the graph slices off inside the product's own dispatch.
-pub fn padded_row(columns: usize, precision: Precision) -> usize {
+/// The row length, in elements, a matrix row of `columns` elements of
+/// `bytes` each is stored with: one 64-byte line longer when the row would
+/// be a whole number of 4 KiB pages. A matrix-vector kernel over `[in, out]`
+/// weights reads one line from each of 16 consecutive rows per iteration;
+/// with a page-multiple stride those lines all fall in the same cache sets
+/// and evict each other. On SmolLM2's f32 step the gate/up (12,288-byte
+/// rows) and output (196,608-byte rows) products read 7-13 GB/s against
+/// 23-35 GB/s for the others (`perf` over `iree-benchmark-module`); padded,
+/// the f32 decode runs 1.5-1.6x faster (docs/models.md). The padding columns
+/// are zeros the graph slices off inside the product's own dispatch.
+pub fn padded_row(columns: usize, bytes: usize) -> usize {
     const PAGE: usize = 4096;
     const LINE: usize = 64;
-    match precision {
-        // Two 4-bit values a byte.
-        Precision::Q4 if (columns / 2).is_multiple_of(PAGE) => columns + 2 * LINE,
-        Precision::Q4 => columns,
-        _ => {
-            let bytes = precision.storage_bytes();
-            match (columns * bytes).is_multiple_of(PAGE) {
-                true => columns + LINE / bytes,
-                false => columns,
-            }
-        }
+    if (columns * bytes).is_multiple_of(PAGE) {
+        columns + LINE / bytes
+    } else {
+        columns
     }
-}
-
-/// Whether `target`'s packed weight rows are padded off whole pages (see
-/// [`padded_row`]). The cache-set conflict is the CPU's; the CUDA modules
-/// keep the unpadded rows their kernels were tuned and measured with
-/// (docs/gpu.md).
-pub fn pads_page_rows_for(target: Target) -> bool {
-    matches!(target, Target::LlvmCpu)
 }
 
 /// The graph choices of one backend.
@@ -203,9 +185,6 @@ pub struct GraphOptions {
     /// One-row q4 products carry a hand-set kernel configuration for
     /// NVIDIA GPUs (see [`tuned_q4_rows_for`]).
     pub tuned_q4_rows: bool,
-    /// Packed weight rows that would be whole 4 KiB pages are stored one
-    /// line longer (see [`pads_page_rows_for`]).
-    pub pads_page_rows: bool,
 }
 
 /// Whether `target`'s one-row q4 products carry kiln's kernel
@@ -262,7 +241,6 @@ impl GraphOptions {
             attention_rows: attention_rows_for(target),
             fold_norms: fold_norms_for(target),
             tuned_q4_rows: tuned_q4_rows_for(target),
-            pads_page_rows: pads_page_rows_for(target),
         }
     }
 

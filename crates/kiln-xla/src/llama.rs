@@ -72,14 +72,14 @@ pub fn weight_shapes(c: &ModelConfig, layout: WeightLayout) -> Vec<Vec<usize>> {
     shapes
 }
 
-/// How entry `index` of [`weight_shapes`] is stored in the packed buffers:
-/// where the graph pads page rows, a product matrix's rows (at either
-/// layout) are padded by [`padded_row`], and the graph slices the padding
-/// off. The embedding is read a row at a time and is stored as it is.
+/// How entry `index` of [`weight_shapes`] is stored in the packed buffer:
+/// at `[in, out]`, a product matrix's rows padded by [`padded_row`] (the
+/// graph slices the padding off). The embedding is read a row at a time,
+/// and `[out, in]` rows are reduced whole: both are stored as they are.
 pub fn stored_shape(index: usize, shape: &[usize], g: &GraphOptions) -> Vec<usize> {
-    match shape {
-        &[rows, columns] if index > 0 && g.pads_page_rows => {
-            vec![rows, padded_row(columns, g.precision)]
+    match (index > 0, shape, g.layout) {
+        (true, &[inputs, outputs], WeightLayout::InOut) => {
+            vec![inputs, padded_row(outputs, g.precision.storage_bytes())]
         }
         _ => shape.to_vec(),
     }
@@ -154,21 +154,18 @@ fn weight_params(f: &mut Function, c: &ModelConfig, g: &GraphOptions) -> Params 
     let shapes = weight_shapes(c, g.layout);
     let q4 = g.precision == Precision::Q4;
     let quantized = |i: usize, s: &[usize]| q4 && is_quantized(i, s);
-    let stored: Vec<Vec<usize>> = (shapes.iter().enumerate())
-        .map(|(i, s)| stored_shape(i, s, g))
-        .collect();
     let dense_size = |i: usize, s: &Vec<usize>| match quantized(i, s) {
         true => 2 * s[0] * s[1] / BLOCK,
         false => s.iter().product(),
     };
-    let total: usize = stored
+    let total: usize = shapes
         .iter()
         .enumerate()
-        .map(|(i, s)| dense_size(i, s))
+        .map(|(i, s)| dense_size(i, &stored_shape(i, s, g)))
         .sum();
     let dense = f.param(&[total], g.precision.storage());
     let quants = q4.then(|| {
-        let count = stored.iter().enumerate().filter(|(i, s)| quantized(*i, s));
+        let count = shapes.iter().enumerate().filter(|(i, s)| quantized(*i, s));
         let total: usize = count.map(|(_, s)| s[0] * s[1]).sum();
         f.param(&[total], Ty::I4)
     });
@@ -180,33 +177,27 @@ fn weight_params(f: &mut Function, c: &ModelConfig, g: &GraphOptions) -> Params 
         f.reshape(&flat, shape)
     };
     let mut weights = Vec::with_capacity(shapes.len());
-    // A padded entry's zero columns (or zero blocks) sliced off.
-    let unpadded = |f: &mut Function, w: Val, stored: &[usize], s: &[usize]| match stored == s {
-        true => w,
-        false => f.slice(&w, &vec![0; s.len()], s),
-    };
-    for (i, (s, st)) in shapes.iter().zip(&stored).enumerate() {
+    for (i, s) in shapes.iter().enumerate() {
         weights.push(match (&quants, quantized(i, s)) {
             (Some(all_quants), true) => {
-                let blocks = [st[0], st[1] / BLOCK];
+                let blocks = [s[0], s[1] / BLOCK];
                 let scales = take(f, &dense, &mut offset, &blocks);
                 let offsets = take(f, &dense, &mut offset, &blocks);
-                let quants = take(f, all_quants, &mut q_offset, &[st[0], st[1] / BLOCK, BLOCK]);
-                let used = [s[0], s[1] / BLOCK];
+                let quants = take(f, all_quants, &mut q_offset, &[s[0], s[1] / BLOCK, BLOCK]);
                 Weight::Q4 {
-                    quants: unpadded(
-                        f,
-                        quants,
-                        &[blocks[0], blocks[1], BLOCK],
-                        &[used[0], used[1], BLOCK],
-                    ),
-                    scales: unpadded(f, scales, &blocks, &used),
-                    offsets: unpadded(f, offsets, &blocks, &used),
+                    quants,
+                    scales,
+                    offsets,
                 }
             }
             _ => {
-                let w = take(f, &dense, &mut offset, st);
-                Weight::Dense(unpadded(f, w, st, s))
+                let stored = stored_shape(i, s, g);
+                let w = take(f, &dense, &mut offset, &stored);
+                Weight::Dense(if stored == *s {
+                    w
+                } else {
+                    f.slice(&w, &[0, 0], s)
+                })
             }
         });
     }
@@ -1203,59 +1194,38 @@ mod tests {
         configs
     }
 
-    /// The byte strides of the rows a product over stored matrix `stored`
-    /// reads: at q4 the 4-bit values and the block scales (and offsets,
-    /// of the same width); otherwise the values.
-    fn row_strides(stored: &[usize], precision: Precision) -> Vec<usize> {
-        match precision {
-            Precision::Q4 => vec![stored[1] / 2, stored[1] / BLOCK * 2],
-            _ => vec![stored[1] * precision.storage_bytes()],
-        }
-    }
-
     #[test]
-    fn no_packed_row_on_the_cpu_is_a_whole_number_of_pages() {
+    fn no_in_out_row_is_a_whole_number_of_pages() {
         // Such rows put the lines a matrix-vector kernel loads together in
-        // the same cache sets (see `padded_row`). Every layout and
-        // precision the CPU target takes.
+        // the same cache sets (see `padded_row`).
         for c in real_shapes() {
-            for precision in Precision::ALL {
-                for layout in WeightLayout::ALL {
-                    let g =
-                        GraphOptions::for_target(Target::LlvmCpu, Some(precision), Some(layout));
-                    if g.check().is_err() {
+            for precision in [Precision::F32, Precision::F16, Precision::Bf16] {
+                let g = GraphOptions::for_target(Target::LlvmCpu, Some(precision), None);
+                assert_eq!(g.layout, WeightLayout::InOut);
+                let bytes = precision.storage_bytes();
+                let mut padded = 0;
+                for (i, shape) in weight_shapes(&c, g.layout).iter().enumerate() {
+                    let stored = stored_shape(i, shape, &g);
+                    if i == 0 || shape.len() != 2 {
+                        assert_eq!(&stored, shape, "only product matrices are padded");
                         continue;
                     }
-                    let mut padded = 0;
-                    for (i, shape) in weight_shapes(&c, g.layout).iter().enumerate() {
-                        let stored = stored_shape(i, shape, &g);
-                        if i == 0 || shape.len() != 2 {
-                            assert_eq!(&stored, shape, "only product matrices are padded");
-                            continue;
-                        }
-                        for stride in row_strides(&stored, precision) {
-                            assert_ne!(
-                                stride % 4096,
-                                0,
-                                "{precision} {layout} {shape:?}: rows of {stride} bytes"
-                            );
-                        }
-                        // At most one 64-byte line more a row.
-                        let extra =
-                            row_strides(&stored, precision)[0] - row_strides(shape, precision)[0];
-                        assert!(extra <= 64, "{precision} {layout} {shape:?}");
-                        padded += usize::from(stored != *shape);
-                    }
-                    println!(
-                        "hidden {} {precision} {layout}: {padded} matrices padded",
-                        c.hidden_size
+                    let stride = stored[1] * bytes;
+                    assert_ne!(
+                        stride % 4096,
+                        0,
+                        "{precision} {shape:?}: rows of {stride} bytes"
                     );
+                    assert!(stored[1] - shape[1] <= 64 / bytes);
+                    padded += usize::from(stored != *shape);
                 }
+                println!(
+                    "hidden {} {precision}: {padded} matrices padded",
+                    c.hidden_size
+                );
             }
         }
-        // SmolLM2 at f32, [in, out]: every gate/up (3,072 columns) and the
-        // output (49,152); Llama-3.2-1B at q4: every down product (8,192
-        // inputs, 4,096 bytes of 4-bit values a row), by 4 zero blocks.
+        // SmolLM2 at f32: every gate/up (3,072 columns) and the output (49,152).
         let smollm2 = kiln_core::model::preset("smollm2-135m").unwrap().0;
         let g = GraphOptions::for_target(Target::LlvmCpu, Some(Precision::F32), None);
         let shapes = weight_shapes(&smollm2, g.layout);
@@ -1267,26 +1237,6 @@ mod tests {
             stored_shape(shapes.len() - 1, &shapes[shapes.len() - 1], &g),
             [576, 49_168]
         );
-        let llama_1b = real_shapes().pop().unwrap();
-        let g = GraphOptions::for_target(Target::LlvmCpu, Some(Precision::Q4), None);
-        assert_eq!(stored_shape(5, &[2048, 8192], &g), [2048, 8192 + 4 * BLOCK]);
-        let shapes = weight_shapes(&llama_1b, g.layout);
-        let padded = (0..shapes.len()).filter(|&i| stored_shape(i, &shapes[i], &g) != shapes[i]);
-        assert_eq!(padded.count(), llama_1b.num_layers);
-    }
-
-    #[test]
-    fn cuda_modules_keep_unpadded_rows() {
-        // The CUDA kernels were tuned and measured on unpadded rows.
-        for precision in Precision::ALL {
-            let g = GraphOptions::for_target(Target::Cuda, Some(precision), None);
-            for (i, shape) in weight_shapes(&real_shapes()[4], g.layout)
-                .iter()
-                .enumerate()
-            {
-                assert_eq!(&stored_shape(i, shape, &g), shape);
-            }
-        }
     }
 
     #[test]
