@@ -73,6 +73,70 @@ roles={{ messages | map(attribute='role') | list | tojson }} turns={{ ns.turns }
 {%- if add_generation_prompt %}
 <assistant>
 {%- endif %}""",
+    # The constructs of Qwen2.5's template (written for kiln, not copied): a
+    # default system turn, branches on undefined `tools` and `tool_calls`,
+    # attribute access on messages, and look-behind/ahead by loop index.
+    "chatml-tools": """{%- if tools %}
+    {{- '<|im_start|>system\n' + (messages[0].content if messages[0].role == 'system' else 'Default system.') }}
+    {%- for tool in tools %}
+        {{- '\n' + tool | tojson }}
+    {%- endfor %}
+    {{- '<|im_end|>\n' }}
+{%- elif messages[0].role == 'system' %}
+    {{- '<|im_start|>system\n' + messages[0].content + '<|im_end|>\n' }}
+{%- else %}
+    {{- '<|im_start|>system\nDefault system.<|im_end|>\n' }}
+{%- endif %}
+{%- for message in messages %}
+    {%- if message.role == 'user' or (message.role == 'system' and not loop.first) or (message.role == 'assistant' and not message.tool_calls) %}
+        {{- '<|im_start|>' + message.role + '\n' + message.content + '<|im_end|>\n' }}
+    {%- elif message.role == 'assistant' %}
+        {{- '<|im_start|>assistant' }}
+        {%- for call in message.tool_calls %}
+            {{- '\n<call>' + call.name + '</call>' }}
+        {%- endfor %}
+        {{- '<|im_end|>\n' }}
+    {%- elif message.role == 'tool' %}
+        {%- if loop.index0 == 0 or messages[loop.index0 - 1].role != 'tool' %}
+            {{- '<|im_start|>user' }}
+        {%- endif %}
+        {{- '\n<result>' + message.content + '</result>' }}
+        {%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}
+            {{- '<|im_end|>\n' }}
+        {%- endif %}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|im_start|>assistant\n' }}
+{%- endif %}""",
+    # The constructs of Llama 3.1's template (written for kiln, not copied):
+    # defaults set where a variable is undefined, `messages` reassigned, a
+    # filter binding tighter than `+`, `is none` tests, header tokens.
+    "header-ids": """{{- bos_token }}
+{%- if not tools is defined %}
+    {%- set tools = none %}
+{%- endif %}
+{%- if not date_string is defined %}
+    {%- set date_string = '1 Jan 2025' %}
+{%- endif %}
+{%- if messages[0]['role'] == 'system' %}
+    {%- set system_message = messages[0]['content'] | trim %}
+    {%- set messages = messages[1:] %}
+{%- else %}
+    {%- set system_message = '' %}
+{%- endif %}
+{{- '<|start_header_id|>system<|end_header_id|>\n\n' }}
+{{- 'Today: ' + date_string + '\n' }}
+{%- if tools is not none %}
+    {{- 'Tools: ' + tools | length | string + '\n' }}
+{%- endif %}
+{{- '\n' + system_message + '<|eot_id|>' }}
+{%- for message in messages %}
+    {{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n' + message['content'] | trim + '<|eot_id|>' }}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|start_header_id|>assistant<|end_header_id|>\n\n' }}
+{%- endif %}""",
 }
 
 CONVERSATIONS = {
@@ -86,6 +150,13 @@ CONVERSATIONS = {
     "unalternating": [
         {"role": "user", "content": "a"},
         {"role": "user", "content": "b"},
+    ],
+    "tool-results": [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": "Checking."},
+        {"role": "tool", "content": "sunny"},
+        {"role": "tool", "content": "22 C"},
+        {"role": "user", "content": "Thanks"},
     ],
 }
 

@@ -10,8 +10,9 @@ llama.cpp's converter lays a model of that family out:
 
 Weights stay f32, so kiln's GGUF model must give the folder's logits, which
 tests/hf_reference.rs holds against transformers' (reference.json). The
-tokenizer is a byte-level BPE of one character per token id, enough for the
-ids the tests feed; the family's real one is not public here.
+tokenizer is a byte-level BPE of ASCII characters (see `vocabulary`), enough
+for the chat text the server tests send; the family's real one is not public
+here.
 
     python3 -m venv /tmp/gguf && /tmp/gguf/bin/pip install --require-hashes \
         -r scripts/requirements-gguf.txt
@@ -74,14 +75,19 @@ def permute(w, heads):
     return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def byte_tokens(n):
-    """n tokens: n - 1 bytes in GPT-2's byte-to-character mapping, then the
-    first two merged (a BPE needs at least one merge)."""
-    # The bytes GPT-2's mapping keeps as their own characters.
-    kept = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
-    assert n <= len(kept) + 1, f"{n} tokens need multi-byte ones"
-    singles = [chr(b) for b in kept[: n - 1]]
-    return singles + [singles[0] + singles[1]]
+def vocabulary(n, bos, eos):
+    """n tokens in GPT-2's byte-to-character mapping: `<s>` and `</s>` (control
+    tokens) at the config's ids, space and newline, printable ASCII from "!",
+    and last "!" and '"' merged (a BPE needs a merge), so that chat text in
+    ASCII tokenizes."""
+    singles = ["\u0120", "\u010a"] + [chr(b) for b in range(ord("!"), ord("~") + 1)]
+    tokens = singles[: n - 3] + ["!\""]
+    for at, special in sorted([(bos, "<s>"), (eos, "</s>")]):
+        tokens.insert(at, special)
+    assert len(tokens) == n and len(set(tokens)) == n
+    types = [gguf.TokenType.NORMAL] * n
+    types[bos] = types[eos] = gguf.TokenType.CONTROL
+    return tokens, types
 
 
 def main(name):
@@ -113,12 +119,13 @@ def main(name):
 
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre(family["pre"])
-    writer.add_token_list(byte_tokens(config["vocab_size"]))
-    writer.add_token_types([gguf.TokenType.NORMAL] * config["vocab_size"])
-    tokens = byte_tokens(config["vocab_size"])
-    writer.add_token_merges([f"{tokens[0]} {tokens[1]}"])
-    writer.add_bos_token_id(config["bos_token_id"])
-    writer.add_eos_token_id(config["eos_token_id"])
+    bos, eos = config["bos_token_id"], config["eos_token_id"]
+    tokens, types = vocabulary(config["vocab_size"], bos, eos)
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    writer.add_token_merges(["! \""])
+    writer.add_bos_token_id(bos)
+    writer.add_eos_token_id(eos)
     writer.add_add_bos_token(False)
     writer.add_chat_template(family["template"])
 

@@ -1114,3 +1114,46 @@ async fn user_content_can_be_kept_as_text() {
     // Each of the two special tokens is one id by default and several as text.
     assert!(as_text.1 > default.1 + 2, "{counts:?}");
 }
+
+/// Mistral (as llama.cpp writes it, with its window) and Qwen2 (with its
+/// q/k/v biases), from the GGUF fixtures of `scripts/make_gguf_fixture.py`:
+/// chat goes through the file's own template (every ASCII character is one
+/// token there, so the prompt's count shows which text was rendered) and
+/// answers as `kiln chat` does; the window caps the context the server
+/// takes.
+#[tokio::test]
+async fn mistral_and_qwen2_serve_chat_with_their_own_templates() {
+    let fixtures = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/gguf");
+    for (name, rendered, context) in [
+        ("mistral-gqa-window", "<s>[INST] Say hi [/INST]", 40),
+        (
+            "qwen2-tied-bias",
+            "<|im_start|>user\nSay hi<|im_end|>\n<|im_start|>assistant\n",
+            64,
+        ),
+    ] {
+        let path = format!("{fixtures}/{name}.gguf");
+        let server = Server::start(&["--model", &path]);
+        server.wait_ready().await;
+        let expected = kiln(&[
+            "chat", "--backend", "cpu", "--model", &path, "--max-tokens", "12", "Say hi",
+        ]);
+        let body = json!({"model": name, "max_completion_tokens": 12, "temperature": 0,
+                          "messages": [{"role": "user", "content": "Say hi"}]});
+        let (status, r) = server.post("/v1/chat/completions", &body).await;
+        assert_eq!(status, 200, "{name}: {r}");
+        assert_eq!(r["choices"][0]["message"]["content"], expected.as_str(), "{name}");
+        // `<s>` is one token; every other character one more.
+        let tokens = rendered.len() - rendered.matches("<s>").count() * 2;
+        assert_eq!(r["usage"]["prompt_tokens"], tokens, "{name}: {r}");
+
+        let long = json!({"model": name, "prompt": "x".repeat(context + 1), "max_tokens": 1});
+        let (status, r) = server.post("/v1/completions", &long).await;
+        assert_eq!(status, 400, "{name}: {r}");
+        let message = r["error"]["message"].as_str().unwrap();
+        assert!(
+            message.contains(&format!("context holds {context}")),
+            "{name}: {message}"
+        );
+    }
+}

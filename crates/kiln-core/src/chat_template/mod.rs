@@ -626,7 +626,7 @@ mod tests {
         );
         let cases: Vec<serde_json::Value> =
             serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
-        assert_eq!(cases.len(), 24);
+        assert_eq!(cases.len(), 48);
         for case in cases {
             let text = |key: &str| case[key].as_str().unwrap();
             let messages: Vec<Message> = case["messages"]
