@@ -1359,6 +1359,10 @@ mod tests {
                 ModuleKind::DecodeChain(3),
                 decode_chain_module(&c, &cuda, 64, 3),
             ),
+            (
+                ModuleKind::DecodeBatch { rows: 4, slots: 8 },
+                decode_batch_module(&c, &cuda, 64, 4, 8),
+            ),
         ];
         for (kind, module) in &modules {
             // What IREE turns into a host read: a slice at a device value.
