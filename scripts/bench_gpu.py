@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """kiln against Hugging Face transformers on one GPU, side by side in one
-call, on the same weights: a random Llama of TinyLlama-1.1B's shape written
-by kiln-bench-decode as f16 safetensors.
+call, on the same weights: a random Llama of a kiln preset's shape
+(TinyLlama-1.1B's by default, `--preset llama-3.1-8b` for Llama-3.1-8B's)
+written by kiln-bench-decode as f16 safetensors.
 
 1. Measures the GPU's copy bandwidth (device-to-device, bytes read plus
    written), the ceiling decode is held against.
@@ -78,7 +79,9 @@ def run_kiln(args, model_dir):
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--kiln-bench", required=True, help="path of kiln-bench-decode")
-    parser.add_argument("--model-dir", default="/tmp/kiln-tinyllama-1.1b")
+    parser.add_argument("--preset", default="tinyllama-1.1b",
+                        help="the kiln-bench-decode preset whose shape is measured")
+    parser.add_argument("--model-dir", help="where that model is written (default /tmp/kiln-PRESET)")
     parser.add_argument("--precision", nargs="+", default=["f32", "f16"])
     parser.add_argument("--weight-layout", nargs="*", default=[])
     parser.add_argument("--iree-flags", action="append", default=[],
@@ -92,11 +95,12 @@ def main():
     parser.add_argument("--max-context", type=int, default=640)
     parser.add_argument("--json", help="also write every row here")
     args = parser.parse_args()
+    args.model_dir = args.model_dir or f"/tmp/kiln-{args.preset}"
 
     bandwidth = copy_bandwidth()
     print(f"copy bandwidth: {bandwidth / 1e12:.2f} TB/s", flush=True)
     if not os.path.exists(os.path.join(args.model_dir, "config.json")):
-        subprocess.run([args.kiln_bench, "--model", "tinyllama-1.1b",
+        subprocess.run([args.kiln_bench, "--model", args.preset,
                         "--write-model", args.model_dir], check=True)
 
     rows = []

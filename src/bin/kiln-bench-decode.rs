@@ -28,7 +28,7 @@ struct Args {
     /// Backends to measure (repeat the flag); each runs the same work.
     #[arg(long, value_enum, default_values_t = [BackendKind::Cpu])]
     backend: Vec<BackendKind>,
-    /// `embedded`, `random-100m`, `tinyllama-1.1b` or `smollm2-135m` (random-weight Llamas of
+    /// `embedded`, `random-100m`, `tinyllama-1.1b`, `smollm2-135m` or `llama-3.1-8b` (random-weight Llamas of
     /// those sizes, made on the fly), a model folder (config.json and
     /// safetensors; no tokenizer needed), a GGUF file or a pulled model's
     /// name (`kiln list`). Repeat for several.

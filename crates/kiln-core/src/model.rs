@@ -189,15 +189,20 @@ impl Model {
 /// layers, hidden 2048, intermediate 5632, GQA 32:4, vocab 32000, untied) or
 /// `smollm2-135m` (SmolLM2-135M's shape: 30 layers, hidden 576, intermediate
 /// 1536, GQA 9:3, vocab 49152, tied: the pinned real model's shape, for
-/// measuring on a machine the model file is not carried to).
+/// measuring on a machine the model file is not carried to) or
+/// `llama-3.1-8b` (Llama-3.1-8B's shape: 32 layers, hidden 4096,
+/// intermediate 14336, GQA 32:8, vocab 128,256, untied, RoPE θ 5e5 with its
+/// `llama3` scaling: the size most users run, 16 GB at f16).
 /// [`Model::random`] makes the weights.
 pub fn preset(name: &str) -> Option<(ModelConfig, u64)> {
     let (hidden, intermediate, layers, heads, kv_heads, tied, vocab, seed) = match name {
         "random-100m" => (768, 2048, 12, 12, 4, true, 32_000, 100),
         "tinyllama-1.1b" => (2048, 5632, 22, 32, 4, false, 32_000, 1100),
         "smollm2-135m" => (576, 1536, 30, 9, 3, true, 49_152, 135),
+        "llama-3.1-8b" => (4096, 14_336, 32, 32, 8, false, 128_256, 8000),
         _ => return None,
     };
+    let llama3 = name == "llama-3.1-8b";
     let config = ModelConfig {
         hidden_size: hidden,
         intermediate_size: intermediate,
@@ -207,10 +212,15 @@ pub fn preset(name: &str) -> Option<(ModelConfig, u64)> {
         head_dim: hidden / heads,
         vocab_size: vocab,
         rms_norm_eps: 1e-5,
-        rope_theta: 10_000.0,
-        rope_scaling: None,
+        rope_theta: if llama3 { 500_000.0 } else { 10_000.0 },
+        rope_scaling: llama3.then_some(crate::config::RopeScaling::Llama3 {
+            factor: 8.0,
+            low_freq_factor: 1.0,
+            high_freq_factor: 4.0,
+            original_max_position_embeddings: 8192.0,
+        }),
         tie_word_embeddings: tied,
-        max_position_embeddings: 2048,
+        max_position_embeddings: if llama3 { 131_072 } else { 2048 },
         sliding_window: None,
         qkv_bias: false,
         family: crate::config::Family::Llama,
@@ -273,6 +283,7 @@ mod tests {
             ("random-100m", 100..120),
             ("tinyllama-1.1b", 1090..1110),
             ("smollm2-135m", 134..136),
+            ("llama-3.1-8b", 8029..8031),
         ] {
             let (c, _) = preset(name).unwrap();
             c.validate().unwrap();

@@ -13,6 +13,14 @@ use crate::config::{Family, ModelConfig, RopeScaling};
 use crate::error::{Error, Result};
 use crate::weights::{Matrix, Weights};
 
+/// `x` as a JSON integer where it is whole, as transformers writes counts.
+fn whole(x: f64) -> serde_json::Value {
+    match x.fract() == 0.0 && x >= 0.0 && x <= u64::MAX as f64 {
+        true => json!(x as u64),
+        false => json!(x),
+    }
+}
+
 /// The `config.json` of `config`, with the fields [`ModelConfig::from_json`]
 /// reads back to an equal configuration.
 fn config_json(config: &ModelConfig) -> serde_json::Value {
@@ -28,7 +36,8 @@ fn config_json(config: &ModelConfig) -> serde_json::Value {
             "factor": factor,
             "low_freq_factor": low_freq_factor,
             "high_freq_factor": high_freq_factor,
-            "original_max_position_embeddings": original_max_position_embeddings,
+            // transformers refuses a float here ("must be an integer").
+            "original_max_position_embeddings": whole(*original_max_position_embeddings),
         }),
     });
     json!({
@@ -177,6 +186,10 @@ mod tests {
 
         let text = std::fs::read_to_string(dir.path().join("config.json")).unwrap();
         assert_eq!(ModelConfig::from_json(&text).unwrap(), config);
+        // A count, as transformers requires.
+        let json: serde_json::Value = serde_json::from_str(&text).unwrap();
+        let original = &json["rope_scaling"]["original_max_position_embeddings"];
+        assert!(original.is_u64(), "{original}");
         let loaded = crate::weights::load_dir(dir.path(), &config).unwrap();
         let round =
             |v: &[f32]| -> Vec<f32> { v.iter().map(|&x| f16::from_f32(x).to_f32()).collect() };
