@@ -8,7 +8,11 @@ continuation. kiln's CPU reference must match them.
 
     python3 scripts/make_fixture.py tests/fixtures [NAME ...]
 
-makes every fixture, or only those named.
+makes every committed fixture, or only those named. The wide ones (WIDE:
+each family's real widths and vocabulary, one or two layers, 0.7-2 GB) are
+made only when named, on the machine that runs them, and are not
+committed; `--config-only` writes just their config.json (for preparing
+IREE modules where the compiler is; transformers without torch does it).
 
 Needs torch and transformers (any recent version; the committed fixtures were
 made with the versions printed into each fixture's reference.json).
@@ -17,14 +21,10 @@ import json
 import sys
 from pathlib import Path
 
-import torch
 import transformers
-from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM,
-                          Qwen2Config, Qwen2ForCausalLM)
+from transformers import LlamaConfig, MistralConfig, Qwen2Config
 
-FAMILIES = {"llama": (LlamaConfig, LlamaForCausalLM),
-            "mistral": (MistralConfig, MistralForCausalLM),
-            "qwen2": (Qwen2Config, Qwen2ForCausalLM)}
+CONFIGS = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config}
 
 MODELS = {
     # Untied, GQA 6:2, odd intermediate and vocabulary, llama3 RoPE scaling.
@@ -70,6 +70,36 @@ MODELS = {
     ),
 }
 
+# Each family's real widths (Qwen2.5-0.5B, Llama-3.2-1B, Mistral-7B-v0.3)
+# with one or two layers: the shapes kernels see, for the oracle at width.
+WIDE = {
+    "qwen2.5-0.5b-wide": dict(
+        family="qwen2",
+        hidden_size=896, intermediate_size=4864, num_hidden_layers=2,
+        num_attention_heads=14, num_key_value_heads=2, head_dim=64,
+        vocab_size=151936, rms_norm_eps=1e-6, tie_word_embeddings=True,
+        max_position_embeddings=32768, use_sliding_window=False, sliding_window=32768,
+        max_window_layers=2, bos_token_id=151643, eos_token_id=151645, rope_theta=1000000.0,
+    ),
+    "llama-3.2-1b-wide": dict(
+        hidden_size=2048, intermediate_size=8192, num_hidden_layers=2,
+        num_attention_heads=32, num_key_value_heads=8, head_dim=64,
+        vocab_size=128256, rms_norm_eps=1e-5, tie_word_embeddings=True,
+        max_position_embeddings=131072, bos_token_id=128000, eos_token_id=128001,
+        rope_theta=500000.0,
+        rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                      "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+    ),
+    "mistral-7b-wide": dict(
+        family="mistral",
+        hidden_size=4096, intermediate_size=14336, num_hidden_layers=1,
+        num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+        vocab_size=32768, rms_norm_eps=1e-5, tie_word_embeddings=False,
+        max_position_embeddings=32768, sliding_window=None, bos_token_id=1,
+        eos_token_id=2, rope_theta=1000000.0,
+    ),
+}
+
 PROMPTS = [[1, 5, 9], [1, 17, 3, 42, 8, 8, 0, 33, 71, 12, 5, 60, 2, 19]]
 GREEDY_STEPS = 16
 
@@ -90,14 +120,26 @@ def word_level_tokenizer(vocab_size):
     }
 
 
-def main(out_dir, names):
+def config_of(name):
+    kwargs = dict({**MODELS, **WIDE}[name])
+    family = kwargs.pop("family", "llama")
+    return family, CONFIGS[family](**kwargs, attn_implementation="eager")
+
+
+def main(out_dir, names, config_only):
+    if config_only:
+        for name in names:
+            config_of(name)[1].save_pretrained(Path(out_dir) / name)
+        return
+    import torch
+    from transformers import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM
+    models = {"llama": LlamaForCausalLM, "mistral": MistralForCausalLM, "qwen2": Qwen2ForCausalLM}
     for name in names:
-        kwargs = dict(MODELS[name])
-        config_class, model_class = FAMILIES[kwargs.pop("family", "llama")]
+        family, config = config_of(name)
         # Seeded per model, so one fixture can be made again on its own.
-        torch.manual_seed(sorted(MODELS).index(name))
-        config = config_class(**kwargs, attn_implementation="eager")
-        model = model_class(config).to(torch.float32).eval()
+        seed = sorted(MODELS).index(name) if name in MODELS else 100 + sorted(WIDE).index(name)
+        torch.manual_seed(seed)
+        model = models[family](config).to(torch.float32).eval()
         # Norm weights away from 1.0, so a missed norm weight shows, and
         # biases (initialized to zero) large enough that a missed one does.
         with torch.no_grad():
@@ -127,4 +169,6 @@ def main(out_dir, names):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1] if len(sys.argv) > 1 else "tests/fixtures", sys.argv[2:] or list(MODELS))
+    args = [a for a in sys.argv[1:] if a != "--config-only"]
+    main(args[0] if args else "tests/fixtures", args[1:] or list(MODELS),
+         "--config-only" in sys.argv)

@@ -107,6 +107,36 @@ fn agrees(name: &str, model: &Model, reference: &Reference) {
     }
 }
 
+/// The folders under `KILN_WIDE_FIXTURES`: the families at their real
+/// widths (`scripts/make_fixture.py DIR qwen2.5-0.5b-wide ...`, too large to
+/// commit), made where they run. Empty, saying why, when it is unset.
+fn wide_fixtures() -> Vec<PathBuf> {
+    let Some(root) = std::env::var_os("KILN_WIDE_FIXTURES") else {
+        println!("skipped: KILN_WIDE_FIXTURES is unset (scripts/make_fixture.py makes them)");
+        return Vec::new();
+    };
+    let mut dirs: Vec<PathBuf> = std::fs::read_dir(&root)
+        .unwrap_or_else(|e| panic!("KILN_WIDE_FIXTURES: {e}"))
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.join("reference.json").is_file())
+        .collect();
+    dirs.sort();
+    assert!(!dirs.is_empty(), "KILN_WIDE_FIXTURES has no fixture");
+    dirs
+}
+
+/// Each family at its real widths and vocabulary agrees with transformers
+/// as the small fixtures do.
+#[test]
+fn wide_fixtures_match_transformers() {
+    for dir in wide_fixtures() {
+        let model = Model::load(&dir).unwrap_or_else(|e| panic!("{e}"));
+        let text = std::fs::read_to_string(dir.join("reference.json")).unwrap();
+        let name = dir.file_name().unwrap().to_string_lossy().into_owned();
+        agrees(&name, &model, &serde_json::from_str(&text).unwrap());
+    }
+}
+
 #[test]
 fn untied_grouped_query_llama3_rope_matches_transformers() {
     check("llama-gqa-untied");

@@ -590,6 +590,28 @@ mod cuda {
         let worst = agrees(&rounded, &mut xla, F16_BOUND, 32);
         println!("{}: f16 worst |gpu - cpu| = {worst:e}", model.name);
     }
+    /// Each family at its real widths and vocabulary (the folders under
+    /// `KILN_WIDE_FIXTURES`, made by `scripts/make_fixture.py` where this
+    /// runs; modules prepared from their config.json alone): f32 and f16
+    /// within the bounds of the small fixtures. Skipped, saying why, when
+    /// the variable is unset.
+    #[test]
+    fn wide_fixtures_match_the_cpu_reference() {
+        let Some(root) = std::env::var_os("KILN_WIDE_FIXTURES") else {
+            return println!("skipped: KILN_WIDE_FIXTURES is unset");
+        };
+        let mut dirs: Vec<PathBuf> = std::fs::read_dir(&root)
+            .unwrap()
+            .map(|e| e.unwrap().path())
+            .filter(|p| p.join("config.json").is_file())
+            .collect();
+        dirs.sort();
+        assert!(!dirs.is_empty(), "KILN_WIDE_FIXTURES has no model");
+        for dir in dirs {
+            on_gpu(&Model::load(&dir).unwrap_or_else(|e| panic!("{e}")));
+        }
+    }
+
     /// q4 on the GPU: the embedded model within [`Q4_BOUND`] of the
     /// reference on its dequantized weights, 32 greedy steps.
     #[test]
