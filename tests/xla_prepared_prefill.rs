@@ -560,6 +560,12 @@ mod cuda {
     }
 
     fn on_gpu(model: &Model) {
+        on_gpu_within(model, F16_BOUND, 32);
+    }
+
+    /// [`on_gpu`] with `f16_bound` and `f16_steps` greedy steps for the f16
+    /// graph.
+    fn on_gpu_within(model: &Model, f16_bound: f32, f16_steps: usize) {
         let graph = |p| GraphOptions::for_target(Target::Cuda, Some(p), None);
         match open(
             model,
@@ -587,7 +593,7 @@ mod cuda {
             default_cache(),
         )
         .unwrap_or_else(|e| panic!("{e}"));
-        let worst = agrees(&rounded, &mut xla, F16_BOUND, 32);
+        let worst = agrees(&rounded, &mut xla, f16_bound, f16_steps);
         println!("{}: f16 worst |gpu - cpu| = {worst:e}", model.name);
     }
     /// Each family at its real widths and vocabulary (the folders under
@@ -608,9 +614,21 @@ mod cuda {
         dirs.sort();
         assert!(!dirs.is_empty(), "KILN_WIDE_FIXTURES has no model");
         for dir in dirs {
-            on_gpu(&Model::load(&dir).unwrap_or_else(|e| panic!("{e}")));
+            let model = Model::load(&dir).unwrap_or_else(|e| panic!("{e}"));
+            // f16 greedy tokens are not compared: a random model's top
+            // logits lie closer together than f16's rounding at this width
+            // (Llama-3.2-1B's parted within 32 steps); its logits are, at
+            // every prefill length and through the cache.
+            on_gpu_within(&model, WIDE_F16_BOUND, 0);
         }
     }
+
+    /// The f16 bound at real widths: an f16 activation's rounding adds up
+    /// over thousands of products (on the H200: Qwen2.5-0.5B's width 2.0e-3,
+    /// Llama-3.2-1B's 5.7e-3, Mistral-7B's 8.0e-3, where the small fixtures
+    /// stay under 1e-3), so the small models' bound does not hold there.
+    /// 2.5x the worst measured (docs/gpu.md).
+    const WIDE_F16_BOUND: f32 = 2e-2;
 
     /// q4 on the GPU: the embedded model within [`Q4_BOUND`] of the
     /// reference on its dequantized weights, 32 greedy steps.
