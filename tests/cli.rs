@@ -446,5 +446,24 @@ fn inspect_names_the_family_and_its_switches() {
             && text.contains("scaling linear x2")
             && text.contains("tied output true"),
         "{text}"
+    ); // The same models as llama.cpp writes them: Qwen2 under its own
+    // architecture, Mistral as `llama` with its window.
+    let gguf = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/gguf");
+    let text = stdout(&kiln(&[
+        "inspect",
+        "--model",
+        &format!("{gguf}/qwen2-tied-bias.gguf"),
+    ]));
+    assert!(
+        text.contains("family qwen2")
+            && text.contains("q/k/v biases true")
+            && text.contains("tied output true"),
+        "{text}"
+    );
+    let path = format!("{gguf}/mistral-gqa-window.gguf");
+    let text = stdout(&kiln(&["inspect", "--model", &path]));
+    assert!(
+        text.contains("family llama") && text.contains("sliding window 40"),
+        "{text}"
     );
 }
