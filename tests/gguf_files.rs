@@ -568,3 +568,15 @@ fn files_that_declare_more_than_they_hold_are_refused() {
     assert_rejected(&w.bytes(), "too long to derive merges");
     assert!(started.elapsed() < std::time::Duration::from_secs(10));
 }
+
+/// A Qwen2 file without one of its q/k/v biases is refused by the tensor's
+/// name (llama.cpp's loader requires them too), not run without it.
+#[test]
+fn a_qwen2_file_missing_a_bias_names_it() {
+    let path = fixture("qwen2-tied-bias.gguf");
+    let mut bytes = std::fs::read(path).unwrap();
+    let name = b"blk.1.attn_k.bias";
+    let at = bytes.windows(name.len()).position(|w| w == name).unwrap();
+    bytes[at + name.len() - 1] = b'z';
+    assert_rejected(&bytes, "tensor blk.1.attn_k.bias is missing");
+}
