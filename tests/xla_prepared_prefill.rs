@@ -468,6 +468,27 @@ fn q4_weights_agree_with_the_reference_on_their_dequantized_weights() {
     }
 }
 
+/// Qwen2 at q4: the q/k/v biases (kept in f16 beside the 4-bit matrices)
+/// added after the 4-bit products, in the CPU target's graph and in CUDA's
+/// choices run on the CPU (norms folded into the matrices), within
+/// [`Q4_BOUND`] of the reference on the dequantized weights.
+#[test]
+fn qwen2_at_q4_matches_the_reference_on_its_dequantized_weights() {
+    let model = rounded_to_f16(&fixture("qwen2-tied-bias"));
+    assert!(model.weights.layers[0].qkv_bias.is_some());
+    for target in [Target::LlvmCpu, Target::Cuda] {
+        let graph = GraphOptions::for_target(target, Some(Precision::Q4), None);
+        let reference = q4_reference(&model, graph.fold_norms);
+        let on_cpu = GraphOptions {
+            tuned_q4_rows: false,
+            ..graph
+        };
+        let mut xla = with_graph_on_cpu(&model, on_cpu, default_cache());
+        let worst = agrees(&reference, &mut xla, Q4_BOUND, 16);
+        println!("qwen2 q4, {target:?}'s graph: worst |iree - cpu| = {worst:e}");
+    }
+}
+
 /// The bound for the q4 graph against the reference on its dequantized
 /// weights: 5x the worst measured (see the test's output).
 const Q4_BOUND: f32 = 5e-3;
