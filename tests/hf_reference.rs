@@ -45,32 +45,14 @@ fn check(name: &str) {
 fn check_gguf(name: &str) {
     let (model, reference) = gguf_fixture(name);
     let folder = fixture(name).0.config;
-    let c = &model.config;
     // llama.cpp writes Mistral as `llama`: the same graph, and the window
     // is its own key.
     let family = match folder.family {
         Family::Mistral => Family::Llama,
         other => other,
     };
-    assert_eq!(c.family, family, "{name}");
-    assert_eq!(c.qkv_bias, folder.qkv_bias, "{name}");
-    assert_eq!(c.tie_word_embeddings, folder.tie_word_embeddings, "{name}");
-    assert_eq!(c.sliding_window, folder.sliding_window, "{name}");
-    assert_eq!(c.context_limit(), folder.context_limit(), "{name}");
-    assert_eq!(c.rope_theta, folder.rope_theta, "{name}");
-    let sizes = |c: &kiln_core::ModelConfig| {
-        (
-            c.hidden_size,
-            c.intermediate_size,
-            c.num_layers,
-            c.num_heads,
-        )
-    };
-    assert_eq!(sizes(c), sizes(&folder), "{name}");
-    assert_eq!(
-        (c.num_kv_heads, c.head_dim),
-        (folder.num_kv_heads, folder.head_dim)
-    );
+    let expected = kiln_core::ModelConfig { family, ..folder };
+    assert_eq!(model.config, expected, "{name}");
     agrees(&format!("{name}.gguf"), &model, &reference);
 }
 
@@ -107,29 +89,11 @@ fn agrees(name: &str, model: &Model, reference: &Reference) {
     }
 }
 
-/// The folders under `KILN_WIDE_FIXTURES`: the families at their real
-/// widths (`scripts/make_fixture.py DIR qwen2.5-0.5b-wide ...`, too large to
-/// commit), made where they run. Empty, saying why, when it is unset.
-fn wide_fixtures() -> Vec<PathBuf> {
-    let Some(root) = std::env::var_os("KILN_WIDE_FIXTURES") else {
-        println!("skipped: KILN_WIDE_FIXTURES is unset (scripts/make_fixture.py makes them)");
-        return Vec::new();
-    };
-    let mut dirs: Vec<PathBuf> = std::fs::read_dir(&root)
-        .unwrap_or_else(|e| panic!("KILN_WIDE_FIXTURES: {e}"))
-        .map(|e| e.unwrap().path())
-        .filter(|p| p.join("reference.json").is_file())
-        .collect();
-    dirs.sort();
-    assert!(!dirs.is_empty(), "KILN_WIDE_FIXTURES has no fixture");
-    dirs
-}
-
 /// Each family at its real widths and vocabulary agrees with transformers
 /// as the small fixtures do.
 #[test]
 fn wide_fixtures_match_transformers() {
-    for dir in wide_fixtures() {
+    for dir in kiln_core::testing::wide_fixtures() {
         let model = Model::load(&dir).unwrap_or_else(|e| panic!("{e}"));
         let text = std::fs::read_to_string(dir.join("reference.json")).unwrap();
         let name = dir.file_name().unwrap().to_string_lossy().into_owned();

@@ -617,24 +617,15 @@ mod cuda {
         let worst = agrees(&rounded, &mut xla, f16_bound, f16_steps);
         println!("{}: f16 worst |gpu - cpu| = {worst:e}", model.name);
     }
+
     /// Each family at its real widths and vocabulary (the folders under
     /// `KILN_WIDE_FIXTURES`, made by `scripts/make_fixture.py` where this
-    /// runs; modules prepared from their config.json alone): f32 and f16
-    /// within the bounds of the small fixtures. Skipped, saying why, when
-    /// the variable is unset.
+    /// runs; modules prepared from their config.json alone): f32 within the
+    /// small fixtures' bound, f16 within [`WIDE_F16_BOUND`]. Skipped, saying
+    /// why, when the variable is unset.
     #[test]
     fn wide_fixtures_match_the_cpu_reference() {
-        let Some(root) = std::env::var_os("KILN_WIDE_FIXTURES") else {
-            return println!("skipped: KILN_WIDE_FIXTURES is unset");
-        };
-        let mut dirs: Vec<PathBuf> = std::fs::read_dir(&root)
-            .unwrap()
-            .map(|e| e.unwrap().path())
-            .filter(|p| p.join("config.json").is_file())
-            .collect();
-        dirs.sort();
-        assert!(!dirs.is_empty(), "KILN_WIDE_FIXTURES has no model");
-        for dir in dirs {
+        for dir in kiln_core::testing::wide_fixtures() {
             let model = Model::load(&dir).unwrap_or_else(|e| panic!("{e}"));
             // f16 greedy tokens are not compared: a random model's top
             // logits lie closer together than f16's rounding at this width

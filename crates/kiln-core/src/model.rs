@@ -202,8 +202,7 @@ pub fn preset(name: &str) -> Option<(ModelConfig, u64)> {
         "llama-3.1-8b" => (4096, 14_336, 32, 32, 8, false, 128_256, 8000),
         _ => return None,
     };
-    let llama3 = name == "llama-3.1-8b";
-    let config = ModelConfig {
+    let mut config = ModelConfig {
         hidden_size: hidden,
         intermediate_size: intermediate,
         num_layers: layers,
@@ -212,21 +211,27 @@ pub fn preset(name: &str) -> Option<(ModelConfig, u64)> {
         head_dim: hidden / heads,
         vocab_size: vocab,
         rms_norm_eps: 1e-5,
-        rope_theta: if llama3 { 500_000.0 } else { 10_000.0 },
-        rope_scaling: llama3.then_some(crate::config::RopeScaling::Llama3 {
-            factor: 8.0,
-            low_freq_factor: 1.0,
-            high_freq_factor: 4.0,
-            original_max_position_embeddings: 8192.0,
-        }),
+        rope_theta: 10_000.0,
+        rope_scaling: None,
         tie_word_embeddings: tied,
-        max_position_embeddings: if llama3 { 131_072 } else { 2048 },
+        max_position_embeddings: 2048,
         sliding_window: None,
         qkv_bias: false,
         family: crate::config::Family::Llama,
         bos_token_id: None,
         eos_token_ids: Vec::new(),
     };
+    if name == "llama-3.1-8b" {
+        // Llama 3.1's positions: θ 5e5, its scaling, 128K context.
+        config.rope_theta = 500_000.0;
+        config.rope_scaling = Some(crate::config::RopeScaling::Llama3 {
+            factor: 8.0,
+            low_freq_factor: 1.0,
+            high_freq_factor: 4.0,
+            original_max_position_embeddings: 8192.0,
+        });
+        config.max_position_embeddings = 131_072;
+    }
     Some((config, seed))
 }
 

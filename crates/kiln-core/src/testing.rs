@@ -32,6 +32,24 @@ pub fn pulled_model(name: &str) -> Option<PathBuf> {
     None
 }
 
+/// The model folders under `KILN_WIDE_FIXTURES`: each family at its real
+/// widths (`scripts/make_fixture.py DIR qwen2.5-0.5b-wide ...`, too large to
+/// commit), made where the tests run. Empty, saying why, when it is unset.
+pub fn wide_fixtures() -> Vec<PathBuf> {
+    let Some(root) = std::env::var_os("KILN_WIDE_FIXTURES") else {
+        eprintln!("skipped: KILN_WIDE_FIXTURES is unset (scripts/make_fixture.py makes them)");
+        return Vec::new();
+    };
+    let mut dirs: Vec<PathBuf> = std::fs::read_dir(&root)
+        .unwrap_or_else(|e| panic!("KILN_WIDE_FIXTURES: {e}"))
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.join("reference.json").is_file())
+        .collect();
+    dirs.sort();
+    assert!(!dirs.is_empty(), "KILN_WIDE_FIXTURES has no fixture");
+    dirs
+}
+
 /// The largest absolute difference between two equally long slices.
 pub fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
     assert_eq!(a.len(), b.len());

@@ -112,15 +112,17 @@ pub fn tokenizer_from_gguf(file: &GgufFile) -> Result<(tokenizers::Tokenizer, Ch
                      "behavior": "Isolated", "invert": false},
                     byte_level(false)]})
             };
-            let pre_tokenizer = if PRE_GPT2.contains(&pre) {
-                byte_level(true)
+            // Qwen2's tokenizers alone normalize (NFC) before splitting.
+            let (normalizer, pre_tokenizer) = if PRE_GPT2.contains(&pre) {
+                (Json::Null, byte_level(true))
             } else if PRE_DIGITS_GPT2.contains(&pre) {
-                json!({"type": "Sequence", "pretokenizers": [
-                    {"type": "Digits", "individual_digits": true}, byte_level(true)]})
+                let digits = json!({"type": "Sequence", "pretokenizers": [
+                    {"type": "Digits", "individual_digits": true}, byte_level(true)]});
+                (Json::Null, digits)
             } else if PRE_LLAMA3.contains(&pre) {
-                split(LLAMA3_REGEX)
+                (Json::Null, split(LLAMA3_REGEX))
             } else if PRE_QWEN2.contains(&pre) {
-                split(QWEN2_REGEX)
+                (json!({"type": "NFC"}), split(QWEN2_REGEX))
             } else {
                 return Err(file.error(format!(
                     "tokenizer.ggml.pre {pre:?} is not supported; kiln knows {}",
@@ -128,10 +130,6 @@ pub fn tokenizer_from_gguf(file: &GgufFile) -> Result<(tokenizers::Tokenizer, Ch
                         .concat()
                         .join(", ")
                 )));
-            };
-            let normalizer = match PRE_QWEN2.contains(&pre) {
-                true => json!({"type": "NFC"}),
-                false => Json::Null,
             };
             let bpe = json!({"type": "BPE", "dropout": null, "unk_token": null,
                 "continuing_subword_prefix": null, "end_of_word_suffix": null,
