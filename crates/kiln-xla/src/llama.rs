@@ -245,6 +245,8 @@ struct Dims {
     rows_in_f32: bool,
     /// See [`GraphOptions::tuned_q4_rows`].
     tuned_q4_rows: bool,
+    /// See [`GraphOptions::q4_integer_rows`].
+    q4_integer_rows: bool,
 }
 
 fn dims(c: &ModelConfig, g: &GraphOptions) -> Dims {
@@ -260,6 +262,7 @@ fn dims(c: &ModelConfig, g: &GraphOptions) -> Dims {
         fold_norms: g.fold_norms,
         rows_in_f32: true,
         tuned_q4_rows: g.tuned_q4_rows,
+        q4_integer_rows: g.q4_integer_rows,
     }
 }
 
@@ -385,6 +388,9 @@ fn dequantized(f: &mut Function, w: &Weight) -> Val {
 /// per load (docs/perf-notes.md): with [`Dims::tuned_q4_rows`] it carries
 /// the one of [`q4_row_kernel`] instead.
 fn q4_row_product(f: &mut Function, dm: &Dims, x: &Val, w: &Weight) -> Val {
+    if dm.q4_integer_rows {
+        return q4_integer_row_product(f, x, w);
+    }
     let (quants, scales, offsets) = w.q4_parts("q4_row_product");
     let (out, groups) = (quants.shape[0], quants.shape[1]);
     let info = match dm.tuned_q4_rows {
@@ -397,6 +403,62 @@ fn q4_row_product(f: &mut Function, dm: &Dims, x: &Val, w: &Weight) -> Val {
     let row = f.convert(x, Ty::F16);
     let row = f.reshape(&row, &[groups, BLOCK]);
     let product = f.q4_row_product(quants, scales, offsets, &row, info.as_deref());
+    f.reshape(&product, &[1, out])
+}
+
+/// The largest 16-bit level of a row's block in [`q4_integer_row_product`].
+const ROW_LEVELS: f64 = 32767.0;
+
+/// One f32 row `x` `[1, in]` times q4 `w` in integers: `[1, out]`. Each
+/// block of the row is rounded to 16-bit levels of its largest magnitude
+/// (`x ≈ step · level`), the levels times the 4-bit values summed in i32 per
+/// block ([`Function::q4_block_sums`]), then per block `Σ w·x ≈ scale ·
+/// step · Σ q·level + offset · Σ x`, `Σ x` from the f32 row. The sums cannot
+/// overflow: 32 terms of at most 8 · 32767.
+fn q4_integer_row_product(f: &mut Function, x: &Val, w: &Weight) -> Val {
+    let (quants, scales, offsets) = w.q4_parts("q4_integer_row_product");
+    let (out, blocks) = (scales.shape[0], scales.shape[1]);
+    let x = f.reshape(x, &[blocks, BLOCK]);
+    // Each kernel here is a wake-up of IREE's worker (tens of µs on a VM),
+    // so the row's side is two: both sums in one, the levels in one.
+    let magnitudes = f.unary("abs", &x);
+    let (largest, row_sums) = f.reduce_pair(["maximum", "add"], (&magnitudes, &x), &[1], [0.0; 2]);
+    // `[2, blocks, BLOCK / 2]`: even positions (low nibbles), then odd.
+    let pairs = f.reshape(&x, &[blocks, BLOCK / 2, 2]);
+    let pairs = f.transpose(&pairs, &[2, 0, 1]);
+    // Everything in the levels' shape, so that it is one kernel. A block
+    // of zeros: any finite factor gives levels of zero.
+    let largest_here = f.broadcast(&largest, &pairs.shape, &[1]);
+    let tiny = f.constant(1e-30, &pairs.shape, Ty::F32);
+    let nonzero = f.binary("maximum", &largest_here, &tiny);
+    let top = f.constant(ROW_LEVELS, &pairs.shape, Ty::F32);
+    let factor = f.binary("divide", &top, &nonzero);
+    let levels = f.binary("multiply", &pairs, &factor);
+    let levels = f.unary("round_nearest_even", &levels);
+    let levels = f.convert(&levels, Ty::I16);
+    // Left to itself IREE fuses the rounding into the sums' kernel, which
+    // then rounds the row again for every output.
+    let levels = f.barrier(&levels);
+    let bytes = f.i4_as_bytes(quants);
+    let half = |f: &mut Function, i: usize| {
+        let one = f.slice(&levels, &[i, 0, 0], &[i + 1, blocks, BLOCK / 2]);
+        f.reshape(&one, &[blocks, BLOCK / 2])
+    };
+    let (even, odd) = (half(f, 0), half(f, 1));
+    let sums = f.q4_block_sums(&bytes, &even, &odd);
+    let sums = f.convert(&sums, Ty::F32);
+    let per_block = |f: &mut Function, v: &Val| f.broadcast(v, &[out, blocks], &[1]);
+    let largest = per_block(f, &largest);
+    let level = f.constant(1.0 / ROW_LEVELS, &[out, blocks], Ty::F32);
+    let step = f.binary("multiply", &largest, &level);
+    let row_sums = per_block(f, &row_sums);
+    let scale = f.convert(scales, Ty::F32);
+    let offset = f.convert(offsets, Ty::F32);
+    let scaled = f.binary("multiply", &sums, &step);
+    let scaled = f.binary("multiply", &scaled, &scale);
+    let shifted = f.binary("multiply", &offset, &row_sums);
+    let terms = f.binary("add", &scaled, &shifted);
+    let product = f.reduce("add", &terms, &[1], 0.0);
     f.reshape(&product, &[1, out])
 }
 
@@ -1202,7 +1264,11 @@ mod tests {
         // the same cache sets (see `padded_row`).
         for c in real_shapes() {
             for precision in [Precision::F32, Precision::F16, Precision::Bf16] {
-                let g = GraphOptions::for_target(Target::LlvmCpu, Some(precision), None);
+                let g = GraphOptions::for_target(
+                    crate::compiler::Target::LlvmCpu,
+                    Some(precision),
+                    None,
+                );
                 assert_eq!(g.layout, WeightLayout::InOut);
                 let bytes = precision.storage_bytes();
                 let mut padded = 0;
@@ -1229,7 +1295,8 @@ mod tests {
         }
         // SmolLM2 at f32: every gate/up (3,072 columns) and the output (49,152).
         let smollm2 = kiln_core::model::preset("smollm2-135m").unwrap().0;
-        let g = GraphOptions::for_target(Target::LlvmCpu, Some(Precision::F32), None);
+        let g =
+            GraphOptions::for_target(crate::compiler::Target::LlvmCpu, Some(Precision::F32), None);
         let shapes = weight_shapes(&smollm2, g.layout);
         let padded: Vec<usize> = (0..shapes.len())
             .filter(|&i| stored_shape(i, &shapes[i], &g) != shapes[i])
@@ -1308,9 +1375,97 @@ mod tests {
         assert_eq!(lanes_rows(16 * 600 + 8, 18), None, "16 rows do not divide");
     }
 
+    /// The CPU's one-row q4 product in integers against the exact product
+    /// of the dequantized weights and the row: within what rounding the row
+    /// to 16-bit levels allows (half a level of each block's largest
+    /// magnitude per input, times the weight), on blocks of very different
+    /// magnitudes, a block of zeros and negative values. A swapped nibble,
+    /// a wrong sign or a missing offset term is orders of magnitude beyond.
+    #[test]
+    fn q4_integer_rows_are_within_the_rows_rounding_of_the_exact_product() {
+        use crate::compiler::Compiler;
+        use kiln_core::weights::Matrix;
+        use kiln_iree::{Instance, Tensor};
+        let (rows, cols) = (48, 3 * BLOCK);
+        let m = Matrix {
+            rows,
+            cols,
+            data: (0..rows * cols)
+                .map(|i| ((i * 7919 % 1000) as f32 / 500.0 - 1.0) * 0.05)
+                .collect(),
+        };
+        let q = crate::q4::Q4Matrix::quantize(&m).unwrap();
+        let w = q.dequantize();
+        // Block 0 small, block 1 zeros, block 2 large.
+        let x: Vec<f32> = (0..cols)
+            .map(|i| match i / BLOCK {
+                0 => ((i * 31 % 17) as f32 - 8.0) * 1e-4,
+                1 => 0.0,
+                _ => ((i * 13 % 29) as f32 - 14.0) * 7.0,
+            })
+            .collect();
+        let mut f = Function::new("row");
+        let quants = f.param(&[rows, cols / BLOCK, BLOCK], Ty::I4);
+        let scales = f.param(&[rows, cols / BLOCK], Ty::F16);
+        let offsets = f.param(&[rows, cols / BLOCK], Ty::F16);
+        let row = f.param(&[1, cols], Ty::F32);
+        let weight = Weight::Q4 {
+            quants,
+            scales,
+            offsets,
+        };
+        let y = q4_integer_row_product(&mut f, &row, &weight);
+        let mlir = crate::stablehlo::module(&[f.finish(&[&y])]);
+        let compiler = Compiler::from_env().unwrap_or_else(|e| panic!("{e}"));
+        let vmfb = compiler.compile(&mlir, Target::LlvmCpu, &[]).unwrap();
+        let device = Instance::new().unwrap().device("local-task").unwrap();
+        let module = device.load_module(&vmfb).unwrap();
+        let blocks = [rows as i64, (cols / BLOCK) as i64];
+        let inputs = [
+            Tensor::i4_packed(&[rows as i64, blocks[1], BLOCK as i64], q.quants.clone()).unwrap(),
+            Tensor::f16(&blocks, q.scales.clone()).unwrap(),
+            Tensor::f16(&blocks, q.offsets.clone()).unwrap(),
+            Tensor::f32(&[1, cols as i64], x.clone()).unwrap(),
+        ];
+        let out = module.call("row", &inputs).unwrap();
+        let got = out[0].as_f32().unwrap();
+        let largest: Vec<f64> = x
+            .chunks(BLOCK)
+            .map(|b| b.iter().fold(0.0f64, |a, v| a.max(v.abs() as f64)))
+            .collect();
+        let mut worst = 0.0f64;
+        for n in 0..rows {
+            let weights = &w.data[n * cols..(n + 1) * cols];
+            let exact: f64 = weights
+                .iter()
+                .zip(&x)
+                .map(|(&a, &b)| a as f64 * b as f64)
+                .sum();
+            let magnitude: f64 = weights
+                .iter()
+                .zip(&x)
+                .map(|(a, b)| (a * b).abs() as f64)
+                .sum();
+            let rounding: f64 = weights
+                .iter()
+                .enumerate()
+                .map(|(i, a)| a.abs() as f64 * largest[i / BLOCK] / ROW_LEVELS / 2.0)
+                .sum();
+            let error = (got[n] as f64 - exact).abs();
+            assert!(
+                error <= rounding + 1e-6 * magnitude,
+                "output {n}: {} against {exact}, error {error:e} beyond {rounding:e}",
+                got[n]
+            );
+            worst = worst.max(error / magnitude);
+        }
+        println!("worst error relative to Σ|w·x|: {worst:e}");
+    }
+
     /// A one-row q4 product on CUDA carries the kernel configuration where
     /// its shape has one, and is IREE's own fused form where not; both
-    /// compile. The CPU's products are the same linalg op, unconfigured.
+    /// compile. The CPU's products sum in integers over the values' bytes,
+    /// unconfigured.
     #[test]
     fn cuda_q4_rows_carry_their_kernel_configuration() {
         let q4 = |target| GraphOptions::for_target(target, Some(Precision::Q4), None);
@@ -1325,6 +1480,7 @@ mod tests {
         assert_eq!(cuda.matches(configured).count(), 4 + 1);
         let cpu = decode_module(&wide, &q4(Target::LlvmCpu), 64);
         assert_eq!(cpu.matches("linalg.generic").count(), 4 + 1);
+        assert_eq!(cpu.matches("flow.tensor.bitcast").count(), 4 + 1);
         assert!(!cpu.contains("compilation_info"));
         // Too few outputs everywhere: no configuration, no linalg.
         let mut narrow = config(4, 2);
@@ -1337,6 +1493,7 @@ mod tests {
                 for module in [cuda, small] {
                     compiler.compile(&module, Target::Cuda, &[]).unwrap();
                 }
+                compiler.compile(&cpu, Target::LlvmCpu, &[]).unwrap();
             }
             Err(e) => println!("skipped compiling for CUDA: {e}"),
         }

@@ -13,6 +13,10 @@ pub enum Ty {
     BF16,
     I32,
     I1,
+    /// Signed 16-bit integers: a row rounded to levels for a q4 product.
+    I16,
+    /// Bytes: packed 4-bit weights read two values at a time.
+    I8,
     /// Signed 4-bit integers: packed weights (see `crate::q4`).
     I4,
 }
@@ -25,6 +29,8 @@ impl Ty {
             Ty::BF16 => "bf16",
             Ty::I32 => "i32",
             Ty::I1 => "i1",
+            Ty::I16 => "i16",
+            Ty::I8 => "i8",
             Ty::I4 => "i4",
         }
     }
@@ -37,7 +43,7 @@ impl Ty {
             Ty::F32 => format!("0x{:08X}", (value as f32).to_bits()),
             Ty::F16 => format!("0x{:04X}", half::f16::from_f64(value).to_bits()),
             Ty::BF16 => format!("0x{:04X}", half::bf16::from_f64(value).to_bits()),
-            Ty::I32 | Ty::I4 => format!("{}", value as i32),
+            Ty::I32 | Ty::I16 | Ty::I8 | Ty::I4 => format!("{}", value as i32),
             Ty::I1 => (value != 0.0).to_string(),
         }
     }
@@ -502,6 +508,55 @@ impl Function {
         self.select(&is_nan, &none, &at)
     }
 
+    /// Two f32 reductions of `a` and `b` (one shape) over `dims` in one
+    /// variadic `stablehlo.reduce`, which IREE makes one kernel: `ops[0]`
+    /// of `a` from `inits[0]`, `ops[1]` of `b` from `inits[1]`.
+    pub fn reduce_pair(
+        &mut self,
+        ops: [&str; 2],
+        (a, b): (&Val, &Val),
+        dims: &[usize],
+        inits: [f64; 2],
+    ) -> (Val, Val) {
+        assert_eq!(a.shape, b.shape, "reduce_pair: operand shapes differ");
+        assert!(a.ty == Ty::F32 && b.ty == Ty::F32, "reduce_pair: f32 only");
+        let init_a = self.constant(inits[0], &[], Ty::F32);
+        let init_b = self.constant(inits[1], &[], Ty::F32);
+        let shape: Vec<usize> = (0..a.shape.len())
+            .filter(|d| !dims.contains(d))
+            .map(|d| a.shape[d])
+            .collect();
+        let out = tensor_type(&shape, Ty::F32);
+        let name = format!("%v{}", self.next);
+        self.next += 1;
+        let f = "tensor<f32>";
+        let p = format!("%rp{}", self.next);
+        let _ = write!(
+            self.body,
+            "    {name}:2 = \"stablehlo.reduce\"({}, {}, {}, {}) ({{\n\
+             ^bb0({p}a: {f}, {p}b: {f}, {p}c: {f}, {p}d: {f}):\n\
+             {p}x = stablehlo.{} {p}a, {p}c : {f}\n\
+             {p}y = stablehlo.{} {p}b, {p}d : {f}\n\
+             stablehlo.return {p}x, {p}y : {f}, {f}\n\
+             }}) {{dimensions = array<i64: {}>}} : ({}, {}, {f}, {f}) -> ({out}, {out})\n",
+            a.name,
+            b.name,
+            init_a.name,
+            init_b.name,
+            ops[0],
+            ops[1],
+            list(dims),
+            a.mlir_type(),
+            b.mlir_type(),
+        );
+        let result = |i: usize| Val {
+            name: format!("{name}#{i}"),
+            shape: shape.clone(),
+            ty: Ty::F32,
+        };
+        (result(0), result(1))
+    }
+
     /// The largest of `values` along `dim` and its `indices` entry: one
     /// variadic reduction (the form JAX emits for argmax). Ties go to the
     /// lower index; NaN wins.
@@ -643,6 +698,87 @@ impl Function {
             init.name,
         );
         self.emit(&[out], Ty::F32, rhs)
+    }
+
+    /// `a` unchanged, but computed in a kernel of its own: IREE fuses no
+    /// op across `util.optimization_barrier`.
+    pub fn barrier(&mut self, a: &Val) -> Val {
+        let rhs = format!("util.optimization_barrier {} : {}", a.name, a.mlir_type());
+        self.emit(&a.shape, a.ty, rhs)
+    }
+
+    /// Packed i4 values `[..., 2n]` as their bytes `[..., n]` (element 2k
+    /// in the low nibble): the same memory, no kernel.
+    pub fn i4_as_bytes(&mut self, a: &Val) -> Val {
+        assert_eq!(a.ty, Ty::I4, "i4_as_bytes: type");
+        let mut shape = a.shape.clone();
+        let last = shape.last_mut().expect("i4_as_bytes: a scalar");
+        assert!(last.is_multiple_of(2), "i4_as_bytes: an odd last dimension");
+        *last /= 2;
+        let out = tensor_type(&shape, Ty::I8);
+        let rhs = format!(
+            "flow.tensor.bitcast {} : {} -> {out}",
+            a.name,
+            a.mlir_type()
+        );
+        self.emit(&shape, Ty::I8, rhs)
+    }
+
+    /// The integer sums of one q4 row product per block: `bytes` `[out,
+    /// blocks, BLOCK / 2]` (two signed 4-bit values each, see
+    /// [`Function::i4_as_bytes`]) times a row's i16 levels at even and odd
+    /// positions, `even` and `odd` `[blocks, BLOCK / 2]`: `[out, blocks]` i32, `Σ_k lo(byte_k) · even_k + hi(byte_k) · odd_k`. Integer
+    /// sums may be reassociated, so IREE's CPU code vectorizes along the
+    /// block; the nibbles are unpacked with shifts on bytes, which LLVM does
+    /// in vector registers where it does not for i4.
+    pub fn q4_block_sums(&mut self, bytes: &Val, even: &Val, odd: &Val) -> Val {
+        assert_eq!((bytes.ty, even.ty, odd.ty), (Ty::I8, Ty::I16, Ty::I16));
+        assert_eq!(even.shape, bytes.shape[1..], "q4_block_sums: row shape");
+        assert_eq!(odd.shape, even.shape, "q4_block_sums: row shape");
+        let shape = [bytes.shape[0], bytes.shape[1]];
+        let result = tensor_type(&shape, Ty::I32);
+        let empty = self.emit(&shape, Ty::I32, format!("tensor.empty() : {result}"));
+        let zero = self.emit(&[], Ty::I32, "arith.constant 0 : i32".to_string());
+        let init = self.emit(
+            &shape,
+            Ty::I32,
+            format!(
+                "linalg.fill ins({} : i32) outs({} : {result}) -> {result}",
+                zero.name, empty.name
+            ),
+        );
+        // Block arguments live in the enclosing function's namespace.
+        let p = format!("%q4s{}", self.next);
+        let rhs = format!(
+            "linalg.generic {{indexing_maps = [affine_map<(d0, d1, d2) -> (d1, d2)>, \
+             affine_map<(d0, d1, d2) -> (d1, d2)>, affine_map<(d0, d1, d2) -> (d0, d1, d2)>, \
+             affine_map<(d0, d1, d2) -> (d0, d1)>], \
+             iterator_types = [\"parallel\", \"parallel\", \"reduction\"]}} \
+             ins({}, {}, {} : {}, {}, {}) outs({} : {result}) {{\n\
+             ^bb0({p}e: i16, {p}o: i16, {p}w: i8, {p}acc: i32):\n\
+             {p}four = arith.constant 4 : i8\n\
+             {p}up = arith.shli {p}w, {p}four : i8\n\
+             {p}lo = arith.shrsi {p}up, {p}four : i8\n\
+             {p}hi = arith.shrsi {p}w, {p}four : i8\n\
+             {p}lo32 = arith.extsi {p}lo : i8 to i32\n\
+             {p}hi32 = arith.extsi {p}hi : i8 to i32\n\
+             {p}e32 = arith.extsi {p}e : i16 to i32\n\
+             {p}o32 = arith.extsi {p}o : i16 to i32\n\
+             {p}a = arith.muli {p}lo32, {p}e32 : i32\n\
+             {p}b = arith.muli {p}hi32, {p}o32 : i32\n\
+             {p}ab = arith.addi {p}a, {p}b : i32\n\
+             {p}sum = arith.addi {p}acc, {p}ab : i32\n\
+             linalg.yield {p}sum : i32\n\
+             }} -> {result}",
+            even.name,
+            odd.name,
+            bytes.name,
+            even.mlir_type(),
+            odd.mlir_type(),
+            bytes.mlir_type(),
+            init.name,
+        );
+        self.emit(&shape, Ty::I32, rhs)
     }
 }
 
