@@ -1434,8 +1434,7 @@ mod tests {
             .map(|b| b.iter().fold(0.0f64, |a, v| a.max(v.abs() as f64)))
             .collect();
         let mut worst = 0.0f64;
-        for n in 0..rows {
-            let weights = &w.data[n * cols..(n + 1) * cols];
+        for (n, (weights, &value)) in w.data.chunks(cols).zip(got).enumerate() {
             let exact: f64 = weights
                 .iter()
                 .zip(&x)
@@ -1451,11 +1450,10 @@ mod tests {
                 .enumerate()
                 .map(|(i, a)| a.abs() as f64 * largest[i / BLOCK] / ROW_LEVELS / 2.0)
                 .sum();
-            let error = (got[n] as f64 - exact).abs();
+            let error = (value as f64 - exact).abs();
             assert!(
                 error <= rounding + 1e-6 * magnitude,
-                "output {n}: {} against {exact}, error {error:e} beyond {rounding:e}",
-                got[n]
+                "output {n}: {value} against {exact}, error {error:e} beyond {rounding:e}"
             );
             worst = worst.max(error / magnitude);
         }
