@@ -297,6 +297,69 @@ fn sampled_slots_get_their_own_logits() {
     assert_eq!(outputs[1], (2, SlotOutput::Token(expected_b)));
 }
 
+/// Every slot greedy: each step queues the next before its tokens are
+/// read, and the next step uses it when the caller feeds those tokens; a
+/// caller that feeds a token of its own gets that token's step (the one
+/// queued ahead is dropped), as the batch-1 backend decodes it. A sampled
+/// slot or pipelining turned off queues nothing ahead.
+#[test]
+fn steps_queued_ahead_are_used_or_dropped_as_the_caller_feeds() {
+    let model = Model::embedded();
+    let v = model.config.vocab_size as u32;
+    let prompts = [vec![3, 1, 4, 1, 5], vec![2, 7, 1, 8]];
+    let mut decoder = BatchedDecoder::new(backend(&model), 4).unwrap();
+    let mut fed: Vec<Vec<u32>> = Vec::new();
+    for (slot, prompt) in prompts.iter().enumerate() {
+        let first = argmax(&decoder.admit(slot, prompt, Choice::Greedy).unwrap());
+        decoder.feed(slot, first).unwrap();
+        fed.push(vec![first]);
+    }
+    assert!(!decoder.queued_ahead(), "nothing stepped yet");
+    let mut chosen: Vec<Vec<u32>> = vec![Vec::new(); 2];
+    for step in 0..6 {
+        for (slot, output) in decoder.step().unwrap() {
+            let SlotOutput::Token(token) = output else {
+                panic!("a greedy slot returned logits");
+            };
+            chosen[slot].push(token);
+            // At step 2 slot 1 is fed a token of the caller's.
+            let next = match (slot, step) {
+                (1, 2) => (token + 1) % v,
+                _ => token,
+            };
+            fed[slot].push(next);
+            decoder.feed(slot, next).unwrap();
+        }
+        assert!(decoder.queued_ahead(), "step {step}: every slot is greedy");
+    }
+    for (slot, prompt) in prompts.iter().enumerate() {
+        let mut alone = backend(&model);
+        alone.prefill(prompt).unwrap();
+        let expected: Vec<u32> = fed[slot][..6]
+            .iter()
+            .map(|&t| alone.decode_greedy(t).unwrap())
+            .collect();
+        assert_eq!(chosen[slot], expected, "slot {slot}");
+    }
+
+    let mut sampled = BatchedDecoder::new(backend(&model), 4).unwrap();
+    let first = argmax(&sampled.admit(0, &prompts[0], Choice::Sampled).unwrap());
+    sampled.feed(0, first).unwrap();
+    sampled.step().unwrap();
+    assert!(
+        !sampled.queued_ahead(),
+        "a sampled slot waits for its choice"
+    );
+
+    let mut unpipelined = backend(&model);
+    unpipelined.set_pipelined(false);
+    let mut plain = BatchedDecoder::new(unpipelined, 4).unwrap();
+    let first = argmax(&plain.admit(0, &prompts[0], Choice::Greedy).unwrap());
+    plain.feed(0, first).unwrap();
+    plain.step().unwrap();
+    assert!(!plain.queued_ahead(), "pipelining is off");
+}
+
 /// Misuse is an error naming the problem, never a panic.
 #[test]
 fn misuse_is_a_clear_error() {

@@ -10,7 +10,7 @@ use std::collections::BTreeMap;
 use half::{bf16, f16};
 use kiln_core::weights::{Matrix, Weights};
 use kiln_core::{Backend, Model};
-use kiln_iree::{Device, DeviceTensor, Fence, Instance, Module, Reader, Tensor};
+use kiln_iree::{Device, DeviceTensor, Fence, Instance, Module, PendingRead, Reader, Tensor};
 
 use crate::compiler::{Compiler, Target};
 use crate::graph::{GraphOptions, Precision, WeightLayout};
@@ -76,7 +76,9 @@ impl ModuleKind {
     /// The iree-compile flags this kind adds to its target's.
     pub fn compile_flags(self) -> &'static [&'static str] {
         match self {
-            ModuleKind::Decode | ModuleKind::DecodeChain(_) => &[ASYNC_EXTERNAL],
+            ModuleKind::Decode | ModuleKind::DecodeChain(_) | ModuleKind::DecodeBatch { .. } => {
+                &[ASYNC_EXTERNAL]
+            }
             _ => &[],
         }
     }
@@ -679,20 +681,61 @@ impl<'m> IreeBackend<'m> {
         self.device.upload(&t).map_err(to_core)
     }
 
-    /// Runs `function` of `kind` on `head` followed by the RoPE tables and
-    /// the weights; checks the number of outputs.
-    pub(crate) fn call(
+    /// Queues `function` of `kind` (compiled async-external) on `head`
+    /// followed by the RoPE tables and the weights, behind `after`; returns
+    /// its outputs, defined once the returned fence is reached, after
+    /// checking their number.
+    pub(crate) fn call_queued(
         &mut self,
         kind: ModuleKind,
         function: &str,
         head: &[&DeviceTensor],
+        after: Option<&Fence>,
         outputs: usize,
-    ) -> kiln_core::Result<Vec<DeviceTensor>> {
+    ) -> kiln_core::Result<(Vec<DeviceTensor>, Fence)> {
         self.load(kind)?;
         let mut inputs: Vec<&DeviceTensor> = head.to_vec();
         inputs.extend([&self.cos, &self.sin]);
         inputs.extend(&self.weights);
-        invoke_checked(&self.modules[&kind], function, &inputs, outputs)
+        let (results, done) = self.modules[&kind]
+            .invoke_async(function, &inputs, after)
+            .map_err(to_core)?;
+        if results.len() != outputs {
+            return Err(unexpected_output(
+                function,
+                format!("{} outputs, not {outputs}", results.len()),
+            ));
+        }
+        Ok((results, done))
+    }
+
+    /// Whether greedy steps are queued before the token of the step before
+    /// is read (see [`IreeBackend::set_pipelined`]).
+    pub(crate) fn pipelined(&self) -> bool {
+        self.pipelined
+    }
+
+    /// Starts reading `tensor` once `after` is reached; the reader is busy
+    /// until [`finish_read_tokens`](Self::finish_read_tokens).
+    pub(crate) fn start_read(
+        &mut self,
+        tensor: &DeviceTensor,
+        after: Option<&Fence>,
+    ) -> kiln_core::Result<PendingRead> {
+        self.reader.start(tensor, after).map_err(to_core)
+    }
+
+    /// The `count` token ids of a read [`start_read`](Self::start_read)
+    /// started, each checked against the vocabulary.
+    pub(crate) fn finish_read_tokens(
+        &mut self,
+        function: &str,
+        read: PendingRead,
+        count: usize,
+    ) -> kiln_core::Result<Vec<u32>> {
+        let host = self.reader.finish(read).map_err(to_core)?;
+        let chosen = host.as_i32().map_err(|e| unexpected_output(function, e))?;
+        self.vocabulary_tokens(function, chosen, count)
     }
 
     /// Runs `function` of `kind` on exactly `inputs` (a module that takes

@@ -11,10 +11,14 @@
 //! nobody reads. The caches never leave the device: each step updates them in
 //! place. When the same slots step again with the tokens the device chose,
 //! the step's own token and position outputs are fed back without an upload,
-//! as in batch-1 greedy decoding.
+//! as in batch-1 greedy decoding; and when every slot is greedy, that next
+//! step is queued before this step's tokens are read (pipelined, as the
+//! batch-1 step is), and used if the caller feeds those tokens to the same
+//! slots. A step queued ahead and not used wrote each slot's row at its next
+//! position only, which the slot writes again before it reads it.
 
 use kiln_core::Model;
-use kiln_iree::DeviceTensor;
+use kiln_iree::{DeviceTensor, Fence};
 
 use crate::backend::{IreeBackend, ModuleKind};
 use crate::module_cache::Origin;
@@ -76,11 +80,13 @@ struct Carry {
     chosen: Vec<Option<u32>>,
     tokens: DeviceTensor,
     positions: DeviceTensor,
+    /// The step on `tokens` and `positions` if it was queued ahead: its
+    /// `[logits, tokens, positions]`.
+    ahead: Option<[DeviceTensor; 3]>,
 }
 
 /// The IREE backend's batched decoder (see the module's documentation).
 pub struct BatchedDecoder<'m> {
-    backend: IreeBackend<'m>,
     sizes: Vec<usize>,
     slots: Vec<Option<Sequence>>,
     /// Every slot's caches: `[L, S, KV, C, D]` keys, `[L, S, KV, D, C]`
@@ -88,10 +94,28 @@ pub struct BatchedDecoder<'m> {
     k: DeviceTensor,
     v: DeviceTensor,
     carry: Option<Carry>,
+    /// Reached when the last queued step, the caches' last writer, is done.
+    ready: Option<Fence>,
+    /// Last: the tensors above are dropped before its modules and device.
+    backend: IreeBackend<'m>,
+}
+
+impl Drop for BatchedDecoder<'_> {
+    fn drop(&mut self) {
+        // A queued step holds the caches and the module until done: wait
+        // rather than free them under it. A failure was the step's own.
+        if let Some(ready) = self.ready.take() {
+            let _ = ready.wait();
+        }
+    }
 }
 
 fn invalid(what: String) -> kiln_core::Error {
     kiln_core::Error::Invalid(what)
+}
+
+fn backend_error(error: kiln_iree::Error) -> kiln_core::Error {
+    kiln_core::Error::Backend(error.to_string())
 }
 
 impl<'m> BatchedDecoder<'m> {
@@ -123,6 +147,7 @@ impl<'m> BatchedDecoder<'m> {
             k,
             v,
             carry: None,
+            ready: None,
         })
     }
 
@@ -166,6 +191,13 @@ impl<'m> BatchedDecoder<'m> {
         self.slots.iter().position(Option::is_none)
     }
 
+    /// Whether the next step is already queued (see the module's
+    /// documentation): the last step's slots were all greedy and the
+    /// backend pipelines.
+    pub fn queued_ahead(&self) -> bool {
+        self.carry.as_ref().is_some_and(|c| c.ahead.is_some())
+    }
+
     pub fn active(&self) -> usize {
         self.slots.iter().filter(|s| s.is_some()).count()
     }
@@ -196,7 +228,11 @@ impl<'m> BatchedDecoder<'m> {
         }
         let (logits, k, v) = self.backend.prefill_caches(prompt)?;
         // A carry fed the slot positions as a free one; it must not again.
+        // The copy into the slot's rows comes after every queued step.
         self.carry = None;
+        if let Some(ready) = self.ready.take() {
+            ready.wait().map_err(backend_error)?;
+        }
         let index = self.backend.scalar(slot)?;
         let slots = self.slots.len();
         let mut caches = self
@@ -245,6 +281,44 @@ impl<'m> BatchedDecoder<'m> {
         }
     }
 
+    /// Queues the step of the first `rows` slots on `tokens` at
+    /// `positions` behind the last queued one; returns its `[logits, tokens,
+    /// positions]`, defined once `ready` is reached. On an error the slots
+    /// in `real` are dropped: the caches may be half-written.
+    fn queue(
+        &mut self,
+        rows: usize,
+        real: &[usize],
+        tokens: &DeviceTensor,
+        positions: &DeviceTensor,
+    ) -> kiln_core::Result<[DeviceTensor; 3]> {
+        let slots = self.slots.len();
+        let queued = self.backend.call_queued(
+            ModuleKind::DecodeBatch { rows, slots },
+            "decode_batch",
+            &[tokens, positions, &self.k, &self.v],
+            self.ready.as_ref(),
+            5,
+        );
+        let (outputs, done) = match queued {
+            Ok(queued) => queued,
+            Err(error) => {
+                for &s in real {
+                    self.slots[s] = None;
+                }
+                return Err(error);
+            }
+        };
+        self.ready = Some(done);
+        let mut outputs = outputs.into_iter();
+        let mut next = || outputs.next().expect("checked count");
+        let step = [next(), next(), next()];
+        // The caches are updated in place: these are the same buffers.
+        self.k = next();
+        self.v = next();
+        Ok(step)
+    }
+
     /// One decode step of every slot that was fed a token; returns each such
     /// slot's output, in slot order. Slots not fed sit this step out.
     pub fn step(&mut self) -> kiln_core::Result<Vec<(usize, SlotOutput)>> {
@@ -261,18 +335,21 @@ impl<'m> BatchedDecoder<'m> {
             .find(|&b| b > last)
             .expect("the largest batch size is the slot count");
 
-        let (tokens, positions) = match self.carry.take() {
-            Some(carry)
-                if carry.rows == rows && carry.real == real && {
-                    real.iter().zip(&carry.chosen).all(|(&s, &chosen)| {
-                        let pending = self.slots[s].as_ref().and_then(|q| q.pending);
-                        chosen.is_some() && chosen == pending
-                    })
-                } =>
-            {
-                (carry.tokens, carry.positions)
-            }
-            _ => {
+        let matched = self.carry.take().filter(|carry| {
+            carry.rows == rows
+                && carry.real == real
+                && real.iter().zip(&carry.chosen).all(|(&s, &chosen)| {
+                    let pending = self.slots[s].as_ref().and_then(|q| q.pending);
+                    chosen.is_some() && chosen == pending
+                })
+        });
+        let [logits, next_tokens, next_positions] = match matched {
+            Some(Carry {
+                ahead: Some(outputs),
+                ..
+            }) => outputs,
+            Some(carry) => self.queue(rows, &real, &carry.tokens, &carry.positions)?,
+            None => {
                 // A slot that waits is fed its own next position, a row it
                 // writes again before it can read it; a free slot's rows are
                 // overwritten on admission.
@@ -283,49 +360,39 @@ impl<'m> BatchedDecoder<'m> {
                         None => (0, 0),
                     })
                     .unzip();
-                (
-                    self.backend.upload_i32(tokens)?,
-                    self.backend.upload_i32(positions)?,
+                let tokens = self.backend.upload_i32(tokens)?;
+                let positions = self.backend.upload_i32(positions)?;
+                self.queue(rows, &real, &tokens, &positions)?
+            }
+        };
+
+        let read = self.backend.start_read(&next_tokens, self.ready.as_ref())?;
+        let greedy = real
+            .iter()
+            .all(|&s| matches!(&self.slots[s], Some(q) if q.choice == Choice::Greedy));
+        // The step ahead writes each slot's row at its next position.
+        let context = self.max_context();
+        let room = real
+            .iter()
+            .all(|&s| matches!(&self.slots[s], Some(q) if q.position + 1 < context));
+        let ahead = (greedy && room && self.backend.pipelined())
+            .then(|| self.queue(rows, &real, &next_tokens, &next_positions));
+        // Finish the read before any error of the step queued ahead: the
+        // reader stays busy until it is finished.
+        let chosen = self.backend.finish_read_tokens("decode_batch", read, rows);
+        let ahead = ahead.transpose()?;
+        let chosen = chosen?;
+        let mut logit_rows = match greedy {
+            true => None,
+            false => {
+                if let Some(ready) = &self.ready {
+                    ready.wait().map_err(backend_error)?;
+                }
+                Some(
+                    self.backend
+                        .read_logit_rows("decode_batch", &logits, rows)?,
                 )
             }
-        };
-
-        let slots = self.slots.len();
-        let outputs = self.backend.call(
-            ModuleKind::DecodeBatch { rows, slots },
-            "decode_batch",
-            &[&tokens, &positions, &self.k, &self.v],
-            5,
-        );
-        let mut outputs = match outputs {
-            Ok(outputs) => outputs.into_iter(),
-            Err(error) => {
-                // The caches may be half-written: no slot can go on.
-                for s in &real {
-                    self.slots[*s] = None;
-                }
-                return Err(error);
-            }
-        };
-        let logits = outputs.next().expect("checked count");
-        let next_tokens = outputs.next().expect("checked count");
-        let next_positions = outputs.next().expect("checked count");
-        self.k = outputs.next().expect("checked count");
-        self.v = outputs.next().expect("checked count");
-
-        let chosen = self
-            .backend
-            .read_tokens("decode_batch", &next_tokens, rows)?;
-        let sampled = real
-            .iter()
-            .any(|&s| matches!(&self.slots[s], Some(q) if q.choice == Choice::Sampled));
-        let mut logit_rows = if sampled {
-            Some(
-                self.backend
-                    .read_logit_rows("decode_batch", &logits, rows)?,
-            )
-        } else {
-            None
         };
         let mut results = Vec::with_capacity(real.len());
         let mut carried = Vec::with_capacity(real.len());
@@ -350,6 +417,7 @@ impl<'m> BatchedDecoder<'m> {
             chosen: carried,
             tokens: next_tokens,
             positions: next_positions,
+            ahead,
         });
         Ok(results)
     }
