@@ -193,13 +193,12 @@ pub struct GraphOptions {
 /// Whether `target`'s one-row q4 products take the row as 16-bit levels
 /// of each block's largest magnitude and sum `level · value` in i32 per
 /// block, scaling the sums after. IREE's CPU code keeps an f32 sum over a
-/// block in order (floats may not be reassociated), one product at a time,
-/// and unpacks i4 values one by one; integer sums vectorize, and the bytes
-/// are unpacked with shifts. A 3072×576 product at one thread: 0.21-0.24
-/// ms against 2.0 ms (f16's matrix-vector product: 0.55 ms;
-/// docs/models.md). The rounding is at most 1/65534 of the block's largest
-/// magnitude, finer than the f16 rounding of the row it replaces. CUDA
-/// keeps its f32 kernel ([`tuned_q4_rows_for`]).
+/// block in order (floats may not be reassociated) and unpacks i4 values
+/// one at a time; integer sums vectorize, and the bytes are unpacked with
+/// shifts. SmolLM2 at q4 then decodes at 1.1-1.3x f16 on one thread, where
+/// it ran at 0.24-0.3x (docs/models.md). The rounding is at most 1/65534 of
+/// the block's largest magnitude, finer than the f16 rounding of the row it
+/// replaces. CUDA keeps its f32 kernel ([`tuned_q4_rows_for`]).
 pub fn q4_integer_rows_for(target: Target) -> bool {
     matches!(target, Target::LlvmCpu)
 }
