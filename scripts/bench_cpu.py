@@ -18,8 +18,9 @@ before and after its runs. Prints a Markdown table.
 Rows: kiln `cpu` (the f32 reference; one thread whatever the count, so it
 runs at the first count only; `--no-reference` leaves it out), kiln `cpu-q4`
 (`--threads N`), kiln `iree-cpu` at each `--iree-precision` (none: no row;
-pinned to the first N CPUs with IREE's `--task_topology_cpu_ids`, modules
-compiled before timing by the untimed warm-up), llama.cpp on the file as
+`--threads N`: one runs every kernel on the calling thread, more run them
+on N IREE workers; modules compiled before timing by the untimed warm-up),
+llama.cpp on the file as
 given (`n_threads=N`). kiln-bench-decode needs `--features xla-iree` only for
 iree-cpu rows.
 """
@@ -51,12 +52,10 @@ def kiln(args, backend: str, threads: int, precision=None) -> dict:
             "--max-context", str(args.prompt_tokens + args.decode_tokens + 8),
             "--json", str(out),
         ]
-        if backend == "cpu-q4":
+        if backend in ("cpu-q4", "iree-cpu"):
             command += ["--threads", str(threads)]
         if backend == "iree-cpu":
-            cpus = ",".join(str(i) for i in range(threads))
-            command += ["--iree-flags", f"--task_topology_cpu_ids={cpus}",
-                        "--precision", precision]
+            command += ["--precision", precision]
         subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
         (result,) = json.loads(out.read_text())
         return result

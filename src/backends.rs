@@ -76,8 +76,10 @@ impl BackendKind {
 /// Backend options: the IREE backends' and cpu-q4's thread count.
 #[derive(Clone, Debug, clap::Args)]
 pub struct BackendOptions {
-    /// Threads of the cpu-q4 backend's products (default: one per core;
-    /// the iree backends take `--iree-flag=--task_topology_cpu_ids=…`).
+    /// Threads of the CPU backends (default: one per core): cpu-q4's
+    /// products, or iree-cpu's kernels (1 runs them on the calling thread,
+    /// IREE's `local-sync` driver; more, `local-task` with that many
+    /// workers).
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(u16).range(1..=1024))]
     pub threads: Option<u16>,
     /// Longest sequence (prompt plus generated tokens) the IREE modules hold.
@@ -117,12 +119,7 @@ pub fn open<'m>(
     kind: BackendKind,
     options: &BackendOptions,
 ) -> Result<Box<dyn Backend + 'm>> {
-    if options.threads.is_some() && kind != BackendKind::CpuQ4 {
-        bail!(
-            "--threads is the cpu-q4 backend's; {} does not take it",
-            kind.name()
-        );
-    }
+    check_threads(kind, options)?;
     match kind {
         BackendKind::Cpu => Ok(Box::new(CpuBackend::new(model))),
         BackendKind::CpuQ4 => {
@@ -134,6 +131,18 @@ pub fn open<'m>(
         }
         BackendKind::IreeCpu | BackendKind::IreeCuda => iree(model, kind, options),
     }
+}
+
+/// `--threads` is for the backends that run on this machine's cores
+/// besides the f32 reference, which is one thread by design.
+fn check_threads(kind: BackendKind, options: &BackendOptions) -> Result<()> {
+    if options.threads.is_some() && !matches!(kind, BackendKind::CpuQ4 | BackendKind::IreeCpu) {
+        bail!(
+            "--threads is for the cpu-q4 and iree-cpu backends; {} does not take it",
+            kind.name()
+        );
+    }
+    Ok(())
 }
 
 /// [`open`], with every module the backend can need loaded (compiled where
@@ -181,15 +190,24 @@ pub fn open_iree<'m>(
 ) -> Result<kiln_xla::IreeBackend<'m>> {
     use kiln_xla::{IreeBackend, ModuleCache, Target};
     let target = target(kind)?;
+    check_threads(kind, options)?;
+    let mut flags: Vec<String> = options.iree_flag.clone();
+    let uri = match (target, options.threads) {
+        (Target::Cuda, _) => "cuda",
+        // One thread: the kernels run on the calling thread, with no
+        // hand-over to a worker for each of them (q4 decode 1.4x on one
+        // core, docs/models.md).
+        (Target::LlvmCpu, Some(1)) => "local-sync",
+        (Target::LlvmCpu, Some(n)) => {
+            flags.push(format!("--task_topology_group_count={n}"));
+            "local-task"
+        }
+        (Target::LlvmCpu, None) => "local-task",
+    };
     // Process-wide: a backend opened later with other flags is an error
     // while this one is open, never a silent mix of both.
-    let flags: Vec<&str> = options.iree_flag.iter().map(String::as_str).collect();
+    let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
     kiln_iree::set_flags(&flags)?;
-    let uri = if target == Target::Cuda {
-        "cuda"
-    } else {
-        "local-task"
-    };
     let mut backend = IreeBackend::new(
         model,
         uri,

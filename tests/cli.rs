@@ -242,6 +242,39 @@ fn bad_iree_options_are_named() {
     }
 }
 
+/// `--threads` on iree-cpu: one thread runs IREE's synchronous driver (the
+/// kernels on the calling thread), two its task driver with two workers;
+/// both generate what the default does. The f32 reference and iree-cuda
+/// refuse it.
+#[test]
+fn iree_cpu_takes_a_thread_count_and_the_text_is_the_same() {
+    if !cfg!(feature = "xla-iree") {
+        return println!("skipped: built without the xla-iree feature");
+    }
+    let run = |extra: &[&str]| {
+        let mut args = vec!["generate", "--backend", "iree-cpu", "--max-context", "32"];
+        args.extend_from_slice(extra);
+        args.extend(["--max-tokens", "10", "Hello"]);
+        let out = kiln(&args);
+        assert!(out.status.success(), "{args:?}: {}", stderr(&out));
+        stdout(&out)
+    };
+    let default = run(&[]);
+    assert_eq!(default.trim_end_matches('\n').len(), 10, "{default:?}");
+    assert_eq!(run(&["--threads", "1"]), default, "local-sync");
+    assert_eq!(run(&["--threads", "2"]), default, "two workers");
+    for backend in ["cpu", "iree-cuda"] {
+        let out = kiln(&["generate", "--backend", backend, "--threads", "2", "x"]);
+        assert!(!out.status.success(), "{backend} took --threads");
+        let err = stderr(&out);
+        assert!(
+            err.contains("--threads is for the cpu-q4 and iree-cpu backends")
+                || (backend == "iree-cuda" && err.contains("--features cuda,xla-iree")),
+            "{backend}: {err}"
+        );
+    }
+}
+
 #[test]
 fn an_uncompiled_or_absent_backend_is_an_error_not_a_fallback() {
     let out = kiln(&["generate", "--backend", "iree-cuda", "x"]);

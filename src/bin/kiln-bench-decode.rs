@@ -60,7 +60,8 @@ struct Args {
     /// `--iree-flags "" --iree-flags "--cuda_allow_inline_execution=true"`.
     #[arg(long, allow_hyphen_values = true)]
     iree_flags: Vec<String>,
-    /// Threads of the cpu-q4 backend (default: one per core).
+    /// Threads of the cpu-q4 and iree-cpu backends (default: one per core;
+    /// see `kiln generate --threads`).
     #[arg(long, value_name = "N")]
     threads: Option<u16>,
     /// Greedy pipeline settings to measure (repeat for several): `on`
@@ -125,6 +126,7 @@ impl Args {
                                 flags.split_whitespace().map(str::to_string).collect();
                             options.no_pipeline = pipeline == "off";
                             options.steps_per_call = steps;
+                            options.threads = self.threads;
                             out.push(options);
                         }
                     }
