@@ -195,8 +195,8 @@ pub fn open_iree<'m>(
     let uri = match (target, options.threads) {
         (Target::Cuda, _) => "cuda",
         // One thread: the kernels run on the calling thread, with no
-        // hand-over to a worker for each of them (q4 decode 1.4x on one
-        // core, docs/models.md).
+        // hand-over to a worker for each of them, which q4's many small
+        // kernels feel most (docs/models.md).
         (Target::LlvmCpu, Some(1)) => "local-sync",
         (Target::LlvmCpu, Some(n)) => {
             flags.push(format!("--task_topology_group_count={n}"));

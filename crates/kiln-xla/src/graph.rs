@@ -195,8 +195,8 @@ pub struct GraphOptions {
 /// block, scaling the sums after. IREE's CPU code keeps an f32 sum over a
 /// block in order (floats may not be reassociated) and unpacks i4 values
 /// one at a time; integer sums vectorize, and the bytes are unpacked with
-/// shifts. SmolLM2 at q4 then decodes at 1.1-1.3x f16 on one thread, where
-/// it ran at 0.24-0.3x (docs/models.md). The rounding is at most 1/65534 of
+/// shifts. SmolLM2 at q4 then decodes at 1.9x f16 on one thread, where it
+/// ran at 0.22-0.24x (docs/models.md). The rounding is at most 1/65534 of
 /// the block's largest magnitude, finer than the f16 rounding of the row it
 /// replaces. CUDA keeps its f32 kernel ([`tuned_q4_rows_for`]).
 pub fn q4_integer_rows_for(target: Target) -> bool {
