@@ -645,16 +645,7 @@ impl Function {
         assert_eq!(x.shape, quants.shape[1..], "q4_row_product: row shape");
         assert_eq!(scales.shape, quants.shape[..2], "q4_row_product: scales");
         let result = tensor_type(&[out], Ty::F32);
-        let empty = self.emit(&[out], Ty::F32, format!("tensor.empty() : {result}"));
-        let zero = self.emit(&[], Ty::F32, "arith.constant 0.0 : f32".to_string());
-        let init = self.emit(
-            &[out],
-            Ty::F32,
-            format!(
-                "linalg.fill ins({} : f32) outs({} : {result}) -> {result}",
-                zero.name, empty.name
-            ),
-        );
+        let init = self.linalg_zeros(&[out], Ty::F32);
         let attributes = compilation_info
             .map(|info| format!(" attrs = {{compilation_info = {info}}}"))
             .unwrap_or_default();
@@ -700,6 +691,27 @@ impl Function {
         self.emit(&[out], Ty::F32, rhs)
     }
 
+    /// A tensor of zeros made the way a `linalg` op's accumulator is
+    /// (`tensor.empty` then `linalg.fill`), for the ops written in linalg.
+    fn linalg_zeros(&mut self, shape: &[usize], ty: Ty) -> Val {
+        let tensor = tensor_type(shape, ty);
+        let element = ty.mlir();
+        let empty = self.emit(shape, ty, format!("tensor.empty() : {tensor}"));
+        let zero = self.emit(
+            &[],
+            ty,
+            format!("arith.constant {} : {element}", ty.literal(0.0)),
+        );
+        self.emit(
+            shape,
+            ty,
+            format!(
+                "linalg.fill ins({} : {element}) outs({} : {tensor}) -> {tensor}",
+                zero.name, empty.name
+            ),
+        )
+    }
+
     /// `a` unchanged, but computed in a kernel of its own: IREE fuses no
     /// op across `util.optimization_barrier`.
     pub fn barrier(&mut self, a: &Val) -> Val {
@@ -737,16 +749,7 @@ impl Function {
         assert_eq!(odd.shape, even.shape, "q4_block_sums: row shape");
         let shape = [bytes.shape[0], bytes.shape[1]];
         let result = tensor_type(&shape, Ty::I32);
-        let empty = self.emit(&shape, Ty::I32, format!("tensor.empty() : {result}"));
-        let zero = self.emit(&[], Ty::I32, "arith.constant 0 : i32".to_string());
-        let init = self.emit(
-            &shape,
-            Ty::I32,
-            format!(
-                "linalg.fill ins({} : i32) outs({} : {result}) -> {result}",
-                zero.name, empty.name
-            ),
-        );
+        let init = self.linalg_zeros(&shape, Ty::I32);
         // Block arguments live in the enclosing function's namespace.
         let p = format!("%q4s{}", self.next);
         let rhs = format!(
