@@ -2,6 +2,7 @@
 //! and what they share.
 
 pub mod backends;
+pub mod bench;
 pub mod chat;
 pub mod pull;
 pub mod server;

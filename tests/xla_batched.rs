@@ -360,6 +360,44 @@ fn steps_queued_ahead_are_used_or_dropped_as_the_caller_feeds() {
     assert!(!plain.queued_ahead(), "pipelining is off");
 }
 
+/// `kiln-bench-batch` steps every slot of each slot count and reports a
+/// step time and tokens/s per count; a backend without a batched step is
+/// refused by name.
+#[test]
+fn the_batched_step_benchmark_runs_and_reports_each_slot_count() {
+    let dir = tempfile::tempdir().unwrap();
+    let json = dir.path().join("batch.json");
+    let bench = env!("CARGO_BIN_EXE_kiln-bench-batch");
+    let out = std::process::Command::new(bench)
+        .args([
+            "--backend",
+            "iree-cpu",
+            "--model",
+            "embedded",
+            "--max-context",
+            "64",
+        ])
+        .args(["--slots", "1", "--slots", "4", "--steps", "8", "--json"])
+        .arg(&json)
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    let rows: Vec<serde_json::Value> =
+        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    assert_eq!(rows.len(), 2);
+    for (row, slots) in rows.iter().zip([1, 4]) {
+        assert_eq!(row["slots"], slots);
+        assert!(row["tokens_per_s"].as_f64().unwrap() > 0.0, "{row}");
+    }
+    let out = std::process::Command::new(bench)
+        .args(["--backend", "cpu", "--model", "embedded"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("use --backend iree-cpu or iree-cuda"));
+}
+
 /// Misuse is an error naming the problem, never a panic.
 #[test]
 fn misuse_is_a_clear_error() {

@@ -18,8 +18,7 @@ use anyhow::{Context, Result, bail};
 use clap::Parser;
 use kiln::backends::{self, BackendKind, BackendOptions};
 use kiln_core::sampling::argmax;
-use kiln_core::tokenizer::ByteTokenizer;
-use kiln_core::{Model, ModelConfig, Tokenizer};
+use kiln_core::{Model, ModelConfig};
 use serde::Serialize;
 
 #[derive(Parser)]
@@ -173,34 +172,6 @@ struct Row {
     setup_s: f64,
 }
 
-fn model(spec: &str) -> Result<Model> {
-    Ok(match (spec, kiln_core::model::preset(spec)) {
-        ("embedded", _) => Model::embedded(),
-        (_, Some((config, seed))) => Model::random(spec, config, seed),
-        (spec, None) => {
-            let path = kiln_core::pinned::resolve(Path::new(spec))?;
-            match path.is_file() {
-                true => Model::load(&path)?,
-                false => load_folder(&path)?,
-            }
-        }
-    })
-}
-
-/// A model folder's config and weights, with the byte tokenizer (the
-/// benchmark feeds token ids, so `--write-model` folders carry none).
-fn load_folder(dir: &Path) -> Result<Model> {
-    let config = ModelConfig::from_file(&dir.join("config.json"))?;
-    let weights = kiln_core::weights::load_dir(dir, &config)?;
-    Ok(Model {
-        name: dir.display().to_string(),
-        config,
-        weights,
-        tokenizer: Tokenizer::Bytes(ByteTokenizer),
-        chat: Default::default(),
-    })
-}
-
 /// The configuration of a model spec, without making its weights.
 #[cfg(feature = "xla-iree")]
 fn config(spec: &str) -> Result<ModelConfig> {
@@ -234,7 +205,7 @@ fn write_model(args: &Args, dir: &Path) -> Result<()> {
     let [spec] = args.model.as_slice() else {
         bail!("--write-model writes one model: pass exactly one --model");
     };
-    let model = model(spec)?;
+    let model = kiln::bench::model(spec)?;
     kiln_core::save::save_f16(dir, &model.config, &model.weights)
         .with_context(|| format!("writing {spec} to {}", dir.display()))?;
     println!(
@@ -465,7 +436,7 @@ fn run() -> Result<()> {
         "steps",
     );
     for spec in &args.model {
-        let model = model(spec)?;
+        let model = kiln::bench::model(spec)?;
         for &kind in &args.backend {
             for options in args.variants(kind) {
                 for row in measure(&model, kind, &options, &args)? {

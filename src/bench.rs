@@ -1,0 +1,38 @@
+//! What the `kiln-bench-*` programs share: the models they measure.
+
+use std::path::Path;
+
+use anyhow::Result;
+use kiln_core::tokenizer::ByteTokenizer;
+use kiln_core::{Model, ModelConfig, Tokenizer};
+
+/// The model `spec` names: `embedded`, a random-weight preset
+/// (`tinyllama-1.1b`, …), a GGUF file or pulled model's name, or a model
+/// folder (read with the byte tokenizer, see [`load_folder`]).
+pub fn model(spec: &str) -> Result<Model> {
+    Ok(match (spec, kiln_core::model::preset(spec)) {
+        ("embedded", _) => Model::embedded(),
+        (_, Some((config, seed))) => Model::random(spec, config, seed),
+        (spec, None) => {
+            let path = kiln_core::pinned::resolve(Path::new(spec))?;
+            match path.is_file() {
+                true => Model::load(&path)?,
+                false => load_folder(&path)?,
+            }
+        }
+    })
+}
+
+/// A model folder's config and weights, with the byte tokenizer (the
+/// benchmarks feed token ids, so `--write-model` folders carry none).
+pub fn load_folder(dir: &Path) -> Result<Model> {
+    let config = ModelConfig::from_file(&dir.join("config.json"))?;
+    let weights = kiln_core::weights::load_dir(dir, &config)?;
+    Ok(Model {
+        name: dir.display().to_string(),
+        config,
+        weights,
+        tokenizer: Tokenizer::Bytes(ByteTokenizer),
+        chat: Default::default(),
+    })
+}
