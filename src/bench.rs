@@ -36,3 +36,18 @@ pub fn load_folder(dir: &Path) -> Result<Model> {
         chat: Default::default(),
     })
 }
+
+/// The configuration of a model spec, without making its weights.
+pub fn config(spec: &str) -> Result<ModelConfig> {
+    Ok(match (spec, kiln_core::model::preset(spec)) {
+        ("embedded", _) => Model::embedded().config,
+        (_, Some((config, _))) => config,
+        (spec, None) => {
+            let path = kiln_core::pinned::resolve(Path::new(spec))?;
+            match path.is_file() {
+                true => kiln_core::gguf::model_config(&kiln_core::gguf::GgufFile::open(&path)?)?,
+                false => ModelConfig::from_file(&path.join("config.json"))?,
+            }
+        }
+    })
+}

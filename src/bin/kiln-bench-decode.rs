@@ -17,8 +17,8 @@ use std::time::Instant;
 use anyhow::{Context, Result, bail};
 use clap::Parser;
 use kiln::backends::{self, BackendKind, BackendOptions};
+use kiln_core::Model;
 use kiln_core::sampling::argmax;
-use kiln_core::{Model, ModelConfig};
 use serde::Serialize;
 
 #[derive(Parser)]
@@ -172,22 +172,6 @@ struct Row {
     setup_s: f64,
 }
 
-/// The configuration of a model spec, without making its weights.
-#[cfg(feature = "xla-iree")]
-fn config(spec: &str) -> Result<ModelConfig> {
-    Ok(match (spec, kiln_core::model::preset(spec)) {
-        ("embedded", _) => Model::embedded().config,
-        (_, Some((config, _))) => config,
-        (spec, None) => {
-            let path = kiln_core::pinned::resolve(Path::new(spec))?;
-            match path.is_file() {
-                true => kiln_core::gguf::model_config(&kiln_core::gguf::GgufFile::open(&path)?)?,
-                false => ModelConfig::from_file(&path.join("config.json"))?,
-            }
-        }
-    })
-}
-
 /// Bytes a decode step reads from the weights at `bits_per_weight`: all but
 /// the embedding table, of which one row.
 fn decode_weight_bytes(model: &Model, bits_per_weight: u64) -> u64 {
@@ -225,7 +209,7 @@ fn prepare(args: &Args) -> Result<()> {
     let compiler = Compiler::from_env()?;
     let cache = ModuleCache::default_location()?;
     for spec in &args.model {
-        let config = config(spec)?;
+        let config = kiln::bench::config(spec)?;
         let context = config.context_limit().min(args.max_context);
         for &kind in args
             .backend
@@ -272,7 +256,7 @@ fn prepare(args: &Args) -> Result<()> {
 fn export(
     dir: &Path,
     spec: &str,
-    config: &ModelConfig,
+    config: &kiln_core::ModelConfig,
     graph: &kiln_xla::GraphOptions,
     kinds: &[kiln_xla::ModuleKind],
     buckets: &kiln_xla::Buckets,
