@@ -72,13 +72,25 @@ pub enum ModuleKind {
 /// [`IreeBackend::decode_greedy`]).
 const ASYNC_EXTERNAL: &str = "--iree-execution-model=async-external";
 
+/// Split-K for the batched step's products of several rows on CUDA: each
+/// product's inputs in four parts, each a kernel's worth of workgroups, the
+/// parts' sums added by a small reduction. IREE tiles a 32-row product in
+/// 32×32 output tiles, so a product of 2,048 outputs had 64 workgroups for
+/// 132 SMs, each reading its slice of the weights alone: 0.3 TB/s for the
+/// down projection (Nsight Compute over `kiln-bench-batch`, docs/server.md).
+const SPLIT_K: &str = "--iree-dispatch-creation-split-matmul-reduction=4";
+
 impl ModuleKind {
-    /// The iree-compile flags this kind adds to its target's.
-    pub fn compile_flags(self) -> &'static [&'static str] {
-        match self {
-            ModuleKind::Decode | ModuleKind::DecodeChain(_) | ModuleKind::DecodeBatch { .. } => {
-                &[ASYNC_EXTERNAL]
+    /// The iree-compile flags this kind adds to `target`'s.
+    pub fn compile_flags(self, target: Target) -> &'static [&'static str] {
+        match (self, target) {
+            (ModuleKind::DecodeBatch { rows, .. }, Target::Cuda) if rows > 1 => {
+                &[ASYNC_EXTERNAL, SPLIT_K]
             }
+            (
+                ModuleKind::Decode | ModuleKind::DecodeChain(_) | ModuleKind::DecodeBatch { .. },
+                _,
+            ) => &[ASYNC_EXTERNAL],
             _ => &[],
         }
     }

@@ -1555,7 +1555,7 @@ mod tests {
             Err(e) => return println!("skipped compiling the modules: {e}"),
         };
         for (kind, module) in modules {
-            let mut flags = kind.compile_flags().to_vec();
+            let mut flags = kind.compile_flags(Target::Cuda).to_vec();
             flags.push("--output-format=vm-asm");
             let program = compiler.compile(&module, Target::Cuda, &flags).unwrap();
             let program = String::from_utf8(program).unwrap();

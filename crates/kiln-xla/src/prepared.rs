@@ -144,7 +144,7 @@ pub fn obtain(
     // Without a compiler only the cache serves, with the key of modules
     // compiled on a machine of kiln's own architecture.
     let native_compiler = compiler.is_none_or(Compiler::is_native);
-    let extra_flags = kind.compile_flags();
+    let extra_flags = kind.compile_flags(target);
     let key = key(&mlir, &bucket, target, extra_flags, native_compiler)?;
     cache.get_or_compile(&key, || match compiler {
         Some(compiler) => compiler.compile(&mlir, target, extra_flags),

@@ -48,7 +48,7 @@ fn backend_with(model: &Model, mlir: &str, cache_dir: &std::path::Path) -> IreeB
     for kind in [ModuleKind::Prefill(16), ModuleKind::Decode] {
         // Compiled as the real module of its kind is (the decode step's
         // execution model), so that it runs and only its outputs are wrong.
-        let flags = kind.compile_flags();
+        let flags = kind.compile_flags(Target::LlvmCpu);
         let vmfb = compiler
             .compile(mlir, Target::LlvmCpu, flags)
             .unwrap_or_else(|e| panic!("{e}"));
