@@ -1,10 +1,22 @@
-//! What the `kiln-bench-*` programs share: the models they measure.
+//! What the `kiln-bench-*` programs share: the models they measure and how
+//! they exit.
 
 use std::path::Path;
 
 use anyhow::Result;
 use kiln_core::tokenizer::ByteTokenizer;
 use kiln_core::{Model, ModelConfig, Tokenizer};
+
+/// A benchmark's exit: success, or its error printed with its causes.
+pub fn exit_code(result: Result<()>) -> std::process::ExitCode {
+    match result {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(error) => {
+            eprintln!("error: {error:#}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
 
 /// The model `spec` names: `embedded`, a random-weight preset
 /// (`tinyllama-1.1b`, …), a GGUF file or pulled model's name, or a model

@@ -53,13 +53,7 @@ struct Row {
 }
 
 fn main() -> std::process::ExitCode {
-    match run() {
-        Ok(()) => std::process::ExitCode::SUCCESS,
-        Err(error) => {
-            eprintln!("error: {error:#}");
-            std::process::ExitCode::FAILURE
-        }
-    }
+    kiln::bench::exit_code(run())
 }
 
 fn run() -> Result<()> {

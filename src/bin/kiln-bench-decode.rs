@@ -383,13 +383,7 @@ fn iree_graph(kind: BackendKind, options: &BackendOptions) -> Result<(String, St
 }
 
 fn main() -> std::process::ExitCode {
-    match run() {
-        Ok(()) => std::process::ExitCode::SUCCESS,
-        Err(error) => {
-            eprintln!("error: {error:#}");
-            std::process::ExitCode::FAILURE
-        }
-    }
+    kiln::bench::exit_code(run())
 }
 
 fn run() -> Result<()> {

@@ -222,13 +222,7 @@ fn timed(run: impl FnOnce(&mut dyn FnMut()) -> Result<Vec<u32>>) -> Result<Timed
 }
 
 fn main() -> std::process::ExitCode {
-    match run() {
-        Ok(()) => std::process::ExitCode::SUCCESS,
-        Err(error) => {
-            eprintln!("error: {error:#}");
-            std::process::ExitCode::FAILURE
-        }
-    }
+    kiln::bench::exit_code(run())
 }
 
 fn run() -> Result<()> {
