@@ -304,7 +304,10 @@ fn prepare(args: &ModelArgs, batch_slots: usize, draft_tokens: Option<usize>) ->
     let cache = kiln_xla::ModuleCache::default_location()?;
     let started = Instant::now();
     let mut kinds = kiln_xla::prepared::module_kinds(&buckets, args.options.steps_per_call);
-    kinds.extend(kiln_xla::prepared::batch_module_kinds(batch_slots));
+    kinds.extend(kiln_xla::prepared::batch_module_kinds(
+        &buckets,
+        batch_slots,
+    ));
     if let Some(k) = draft_tokens {
         kinds.extend(kiln_xla::prepared::append_module_kinds(k));
     }

@@ -13,8 +13,8 @@ use std::path::PathBuf;
 use kiln_core::sampling::argmax;
 use kiln_core::{Backend, Model};
 use kiln_xla::{
-    BatchedDecoder, Buckets, Choice, Compiler, GraphOptions, IreeBackend, ModuleCache, SlotOutput,
-    Target, WeightLayout,
+    Admission, BatchedDecoder, Buckets, Choice, Compiler, GraphOptions, IreeBackend, ModuleCache,
+    SlotOutput, Target, WeightLayout,
 };
 
 const CONTEXT: usize = 64;
@@ -54,7 +54,9 @@ struct Request {
 }
 
 /// Requests of several prompt lengths and lengths, arriving at different
-/// steps; more of them than `slots`, so some wait for a slot to free.
+/// steps; more of them than `slots`, so some wait for a slot to free. The
+/// first two arrive together with prompts of one length bucket (16 tokens):
+/// they are prefilled in one call.
 fn requests(model: &Model) -> Vec<Request> {
     let v = model.config.vocab_size as u32;
     let prompt = |n: u32, seed: u32| (0..n).map(|i| (i * seed + 7 * seed) % v).collect();
@@ -66,7 +68,7 @@ fn requests(model: &Model) -> Vec<Request> {
             cancel_after: None,
         },
         Request {
-            prompt: prompt(17, 29),
+            prompt: prompt(12, 29),
             max_tokens: 9,
             arrives: 0,
             cancel_after: None,
@@ -111,14 +113,16 @@ fn alone(model: &Model, prompt: &[u32], max_tokens: usize) -> Vec<u32> {
     tokens
 }
 
-/// Runs `requests` through a decoder of `slots` slots, admitting each into
-/// a free slot once it has arrived; returns each request's tokens and the
-/// largest number of sequences that stepped together.
+/// Runs `requests` through a decoder of `slots` slots, admitting those that
+/// have arrived into free slots together at each step; returns each
+/// request's tokens and the largest number of sequences that stepped
+/// together.
 fn batched(model: &Model, slots: usize, requests: &[Request]) -> (Vec<Vec<u32>>, usize) {
     batched_on(backend(model), slots, requests)
 }
 
-/// [`batched`] on a given backend.
+/// [`batched`] on a given backend. Asserts that some prompts were prefilled
+/// together.
 fn batched_on(
     backend: IreeBackend<'_>,
     slots: usize,
@@ -132,12 +136,21 @@ fn batched_on(
     let done = |r: &Request, n: usize| n >= r.max_tokens || r.cancel_after.is_some_and(|c| n >= c);
     for step in 0.. {
         queue.extend((0..requests.len()).filter(|&r| requests[r].arrives == step));
-        while let (Some(&r), Some(slot)) = (queue.front(), decoder.free_slot()) {
-            queue.pop_front();
-            let logits = decoder
-                .admit(slot, &requests[r].prompt, Choice::Greedy)
-                .unwrap();
-            let token = argmax(&logits);
+        let free = decoder.free_slots();
+        let admitted: Vec<(usize, usize)> = queue
+            .drain(..free.len().min(queue.len()))
+            .zip(free)
+            .collect();
+        let admissions: Vec<Admission> = admitted
+            .iter()
+            .map(|&(r, slot)| Admission {
+                slot,
+                prompt: &requests[r].prompt,
+                choice: Choice::Greedy,
+            })
+            .collect();
+        for ((r, slot), logits) in admitted.into_iter().zip(decoder.admit_all(&admissions)) {
+            let token = argmax(&logits.unwrap());
             out[r].push(token);
             if done(&requests[r], 1) {
                 decoder.release(slot);
@@ -166,6 +179,10 @@ fn batched_on(
             break;
         }
     }
+    assert!(
+        decoder.prompts_prefilled_together() >= 2,
+        "some prompts were prefilled together"
+    );
     (out, widest)
 }
 
@@ -261,6 +278,85 @@ fn thirty_two_slots_batched_equal_alone() {
         .expect("more slots than MAX_SLOTS")
         .to_string();
     assert!(error.contains("lower --batch-slots"), "{error}");
+}
+
+/// Prompts admitted together — two of the 16-token bucket, three of the
+/// 64-token one, in calls whose spare rows repeat a prompt — get the logits
+/// of each prompt prefilled alone, and then decode as it does alone; an
+/// admission that cannot be made fails alone, naming why, and leaves its
+/// slot free.
+#[test]
+fn prompts_prefilled_together_equal_each_prefilled_alone() {
+    let model = fixture("llama-gqa-untied");
+    let v = model.config.vocab_size as u32;
+    let prompt = |n: u32, seed: u32| -> Vec<u32> { (0..n).map(|i| (i * seed + 3) % v).collect() };
+    let prompts = [
+        prompt(3, 7),
+        prompt(20, 11),
+        prompt(10, 13),
+        prompt(40, 17),
+        prompt(33, 19),
+    ];
+    let mut decoder = BatchedDecoder::new(backend(&model), 8).unwrap();
+    decoder.admit(6, &prompt(2, 5), Choice::Greedy).unwrap();
+    let empty: Vec<u32> = Vec::new();
+    let outside = vec![1, v];
+    let mut admissions: Vec<Admission> = prompts
+        .iter()
+        .enumerate()
+        .map(|(slot, prompt)| Admission {
+            slot,
+            prompt,
+            choice: Choice::Greedy,
+        })
+        .collect();
+    let refused = [
+        (6, &prompts[0], "slot 6 is taken"),
+        (1, &prompts[0], "slot 1 is admitted twice"),
+        (5, &empty, "the prompt is empty"),
+        (7, &outside, "outside the vocabulary"),
+    ];
+    for &(slot, prompt, _) in &refused {
+        admissions.push(Admission {
+            slot,
+            prompt,
+            choice: Choice::Greedy,
+        });
+    }
+    let results = decoder.admit_all(&admissions);
+    assert_eq!(decoder.prompts_prefilled_together(), 5);
+    for (result, (_, _, why)) in results[prompts.len()..].iter().zip(&refused) {
+        let error = result.as_ref().err().expect(why).to_string();
+        assert!(error.contains(why), "{error}");
+    }
+    assert_eq!(decoder.free_slots(), vec![5, 7]);
+    let mut next = Vec::new();
+    for (slot, (prompt, logits)) in prompts.iter().zip(&results).enumerate() {
+        let logits = logits.as_ref().unwrap();
+        let expected = backend(&model).prefill(prompt).unwrap();
+        let diff = logits
+            .iter()
+            .zip(&expected)
+            .map(|(x, y)| (x - y).abs())
+            .fold(0.0f32, f32::max);
+        assert!(diff <= 1e-4, "slot {slot}: logits differ by {diff}");
+        next.push(argmax(logits));
+        decoder.feed(slot, argmax(logits)).unwrap();
+    }
+    decoder.release(6);
+    let mut chosen: Vec<Vec<u32>> = next.iter().map(|&t| vec![t]).collect();
+    for _ in 0..5 {
+        for (slot, output) in decoder.step().unwrap() {
+            let SlotOutput::Token(token) = output else {
+                panic!("a greedy slot returned logits");
+            };
+            chosen[slot].push(token);
+            decoder.feed(slot, token).unwrap();
+        }
+    }
+    for (slot, prompt) in prompts.iter().enumerate() {
+        assert_eq!(chosen[slot], alone(&model, prompt, 6), "slot {slot}");
+    }
 }
 
 /// A sampled slot gets its own logits, equal to the batch-1 decode logits

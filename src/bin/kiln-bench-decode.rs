@@ -276,6 +276,9 @@ fn export(
             ModuleKind::DecodeChain(steps) => format!("decode-chain{steps}"),
             ModuleKind::DecodeBatch { rows, slots } => format!("decode-batch{rows}of{slots}"),
             ModuleKind::AdmitSlot { slots } => format!("admit-slot{slots}"),
+            ModuleKind::PrefillBatch { rows, seq, slots } => {
+                format!("prefill-batch{rows}x{seq}of{slots}")
+            }
             ModuleKind::Append(rows) => format!("append{rows}"),
         };
         let stem = format!(

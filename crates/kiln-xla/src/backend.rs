@@ -62,6 +62,13 @@ pub enum ModuleKind {
     AdmitSlot {
         slots: usize,
     },
+    /// Prefills `rows` prompts of up to `seq` tokens, each into its own of
+    /// `slots` sequence slots (`prefill_batch`).
+    PrefillBatch {
+        rows: usize,
+        seq: usize,
+        slots: usize,
+    },
     /// The multi-token step of this many rows (speculative decoding).
     Append(usize),
 }
@@ -88,7 +95,10 @@ impl ModuleKind {
                 &[ASYNC_EXTERNAL, SPLIT_K]
             }
             (
-                ModuleKind::Decode | ModuleKind::DecodeChain(_) | ModuleKind::DecodeBatch { .. },
+                ModuleKind::Decode
+                | ModuleKind::DecodeChain(_)
+                | ModuleKind::DecodeBatch { .. }
+                | ModuleKind::PrefillBatch { .. },
                 _,
             ) => &[ASYNC_EXTERNAL],
             _ => &[],

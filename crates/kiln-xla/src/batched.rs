@@ -1,9 +1,12 @@
 //! Continuous batching: a fixed number of sequence slots, each with its own
 //! rows of one KV cache on the device and its own position, decoded together
-//! one step at a time. A sequence is admitted into the lowest free slot
-//! (prefilled alone, its caches then copied into the slot's rows on the
-//! device), joins the batch at the next step, and leaves it when released;
-//! the other slots never pause for it beyond its prefill.
+//! one step at a time. A sequence is admitted into a free slot, joins the
+//! batch at the next step, and leaves it when released; the other slots never
+//! pause for it beyond its prefill. Sequences admitted together
+//! ([`BatchedDecoder::admit_all`]) are prefilled together, several prompts
+//! in one call writing straight into their slots (`prefill_batch`); one
+//! alone, or one whose prompt is longer than [`PROMPT_MAX`], is prefilled
+//! alone and its caches copied into the slot's rows on the device.
 //!
 //! A step runs the `decode_batch` module over the first `rows` slots, for the
 //! smallest compiled row count ([`batch_sizes`]) that covers every slot to
@@ -20,7 +23,7 @@
 use kiln_core::Model;
 use kiln_iree::{DeviceTensor, Fence};
 
-use crate::backend::{IreeBackend, ModuleKind};
+use crate::backend::{Buckets, IreeBackend, ModuleKind};
 use crate::module_cache::Origin;
 
 /// The most sequence slots a decoder takes.
@@ -62,6 +65,42 @@ pub fn batch_sizes(slots: usize) -> Vec<usize> {
     sizes
 }
 
+/// The longest prompt prefilled together with others; longer ones are
+/// prefilled alone (a long prompt is a large call by itself).
+pub const PROMPT_MAX: usize = 128;
+
+/// The prompt counts `prefill_batch` is compiled for with `slots` slots:
+/// 4 and 8 (a call of 8 prompts of 64 tokens multiplies 512 rows at a time),
+/// or the slot count below 4. More waiting prompts take several calls; a
+/// call's spare rows repeat a real prompt.
+pub fn prompt_rows(slots: usize) -> Vec<usize> {
+    if slots < 2 {
+        return Vec::new();
+    }
+    let rows: Vec<usize> = [4, 8].into_iter().filter(|&r| r <= slots).collect();
+    if rows.is_empty() { vec![slots] } else { rows }
+}
+
+/// The prompt lengths `prefill_batch` is compiled for: the prefill buckets
+/// up to [`PROMPT_MAX`].
+pub fn prompt_buckets(buckets: &Buckets) -> Vec<usize> {
+    buckets
+        .prefill
+        .iter()
+        .copied()
+        .filter(|&b| b <= PROMPT_MAX)
+        .collect()
+}
+
+/// A sequence to admit: the free slot it takes, its prompt, and how its
+/// tokens are chosen.
+#[derive(Clone, Copy, Debug)]
+pub struct Admission<'p> {
+    pub slot: usize,
+    pub prompt: &'p [u32],
+    pub choice: Choice,
+}
+
 /// The sequence in a slot.
 struct Sequence {
     /// Positions held: the next token is written at this one.
@@ -96,6 +135,8 @@ pub struct BatchedDecoder<'m> {
     carry: Option<Carry>,
     /// Reached when the last queued step, the caches' last writer, is done.
     ready: Option<Fence>,
+    /// Prompts prefilled in calls of several so far.
+    together: usize,
     /// Last: the tensors above are dropped before its modules and device.
     backend: IreeBackend<'m>,
 }
@@ -148,6 +189,7 @@ impl<'m> BatchedDecoder<'m> {
             v,
             carry: None,
             ready: None,
+            together: 0,
         })
     }
 
@@ -164,7 +206,7 @@ impl<'m> BatchedDecoder<'m> {
     }
 
     /// Every module a step or an admission can need: the prefill buckets,
-    /// the row counts' decode steps and the admission. Loads (compiling where
+    /// the row counts' decode steps and the admissions. Loads (compiling where
     /// needed) them all.
     pub fn prepare(
         &mut self,
@@ -179,6 +221,11 @@ impl<'m> BatchedDecoder<'m> {
                 .map(|&rows| ModuleKind::DecodeBatch { rows, slots }),
         );
         kinds.push(ModuleKind::AdmitSlot { slots });
+        for rows in prompt_rows(slots) {
+            for seq in prompt_buckets(self.backend.buckets()) {
+                kinds.push(ModuleKind::PrefillBatch { rows, seq, slots });
+            }
+        }
         for kind in kinds {
             let origin = self.backend.load(kind)?;
             on_ready(kind, origin);
@@ -189,6 +236,19 @@ impl<'m> BatchedDecoder<'m> {
     /// The lowest free slot: admitting there keeps the rows a step runs few.
     pub fn free_slot(&self) -> Option<usize> {
         self.slots.iter().position(Option::is_none)
+    }
+
+    /// Every free slot, lowest first.
+    pub fn free_slots(&self) -> Vec<usize> {
+        (0..self.slots.len())
+            .filter(|&s| self.slots[s].is_none())
+            .collect()
+    }
+
+    /// How many prompts were prefilled in calls of several
+    /// ([`admit_all`](BatchedDecoder::admit_all)) so far.
+    pub fn prompts_prefilled_together(&self) -> usize {
+        self.together
     }
 
     /// Whether the next step is already queued (see the module's
@@ -214,18 +274,7 @@ impl<'m> BatchedDecoder<'m> {
         prompt: &[u32],
         choice: Choice,
     ) -> kiln_core::Result<Vec<f32>> {
-        match self.slots.get(slot) {
-            None => {
-                return Err(invalid(format!(
-                    "slot {slot} does not exist (the decoder has {})",
-                    self.slots.len()
-                )));
-            }
-            Some(Some(_)) => {
-                return Err(invalid(format!("slot {slot} is taken; release it first")));
-            }
-            Some(None) => {}
-        }
+        self.check_free(slot)?;
         let (logits, k, v) = self.backend.prefill_caches(prompt)?;
         // A carry fed the slot positions as a free one; it must not again.
         // The copy into the slot's rows comes after every queued step.
@@ -251,6 +300,150 @@ impl<'m> BatchedDecoder<'m> {
             choice,
             pending: None,
         });
+        Ok(logits)
+    }
+
+    /// An error unless `slot` exists and is free.
+    fn check_free(&self, slot: usize) -> kiln_core::Result<()> {
+        match self.slots.get(slot) {
+            None => Err(invalid(format!(
+                "slot {slot} does not exist (the decoder has {})",
+                self.slots.len()
+            ))),
+            Some(Some(_)) => Err(invalid(format!("slot {slot} is taken; release it first"))),
+            Some(None) => Ok(()),
+        }
+    }
+
+    /// Admits every sequence of `admissions` ([`admit`] each), prefilling
+    /// prompts of the same length bucket (up to [`PROMPT_MAX`] tokens) in
+    /// calls of several prompts; returns each one's result in order. A
+    /// failed admission leaves its slot free; a failed call fails the
+    /// admissions it held.
+    ///
+    /// [`admit`]: BatchedDecoder::admit
+    pub fn admit_all(&mut self, admissions: &[Admission]) -> Vec<kiln_core::Result<Vec<f32>>> {
+        let mut results: Vec<Option<kiln_core::Result<Vec<f32>>>> =
+            admissions.iter().map(|_| None).collect();
+        let most = prompt_rows(self.slots.len()).last().copied().unwrap_or(1);
+        // Admissions that can share a call, by prompt bucket.
+        let mut by_bucket: std::collections::BTreeMap<usize, Vec<usize>> = Default::default();
+        for (i, a) in admissions.iter().enumerate() {
+            let taken_before = admissions[..i].iter().any(|b| b.slot == a.slot);
+            let checked = match taken_before {
+                true => Err(invalid(format!("slot {} is admitted twice", a.slot))),
+                false => self
+                    .check_free(a.slot)
+                    .and_then(|()| self.check_prompt(a.prompt)),
+            };
+            let bucket = prompt_buckets(self.backend.buckets())
+                .into_iter()
+                .find(|&b| b >= a.prompt.len());
+            match (checked, bucket) {
+                (Err(e), _) => results[i] = Some(Err(e)),
+                (Ok(()), Some(seq)) if most > 1 => by_bucket.entry(seq).or_default().push(i),
+                (Ok(()), _) => {}
+            }
+        }
+        for (seq, members) in by_bucket {
+            for group in members.chunks(most).filter(|g| g.len() > 1) {
+                let chosen: Vec<Admission> = group.iter().map(|&i| admissions[i]).collect();
+                match self.prefill_together(&chosen, seq) {
+                    Ok(logits) => {
+                        for (&i, logits) in group.iter().zip(logits) {
+                            results[i] = Some(Ok(logits));
+                        }
+                    }
+                    Err(error) => {
+                        let message = error.to_string();
+                        for &i in group {
+                            results[i] = Some(Err(kiln_core::Error::Backend(message.clone())));
+                        }
+                    }
+                }
+            }
+        }
+        // The rest, one at a time.
+        admissions
+            .iter()
+            .zip(results)
+            .map(|(a, result)| result.unwrap_or_else(|| self.admit(a.slot, a.prompt, a.choice)))
+            .collect()
+    }
+
+    /// An error unless `prompt` is non-empty, of vocabulary tokens, and
+    /// leaves the context room for a token after it.
+    fn check_prompt(&self, prompt: &[u32]) -> kiln_core::Result<()> {
+        kiln_core::backend::check_tokens(self.backend.model(), prompt)?;
+        let context = self.max_context();
+        if prompt.len() >= context {
+            return Err(kiln_core::Error::ContextFull {
+                needed: prompt.len() + 1,
+                limit: context,
+            });
+        }
+        Ok(())
+    }
+
+    /// Prefills the checked `admissions` (at least two, of prompts up to
+    /// `seq` tokens) in one `prefill_batch` call; returns their logits.
+    fn prefill_together(
+        &mut self,
+        admissions: &[Admission],
+        seq: usize,
+    ) -> kiln_core::Result<Vec<Vec<f32>>> {
+        let slots = self.slots.len();
+        let rows = prompt_rows(slots)
+            .into_iter()
+            .find(|&r| r >= admissions.len())
+            .expect("callers group at most the largest row count");
+        let last = admissions.last().expect("at least two admissions");
+        // Spare rows repeat the last prompt into its slot: the same values
+        // written to the same places.
+        let padded = admissions
+            .iter()
+            .chain(std::iter::repeat_n(last, rows - admissions.len()));
+        let (mut tokens, mut lengths, mut slot_ids) = (Vec::new(), Vec::new(), Vec::new());
+        for a in padded {
+            tokens.extend(a.prompt.iter().map(|&t| t as i32));
+            tokens.extend(std::iter::repeat_n(0, seq - a.prompt.len()));
+            lengths.push(a.prompt.len() as i32);
+            slot_ids.push(a.slot as i32);
+        }
+        let tokens = self.backend.upload_i32(tokens)?;
+        let lengths = self.backend.upload_i32(lengths)?;
+        let slot_ids = self.backend.upload_i32(slot_ids)?;
+        // The steps' carry fed these slots as free ones; queued behind the
+        // last step, the call sees the caches that step left.
+        self.carry = None;
+        let (outputs, done) = self.backend.call_queued(
+            ModuleKind::PrefillBatch { rows, seq, slots },
+            "prefill_batch",
+            &[&tokens, &lengths, &slot_ids, &self.k, &self.v],
+            self.ready.as_ref(),
+            3,
+        )?;
+        let mut outputs = outputs.into_iter();
+        let logits = outputs.next().expect("checked count");
+        // The caches are updated in place: these are the same buffers.
+        self.k = outputs.next().expect("checked count");
+        self.v = outputs.next().expect("checked count");
+        self.ready = Some(done);
+        if let Some(ready) = &self.ready {
+            ready.wait().map_err(backend_error)?;
+        }
+        let mut logits = self
+            .backend
+            .read_logit_rows("prefill_batch", &logits, rows)?;
+        logits.truncate(admissions.len());
+        self.together += admissions.len();
+        for a in admissions {
+            self.slots[a.slot] = Some(Sequence {
+                position: a.prompt.len(),
+                choice: a.choice,
+                pending: None,
+            });
+        }
         Ok(logits)
     }
 

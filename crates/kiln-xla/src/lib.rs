@@ -17,7 +17,10 @@ mod stablehlo;
 pub use backend::{
     APPEND_ROWS, Buckets, IreeBackend, MAX_STEPS_PER_CALL, ModuleKind, check_steps_per_call,
 };
-pub use batched::{BatchedDecoder, Choice, MAX_SLOTS, SlotOutput, batch_sizes};
+pub use batched::{
+    Admission, BatchedDecoder, Choice, MAX_SLOTS, PROMPT_MAX, SlotOutput, batch_sizes,
+    prompt_buckets, prompt_rows,
+};
 pub use compiler::{Compiler, Target};
 pub use error::{Error, Result};
 pub use graph::{GraphOptions, Precision, WeightLayout, padded_row};

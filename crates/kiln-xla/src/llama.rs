@@ -1056,6 +1056,119 @@ fn decode_batch(
     f.finish(&[&logits, &next, &next_positions, &k_cache, &v_cache])
 }
 
+/// Prefills `rows` prompts of up to `seq` tokens at once, each into its own
+/// slot of `slots`: how several waiting sequences join the batch in one call
+/// rather than one prefill each. Row r's tokens (`[rows · seq]`, prompt after
+/// prompt, the first
+/// `lengths[r]` real) are written at positions `0..seq` of slot
+/// `slot_ids[r]`, in place, and attend causally among themselves; the
+/// products run on all `rows × seq` rows together. Returns each row's
+/// logits at its last real token, `[rows, V]`. Positions from `lengths[r]`
+/// on hold padding, which the slot's decode steps overwrite before they
+/// read it; rows naming the same slot must carry the same prompt (the
+/// caller pads with copies of a real row).
+fn prefill_batch(
+    c: &ModelConfig,
+    g: &GraphOptions,
+    context: usize,
+    rows: usize,
+    seq: usize,
+    slots: usize,
+) -> String {
+    let dm = Dims {
+        rows_in_f32: false,
+        ..dims(c, g)
+    };
+    let mut f = Function::new("prefill_batch");
+    let n = rows * seq;
+    let tokens = f.param(&[n], Ty::I32);
+    let lengths = f.param(&[rows], Ty::I32);
+    let slot_ids = f.param(&[rows], Ty::I32);
+    let (layers, kv, d) = (dm.layers, dm.kv_heads, dm.d);
+    // Results 1 and 2 are the updated caches, written over these arguments.
+    let mut k_cache = f.param_output(&[layers, slots, kv, context, d], dm.storage, 1);
+    let mut v_cache = f.param_output(&[layers, slots, kv, d, context], dm.storage, 2);
+    let cos = f.param(&[context, d / 2], Ty::F32);
+    let sin = f.param(&[context, d / 2], Ty::F32);
+    let p = weight_params(&mut f, c, g);
+
+    let cos = f.slice(&cos, &[0, 0], &[seq, d / 2]);
+    let sin = f.slice(&sin, &[0, 0], &[seq, d / 2]);
+    let (cos_full, sin_signed) = rope_factors(&mut f, &cos, &sin);
+    let every_row = |f: &mut Function, table: &Val| {
+        let table = f.broadcast(table, &[rows, seq, d], &[1, 2]);
+        f.reshape(&table, &[n, d])
+    };
+    let rope_tables = (every_row(&mut f, &cos_full), every_row(&mut f, &sin_signed));
+    let query = f.iota(&[seq, seq], 0);
+    let key = f.iota(&[seq, seq], 1);
+    let causal = f.compare_i32("LE", &key, &query);
+    let (key_at, value_at) = prompt_write_indices(&mut f, &dm, &slot_ids, seq, slots, context);
+
+    let mut x = embed(&mut f, &p, &tokens);
+    for (l, w) in p.layers.iter().enumerate() {
+        let normed = rms_norm(&mut f, &dm, &x, &w.attn_norm, c.rms_norm_eps);
+        let (q, k, v) = project_qkv(&mut f, &dm, &normed, w, &rope_tables);
+        // Each prompt's keys `[kv, seq, d]` and values `[kv, d, seq]`: the
+        // caches' layouts, written into its slot and attended to as they are.
+        let k = f.reshape(&k, &[rows, seq, kv, d]);
+        let k = f.transpose(&k, &[0, 2, 1, 3]);
+        let v = f.reshape(&v, &[rows, seq, kv, d]);
+        let v = f.transpose(&v, &[0, 2, 3, 1]);
+        let at = layer_rows(&mut f, &key_at, l);
+        k_cache = scatter_flat(&mut f, &k_cache, &at, &k, d);
+        let at = layer_rows(&mut f, &value_at, l);
+        v_cache = scatter_flat(&mut f, &v_cache, &at, &v, 1);
+        let attended = prompts_attention(&mut f, &dm, &q, &k, &v, &causal);
+        x = finish_layer(&mut f, c, &dm, &x, &attended, w);
+    }
+    // Row r's last real token is row r · seq + lengths[r] - 1 of `x`.
+    let starts = f.iota(&[rows], 0);
+    let seq_len = f.constant_i32(seq as i32, &[rows]);
+    let starts = f.binary("multiply", &starts, &seq_len);
+    let ones = f.constant_i32(1, &[rows]);
+    let last = f.binary("subtract", &lengths, &ones);
+    let last = f.binary("add", &starts, &last);
+    let last_rows = f.take_rows(&x, &last);
+    let normed = rms_norm(&mut f, &dm, &last_rows, &p.final_norm, c.rms_norm_eps);
+    let logits = linear_normed(&mut f, &dm, &normed, &p.lm_head);
+    f.finish(&[&logits, &k_cache, &v_cache])
+}
+
+/// Causal attention within each of several prompts: `q` `[r · s, heads,
+/// d]` (prompt-major rows) over the prompts' own keys `[r, kv, s, d]` and
+/// values `[r, kv, d, s]`, where `causal` (`[s, s]`, query × key) allows.
+/// Prompts and KV heads are one batch dimension of both products, as in
+/// [`slot_attention`]. Returns f32 `[r · s, heads · d]`.
+fn prompts_attention(
+    f: &mut Function,
+    dm: &Dims,
+    q: &Val,
+    k: &Val,
+    v_t: &Val,
+    causal: &Val,
+) -> Val {
+    let (r, s) = (k.shape[0], k.shape[2]);
+    let (kv, group, d) = (dm.kv_heads, dm.heads / dm.kv_heads, dm.d);
+    let padded = padded_group(dm, group, s);
+    let q = f.convert(q, dm.storage);
+    let q = f.reshape(&q, &[r, s, kv, group, d]);
+    let q = pad_rows(f, &q, 3, padded);
+    let q = f.transpose(&q, &[0, 2, 3, 1, 4]);
+    let q = f.reshape(&q, &[r * kv, padded * s, d]);
+    let k = f.reshape(k, &[r * kv, s, d]);
+    let scores = f.dot(&q, &k, (&[0], &[0]), (&[2], &[2]), Ty::F32);
+    let scores = f.reshape(&scores, &[r * kv, padded, s, s]);
+    let probs = masked_softmax(f, dm, &scores, causal, &[2, 3]);
+    let probs = f.reshape(&probs, &[r * kv, padded * s, s]);
+    let v_t = f.reshape(v_t, &[r * kv, d, s]);
+    let out = f.dot(&probs, &v_t, (&[0], &[0]), (&[2], &[2]), Ty::F32);
+    let out = f.reshape(&out, &[r, kv, padded, s, d]);
+    let out = first_rows(f, &out, 2, group);
+    let out = f.transpose(&out, &[0, 3, 1, 2, 4]);
+    f.reshape(&out, &[r * s, dm.heads * d])
+}
+
 /// Where row r (slot r of `slots`) writes its key and value at
 /// `positions[r]` in every layer: flat indices, `[layers, n, 1]`, into the
 /// keys as rows of `d` (the position is the row) and into the values element
@@ -1069,35 +1182,90 @@ fn cache_write_indices(
     slots: usize,
     context: usize,
 ) -> (Val, Val) {
-    let (layers, kv, d) = (dm.layers, dm.kv_heads, dm.d);
-    let layer_keys = slots * kv * context;
-    let key_at = flat_index(f, positions, &[kv, 1], &[context, 1]);
-    let key_at = every_layer(f, &key_at, layers, layer_keys);
-    let value_at = flat_index(f, positions, &[kv, d, 1], &[d * context, context, 1]);
-    let value_at = every_layer(f, &value_at, layers, layer_keys * d);
+    let rows = positions.shape[0];
+    let (kv, d) = (dm.kv_heads, dm.d);
+    let at = |f: &mut Function, inner: &[usize]| {
+        let shape: Vec<usize> = std::iter::once(rows).chain(inner.iter().copied()).collect();
+        let slot = f.iota(&shape, 0);
+        let position = f.broadcast(positions, &shape, &[0]);
+        (slot, position)
+    };
+    let (slot, position) = at(f, &[kv, 1]);
+    let key_at = flat_index(f, &slot, &position, &[kv * context, context, 1]);
+    let (slot, position) = at(f, &[kv, d, 1]);
+    let value_at = flat_index(
+        f,
+        &slot,
+        &position,
+        &[kv * d * context, d * context, context, 1],
+    );
+    every_layer_of_slots(f, dm, slots, context, key_at, value_at)
+}
+
+/// Where the rows of `seqs` prompts of `seq` tokens (row r into slot
+/// `slot_ids[r]`, at positions `0..seq`) write their keys and values in
+/// every layer: the tables of [`cache_write_indices`], for keys `[r, kv,
+/// seq, d]` and values `[r, kv, d, seq]`.
+fn prompt_write_indices(
+    f: &mut Function,
+    dm: &Dims,
+    slot_ids: &Val,
+    seq: usize,
+    slots: usize,
+    context: usize,
+) -> (Val, Val) {
+    let rows = slot_ids.shape[0];
+    let (kv, d) = (dm.kv_heads, dm.d);
+    let at = |f: &mut Function, shape: &[usize]| {
+        let slot = f.broadcast(slot_ids, shape, &[0]);
+        let position = f.iota(shape, shape.len() - 1);
+        (slot, position)
+    };
+    let (slot, position) = at(f, &[rows, kv, seq]);
+    let key_at = flat_index(f, &slot, &position, &[kv * context, context, 1]);
+    let (slot, position) = at(f, &[rows, kv, d, seq]);
+    let value_at = flat_index(
+        f,
+        &slot,
+        &position,
+        &[kv * d * context, d * context, context, 1],
+    );
+    every_layer_of_slots(f, dm, slots, context, key_at, value_at)
+}
+
+/// Layer 0's key and value indices of [`cache_write_indices`] for every
+/// layer of `slots` slots' caches.
+fn every_layer_of_slots(
+    f: &mut Function,
+    dm: &Dims,
+    slots: usize,
+    context: usize,
+    key_at: Val,
+    value_at: Val,
+) -> (Val, Val) {
+    let layer_keys = slots * dm.kv_heads * context;
+    let key_at = every_layer(f, &key_at, dm.layers, layer_keys);
+    let value_at = every_layer(f, &value_at, dm.layers, layer_keys * dm.d);
     (key_at, value_at)
 }
 
-/// Flat indices, `[n, 1]` i32, of each row's position in a cache of layer 0:
-/// row r (slot r) at position `positions[r]`, for every index of the
-/// dimensions `inner` (the last, 1, stands for the position), where `strides`
-/// are those dimensions' strides and a slot's stride is `strides[0] *
-/// inner[0]`. `n` is the number of rows times the product of `inner`.
-fn flat_index(f: &mut Function, positions: &Val, inner: &[usize], strides: &[usize]) -> Val {
-    let rows = positions.shape[0];
-    let shape: Vec<usize> = std::iter::once(rows).chain(inner.iter().copied()).collect();
-    let slot_stride = strides[0] * inner[0];
-    let slot = f.iota(&shape, 0);
-    let stride = f.constant_i32(slot_stride as i32, &shape);
-    let mut index = f.binary("multiply", &slot, &stride);
-    for (dim, &stride) in strides.iter().enumerate().take(inner.len() - 1) {
-        let along = f.iota(&shape, dim + 1);
+/// Flat indices, `[n, 1]` i32, into a cache of layer 0: `slot · strides[0]
+/// + Σ index along dim i · strides[i] + position`, where `slot` and
+/// `position` have the indices' shape, whose last dimension is the
+/// position's (its stride, 1, is the last of `strides`) and whose first is
+/// the rows'; the dimensions between are iterated. `n` is the shape's size.
+fn flat_index(f: &mut Function, slot: &Val, position: &Val, strides: &[usize]) -> Val {
+    let shape = slot.shape.clone();
+    debug_assert_eq!(strides.len(), shape.len());
+    let stride = f.constant_i32(strides[0] as i32, &shape);
+    let mut index = f.binary("multiply", slot, &stride);
+    for (dim, &stride) in strides.iter().enumerate().take(shape.len() - 1).skip(1) {
+        let along = f.iota(&shape, dim);
         let stride = f.constant_i32(stride as i32, &shape);
         let step = f.binary("multiply", &along, &stride);
         index = f.binary("add", &index, &step);
     }
-    let position = f.broadcast(positions, &shape, &[0]);
-    let index = f.binary("add", &index, &position);
+    let index = f.binary("add", &index, position);
     let count = shape.iter().product();
     f.reshape(&index, &[count, 1])
 }
@@ -1208,6 +1376,19 @@ pub fn admit_slot_module(
     slots: usize,
 ) -> String {
     module(&[admit_slot(c, g, context, slots)])
+}
+
+/// The module that prefills `rows` prompts of up to `seq` tokens into slots
+/// of `slots`: `prefill_batch`.
+pub fn prefill_batch_module(
+    c: &ModelConfig,
+    g: &GraphOptions,
+    context: usize,
+    rows: usize,
+    seq: usize,
+    slots: usize,
+) -> String {
+    module(&[prefill_batch(c, g, context, rows, seq, slots)])
 }
 
 #[cfg(test)]

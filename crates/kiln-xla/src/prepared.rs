@@ -39,6 +39,10 @@ pub fn source(
             llama::admit_slot_module(config, graph, context, slots),
             format!("admit-slot:{slots}:{context}"),
         ),
+        ModuleKind::PrefillBatch { rows, seq, slots } => (
+            llama::prefill_batch_module(config, graph, context, rows, seq, slots),
+            format!("prefill-batch:{rows}:{seq}:{slots}:{context}"),
+        ),
         ModuleKind::Append(rows) => (
             llama::append_module(config, graph, context, rows),
             format!("append:{rows}:{context}"),
@@ -73,9 +77,11 @@ pub fn append_module_kinds(draft_tokens: usize) -> Vec<ModuleKind> {
         .collect()
 }
 
-/// The batched decode modules kiln-server's decoder of `slots` sequence
-/// slots uses (none for one slot: it runs the batch-1 `decode_step`).
-pub fn batch_module_kinds(slots: usize) -> Vec<ModuleKind> {
+/// The batched modules kiln-server's decoder of `slots` sequence slots uses
+/// beside the prefill buckets: the decode steps of each row count, the
+/// admission of one prefilled sequence and the prefill of several prompts
+/// together (none for one slot: it runs the batch-1 `decode_step`).
+pub fn batch_module_kinds(buckets: &Buckets, slots: usize) -> Vec<ModuleKind> {
     if slots <= 1 {
         return Vec::new();
     }
@@ -84,6 +90,11 @@ pub fn batch_module_kinds(slots: usize) -> Vec<ModuleKind> {
         .map(|rows| ModuleKind::DecodeBatch { rows, slots })
         .collect();
     kinds.push(ModuleKind::AdmitSlot { slots });
+    for rows in crate::batched::prompt_rows(slots) {
+        for seq in crate::batched::prompt_buckets(buckets) {
+            kinds.push(ModuleKind::PrefillBatch { rows, seq, slots });
+        }
+    }
     kinds
 }
 
