@@ -801,7 +801,7 @@ async fn completion_text(base: String, body: Value) -> String {
 /// (more than the slots) of different prompts and lengths, streamed or not,
 /// and one client that leaves midway; each reply equals its request run
 /// alone by `kiln generate` on the same backend, so no sequence's tokens
-/// reach another client.
+/// reach another client; prompts that wait together are prefilled together.
 #[cfg(feature = "xla-iree")]
 #[tokio::test]
 async fn concurrent_requests_on_iree_each_equal_their_request_alone() {
@@ -858,6 +858,11 @@ async fn concurrent_requests_on_iree_each_equal_their_request_alone() {
         .metric("kiln_requests_total{outcome=\"cancelled\"}")
         .await;
     assert_eq!(cancelled, 1.0, "the client that left was cancelled");
+    let together = server.metric("kiln_prompts_prefilled_together_total").await;
+    assert!(
+        together >= 2.0,
+        "prompts waiting together were prefilled together: {together}"
+    );
 }
 
 /// A connection that sends no request within `--idle-timeout` is closed, and

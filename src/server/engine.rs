@@ -666,7 +666,7 @@ fn generate_speculative(
 /// and a finished, cancelled or failed one leaves its slot at once.
 #[cfg(feature = "xla-iree")]
 mod batched {
-    use kiln_xla::{BatchedDecoder, Choice, SlotOutput};
+    use kiln_xla::{Admission, BatchedDecoder, Choice, SlotOutput};
 
     use super::*;
 
@@ -680,17 +680,20 @@ mod batched {
         let mut running: Vec<Option<Generation>> = (0..slots).map(|_| None).collect();
         let mut open = true;
         loop {
-            // Admit what waits, while slots are free; wait only when idle.
-            while open && running.iter().any(Option::is_none) {
-                let idle = running.iter().all(Option::is_none);
+            // Take what waits, while slots are free; wait only when idle.
+            let free = running.iter().filter(|g| g.is_none()).count();
+            let mut waiting = Vec::new();
+            while open && waiting.len() < free {
+                let idle = waiting.is_empty() && running.iter().all(Option::is_none);
                 let Some(job) = next_job(&jobs, shared, idle) else {
                     // Idle and nothing came: the queue is closed or stopped.
                     open = !idle;
                     break;
                 };
-                if let Some(job) = admissible(job, shared) {
-                    admit(loaded, &mut running, job, shared);
-                }
+                waiting.extend(admissible(job, shared));
+            }
+            if !waiting.is_empty() {
+                admit(loaded, &mut running, waiting, shared);
             }
             if !open && running.iter().all(Option::is_none) {
                 return;
@@ -702,41 +705,60 @@ mod batched {
         }
     }
 
-    /// Starts `job` in a free slot: validation, prefill, first token.
+    /// Starts `jobs` (no more than the free slots) in free slots, together:
+    /// validation, one prefill for the prompts that can share it, first
+    /// tokens.
     fn admit<'m>(
         loaded: &mut Loaded<'m>,
         running: &mut [Option<Generation<'m>>],
-        job: Job,
+        jobs: Vec<Job>,
         shared: &Shared,
     ) {
-        let events = job.events.clone();
-        let (mut generation, prompt_ids) = match Generation::start(loaded, job, shared) {
-            Ok(started) => started,
-            Err(error) => {
-                report(&events, Err(error), shared, Counted::Queued);
-                return;
+        let mut started = Vec::with_capacity(jobs.len());
+        for job in jobs {
+            let events = job.events.clone();
+            match Generation::start(loaded, job, shared) {
+                Ok(generation) => started.push(generation),
+                Err(error) => report(&events, Err(error), shared, Counted::Queued),
             }
-        };
+        }
         let Decoder::Batched(decoder) = &mut loaded.decoder else {
             unreachable!()
         };
-        let slot = decoder.free_slot().expect("admit runs with a free slot");
-        shared.metrics.active.inc();
-        let choice = if generation.sampler.is_greedy() {
-            Choice::Greedy
-        } else {
-            Choice::Sampled
+        let free = decoder.free_slots();
+        assert!(started.len() <= free.len(), "admit runs with free slots");
+        let results = {
+            let admissions: Vec<Admission> = started
+                .iter()
+                .zip(&free)
+                .map(|((generation, prompt_ids), &slot)| Admission {
+                    slot,
+                    prompt: prompt_ids,
+                    choice: match generation.sampler.is_greedy() {
+                        true => Choice::Greedy,
+                        false => Choice::Sampled,
+                    },
+                })
+                .collect();
+            let before = decoder.prompts_prefilled_together();
+            let results = decoder.admit_all(&admissions);
+            let together = decoder.prompts_prefilled_together() - before;
+            shared.metrics.prefilled_together.inc_by(together as u64);
+            results
         };
-        let first = decoder
-            .admit(slot, &prompt_ids, choice)
-            .and_then(|logits| generation.sampler.sample(&logits))
-            .map_err(backend_failed);
-        match first.and_then(|token| advance(decoder, slot, &mut generation, token, shared)) {
-            Ok(true) => running[slot] = Some(generation),
-            Ok(false) => {}
-            Err(error) => {
-                decoder.release(slot);
-                report(&events, Err(error), shared, Counted::Active);
+        for (((mut generation, _), slot), logits) in started.into_iter().zip(free).zip(results) {
+            shared.metrics.active.inc();
+            let events = generation.events.clone();
+            let first = logits
+                .and_then(|logits| generation.sampler.sample(&logits))
+                .map_err(backend_failed);
+            match first.and_then(|token| advance(decoder, slot, &mut generation, token, shared)) {
+                Ok(true) => running[slot] = Some(generation),
+                Ok(false) => {}
+                Err(error) => {
+                    decoder.release(slot);
+                    report(&events, Err(error), shared, Counted::Active);
+                }
             }
         }
     }

@@ -15,6 +15,8 @@ pub struct Metrics {
     pub ttft: Histogram,
     pub itl: Histogram,
     pub tokens: Counter,
+    /// Prompts prefilled in one call with others (`--batch-slots`).
+    pub prefilled_together: Counter,
     speculative_proposed: Counter,
     speculative_accepted: Counter,
 }
@@ -56,6 +58,12 @@ impl Metrics {
             itl.clone(),
         );
         registry.register("generated_tokens", "Tokens generated", tokens.clone());
+        let prefilled_together = Counter::default();
+        registry.register(
+            "prompts_prefilled_together",
+            "Prompts prefilled in one call with others waiting at the same step (--batch-slots)",
+            prefilled_together.clone(),
+        );
         let speculative_proposed = Counter::default();
         let speculative_accepted = Counter::default();
         registry.register(
@@ -76,6 +84,7 @@ impl Metrics {
             ttft,
             itl,
             tokens,
+            prefilled_together,
             speculative_proposed,
             speculative_accepted,
         }
