@@ -43,13 +43,14 @@ for slots in $slots_list; do
         echo "$out"
         tps=$(sed -n 's/.*, \([0-9.]*\) generated tokens\/s/\1/p' <<< "$out")
         itl=$(sed -n 's/.*inter-token latency: p50 \([0-9.]*\) ms.*/\1/p' <<< "$out")
-        table+=("| $slots | $c | $tps | $itl |")
+        ttft=$(sed -n 's/.*time to first token: p50 \([0-9.]*\) ms, p99 \([0-9.]*\) ms.*/\1 \/ \2/p' <<< "$out")
+        table+=("| $slots | $c | $tps | $ttft | $itl |")
     done
     kill -TERM "$pid"
     wait "$pid" || true
 done
 
 echo
-echo "| batch slots | concurrency | aggregate tok/s | inter-token p50 (ms) |"
-echo "| --- | --- | --- | --- |"
+echo "| batch slots | concurrency | aggregate tok/s | first token p50 / p99 (ms) | inter-token p50 (ms) |"
+echo "| --- | --- | --- | --- | --- |"
 printf '%s\n' "${table[@]}"

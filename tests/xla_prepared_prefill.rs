@@ -772,6 +772,84 @@ mod cuda {
         });
     }
 
+    /// The batched modules on the GPU (the untied GQA fixture, 4 slots, f32
+    /// and f16): three prompts prefilled together in one call (one spare
+    /// row) and one alone, then eight steps of all four slots (split-K
+    /// products of four rows), every slot sampled so each step returns its
+    /// logits; each slot's logits against its sequence on the batch-1
+    /// modules of the same device and precision, fed the same tokens.
+    /// Modules: `kiln prepare --backend iree-cuda --model
+    /// tests/fixtures/llama-gqa-untied --max-context 64 --precision P
+    /// --batch-slots 4`.
+    #[test]
+    fn batched_slots_on_the_gpu_match_each_sequence_alone() {
+        use kiln_xla::{Admission, BatchedDecoder, Choice, SlotOutput};
+        let model = fixture("llama-gqa-untied");
+        let v = model.config.vocab_size as u32;
+        let prompts: Vec<Vec<u32>> = [3u32, 9, 12, 40]
+            .iter()
+            .map(|&n| (0..n).map(|i| (i * 7 + n) % v).collect())
+            .collect();
+        let rounded = rounded_to_f16(&model);
+        for (precision, model, bound) in [
+            (Precision::F32, &model, 1e-4),
+            (Precision::F16, &rounded, F16_BOUND),
+        ] {
+            let graph = GraphOptions::for_target(Target::Cuda, Some(precision), None);
+            let backend = match open(model, "cuda", Target::Cuda, graph, default_cache()) {
+                Ok(xla) => xla,
+                Err(error) if error.to_string().contains("is not available") => {
+                    return no_device(&error);
+                }
+                Err(error) => panic!("{error}"),
+            };
+            let mut decoder = BatchedDecoder::new(backend, 4).unwrap();
+            let admissions: Vec<Admission> = prompts
+                .iter()
+                .enumerate()
+                .map(|(slot, prompt)| Admission {
+                    slot,
+                    prompt,
+                    choice: Choice::Sampled,
+                })
+                .collect();
+            let firsts: Vec<Vec<f32>> = decoder
+                .admit_all(&admissions)
+                .into_iter()
+                .map(|r| r.unwrap_or_else(|e| panic!("{e}")))
+                .collect();
+            assert_eq!(decoder.prompts_prefilled_together(), 3);
+            let mut alone: Vec<IreeBackend<'_>> = prompts
+                .iter()
+                .map(|_| open(model, "cuda", Target::Cuda, graph, default_cache()).unwrap())
+                .collect();
+            let mut worst = 0.0f32;
+            let mut expected: Vec<Vec<f32>> = Vec::new();
+            for ((prompt, single), first) in prompts.iter().zip(&mut alone).zip(&firsts) {
+                let logits = single.prefill(prompt).unwrap();
+                worst = worst.max(max_abs_diff(&logits, first));
+                expected.push(logits);
+            }
+            for step in 0..8 {
+                let fed: Vec<u32> = expected.iter().map(|l| argmax(l)).collect();
+                for (slot, &token) in fed.iter().enumerate() {
+                    decoder.feed(slot, token).unwrap();
+                }
+                let outputs = decoder.step().unwrap();
+                assert_eq!(outputs.len(), 4, "step {step}");
+                for ((slot, output), single) in outputs.into_iter().zip(&mut alone) {
+                    let SlotOutput::Logits(logits) = output else {
+                        panic!("a sampled slot returned a token");
+                    };
+                    expected[slot] = single.decode(fed[slot]).unwrap();
+                    worst = worst.max(max_abs_diff(&expected[slot], &logits));
+                }
+            }
+            println!("{precision:?}: batched slots worst |batched - alone| = {worst:e}");
+            assert!(worst <= bound, "{precision:?}: {worst} > {bound}");
+        }
+    }
+
     #[test]
     fn speculative_decoding_on_the_gpu_equals_greedy() {
         for model in [
