@@ -3,7 +3,9 @@
 //! `kiln-server` steps under load but without HTTP, tokenizers or
 //! admissions between steps. Prints each slot count's step time and tokens/s
 //! beside one slot's, so the batch's own gain (or its cost at one row)
-//! shows apart from the server's.
+//! shows apart from the server's, and the time it took to admit every slot
+//! (together, as the server admits the requests waiting at a step, or one
+//! at a time with `--admit-alone`).
 //!
 //! ```sh
 //! kiln-bench-batch --backend iree-cuda --model /tmp/kiln-tinyllama-1.1b \
@@ -37,6 +39,10 @@ struct Args {
     /// Timed steps per slot count, after two untimed ones.
     #[arg(long, default_value_t = 64)]
     steps: usize,
+    /// Admit the slots one at a time (each prompt prefilled alone), not
+    /// together.
+    #[arg(long)]
+    admit_alone: bool,
     #[command(flatten)]
     backend_options: BackendOptions,
     /// Also write the results as JSON to this file.
@@ -47,6 +53,8 @@ struct Args {
 #[derive(Serialize)]
 struct Row {
     slots: usize,
+    /// Admitting every slot, from the first prefill to the last first token.
+    admit_ms: f64,
     steps: usize,
     step_ms: f64,
     tokens_per_s: f64,
@@ -75,8 +83,8 @@ fn run() -> Result<()> {
     }
     let rows = measure(&args)?;
     println!(
-        "{:>6} {:>7} {:>9} {:>12} {:>10}",
-        "slots", "steps", "step ms", "tokens/s", "x 1 slot"
+        "{:>6} {:>9} {:>7} {:>9} {:>12} {:>10}",
+        "slots", "admit ms", "steps", "step ms", "tokens/s", "x 1 slot"
     );
     let one = rows.iter().find(|r| r.slots == 1).map(|r| r.tokens_per_s);
     for row in &rows {
@@ -84,8 +92,8 @@ fn run() -> Result<()> {
             format!("{:.2}", row.tokens_per_s / one)
         });
         println!(
-            "{:>6} {:>7} {:>9.3} {:>12.1} {:>10}",
-            row.slots, row.steps, row.step_ms, row.tokens_per_s, gain
+            "{:>6} {:>9.2} {:>7} {:>9.3} {:>12.1} {:>10}",
+            row.slots, row.admit_ms, row.steps, row.step_ms, row.tokens_per_s, gain
         );
     }
     if let Some(path) = &args.json {
@@ -97,7 +105,7 @@ fn run() -> Result<()> {
 #[cfg(feature = "xla-iree")]
 fn measure(args: &Args) -> Result<Vec<Row>> {
     use kiln_core::sampling::argmax;
-    use kiln_xla::{BatchedDecoder, Choice, SlotOutput};
+    use kiln_xla::{Admission, BatchedDecoder, Choice, SlotOutput};
     use std::time::Instant;
 
     let model = kiln::bench::model(&args.model)?;
@@ -107,13 +115,36 @@ fn measure(args: &Args) -> Result<Vec<Row>> {
         let backend = kiln::backends::open_iree(&model, args.backend, &args.backend_options)?;
         let mut decoder = BatchedDecoder::new(backend, slots)?;
         decoder.prepare(|_, _| {})?;
-        for slot in 0..slots {
-            // A different prompt per slot, so that the rows differ.
-            let prompt: Vec<u32> = (0..args.prompt_tokens as u32)
-                .map(|i| (i * 7919 + 11 + 104_729 * slot as u32) % v)
-                .collect();
-            let logits = decoder.admit(slot, &prompt, Choice::Greedy)?;
-            decoder.feed(slot, argmax(&logits))?;
+        // A different prompt per slot, so that the rows differ.
+        let prompts: Vec<Vec<u32>> = (0..slots as u32)
+            .map(|slot| {
+                (0..args.prompt_tokens as u32)
+                    .map(|i| (i * 7919 + 11 + 104_729 * slot) % v)
+                    .collect()
+            })
+            .collect();
+        let admitted = Instant::now();
+        let logits: Vec<Vec<f32>> = match args.admit_alone {
+            true => (0..slots)
+                .map(|slot| decoder.admit(slot, &prompts[slot], Choice::Greedy))
+                .collect::<kiln_core::Result<_>>()?,
+            false => {
+                let admissions: Vec<Admission> = (0..slots)
+                    .map(|slot| Admission {
+                        slot,
+                        prompt: &prompts[slot],
+                        choice: Choice::Greedy,
+                    })
+                    .collect();
+                decoder
+                    .admit_all(&admissions)
+                    .into_iter()
+                    .collect::<kiln_core::Result<_>>()?
+            }
+        };
+        let admit_ms = admitted.elapsed().as_secs_f64() * 1e3;
+        for (slot, logits) in logits.iter().enumerate() {
+            decoder.feed(slot, argmax(logits))?;
         }
         let step = |decoder: &mut BatchedDecoder| -> Result<()> {
             for (slot, output) in decoder.step()? {
@@ -133,6 +164,7 @@ fn measure(args: &Args) -> Result<Vec<Row>> {
         let seconds = started.elapsed().as_secs_f64();
         rows.push(Row {
             slots,
+            admit_ms,
             steps: args.steps,
             step_ms: seconds * 1e3 / args.steps as f64,
             tokens_per_s: (slots * args.steps) as f64 / seconds,

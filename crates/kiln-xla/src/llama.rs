@@ -1184,22 +1184,18 @@ fn cache_write_indices(
 ) -> (Val, Val) {
     let rows = positions.shape[0];
     let (kv, d) = (dm.kv_heads, dm.d);
-    let at = |f: &mut Function, inner: &[usize]| {
-        let shape: Vec<usize> = std::iter::once(rows).chain(inner.iter().copied()).collect();
-        let slot = f.iota(&shape, 0);
-        let position = f.broadcast(positions, &shape, &[0]);
-        (slot, position)
-    };
-    let (slot, position) = at(f, &[kv, 1]);
-    let key_at = flat_index(f, &slot, &position, &[kv * context, context, 1]);
-    let (slot, position) = at(f, &[kv, d, 1]);
-    let value_at = flat_index(
-        f,
-        &slot,
-        &position,
-        &[kv * d * context, d * context, context, 1],
-    );
-    every_layer_of_slots(f, dm, slots, context, key_at, value_at)
+    // Every layer's keys of every slot, between two layers' first.
+    let layer_keys = slots * kv * context;
+    // Row r writes slot r at its position.
+    let slot = |f: &mut Function, shape: &[usize]| f.iota(shape, 0);
+    let position = |f: &mut Function, shape: &[usize]| f.broadcast(positions, shape, &[0]);
+    let strides = [kv * context, context, 1];
+    let key_at = flat_index(f, &[rows, kv, 1], slot, position, &strides);
+    let key_at = every_layer(f, &key_at, dm.layers, layer_keys);
+    let strides = [kv * d * context, d * context, context, 1];
+    let value_at = flat_index(f, &[rows, kv, d, 1], slot, position, &strides);
+    let value_at = every_layer(f, &value_at, dm.layers, layer_keys * d);
+    (key_at, value_at)
 }
 
 /// Where the rows of `seqs` prompts of `seq` tokens (row r into slot
@@ -1216,56 +1212,44 @@ fn prompt_write_indices(
 ) -> (Val, Val) {
     let rows = slot_ids.shape[0];
     let (kv, d) = (dm.kv_heads, dm.d);
-    let at = |f: &mut Function, shape: &[usize]| {
-        let slot = f.broadcast(slot_ids, shape, &[0]);
-        let position = f.iota(shape, shape.len() - 1);
-        (slot, position)
-    };
-    let (slot, position) = at(f, &[rows, kv, seq]);
-    let key_at = flat_index(f, &slot, &position, &[kv * context, context, 1]);
-    let (slot, position) = at(f, &[rows, kv, d, seq]);
-    let value_at = flat_index(
-        f,
-        &slot,
-        &position,
-        &[kv * d * context, d * context, context, 1],
-    );
-    every_layer_of_slots(f, dm, slots, context, key_at, value_at)
-}
-
-/// Layer 0's key and value indices of [`cache_write_indices`] for every
-/// layer of `slots` slots' caches.
-fn every_layer_of_slots(
-    f: &mut Function,
-    dm: &Dims,
-    slots: usize,
-    context: usize,
-    key_at: Val,
-    value_at: Val,
-) -> (Val, Val) {
-    let layer_keys = slots * dm.kv_heads * context;
+    let layer_keys = slots * kv * context;
+    // Row r writes slot `slot_ids[r]` at positions `0..seq`.
+    let slot = |f: &mut Function, shape: &[usize]| f.broadcast(slot_ids, shape, &[0]);
+    let position = |f: &mut Function, shape: &[usize]| f.iota(shape, shape.len() - 1);
+    let strides = [kv * context, context, 1];
+    let key_at = flat_index(f, &[rows, kv, seq], slot, position, &strides);
     let key_at = every_layer(f, &key_at, dm.layers, layer_keys);
-    let value_at = every_layer(f, &value_at, dm.layers, layer_keys * dm.d);
+    let strides = [kv * d * context, d * context, context, 1];
+    let value_at = flat_index(f, &[rows, kv, d, seq], slot, position, &strides);
+    let value_at = every_layer(f, &value_at, dm.layers, layer_keys * d);
     (key_at, value_at)
 }
 
-/// Flat indices, `[n, 1]` i32, into a cache of layer 0: `slot · strides[0]
-/// + Σ index along dim i · strides[i] + position`, where `slot` and
-/// `position` have the indices' shape, whose last dimension is the
-/// position's (its stride, 1, is the last of `strides`) and whose first is
-/// the rows'; the dimensions between are iterated. `n` is the shape's size.
-fn flat_index(f: &mut Function, slot: &Val, position: &Val, strides: &[usize]) -> Val {
-    let shape = slot.shape.clone();
+/// Flat indices, `[n, 1]` i32, into a cache of layer 0, over indices of
+/// `shape`: `slot · strides[0] + Σ index along dim i · strides[i] +
+/// position`, where `slot` and `position` make tensors of `shape`, whose
+/// first dimension is the rows' and whose last is the position's (its
+/// stride, 1, is the last of `strides`); the dimensions between are
+/// iterated. `n` is the shape's size.
+fn flat_index(
+    f: &mut Function,
+    shape: &[usize],
+    slot: impl Fn(&mut Function, &[usize]) -> Val,
+    position: impl Fn(&mut Function, &[usize]) -> Val,
+    strides: &[usize],
+) -> Val {
     debug_assert_eq!(strides.len(), shape.len());
-    let stride = f.constant_i32(strides[0] as i32, &shape);
-    let mut index = f.binary("multiply", slot, &stride);
+    let slot = slot(f, shape);
+    let stride = f.constant_i32(strides[0] as i32, shape);
+    let mut index = f.binary("multiply", &slot, &stride);
     for (dim, &stride) in strides.iter().enumerate().take(shape.len() - 1).skip(1) {
-        let along = f.iota(&shape, dim);
-        let stride = f.constant_i32(stride as i32, &shape);
+        let along = f.iota(shape, dim);
+        let stride = f.constant_i32(stride as i32, shape);
         let step = f.binary("multiply", &along, &stride);
         index = f.binary("add", &index, &step);
     }
-    let index = f.binary("add", &index, position);
+    let position = position(f, shape);
+    let index = f.binary("add", &index, &position);
     let count = shape.iter().product();
     f.reshape(&index, &[count, 1])
 }
