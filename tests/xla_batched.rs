@@ -326,7 +326,7 @@ fn prompts_prefilled_together_equal_each_prefilled_alone() {
     let results = decoder.admit_all(&admissions);
     assert_eq!(decoder.prompts_prefilled_together(), 5);
     for (result, (_, _, why)) in results[prompts.len()..].iter().zip(&refused) {
-        let error = result.as_ref().err().expect(why).to_string();
+        let error = result.as_ref().expect_err(why).to_string();
         assert!(error.contains(why), "{error}");
     }
     assert_eq!(decoder.free_slots(), vec![5, 7]);
