@@ -295,6 +295,35 @@ fn qwen2_splits_digits_alone_and_composes_text() {
     assert_ne!(encode("llama-bpe", "e\u{301}"), composed);
 }
 
+/// A vocabulary alone (no tensors), written as llama.cpp writes its
+/// `ggml-vocab-*.gguf` files, without the padding before a data section it
+/// does not have: its tokenizer loads. A file with tensors cut at that
+/// padding is still truncated.
+#[test]
+fn a_vocabulary_without_tensors_needs_no_data_section() {
+    let mut w = Writer::default();
+    let tokens: Vec<String> = (0..=255u8).map(|b| byte_char(b).to_string()).collect();
+    w.kv("general.architecture", V::Str("llama"))
+        .kv("tokenizer.ggml.model", V::Str("gpt2"))
+        .kv("tokenizer.ggml.pre", V::Str("llama-bpe"))
+        .kv("tokenizer.ggml.tokens", V::Strs(tokens))
+        .kv("tokenizer.ggml.merges", V::Strs(Vec::new()));
+    let mut bytes = w.bytes();
+    bytes.truncate(24 + w.kv.len());
+    assert!(!bytes.len().is_multiple_of(32), "the padding is left out");
+    let dir = tempfile::tempdir().unwrap();
+    let path = write(dir.path(), "vocab.gguf", &bytes);
+    let file = kiln_core::gguf::GgufFile::open(&path).unwrap();
+    assert!(file.tensors.is_empty());
+    let (tokenizer, _) = kiln_core::gguf::tokenizer_from_gguf(&file).unwrap();
+    let ids = tokenizer.encode("hi", false).unwrap().get_ids().to_vec();
+    assert_eq!(ids, [u32::from(b'h'), u32::from(b'i')]);
+
+    let model = tiny_llama(|_| {});
+    let header = 24 + model.kv.len() + model.infos.len();
+    assert_rejected(&model.bytes()[..header], "past the end");
+}
+
 /// The error of loading `bytes`, which must name the file and `expected`.
 fn assert_rejected(bytes: &[u8], expected: &str) {
     let dir = tempfile::tempdir().unwrap();

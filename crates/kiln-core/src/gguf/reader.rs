@@ -229,14 +229,18 @@ pub fn parse(bytes: &[u8]) -> Result<Header, String> {
         raw.push((name, dims, ty, offset));
     }
     let data_start = (c.pos as u64).div_ceil(alignment) * alignment;
-    let data_len = (bytes.len() as u64)
-        .checked_sub(data_start)
-        .ok_or_else(|| {
-            format!(
+    let data_len = match (bytes.len() as u64).checked_sub(data_start) {
+        Some(len) => len,
+        // No tensors, no data section: llama.cpp writes a vocabulary alone
+        // (its ggml-vocab-*.gguf) without the padding that would lead to one.
+        None if raw.is_empty() => 0,
+        None => {
+            return Err(format!(
                 "truncated: the data section starts at byte {data_start}, past the end ({} bytes)",
                 bytes.len()
-            )
-        })?;
+            ));
+        }
+    };
     let mut tensors = Vec::with_capacity(raw.len());
     let mut names = std::collections::HashSet::with_capacity(raw.len());
     for (name, dims, ty, offset) in raw {

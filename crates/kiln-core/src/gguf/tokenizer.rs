@@ -131,9 +131,14 @@ pub fn tokenizer_from_gguf(file: &GgufFile) -> Result<(tokenizers::Tokenizer, Ch
                         .join(", ")
                 )));
             };
+            // Llama 3's tokenizer takes a piece that is a token of its own
+            // as that token, whatever the merges would make of it (its
+            // tokenizer.json sets `ignore_merges`, llama.cpp does the same
+            // for `llama-bpe`): " Việt" is one token, not four.
+            let ignore_merges = PRE_LLAMA3.contains(&pre);
             let bpe = json!({"type": "BPE", "dropout": null, "unk_token": null,
                 "continuing_subword_prefix": null, "end_of_word_suffix": null,
-                "fuse_unk": false, "byte_fallback": false, "ignore_merges": false,
+                "fuse_unk": false, "byte_fallback": false, "ignore_merges": ignore_merges,
                 "vocab": vocab, "merges": merges});
             (
                 normalizer,
