@@ -8,10 +8,18 @@ same text (crates/kiln-core/src/chat_template.rs, test
 
     pip install jinja2==3.1.6
     python3 scripts/chat_template_reference.py
+
+With `--render TEMPLATE_FILE` it renders that template instead, for the
+conversations of a JSON object on stdin (`bos_token`, `eos_token`, `cases`:
+each `messages` and `add_generation_prompt`), and prints a JSON list of the
+texts (or `{"error": ...}`): how tests/released_files.rs renders the released
+templates it holds kiln to, which are not in the repository.
 """
 
+import datetime
 import json
 import pathlib
+import sys
 
 import jinja2
 import jinja2.ext
@@ -32,6 +40,7 @@ def environment():
         trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda format: datetime.datetime.now().strftime(format)
     return env
 
 
@@ -183,5 +192,23 @@ def main():
     print(f"wrote {len(cases)} cases to {OUT}")
 
 
+def render_file(path):
+    """The `--render` mode (see the module's documentation)."""
+    request = json.load(sys.stdin)
+    template = environment().from_string(pathlib.Path(path).read_text())
+    out = []
+    for case in request["cases"]:
+        try:
+            out.append(template.render(
+                messages=case["messages"], add_generation_prompt=case["add_generation_prompt"],
+                bos_token=request["bos_token"], eos_token=request["eos_token"]))
+        except jinja2.exceptions.TemplateError as error:
+            out.append({"error": str(error)})
+    json.dump(out, sys.stdout, ensure_ascii=False)
+
+
 if __name__ == "__main__":
-    main()
+    if sys.argv[1:2] == ["--render"]:
+        render_file(sys.argv[2])
+    else:
+        main()

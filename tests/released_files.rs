@@ -6,14 +6,28 @@
 //! llama.cpp's `convert_hf_to_gguf_update.py`), and the chat templates of
 //! Llama 3.1 and 3.2, Qwen2.5 and Mistral NeMo.
 //!
-//! `cargo xtask test` unpacks them and sets `KILN_REFERENCE_FILES`; without
-//! it these tests skip and say so, and with `KILN_REQUIRE_MODELS=1` (CI) they
-//! fail instead.
+//! `cargo xtask test` unpacks them and sets `KILN_REFERENCE_FILES` (and
+//! `KILN_JINJA_PYTHON`, a Python with the pinned Jinja2, which renders the
+//! templates as transformers does); without them these tests skip and say
+//! so, and with `KILN_REQUIRE_MODELS=1` (CI) they fail instead.
 
+use std::io::Write;
 use std::path::PathBuf;
+use std::process::{Command, Stdio};
 
 use kiln_core::Tokenizer;
+use kiln_core::chat_template::{ChatTemplate, Message};
 use kiln_core::gguf::{GgufFile, tokenizer_from_gguf};
+use serde_json::{Value, json};
+
+/// `None`, saying `reason` (or failing where `KILN_REQUIRE_MODELS=1`).
+fn skipped<T>(reason: String) -> Option<T> {
+    if std::env::var_os("KILN_REQUIRE_MODELS").is_some_and(|v| v == "1") {
+        panic!("KILN_REQUIRE_MODELS=1 but {reason}");
+    }
+    eprintln!("skipped: {reason}");
+    None
+}
 
 /// A file of the unpacked reference files, or `None` (saying why) when they
 /// are not provided and not required.
@@ -30,11 +44,7 @@ fn reference_file(name: &str) -> Option<PathBuf> {
                  reference files and sets it)"
             .to_string(),
     };
-    if std::env::var_os("KILN_REQUIRE_MODELS").is_some_and(|v| v == "1") {
-        panic!("KILN_REQUIRE_MODELS=1 but {reason}");
-    }
-    eprintln!("skipped: {reason}");
-    None
+    skipped(reason)
 }
 
 /// The texts of `<vocab>.inp` and the ids of `<vocab>.out`: each text
@@ -108,4 +118,125 @@ fn qwen2_vocabulary_tokenizes_as_hugging_face_does() {
 #[test]
 fn llama_sentencepiece_vocabulary_tokenizes_as_hugging_face_does() {
     tokenizes_as_hugging_face_does("ggml-vocab-llama-spm.gguf");
+}
+
+/// The conversations each released template renders: a lone question, a
+/// system turn and a finished exchange (with and without the generation
+/// prompt), and text beyond ASCII.
+fn conversations() -> Vec<(Vec<Message>, bool)> {
+    let exchange = vec![
+        Message::new("system", "You are terse."),
+        Message::new("user", "Hi"),
+        Message::new("assistant", "Hello."),
+        Message::new("user", "What is the capital of France?"),
+    ];
+    vec![
+        (vec![Message::new("user", "What is 2 + 2?")], true),
+        (exchange.clone(), true),
+        (exchange, false),
+        (
+            vec![Message::new("user", "Où est Paris ? ça va 東京")],
+            true,
+        ),
+    ]
+}
+
+/// Jinja2's rendering of `template` (a reference file) for each
+/// conversation, through scripts/chat_template_reference.py: the text, or
+/// `{"error": ...}`.
+fn jinja2_renders(template: &PathBuf, bos: &str, eos: &str) -> Option<Vec<Value>> {
+    let Some(python) = std::env::var_os("KILN_JINJA_PYTHON") else {
+        return skipped(
+            "KILN_JINJA_PYTHON is unset (`cargo xtask test` sets it to a Python with the \
+             pinned Jinja2)"
+                .into(),
+        );
+    };
+    let script =
+        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("scripts/chat_template_reference.py");
+    let cases: Vec<Value> = conversations()
+        .into_iter()
+        .map(|(messages, add_generation_prompt)| {
+            json!({"messages": messages, "add_generation_prompt": add_generation_prompt})
+        })
+        .collect();
+    let request = json!({"bos_token": bos, "eos_token": eos, "cases": cases});
+    let mut child = Command::new(python)
+        .arg(script)
+        .arg("--render")
+        .arg(template)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut stdin = child.stdin.take().unwrap();
+    stdin.write_all(request.to_string().as_bytes()).unwrap();
+    drop(stdin);
+    let out = child.wait_with_output().unwrap();
+    assert!(
+        out.status.success(),
+        "chat_template_reference.py --render failed"
+    );
+    Some(serde_json::from_slice(&out.stdout).unwrap())
+}
+
+/// kiln renders the released `template` as Jinja2 does (as transformers'
+/// `apply_chat_template` does), conversation by conversation.
+fn renders_as_jinja2(template: &str, bos: &str, eos: &str) {
+    let Some(path) = reference_file(template) else {
+        return;
+    };
+    let Some(expected) = jinja2_renders(&path, bos, eos) else {
+        return;
+    };
+    let source = std::fs::read_to_string(&path).unwrap();
+    let kiln = ChatTemplate::new(template, &source, bos, eos).unwrap_or_else(|e| panic!("{e}"));
+    for ((messages, generation), expected) in conversations().iter().zip(&expected) {
+        let rendered = kiln.render(messages, *generation);
+        match (expected.as_str(), rendered) {
+            (Some(text), Ok(rendered)) => assert_eq!(
+                rendered,
+                text,
+                "{template}, {} messages, generation prompt {generation}",
+                messages.len()
+            ),
+            (None, Err(_)) => {}
+            (_, rendered) => panic!(
+                "{template}, {} messages: Jinja2 gave {expected}, kiln {rendered:?}",
+                messages.len()
+            ),
+        }
+    }
+    println!(
+        "{template}: {} conversations as Jinja2 renders them",
+        expected.len()
+    );
+}
+
+#[test]
+fn llama_3_1_template_renders_as_jinja2_does() {
+    renders_as_jinja2(
+        "meta-llama-Llama-3.1-8B-Instruct.jinja",
+        "<|begin_of_text|>",
+        "<|eot_id|>",
+    );
+}
+
+#[test]
+fn llama_3_2_template_renders_as_jinja2_does() {
+    renders_as_jinja2(
+        "meta-llama-Llama-3.2-3B-Instruct.jinja",
+        "<|begin_of_text|>",
+        "<|eot_id|>",
+    );
+}
+
+#[test]
+fn qwen2_5_template_renders_as_jinja2_does() {
+    renders_as_jinja2("Qwen-Qwen2.5-7B-Instruct.jinja", "", "<|im_end|>");
+}
+
+#[test]
+fn mistral_nemo_template_renders_as_jinja2_does() {
+    renders_as_jinja2("mistralai-Mistral-Nemo-Instruct-2407.jinja", "<s>", "</s>");
 }

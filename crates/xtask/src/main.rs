@@ -21,6 +21,7 @@ mod nix_build;
 mod pins;
 mod prefix;
 mod ptxas;
+mod reference_files;
 mod repro;
 mod setup;
 mod steps;
@@ -80,6 +81,10 @@ enum Task {
     },
     /// Download every pinned input, for every system, and check its sha256.
     VerifyPins,
+    /// Fetch and unpack the pinned reference files (released vocabularies and
+    /// chat templates the tests hold kiln to); print their folder, for
+    /// `KILN_REFERENCE_FILES`.
+    ReferenceFiles,
     /// Install what the suite needs: the system packages (apt, as root or
     /// with sudo), nixpkgs-fmt and deadnix, the hash-pinned workflow linters.
     Setup,
@@ -238,6 +243,10 @@ fn run(cli: Cli) -> Result<()> {
             );
         }
         Task::VerifyPins => verify_pins::run(&Cache::open()?, &load_pins()?)?,
+        Task::ReferenceFiles => {
+            let folder = reference_files::provide(&Cache::open()?, &load_pins()?)?;
+            println!("{}", folder.display());
+        }
         Task::Setup => {
             setup::run(&Cache::open()?)?;
         }

@@ -20,6 +20,35 @@ pub struct Pins {
     pub iree: Iree,
     pub cuda: Cuda,
     pub tools: Tools,
+    /// Files others released that the tests hold kiln to, by archive
+    /// (`_`-prefixed keys are comments).
+    pub reference_files: BTreeMap<String, serde_json::Value>,
+}
+
+/// An archive of [`Pins::reference_files`].
+#[derive(Debug, Deserialize)]
+pub struct ReferenceArchive {
+    #[serde(flatten)]
+    pub download: Download,
+    pub description: String,
+    /// Each member's path inside the archive, and the sha256 it must have.
+    pub members: BTreeMap<String, String>,
+}
+
+impl Pins {
+    /// The archives of reference files, by name.
+    pub fn reference_archives(&self) -> Result<Vec<(&str, ReferenceArchive)>> {
+        self.reference_files
+            .iter()
+            .filter(|(name, _)| !name.starts_with('_'))
+            .map(|(name, value)| {
+                let archive = serde_json::from_value(value.clone()).with_context(|| {
+                    format!("reference_files.{name} in nix/pins.json is malformed")
+                })?;
+                Ok((name.as_str(), archive))
+            })
+            .collect()
+    }
 }
 
 #[derive(Debug, Deserialize)]

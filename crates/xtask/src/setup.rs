@@ -95,6 +95,12 @@ const OPENAI_VENV: Venv = Venv {
     requirements: ".ci/requirements-openai.txt",
 };
 
+/// Jinja2, for the released chat templates of tests/released_files.rs.
+const JINJA_VENV: Venv = Venv {
+    name: "jinja-venv",
+    requirements: ".ci/requirements-jinja.txt",
+};
+
 /// Written last into a finished virtual environment. A venv cannot be built
 /// elsewhere and renamed (its scripts name their interpreter by absolute
 /// path), so a folder without it is a half-made one and is rebuilt.
@@ -172,6 +178,7 @@ pub fn run(cache: &Cache) -> Result<Toolbox> {
     }
     install_venv(cache, &LINT_VENV)?;
     install_venv(cache, &OPENAI_VENV)?;
+    install_venv(cache, &JINJA_VENV)?;
     let toolbox = Toolbox::installed(cache)?;
     eprintln!(
         "setup: system packages present; tools in {}",
@@ -365,7 +372,17 @@ fn own_workspace(manifest: &Path) -> Result<()> {
 
 /// The Python of the OpenAI client's venv (installed by [`run`]).
 pub fn openai_python(cache: &Cache) -> Result<PathBuf> {
-    let python = venv_dir(cache, &OPENAI_VENV)?.join("bin/python");
+    venv_python(cache, &OPENAI_VENV)
+}
+
+/// The Python of the Jinja2 venv (installed by [`run`]).
+pub fn jinja_python(cache: &Cache) -> Result<PathBuf> {
+    venv_python(cache, &JINJA_VENV)
+}
+
+/// The Python of `venv`, which must be installed.
+fn venv_python(cache: &Cache, venv: &Venv) -> Result<PathBuf> {
+    let python = venv_dir(cache, venv)?.join("bin/python");
     if !python.is_file() {
         return Err(anyhow!(
             "{} is missing; `cargo xtask setup` installs it",

@@ -76,10 +76,17 @@ pub fn run(cache: &Cache, pins: &Pins, plan: &Plan) -> Result<()> {
         compiler::install(cache, pins)
     })?;
 
+    let jinja_python = crate::setup::jinja_python(cache)?;
+    let reference_folder = crate::reference_files::folder(cache, pins)?;
+    let reference_files = steps.produce("reference files", &reference_folder, || {
+        crate::reference_files::provide(cache, pins)
+    })?;
     let env = |prefix: &Path| -> Vec<(&'static str, OsString)> {
         vec![
             ("KILN_IREE_PREFIX", prefix.into()),
             ("KILN_IREE_COMPILE", compiler.clone().into()),
+            ("KILN_REFERENCE_FILES", reference_files.clone().into()),
+            ("KILN_JINJA_PYTHON", jinja_python.clone().into()),
         ]
     };
     // Steps that read the whole checkout, keyed by it and by the prefix and

@@ -16,6 +16,8 @@ pub fn run(cache: &Cache, pins: &Pins) -> Result<()> {
     }
     all.extend(pins.tools.cmake.systems.values());
     all.extend(pins.tools.ninja.systems.values());
+    let archives = pins.reference_archives()?;
+    all.extend(archives.iter().map(|(_, archive)| &archive.download));
     for pin in &all {
         fetch(cache, pin)?;
         println!("ok  {}  {}", pin.sha256, pin.name);
