@@ -1017,10 +1017,9 @@ fn decode_batch(
     let mut f = Function::new("decode_batch");
     let tokens = f.param(&[rows], Ty::I32);
     let positions = f.param(&[rows], Ty::I32);
-    let (layers, kv, d) = (dm.layers, dm.kv_heads, dm.d);
+    let (kv, d) = (dm.kv_heads, dm.d);
     // Results 3 and 4 are the updated caches, written over these arguments.
-    let mut k_cache = f.param_output(&[layers, slots, kv, context, d], dm.storage, 3);
-    let mut v_cache = f.param_output(&[layers, slots, kv, d, context], dm.storage, 4);
+    let mut caches = SlotCaches::params(&mut f, &dm, slots, context, 3);
     let cos = f.param(&[context, d / 2], Ty::F32);
     let sin = f.param(&[context, d / 2], Ty::F32);
     let p = weight_params(&mut f, c, g);
@@ -1037,13 +1036,10 @@ fn decode_batch(
     for (l, w) in p.layers.iter().enumerate() {
         let normed = rms_norm(&mut f, &dm, &x, &w.attn_norm, c.rms_norm_eps);
         let (q, k, v) = project_qkv(&mut f, &dm, &normed, w, &rope_tables);
-        let at = layer_rows(&mut f, &key_at, l);
-        k_cache = scatter_flat(&mut f, &k_cache, &at, &k, d);
-        let at = layer_rows(&mut f, &value_at, l);
-        v_cache = scatter_flat(&mut f, &v_cache, &at, &v, 1);
-        let keys = f.slice(&k_cache, &[l, 0, 0, 0, 0], &[l + 1, rows, kv, context, d]);
+        caches.write_layer(&mut f, [&key_at, &value_at], l, &k, &v);
+        let keys = f.slice(&caches.k, &[l, 0, 0, 0, 0], &[l + 1, rows, kv, context, d]);
         let keys = f.reshape(&keys, &[rows, kv, context, d]);
-        let values = f.slice(&v_cache, &[l, 0, 0, 0, 0], &[l + 1, rows, kv, d, context]);
+        let values = f.slice(&caches.v, &[l, 0, 0, 0, 0], &[l + 1, rows, kv, d, context]);
         let values = f.reshape(&values, &[rows, kv, d, context]);
         let attended = slot_attention(&mut f, &dm, &q, &keys, &values, &visible);
         x = finish_layer(&mut f, c, &dm, &x, &attended, w);
@@ -1053,7 +1049,7 @@ fn decode_batch(
     let next = f.argmax_rows(&logits);
     let ones = f.constant_i32(1, &[rows]);
     let next_positions = f.binary("add", &positions, &ones);
-    f.finish(&[&logits, &next, &next_positions, &k_cache, &v_cache])
+    f.finish(&[&logits, &next, &next_positions, &caches.k, &caches.v])
 }
 
 /// Prefills `rows` prompts of up to `seq` tokens at once, each into its own
@@ -1084,10 +1080,9 @@ fn prefill_batch(
     let tokens = f.param(&[n], Ty::I32);
     let lengths = f.param(&[rows], Ty::I32);
     let slot_ids = f.param(&[rows], Ty::I32);
-    let (layers, kv, d) = (dm.layers, dm.kv_heads, dm.d);
+    let (kv, d) = (dm.kv_heads, dm.d);
     // Results 1 and 2 are the updated caches, written over these arguments.
-    let mut k_cache = f.param_output(&[layers, slots, kv, context, d], dm.storage, 1);
-    let mut v_cache = f.param_output(&[layers, slots, kv, d, context], dm.storage, 2);
+    let mut caches = SlotCaches::params(&mut f, &dm, slots, context, 1);
     let cos = f.param(&[context, d / 2], Ty::F32);
     let sin = f.param(&[context, d / 2], Ty::F32);
     let p = weight_params(&mut f, c, g);
@@ -1115,10 +1110,7 @@ fn prefill_batch(
         let k = f.transpose(&k, &[0, 2, 1, 3]);
         let v = f.reshape(&v, &[rows, seq, kv, d]);
         let v = f.transpose(&v, &[0, 2, 3, 1]);
-        let at = layer_rows(&mut f, &key_at, l);
-        k_cache = scatter_flat(&mut f, &k_cache, &at, &k, d);
-        let at = layer_rows(&mut f, &value_at, l);
-        v_cache = scatter_flat(&mut f, &v_cache, &at, &v, 1);
+        caches.write_layer(&mut f, [&key_at, &value_at], l, &k, &v);
         let attended = prompts_attention(&mut f, &dm, &q, &k, &v, &causal);
         x = finish_layer(&mut f, c, &dm, &x, &attended, w);
     }
@@ -1132,7 +1124,54 @@ fn prefill_batch(
     let last_rows = f.take_rows(&x, &last);
     let normed = rms_norm(&mut f, &dm, &last_rows, &p.final_norm, c.rms_norm_eps);
     let logits = linear_normed(&mut f, &dm, &normed, &p.lm_head);
-    f.finish(&[&logits, &k_cache, &v_cache])
+    f.finish(&[&logits, &caches.k, &caches.v])
+}
+
+/// Every slot's caches inside a function: `[L, S, KV, C, D]` keys and `[L,
+/// S, KV, D, C]` values, updated in place.
+struct SlotCaches {
+    k: Val,
+    v: Val,
+}
+
+impl SlotCaches {
+    /// The caches of `slots` slots as parameters, written over by results
+    /// `first_result` and the one after.
+    fn params(
+        f: &mut Function,
+        dm: &Dims,
+        slots: usize,
+        context: usize,
+        first_result: usize,
+    ) -> SlotCaches {
+        let (layers, kv, d) = (dm.layers, dm.kv_heads, dm.d);
+        SlotCaches {
+            k: f.param_output(&[layers, slots, kv, context, d], dm.storage, first_result),
+            v: f.param_output(
+                &[layers, slots, kv, d, context],
+                dm.storage,
+                first_result + 1,
+            ),
+        }
+    }
+
+    /// Writes layer `l`'s new keys `k` and values `v` where `[key_at,
+    /// value_at]` (every layer's flat indices, from [`cache_write_indices`]
+    /// or [`prompt_write_indices`]) say.
+    fn write_layer(
+        &mut self,
+        f: &mut Function,
+        [key_at, value_at]: [&Val; 2],
+        l: usize,
+        k: &Val,
+        v: &Val,
+    ) {
+        let d = k.shape[k.shape.len() - 1];
+        let at = layer_rows(f, key_at, l);
+        self.k = scatter_flat(f, &self.k, &at, k, d);
+        let at = layer_rows(f, value_at, l);
+        self.v = scatter_flat(f, &self.v, &at, v, 1);
+    }
 }
 
 /// Causal attention within each of several prompts: `q` `[r · s, heads,
@@ -1297,17 +1336,16 @@ fn admit_slot(c: &ModelConfig, g: &GraphOptions, context: usize, slots: usize) -
     let dm = dims(c, g);
     let (layers, kv, d) = (dm.layers, dm.kv_heads, dm.d);
     let mut f = Function::new("admit_slot");
-    let k_cache = f.param_output(&[layers, slots, kv, context, d], dm.storage, 0);
-    let v_cache = f.param_output(&[layers, slots, kv, d, context], dm.storage, 1);
+    let caches = SlotCaches::params(&mut f, &dm, slots, context, 0);
     let k = f.param(&[layers, kv, context, d], dm.storage);
     let v = f.param(&[layers, kv, d, context], dm.storage);
     let slot = f.param(&[], Ty::I32);
     let zero = f.constant_i32(0, &[]);
     let at = [&zero, &slot, &zero, &zero, &zero];
     let k = f.reshape(&k, &[layers, 1, kv, context, d]);
-    let k_cache = f.dynamic_update_slice(&k_cache, &k, &at);
+    let k_cache = f.dynamic_update_slice(&caches.k, &k, &at);
     let v = f.reshape(&v, &[layers, 1, kv, d, context]);
-    let v_cache = f.dynamic_update_slice(&v_cache, &v, &at);
+    let v_cache = f.dynamic_update_slice(&caches.v, &v, &at);
     f.finish(&[&k_cache, &v_cache])
 }
 
