@@ -213,7 +213,7 @@ kiln_iree_error* kiln_iree_instance_driver_names(kiln_iree_instance* instance,
 // every call faulted its transients' pages in afresh: a 32-row batched step
 // on the embedded model ran 3.4 ms against 1.1 ms, with 400,000 page faults
 // in 230 steps against 9,000, once an eleventh module was loaded and moved
-// glibc's sliding mmap threshold (docs/perf-notes.md). Fixed thresholds keep
+// glibc's sliding mmap threshold (docs/server.md). Fixed thresholds keep
 // blocks up to 256 MiB on the heap and the heap's top in place up to 512
 // MiB, so the next call reuses the pages. (IREE's caching allocator would
 // pool the buffers instead; it is not in the runtime library kiln builds.)
