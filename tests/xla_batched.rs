@@ -31,6 +31,10 @@ fn backend(model: &Model) -> IreeBackend<'_> {
 }
 
 fn backend_with(model: &Model, graph: GraphOptions) -> IreeBackend<'_> {
+    backend_of_context(model, graph, CONTEXT)
+}
+
+fn backend_of_context(model: &Model, graph: GraphOptions, context: usize) -> IreeBackend<'_> {
     let compiler = Compiler::from_env().unwrap_or_else(|e| panic!("{e}"));
     IreeBackend::new(
         model,
@@ -39,7 +43,7 @@ fn backend_with(model: &Model, graph: GraphOptions) -> IreeBackend<'_> {
         graph,
         Some(compiler),
         ModuleCache::default_location().unwrap(),
-        Buckets::for_model(model, CONTEXT),
+        Buckets::for_model(model, context),
     )
     .unwrap_or_else(|e| panic!("{e}"))
 }
@@ -357,6 +361,59 @@ fn prompts_prefilled_together_equal_each_prefilled_alone() {
     for (slot, prompt) in prompts.iter().enumerate() {
         assert_eq!(chosen[slot], alone(&model, prompt, 6), "slot {slot}");
     }
+}
+
+/// Minor page faults of this process so far (`/proc/self/stat`, field 10).
+fn minor_faults() -> u64 {
+    let stat = std::fs::read_to_string("/proc/self/stat").unwrap();
+    // The command name may hold spaces: the fields after it are counted
+    // from its closing parenthesis.
+    let after_name = &stat[stat.rfind(')').unwrap() + 2..];
+    after_name.split(' ').nth(7).unwrap().parse().unwrap()
+}
+
+/// Steps of 32 busy slots over a context of 256, with every batched module
+/// loaded (more than ten modules), reuse the memory of their transient
+/// buffers: under 64 page faults a step. Each step allocates and frees several MB of them; when
+/// glibc returned those to the system, every step faulted them in again
+/// (about 1,700 faults a step, and three times the step time; docs/server.md).
+#[test]
+fn batched_steps_reuse_their_transient_memory() {
+    let model = Model::embedded();
+    let graph = GraphOptions::for_target(Target::LlvmCpu, None, None);
+    let mut decoder = BatchedDecoder::new(backend_of_context(&model, graph, 256), 32).unwrap();
+    decoder.prepare(|_, _| {}).unwrap();
+    let prompts: Vec<Vec<u32>> = (0..32u32).map(|s| vec![1 + s % 7, 2, 3]).collect();
+    let admissions: Vec<Admission> = prompts
+        .iter()
+        .enumerate()
+        .map(|(slot, prompt)| Admission {
+            slot,
+            prompt,
+            choice: Choice::Greedy,
+        })
+        .collect();
+    for (slot, logits) in decoder.admit_all(&admissions).into_iter().enumerate() {
+        decoder.feed(slot, argmax(&logits.unwrap())).unwrap();
+    }
+    let mut step = |decoder: &mut BatchedDecoder| {
+        for (slot, output) in decoder.step().unwrap() {
+            let SlotOutput::Token(token) = output else {
+                panic!("a greedy slot returned logits");
+            };
+            decoder.feed(slot, token).unwrap();
+        }
+    };
+    for _ in 0..8 {
+        step(&mut decoder);
+    }
+    let (before, steps) = (minor_faults(), 32);
+    for _ in 0..steps {
+        step(&mut decoder);
+    }
+    let per_step = (minor_faults() - before) / steps;
+    println!("{per_step} minor page faults a step");
+    assert!(per_step < 64, "{per_step} page faults a step");
 }
 
 /// A sampled slot gets its own logits, equal to the batch-1 decode logits
