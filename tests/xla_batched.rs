@@ -396,7 +396,7 @@ fn batched_steps_reuse_their_transient_memory() {
     for (slot, logits) in decoder.admit_all(&admissions).into_iter().enumerate() {
         decoder.feed(slot, argmax(&logits.unwrap())).unwrap();
     }
-    let mut step = |decoder: &mut BatchedDecoder| {
+    let step = |decoder: &mut BatchedDecoder| {
         for (slot, output) in decoder.step().unwrap() {
             let SlotOutput::Token(token) = output else {
                 panic!("a greedy slot returned logits");
