@@ -305,15 +305,7 @@ fn prompts_prefilled_together_equal_each_prefilled_alone() {
     decoder.admit(6, &prompt(2, 5), Choice::Greedy).unwrap();
     let empty: Vec<u32> = Vec::new();
     let outside = vec![1, v];
-    let mut admissions: Vec<Admission> = prompts
-        .iter()
-        .enumerate()
-        .map(|(slot, prompt)| Admission {
-            slot,
-            prompt,
-            choice: Choice::Greedy,
-        })
-        .collect();
+    let mut admissions: Vec<Admission> = Admission::in_order(&prompts, Choice::Greedy);
     let refused = [
         (6, &prompts[0], "slot 6 is taken"),
         (1, &prompts[0], "slot 1 is admitted twice"),
@@ -384,15 +376,7 @@ fn batched_steps_reuse_their_transient_memory() {
     let mut decoder = BatchedDecoder::new(backend_of_context(&model, graph, 256), 32).unwrap();
     decoder.prepare(|_, _| {}).unwrap();
     let prompts: Vec<Vec<u32>> = (0..32u32).map(|s| vec![1 + s % 7, 2, 3]).collect();
-    let admissions: Vec<Admission> = prompts
-        .iter()
-        .enumerate()
-        .map(|(slot, prompt)| Admission {
-            slot,
-            prompt,
-            choice: Choice::Greedy,
-        })
-        .collect();
+    let admissions: Vec<Admission> = Admission::in_order(&prompts, Choice::Greedy);
     for (slot, logits) in decoder.admit_all(&admissions).into_iter().enumerate() {
         decoder.feed(slot, argmax(&logits.unwrap())).unwrap();
     }

@@ -804,15 +804,7 @@ mod cuda {
                 Err(error) => panic!("{error}"),
             };
             let mut decoder = BatchedDecoder::new(backend, 4).unwrap();
-            let admissions: Vec<Admission> = prompts
-                .iter()
-                .enumerate()
-                .map(|(slot, prompt)| Admission {
-                    slot,
-                    prompt,
-                    choice: Choice::Sampled,
-                })
-                .collect();
+            let admissions: Vec<Admission> = Admission::in_order(&prompts, Choice::Sampled);
             let firsts: Vec<Vec<f32>> = decoder
                 .admit_all(&admissions)
                 .into_iter()

@@ -128,19 +128,10 @@ fn measure(args: &Args) -> Result<Vec<Row>> {
             true => (0..slots)
                 .map(|slot| decoder.admit(slot, &prompts[slot], Choice::Greedy))
                 .collect::<kiln_core::Result<_>>()?,
-            false => {
-                let admissions: Vec<Admission> = (0..slots)
-                    .map(|slot| Admission {
-                        slot,
-                        prompt: &prompts[slot],
-                        choice: Choice::Greedy,
-                    })
-                    .collect();
-                decoder
-                    .admit_all(&admissions)
-                    .into_iter()
-                    .collect::<kiln_core::Result<_>>()?
-            }
+            false => decoder
+                .admit_all(&Admission::in_order(&prompts, Choice::Greedy))
+                .into_iter()
+                .collect::<kiln_core::Result<_>>()?,
         };
         let admit_ms = admitted.elapsed().as_secs_f64() * 1e3;
         for (slot, logits) in logits.iter().enumerate() {

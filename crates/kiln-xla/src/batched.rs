@@ -101,6 +101,22 @@ pub struct Admission<'p> {
     pub choice: Choice,
 }
 
+impl<'p> Admission<'p> {
+    /// One admission per prompt, prompt `i` into slot `i`, all chosen as
+    /// `choice`.
+    pub fn in_order(prompts: &'p [Vec<u32>], choice: Choice) -> Vec<Admission<'p>> {
+        prompts
+            .iter()
+            .enumerate()
+            .map(|(slot, prompt)| Admission {
+                slot,
+                prompt,
+                choice,
+            })
+            .collect()
+    }
+}
+
 /// The sequence in a slot.
 struct Sequence {
     /// Positions held: the next token is written at this one.
