@@ -18,16 +18,8 @@ use std::process::{Command, Stdio};
 use kiln_core::Tokenizer;
 use kiln_core::chat_template::{ChatTemplate, Message};
 use kiln_core::gguf::{GgufFile, tokenizer_from_gguf};
+use kiln_core::testing::skip_unless_required;
 use serde_json::{Value, json};
-
-/// `None`, saying `reason` (or failing where `KILN_REQUIRE_MODELS=1`).
-fn skipped<T>(reason: String) -> Option<T> {
-    if std::env::var_os("KILN_REQUIRE_MODELS").is_some_and(|v| v == "1") {
-        panic!("KILN_REQUIRE_MODELS=1 but {reason}");
-    }
-    eprintln!("skipped: {reason}");
-    None
-}
 
 /// A file of the unpacked reference files, or `None` (saying why) when they
 /// are not provided and not required.
@@ -44,7 +36,7 @@ fn reference_file(name: &str) -> Option<PathBuf> {
                  reference files and sets it)"
             .to_string(),
     };
-    skipped(reason)
+    skip_unless_required(reason)
 }
 
 /// The texts of `<vocab>.inp` and the ids of `<vocab>.out`: each text
@@ -146,7 +138,7 @@ fn conversations() -> Vec<(Vec<Message>, bool)> {
 /// `{"error": ...}`.
 fn jinja2_renders(template: &PathBuf, bos: &str, eos: &str) -> Option<Vec<Value>> {
     let Some(python) = std::env::var_os("KILN_JINJA_PYTHON") else {
-        return skipped(
+        return skip_unless_required(
             "KILN_JINJA_PYTHON is unset (`cargo xtask test` sets it to a Python with the \
              pinned Jinja2)"
                 .into(),

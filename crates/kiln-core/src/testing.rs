@@ -21,10 +21,16 @@ pub fn pulled_model(name: &str) -> Option<PathBuf> {
     if path.is_file() {
         return Some(path);
     }
-    let reason = format!(
+    skip_unless_required(format!(
         "{} is not pulled (run `cargo run -- pull {name}`)",
         path.display()
-    );
+    ))
+}
+
+/// `None` for a test whose outside input is missing, saying `reason`; a
+/// failure instead where `KILN_REQUIRE_MODELS=1` (CI) says the inputs must
+/// be there.
+pub fn skip_unless_required<T>(reason: String) -> Option<T> {
     if std::env::var_os("KILN_REQUIRE_MODELS").is_some_and(|v| v == "1") {
         panic!("KILN_REQUIRE_MODELS=1 but {reason}");
     }

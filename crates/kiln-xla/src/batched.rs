@@ -92,6 +92,24 @@ pub fn prompt_buckets(buckets: &Buckets) -> Vec<usize> {
         .collect()
 }
 
+/// The modules of a decoder of `slots` slots beside the prefill buckets:
+/// the decode step of each row count ([`batch_sizes`]), the admission of
+/// one prefilled sequence, and the joint prefill of each prompt count and
+/// length ([`prompt_rows`], [`prompt_buckets`]).
+pub fn module_kinds(buckets: &Buckets, slots: usize) -> Vec<ModuleKind> {
+    let mut kinds: Vec<ModuleKind> = batch_sizes(slots)
+        .into_iter()
+        .map(|rows| ModuleKind::DecodeBatch { rows, slots })
+        .collect();
+    kinds.push(ModuleKind::AdmitSlot { slots });
+    for rows in prompt_rows(slots) {
+        for seq in prompt_buckets(buckets) {
+            kinds.push(ModuleKind::PrefillBatch { rows, seq, slots });
+        }
+    }
+    kinds
+}
+
 /// A sequence to admit: the free slot it takes, its prompt, and how its
 /// tokens are chosen.
 #[derive(Clone, Copy, Debug)]
@@ -228,20 +246,9 @@ impl<'m> BatchedDecoder<'m> {
         &mut self,
         mut on_ready: impl FnMut(ModuleKind, Origin),
     ) -> kiln_core::Result<()> {
-        let slots = self.slots.len();
         let mut kinds = self.backend.module_kinds();
         kinds.retain(|k| matches!(k, ModuleKind::Prefill(_)));
-        kinds.extend(
-            self.sizes
-                .iter()
-                .map(|&rows| ModuleKind::DecodeBatch { rows, slots }),
-        );
-        kinds.push(ModuleKind::AdmitSlot { slots });
-        for rows in prompt_rows(slots) {
-            for seq in prompt_buckets(self.backend.buckets()) {
-                kinds.push(ModuleKind::PrefillBatch { rows, seq, slots });
-            }
-        }
+        kinds.extend(module_kinds(self.backend.buckets(), self.slots.len()));
         for kind in kinds {
             let origin = self.backend.load(kind)?;
             on_ready(kind, origin);
@@ -444,10 +451,7 @@ impl<'m> BatchedDecoder<'m> {
         // The caches are updated in place: these are the same buffers.
         self.k = outputs.next().expect("checked count");
         self.v = outputs.next().expect("checked count");
-        self.ready = Some(done);
-        if let Some(ready) = &self.ready {
-            ready.wait().map_err(backend_error)?;
-        }
+        self.ready.insert(done).wait().map_err(backend_error)?;
         let mut logits = self
             .backend
             .read_logit_rows("prefill_batch", &logits, rows)?;

@@ -85,17 +85,7 @@ pub fn batch_module_kinds(buckets: &Buckets, slots: usize) -> Vec<ModuleKind> {
     if slots <= 1 {
         return Vec::new();
     }
-    let mut kinds: Vec<ModuleKind> = crate::batch_sizes(slots)
-        .into_iter()
-        .map(|rows| ModuleKind::DecodeBatch { rows, slots })
-        .collect();
-    kinds.push(ModuleKind::AdmitSlot { slots });
-    for rows in crate::batched::prompt_rows(slots) {
-        for seq in crate::batched::prompt_buckets(buckets) {
-            kinds.push(ModuleKind::PrefillBatch { rows, seq, slots });
-        }
-    }
-    kinds
+    crate::batched::module_kinds(buckets, slots)
 }
 
 /// The cache key of a module: the MLIR text, the target's flags (which
