@@ -82,6 +82,12 @@ pub struct BackendOptions {
     /// workers).
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(u16).range(1..=1024))]
     pub threads: Option<u16>,
+    /// What cpu-q4's block products multiply: q8 (default), the activations
+    /// rounded to 8 bits per block of 32 and multiplied in integers, as
+    /// llama.cpp's Q4_1 × Q8_1; or f32, the activations as they are (the
+    /// dequantized weights' exact product, slower).
+    #[arg(long, value_enum, value_name = "KIND")]
+    pub activations: Option<ActivationsKind>,
     /// Longest sequence (prompt plus generated tokens) the IREE modules hold.
     #[arg(long, default_value_t = 256)]
     pub max_context: usize,
@@ -127,18 +133,45 @@ pub fn open<'m>(
                 Some(n) => usize::from(n),
                 None => std::thread::available_parallelism().map_or(1, usize::from),
             };
-            Ok(Box::new(kiln_cpu::backend(model, threads)?))
+            let activations = options
+                .activations
+                .map_or_else(Default::default, Into::into);
+            Ok(Box::new(kiln_cpu::backend(model, threads, activations)?))
         }
         BackendKind::IreeCpu | BackendKind::IreeCuda => iree(model, kind, options),
     }
 }
 
+/// `--activations` (cpu-q4's), as clap parses it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum ActivationsKind {
+    Q8,
+    F32,
+}
+
+impl From<ActivationsKind> for kiln_cpu::Activations {
+    fn from(kind: ActivationsKind) -> Self {
+        match kind {
+            ActivationsKind::Q8 => kiln_cpu::Activations::Q8,
+            ActivationsKind::F32 => kiln_cpu::Activations::F32,
+        }
+    }
+}
+
 /// `--threads` is for the backends that run on this machine's cores
-/// besides the f32 reference, which is one thread by design.
+/// besides the f32 reference, which is one thread by design;
+/// `--activations` for cpu-q4, the one backend whose products take them
+/// either way.
 fn check_threads(kind: BackendKind, options: &BackendOptions) -> Result<()> {
     if options.threads.is_some() && !matches!(kind, BackendKind::CpuQ4 | BackendKind::IreeCpu) {
         bail!(
             "--threads is for the cpu-q4 and iree-cpu backends; {} does not take it",
+            kind.name()
+        );
+    }
+    if options.activations.is_some() && kind != BackendKind::CpuQ4 {
+        bail!(
+            "--activations is for the cpu-q4 backend; {} does not take it",
             kind.name()
         );
     }

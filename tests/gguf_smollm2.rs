@@ -96,7 +96,7 @@ const LOGIT_BOUND: f32 = 5e-4;
 #[test]
 fn logits_and_greedy_tokens_match_llama_cpp() {
     let Some(model) = load() else { return };
-    let worst = match_llama_cpp(&mut || Box::new(CpuBackend::new(&model)));
+    let worst = match_llama_cpp(32, &mut || Box::new(CpuBackend::new(&model)));
     eprintln!("largest |kiln cpu - llama.cpp F32| over the top-20 logits: {worst:.3e}");
     assert!(
         worst <= LOGIT_BOUND,
@@ -115,7 +115,9 @@ const Q4_LOGIT_BOUND: f32 = 5e-4;
 #[test]
 fn cpu_q4_runs_the_files_blocks_as_llama_cpp_does() {
     let Some(model) = load() else { return };
-    let worst = match_llama_cpp(&mut || Box::new(kiln_cpu::backend(&model, 2).unwrap()));
+    let worst = match_llama_cpp(32, &mut || {
+        Box::new(kiln_cpu::backend(&model, 2, kiln_cpu::Activations::F32).unwrap())
+    });
     eprintln!("largest |kiln cpu-q4 - llama.cpp F32| over the top-20 logits: {worst:.3e}");
     assert!(
         worst <= Q4_LOGIT_BOUND,
@@ -123,10 +125,44 @@ fn cpu_q4_runs_the_files_blocks_as_llama_cpp_does() {
     );
 }
 
+/// The largest |cpu-q4 (8-bit activations) - llama.cpp F32| over the
+/// reference's top-20 logits this test accepts. Rounding the activations to
+/// 8 bits a block moves logits: llama.cpp's own quantized run (the same
+/// rounding in every product, Q8_1 and Q8_0) is 0.12-0.30 from its F32 run
+/// in the fixture; kiln's (the same in each layer's products, none in the
+/// output projection's) 0.64 at most (measured 2026-12-05), with all 32
+/// greedy tokens the exact run's. The two do not follow each other
+/// step for step: a rounding is a step function, and f32 differences of
+/// 1e-6 upstream (summation order, f16 scales in llama.cpp) put some values
+/// on the other side of a half step, whose effect grows through 30 layers.
+/// A wrong block, scale or offset moves logits by several units.
+const Q8_LOGIT_BOUND: f32 = 1.0;
+
+/// Greedy tokens the 8-bit run must share with the exact one (measured: all
+/// 32 on every prompt); further on, a near tie can go either way
+/// (llama.cpp's quantized run parts from its exact one within 32 tokens on
+/// one of these prompts, kiln's did on two when its output projection took
+/// 8-bit activations too).
+const Q8_SAME_TOKENS: usize = 16;
+
+#[test]
+fn cpu_q4_with_8_bit_activations_stays_near_the_exact_run() {
+    let Some(model) = load() else { return };
+    let worst = match_llama_cpp(Q8_SAME_TOKENS, &mut || {
+        Box::new(kiln_cpu::backend(&model, 2, kiln_cpu::Activations::Q8).unwrap())
+    });
+    eprintln!("largest |kiln cpu-q4 q8 - llama.cpp F32| over the top-20 logits: {worst:.3e}");
+    assert!(
+        worst <= Q8_LOGIT_BOUND,
+        "logits differ by {worst:.3e} > {Q8_LOGIT_BOUND}"
+    );
+}
+
 /// Runs every case of the llama.cpp fixture on a fresh backend from `open`:
 /// the prompt's top-20 logits against llama.cpp's F32 run (the largest
-/// difference is returned) and 32 greedy tokens, which must be the same.
-fn match_llama_cpp<'m>(open: &mut dyn FnMut() -> Box<dyn Backend + 'm>) -> f32 {
+/// difference is returned) and 32 greedy tokens, of which the first `same`
+/// must be the same.
+fn match_llama_cpp<'m>(same: usize, open: &mut dyn FnMut() -> Box<dyn Backend + 'm>) -> f32 {
     let mut worst = 0f32;
     for case in llama_cpp()["cases"].as_array().unwrap() {
         let text = case["text"].as_str().unwrap();
@@ -135,10 +171,12 @@ fn match_llama_cpp<'m>(open: &mut dyn FnMut() -> Box<dyn Backend + 'm>) -> f32 {
         let logits = backend.prefill(&prompt).unwrap();
         let top = ids(&case["top_ids"]);
         let want = case["top_logits_f32"].as_array().unwrap();
+        let mut case_worst = 0f32;
         for (&id, want) in top.iter().zip(want) {
             let diff = (logits[id as usize] - want.as_f64().unwrap() as f32).abs();
-            worst = worst.max(diff);
+            case_worst = case_worst.max(diff);
         }
+        worst = worst.max(case_worst);
         assert_eq!(
             kiln_core::sampling::argmax(&logits),
             top[0],
@@ -149,12 +187,45 @@ fn match_llama_cpp<'m>(open: &mut dyn FnMut() -> Box<dyn Backend + 'm>) -> f32 {
         while greedy.len() < 32 {
             greedy.push(backend.decode_greedy(*greedy.last().unwrap()).unwrap());
         }
+        let want_greedy = ids(&case["greedy_f32"]);
+        let shared = greedy
+            .iter()
+            .zip(&want_greedy)
+            .take_while(|(a, b)| a == b)
+            .count();
+        eprintln!("{text:?}: {shared} of 32 greedy tokens the same");
         assert_eq!(
-            greedy,
-            ids(&case["greedy_f32"]),
+            greedy[..same],
+            want_greedy[..same],
             "{} {text:?}: greedy tokens differ",
             backend.name()
         );
     }
     worst
+}
+
+/// The README's first command, on the pulled file with chat's defaults
+/// (cpu-q4, 8-bit activations in the layers): the answer a user is shown.
+/// With the output projection's input rounded to 8 bits too (llama.cpp's
+/// way) the answer was "L'Étoile, la Marseillaise, ...", as llama.cpp's own.
+#[test]
+fn the_readme_question_gets_its_answer() {
+    let Some(path) = model_path() else { return };
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_kiln"))
+        .args(["chat", "--model"])
+        .arg(&path)
+        .arg("What is the capital of France?")
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout).trim(),
+        "The capital of France is Paris.",
+        "{stderr}"
+    );
+    assert!(
+        stderr.contains("cpu-q4") && stderr.contains("end of turn"),
+        "{stderr}"
+    );
 }

@@ -16,7 +16,7 @@ use std::time::Instant;
 
 use anyhow::{Context, Result, bail};
 use clap::Parser;
-use kiln::backends::{self, BackendKind, BackendOptions};
+use kiln::backends::{self, ActivationsKind, BackendKind, BackendOptions};
 use kiln_core::Model;
 use kiln_core::sampling::argmax;
 use serde::Serialize;
@@ -63,6 +63,10 @@ struct Args {
     /// see `kiln generate --threads`).
     #[arg(long, value_name = "N")]
     threads: Option<u16>,
+    /// What cpu-q4's products multiply, to measure (repeat for several: q8,
+    /// f32; see `kiln generate --activations`); default: q8.
+    #[arg(long, value_enum)]
+    activations: Vec<ActivationsKind>,
     /// Greedy pipeline settings to measure (repeat for several): `on`
     /// queues each step while the host reads the token before it, `off`
     /// only after (see `--no-pipeline`).
@@ -103,9 +107,19 @@ impl Args {
         match kind {
             BackendKind::Cpu => return vec![self.iree(None, None)],
             BackendKind::CpuQ4 => {
-                let mut options = self.iree(None, None);
-                options.threads = self.threads;
-                return vec![options];
+                let kinds = match self.activations.as_slice() {
+                    [] => vec![ActivationsKind::Q8],
+                    kinds => kinds.to_vec(),
+                };
+                return kinds
+                    .into_iter()
+                    .map(|kind| {
+                        let mut options = self.iree(None, None);
+                        options.threads = self.threads;
+                        options.activations = Some(kind);
+                        options
+                    })
+                    .collect();
             }
             BackendKind::IreeCpu | BackendKind::IreeCuda => {}
         }
@@ -138,6 +152,7 @@ impl Args {
     fn iree(&self, precision: Option<String>, weight_layout: Option<String>) -> BackendOptions {
         BackendOptions {
             threads: None,
+            activations: None,
             max_context: self.max_context,
             precision,
             weight_layout,
@@ -361,8 +376,15 @@ fn measure(
 fn describe(kind: BackendKind, options: &BackendOptions) -> Result<(String, String, u64)> {
     match kind {
         BackendKind::Cpu => return Ok(("f32".into(), "out-in".into(), 32)),
-        // 4 bits a weight and an f32 scale and minimum a block of 32.
-        BackendKind::CpuQ4 => return Ok(("q4".into(), "out-in".into(), 6)),
+        // 4 bits a weight and an f32 scale and minimum a block of 32; the
+        // activations it multiplies after `x`.
+        BackendKind::CpuQ4 => {
+            let activations = options
+                .activations
+                .map_or_else(Default::default, Into::into);
+            let precision = format!("q4 x {}", kiln_cpu::Activations::name(activations));
+            return Ok((precision, "out-in".into(), 6));
+        }
         BackendKind::IreeCpu | BackendKind::IreeCuda => {}
     }
     iree_graph(kind, options)

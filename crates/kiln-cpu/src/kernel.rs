@@ -27,7 +27,7 @@ const ROW_TILE: usize = 16;
 /// (handled together: their accumulators stay in registers), `out` being
 /// that row's slots for those inputs; rows in tiles of [`ROW_TILE`].
 #[inline(always)]
-fn for_each_group<const GROUP: usize>(
+pub(crate) fn for_each_group<const GROUP: usize>(
     first: usize,
     n: usize,
     out: &mut [f32],

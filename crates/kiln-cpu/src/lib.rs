@@ -5,16 +5,21 @@
 //! scale (Q8_0). The [`kernel`]s unpack and dequantize a block in
 //! registers and accumulate against f32 activations; a product's output
 //! rows are shared out over a [`team`] of threads kept awake between
-//! products.
+//! products. By default the activations are rounded to 8 bits per block
+//! first ([`inputs`]) and the [`integer`] kernels multiply them
+//! ([`Activations`]).
 //!
 //! A Q4_1 file's blocks (and its Q8_0 embedding) come back exactly, so on
 //! such a model `cpu-q4` differs from the reference only by summation
 //! order and the rounding of each dequantized weight (one fused
 //! multiply-add, where the reference rounds twice); on other models it
-//! adds the block rounding, at most half a step per weight. The
-//! activations stay f32: no 8-bit rounding of them.
+//! adds the block rounding, at most half a step per weight. With
+//! [`Activations::Q8`] each product adds the activations' 8-bit rounding
+//! too, as llama.cpp's does.
 
 pub mod blocks;
+pub mod inputs;
+pub mod integer;
 pub mod kernel;
 pub mod team;
 mod weights;
@@ -24,11 +29,39 @@ pub use weights::Q4Weights;
 
 use kiln_core::{CpuBackend, Model};
 
-/// The `cpu-q4` backend over `model` with `threads` threads (at least 1):
-/// its matrices quantized once, here.
-pub fn backend(model: &Model, threads: usize) -> Result<CpuBackend<'_>, Error> {
-    let weights = Q4Weights::new(&model.weights, threads)?;
+/// The `cpu-q4` backend over `model` with `threads` threads (at least 1),
+/// its products taking `activations`: its matrices quantized once, here.
+pub fn backend(
+    model: &Model,
+    threads: usize,
+    activations: Activations,
+) -> Result<CpuBackend<'_>, Error> {
+    let weights = Q4Weights::new(&model.weights, threads, activations)?;
     Ok(CpuBackend::with_weights(model, Box::new(weights), "cpu-q4"))
+}
+
+/// What a product's blocks multiply.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Activations {
+    /// The input rows rounded to 8 bits per block of 32 ([`inputs`]) and
+    /// multiplied in integers ([`integer`]), as llama.cpp's Q4_1 × Q8_1:
+    /// the faster, each product within [`inputs::Q8Inputs::rounding_bound`]
+    /// of the exact one.
+    #[default]
+    Q8,
+    /// The input rows as they are, f32 ([`kernel`]): the dequantized
+    /// weights' product up to f32 rounding, as the reference computes it.
+    F32,
+}
+
+impl Activations {
+    /// The name `--activations` takes.
+    pub fn name(self) -> &'static str {
+        match self {
+            Activations::Q8 => "q8",
+            Activations::F32 => "f32",
+        }
+    }
 }
 
 /// Why the `cpu-q4` backend cannot take a model.

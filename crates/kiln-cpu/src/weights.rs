@@ -9,14 +9,21 @@ use std::sync::{Arc, Mutex};
 use kiln_core::forward::{ForwardWeights, LayerView, Linear};
 use kiln_core::weights::{Matrix, Weights};
 
-use crate::Error;
 use crate::blocks::{BlockError, Q4Blocks, Q8Blocks};
-use crate::kernel;
+use crate::inputs::Q8Inputs;
 use crate::team::Team;
+use crate::{Activations, Error, integer, kernel};
 
 /// The blocks of one product.
 enum Blocks {
-    Q4(Q4Blocks),
+    /// A layer's 4-bit blocks, multiplied against its activations as given.
+    Q4(Q4Blocks, Activations),
+    /// The output projection's 8-bit blocks, against f32 activations
+    /// always: rounding its input moves the logits themselves
+    /// (SmolLM2-135M-Instruct's answer to the README's question turns from
+    /// "The capital of France is Paris." to "L'Étoile, la Marseillaise,
+    /// ...", which is also llama.cpp's answer on its Q4_1 file), and from
+    /// memory its f32 kernel is as fast.
     Q8(Q8Blocks),
 }
 
@@ -24,7 +31,7 @@ impl Blocks {
     /// `(rows, cols)`.
     fn shape(&self) -> (usize, usize) {
         match self {
-            Blocks::Q4(m) => (m.rows, m.cols),
+            Blocks::Q4(m, _) => (m.rows, m.cols),
             Blocks::Q8(m) => (m.rows, m.cols),
         }
     }
@@ -32,19 +39,35 @@ impl Blocks {
     /// Blocks in all.
     fn count(&self) -> usize {
         match self {
-            Blocks::Q4(m) => m.scales.len(),
+            Blocks::Q4(m, _) => m.scales.len(),
             Blocks::Q8(m) => m.scales.len(),
         }
     }
 
-    /// Output rows from `first` (as many as `out` holds, `[rows, n]`) of
-    /// `x`.
-    fn rows(&self, first: usize, x: &[f32], out: &mut [f32]) {
+    /// `x` (`[n, cols]`) as these blocks' kernels take it.
+    fn inputs<'x>(&self, x: &'x [f32]) -> Inputs<'x> {
         match self {
-            Blocks::Q4(m) => (kernel::best().q4_rows)(m, first, x, out),
-            Blocks::Q8(m) => (kernel::best().q8_rows)(m, first, x, out),
+            Blocks::Q4(m, Activations::Q8) => Inputs::Q8(Q8Inputs::quantize(x, m.cols)),
+            Blocks::Q4(_, Activations::F32) | Blocks::Q8(_) => Inputs::F32(x),
         }
     }
+
+    /// Output rows from `first` (as many as `out` holds, `[rows, n]`) of
+    /// `x`, from [`Blocks::inputs`].
+    fn rows(&self, first: usize, x: &Inputs, out: &mut [f32]) {
+        match (self, x) {
+            (Blocks::Q4(m, _), Inputs::F32(x)) => (kernel::best().q4_rows)(m, first, x, out),
+            (Blocks::Q4(m, _), Inputs::Q8(x)) => (integer::best().q4_rows)(m, first, x, out),
+            (Blocks::Q8(m), Inputs::F32(x)) => (kernel::best().q8_rows)(m, first, x, out),
+            (Blocks::Q8(_), Inputs::Q8(_)) => unreachable!("Blocks::inputs gives 8-bit blocks f32"),
+        }
+    }
+}
+
+/// A product's input rows as its kernels take them.
+enum Inputs<'x> {
+    F32(&'x [f32]),
+    Q8(Q8Inputs),
 }
 
 /// Blocks × input rows below which a product runs on the calling thread
@@ -67,6 +90,8 @@ impl Linear for PooledProduct {
         debug_assert_eq!(x.len(), rows * cols);
         // Computed as `[out, rows]`: each thread owns whole output rows.
         let mut by_output = vec![0.0f32; outputs * rows];
+        // Rounded once, here, for every thread's share.
+        let x = &self.blocks.inputs(x);
         let threads = self.team.threads();
         if threads > 1 && self.blocks.count() * rows >= MIN_SHARED_WORK {
             // One equal share per thread; each locks only its own.
@@ -123,8 +148,9 @@ pub struct Q4Weights {
 }
 
 impl Q4Weights {
-    /// Quantizes `w`'s matrices, for products on `threads` threads.
-    pub fn new(w: &Weights, threads: usize) -> Result<Q4Weights, Error> {
+    /// Quantizes `w`'s matrices, for products on `threads` threads against
+    /// `activations`.
+    pub fn new(w: &Weights, threads: usize, activations: Activations) -> Result<Q4Weights, Error> {
         let team = Arc::new(Team::new(threads).map_err(|e| Error::Threads {
             threads,
             reason: e.to_string(),
@@ -138,8 +164,12 @@ impl Q4Weights {
                 team: Arc::clone(&team),
             })
         };
-        let product =
-            |name: String, parts: &[&Matrix]| pooled(name, Q4Blocks::stack(parts).map(Blocks::Q4));
+        let product = |name: String, parts: &[&Matrix]| {
+            pooled(
+                name,
+                Q4Blocks::stack(parts).map(|m| Blocks::Q4(m, activations)),
+            )
+        };
         let layers = w
             .layers
             .iter()
