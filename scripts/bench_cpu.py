@@ -17,7 +17,7 @@ before and after its runs. Prints a Markdown table.
 
 Rows: kiln `cpu` (the f32 reference; one thread whatever the count, so it
 runs at the first count only; `--no-reference` leaves it out), kiln `cpu-q4`
-(`--threads N`), kiln `iree-cpu` at each `--iree-precision` (none: no row;
+(`--threads N`) at each `--activations` (default: q8 and f32), kiln `iree-cpu` at each `--iree-precision` (none: no row;
 `--threads N`: one runs every kernel on the calling thread, more run them
 on N IREE workers; modules compiled before timing by the untimed warm-up),
 llama.cpp on the file as
@@ -40,7 +40,7 @@ def load() -> float:
     return os.getloadavg()[0]
 
 
-def kiln(args, backend: str, threads: int, precision=None) -> dict:
+def kiln(args, backend: str, threads: int, precision=None, activations=None) -> dict:
     """One kiln-bench-decode run of one backend; its single JSON result."""
     with tempfile.TemporaryDirectory() as scratch:
         out = Path(scratch) / "kiln.json"
@@ -56,6 +56,8 @@ def kiln(args, backend: str, threads: int, precision=None) -> dict:
             command += ["--threads", str(threads)]
         if backend == "iree-cpu":
             command += ["--precision", precision]
+        if activations:
+            command += ["--activations", activations]
         subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
         (result,) = json.loads(out.read_text())
         return result
@@ -79,8 +81,9 @@ def rows(args) -> list:
     for threads in counts:
         if threads == counts[0] and not args.no_reference:
             out.append(("kiln `cpu`", "f32", 1, lambda: kiln(args, "cpu", 1)))
-        out.append(("kiln `cpu-q4`", "q4 blocks, q8 output", threads,
-                    lambda t=threads: kiln(args, "cpu-q4", t)))
+        for activations in args.activations or ["q8", "f32"]:
+            out.append(("kiln `cpu-q4`", f"q4 x {activations} activations, q8 output", threads,
+                        lambda t=threads, a=activations: kiln(args, "cpu-q4", t, activations=a)))
         for precision in args.iree_precision or []:
             out.append(("kiln `iree-cpu`", precision, threads,
                         lambda t=threads, p=precision: kiln(args, "iree-cpu", t, p)))
@@ -101,6 +104,8 @@ def main() -> None:
     parser.add_argument("--gguf", required=True, help="the same model's GGUF file, for llama.cpp")
     parser.add_argument("--threads", type=int, action="append")
     parser.add_argument("--iree-precision", action="append")
+    parser.add_argument("--activations", action="append", choices=["q8", "f32"],
+                        help="cpu-q4's (repeat for several; default: both)")
     parser.add_argument("--no-reference", action="store_true")
     parser.add_argument("--prompt-tokens", type=int, default=128)
     parser.add_argument("--decode-tokens", type=int, default=64)

@@ -82,10 +82,11 @@ pub struct BackendOptions {
     /// workers).
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(u16).range(1..=1024))]
     pub threads: Option<u16>,
-    /// What cpu-q4's block products multiply: q8 (default), the activations
-    /// rounded to 8 bits per block of 32 and multiplied in integers, as
-    /// llama.cpp's Q4_1 × Q8_1; or f32, the activations as they are (the
-    /// dequantized weights' exact product, slower).
+    /// What cpu-q4's layer products multiply: q8, the activations rounded
+    /// to 8 bits per block of 32 and multiplied in integers, as llama.cpp's
+    /// Q4_1 × Q8_1; or f32, the activations as they are (the dequantized
+    /// weights' exact product). Default: q8 where the CPU has AVX-512 VNNI
+    /// (kiln's SIMD integer kernel), f32 elsewhere, where it is the faster.
     #[arg(long, value_enum, value_name = "KIND")]
     pub activations: Option<ActivationsKind>,
     /// Longest sequence (prompt plus generated tokens) the IREE modules hold.
@@ -135,7 +136,7 @@ pub fn open<'m>(
             };
             let activations = options
                 .activations
-                .map_or_else(Default::default, Into::into);
+                .map_or_else(kiln_cpu::Activations::fastest, Into::into);
             Ok(Box::new(kiln_cpu::backend(model, threads, activations)?))
         }
         BackendKind::IreeCpu | BackendKind::IreeCuda => iree(model, kind, options),

@@ -64,7 +64,7 @@ struct Args {
     #[arg(long, value_name = "N")]
     threads: Option<u16>,
     /// What cpu-q4's products multiply, to measure (repeat for several: q8,
-    /// f32; see `kiln generate --activations`); default: q8.
+    /// f32; see `kiln generate --activations`); default: the CPU's fastest.
     #[arg(long, value_enum)]
     activations: Vec<ActivationsKind>,
     /// Greedy pipeline settings to measure (repeat for several): `on`
@@ -108,15 +108,15 @@ impl Args {
             BackendKind::Cpu => return vec![self.iree(None, None)],
             BackendKind::CpuQ4 => {
                 let kinds = match self.activations.as_slice() {
-                    [] => vec![ActivationsKind::Q8],
-                    kinds => kinds.to_vec(),
+                    [] => vec![None],
+                    kinds => kinds.iter().copied().map(Some).collect(),
                 };
                 return kinds
                     .into_iter()
                     .map(|kind| {
                         let mut options = self.iree(None, None);
                         options.threads = self.threads;
-                        options.activations = Some(kind);
+                        options.activations = kind;
                         options
                     })
                     .collect();
@@ -381,7 +381,7 @@ fn describe(kind: BackendKind, options: &BackendOptions) -> Result<(String, Stri
         BackendKind::CpuQ4 => {
             let activations = options
                 .activations
-                .map_or_else(Default::default, Into::into);
+                .map_or_else(kiln_cpu::Activations::fastest, Into::into);
             let precision = format!("q4 x {}", kiln_cpu::Activations::name(activations));
             return Ok((precision, "out-in".into(), 6));
         }

@@ -23,6 +23,8 @@ pub type Q4RowsOfQ8 = fn(m: &Q4Blocks, first: usize, x: &Q8Inputs, out: &mut [f3
 /// One implementation of the integer product.
 pub struct IntegerKernels {
     pub name: &'static str,
+    /// Whether the set is SIMD code (the portable loops are not).
+    pub simd: bool,
     pub q4_rows: Q4RowsOfQ8,
 }
 
@@ -34,11 +36,13 @@ pub fn available() -> Vec<IntegerKernels> {
     if vnni::detected() {
         sets.push(IntegerKernels {
             name: "avx512-vnni",
+            simd: true,
             q4_rows: vnni::q4_rows_checked,
         });
     }
     sets.push(IntegerKernels {
         name: "portable",
+        simd: false,
         q4_rows: portable_q4_rows,
     });
     sets
