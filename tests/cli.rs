@@ -317,6 +317,42 @@ fn activations_are_cpu_q4s_option() {
     );
 }
 
+/// kiln-bench-kernels times every kernel set of this CPU, the portable ones
+/// included, and refuses a width that is not whole blocks.
+#[test]
+fn the_kernel_benchmark_runs_every_set() {
+    let bench = env!("CARGO_BIN_EXE_kiln-bench-kernels");
+    let args = [
+        "--rows",
+        "40",
+        "--cols",
+        "96",
+        "--inputs",
+        "3",
+        "--rounds",
+        "1",
+        "--products",
+        "2",
+    ];
+    let out = Command::new(bench).args(args).output().unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    for row in [
+        "plain read",
+        "f32 activations, portable",
+        "q8 activations, portable",
+    ] {
+        assert!(text.contains(row), "{row}: {text}");
+    }
+    let out = Command::new(bench).args(["--cols", "48"]).output().unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("multiple of 32"));
+}
+
 #[test]
 fn an_uncompiled_or_absent_backend_is_an_error_not_a_fallback() {
     let out = kiln(&["generate", "--backend", "iree-cuda", "x"]);
