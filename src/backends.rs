@@ -86,7 +86,8 @@ pub struct BackendOptions {
     /// to 8 bits per block of 32 and multiplied in integers, as llama.cpp's
     /// Q4_1 × Q8_1; or f32, the activations as they are (the dequantized
     /// weights' exact product). Default: q8 where the CPU has AVX-512 VNNI
-    /// (kiln's SIMD integer kernel), f32 elsewhere, where it is the faster.
+    /// or AVX2 (kiln's SIMD integer kernels), f32 elsewhere, where it is the
+    /// faster.
     #[arg(long, value_enum, value_name = "KIND")]
     pub activations: Option<ActivationsKind>,
     /// Longest sequence (prompt plus generated tokens) the IREE modules hold.

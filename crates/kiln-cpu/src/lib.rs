@@ -56,10 +56,8 @@ pub enum Activations {
 
 impl Activations {
     /// [`Activations::Q8`] where this CPU runs a SIMD integer kernel
-    /// (AVX-512 VNNI), [`Activations::F32`] elsewhere, where the f32
-    /// kernels are the faster (the portable integer loops took 1.2x the
-    /// AVX2 f32 kernel's time in decode and 2.8x in prefill, on 3072×576
-    /// products, 2026-12-05).
+    /// (AVX-512 VNNI, AVX2), [`Activations::F32`] elsewhere, where the f32
+    /// kernels are the faster (`kiln-bench-kernels`, docs/models.md).
     pub fn fastest() -> Activations {
         match integer::best().simd {
             true => Activations::Q8,
