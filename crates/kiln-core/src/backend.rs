@@ -1,7 +1,7 @@
 //! The `Backend` trait every engine implements, and the CPU reference backend.
 
 use crate::error::{Error, Result};
-use crate::forward::{self, ForwardWeights, KvCache};
+use crate::forward::{self, ForwardWeights, KvCache, Logits};
 use crate::model::Model;
 
 /// A way to run a model: prefill a prompt, then decode one token at a time.
@@ -137,19 +137,18 @@ impl<'m> CpuBackend<'m> {
         embeddings: &[f32],
         keep_going: &mut dyn FnMut() -> bool,
     ) -> Result<Vec<f32>> {
-        let mut logits = self.run_rows_until(embeddings, keep_going)?;
-        let vocab = self.model.config.vocab_size;
-        Ok(logits.split_off(logits.len() - vocab))
+        self.run_rows_until(embeddings, Logits::LastRow, keep_going)
     }
 
     /// The logits of every one of `embeddings`' rows, run after the cache.
     fn run_rows(&mut self, embeddings: &[f32]) -> Result<Vec<f32>> {
-        self.run_rows_until(embeddings, &mut || true)
+        self.run_rows_until(embeddings, Logits::EveryRow, &mut || true)
     }
 
     fn run_rows_until(
         &mut self,
         embeddings: &[f32],
+        rows: Logits,
         keep_going: &mut dyn FnMut() -> bool,
     ) -> Result<Vec<f32>> {
         let hidden = self.model.config.hidden_size;
@@ -171,6 +170,7 @@ impl<'m> CpuBackend<'m> {
             self.weights.as_ref(),
             embeddings,
             &mut self.cache,
+            rows,
             keep_going,
         )?;
         // Finite weights can still overflow; greedy decoding would read NaN
