@@ -232,3 +232,63 @@ fn qwen2_5_template_renders_as_jinja2_does() {
 fn mistral_nemo_template_renders_as_jinja2_does() {
     renders_as_jinja2("mistralai-Mistral-Nemo-Instruct-2407.jinja", "<s>", "</s>");
 }
+
+/// A reply ends at the special token each released template writes after
+/// the assistant's text, whatever the vocabulary's EOS: llama.cpp's Llama 3
+/// vocabulary (from the base model) has `<|end_of_text|>` for EOS while the
+/// instruct templates end turns with `<|eot_id|>`; without it `kiln chat`
+/// and `kiln-server` would go on into turns the model invents.
+#[test]
+fn replies_stop_where_each_released_template_ends_a_turn() {
+    let cases = [
+        (
+            "ggml-vocab-llama-bpe.gguf",
+            "meta-llama-Llama-3.1-8B-Instruct.jinja",
+            "<|eot_id|>",
+        ),
+        (
+            "ggml-vocab-llama-bpe.gguf",
+            "meta-llama-Llama-3.2-3B-Instruct.jinja",
+            "<|eot_id|>",
+        ),
+        (
+            "ggml-vocab-qwen2.gguf",
+            "Qwen-Qwen2.5-7B-Instruct.jinja",
+            "<|im_end|>",
+        ),
+        (
+            "ggml-vocab-llama-spm.gguf",
+            "mistralai-Mistral-Nemo-Instruct-2407.jinja",
+            "</s>",
+        ),
+    ];
+    for (vocab, template, end_of_turn) in cases {
+        let (Some(vocab_path), Some(template_path)) =
+            (reference_file(vocab), reference_file(template))
+        else {
+            return;
+        };
+        let file = GgufFile::open(&vocab_path).unwrap();
+        let (tokenizer, chat) = tokenizer_from_gguf(&file).unwrap();
+        let tokenizer = Tokenizer::from_hugging_face(tokenizer);
+        // The template's bos_token and eos_token as kiln spells a GGUF
+        // file's (`kiln chat --model FILE`).
+        let spell = |id: Option<u32>| {
+            id.and_then(|id| tokenizer.vocabulary_entry(id))
+                .unwrap_or_default()
+        };
+        let source = std::fs::read_to_string(&template_path).unwrap();
+        let template =
+            ChatTemplate::new(template, &source, &spell(chat.bos), &spell(chat.eos)).unwrap();
+        let stops = kiln_core::chat::stop_tokens(&tokenizer, &chat.stop_ids(), &template);
+        let want = tokenizer.token_to_id(end_of_turn).unwrap();
+        assert!(
+            stops.contains(&want),
+            "{template:?} with {vocab}: stops {stops:?} lack {end_of_turn} ({want})"
+        );
+        println!(
+            "{vocab} + {:?}: stops at {stops:?}",
+            template_path.file_name().unwrap()
+        );
+    }
+}

@@ -289,7 +289,15 @@ fn tokenize(
                         .map_err(internal)?
                 }
             };
-            Ok((ids, chat_stop_tokens(model, template), "messages"))
+            Ok((
+                ids,
+                kiln_core::chat::stop_tokens(
+                    &model.tokenizer,
+                    &model.config.eos_token_ids,
+                    template,
+                ),
+                "messages",
+            ))
         }
     }
 }
@@ -353,15 +361,6 @@ fn encode_chat_keeping_user_text(
     }
     ids.extend(model.tokenizer.encode_rendered(rest).map_err(internal)?);
     Ok(ids)
-}
-
-/// The stop tokens `kiln chat` uses for this model and template.
-fn chat_stop_tokens(model: &Model, template: &ChatTemplate) -> Vec<u32> {
-    let mut stops = model.config.eos_token_ids.clone();
-    stops.extend(model.tokenizer.token_to_id(template.eos_token()));
-    stops.sort_unstable();
-    stops.dedup();
-    stops
 }
 
 fn backend_failed(e: kiln_core::Error) -> ApiError {

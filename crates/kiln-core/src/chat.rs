@@ -8,6 +8,7 @@ use crate::error::{Error, Result};
 use crate::model::Model;
 use crate::sampling::SamplingParams;
 use crate::stream::TextStream;
+use crate::tokenizer::Tokenizer;
 
 /// One conversation; the backend is passed to each turn, so one backend can
 /// serve several conversations in turn.
@@ -31,14 +32,9 @@ pub struct Reply {
 }
 
 impl<'m> Chat<'m> {
-    /// A new conversation. Generation stops at every end-of-sequence id of
-    /// the model (`config.json` and `generation_config.json`) and at the
-    /// template's end-of-turn token.
+    /// A new conversation, generating until one of [`stop_tokens`].
     pub fn new(model: &'m Model, template: ChatTemplate) -> Chat<'m> {
-        let mut stop_tokens = model.config.eos_token_ids.clone();
-        stop_tokens.extend(model.tokenizer.token_to_id(template.eos_token()));
-        stop_tokens.sort_unstable();
-        stop_tokens.dedup();
+        let stop_tokens = stop_tokens(&model.tokenizer, &model.config.eos_token_ids, &template);
         Chat {
             model,
             template,
@@ -127,6 +123,27 @@ impl<'m> Chat<'m> {
     }
 }
 
+/// The tokens that end a reply: every end-of-sequence id of the model
+/// (`eos_ids`: `config.json` and `generation_config.json`, a GGUF file's
+/// EOS, EOT and EOM), the template's `eos_token`, and the special token the
+/// template writes right after an assistant's text. The last catches a file
+/// whose EOS is not its end of turn (llama.cpp's Llama 3 vocabulary has
+/// `<|end_of_text|>` for EOS while the instruct template ends turns with
+/// `<|eot_id|>`), which would otherwise go on into turns the model invents.
+pub fn stop_tokens(tokenizer: &Tokenizer, eos_ids: &[u32], template: &ChatTemplate) -> Vec<u32> {
+    let mut stops = eos_ids.to_vec();
+    stops.extend(tokenizer.token_to_id(template.eos_token()));
+    let end_of_turn = template
+        .after_assistant_text()
+        .and_then(|after| tokenizer.encode_rendered(&after).ok())
+        .and_then(|ids| ids.first().copied())
+        .filter(|&id| tokenizer.is_special(id));
+    stops.extend(end_of_turn);
+    stops.sort_unstable();
+    stops.dedup();
+    stops
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -172,6 +189,32 @@ mod tests {
             .unwrap();
         assert_eq!(ids[0], 1);
         assert_eq!(model.tokenizer.decode(&ids[1..]).unwrap(), "user\n");
+    }
+
+    /// A template whose `eos_token` is unset (or another token) still ends
+    /// a reply at the special token it writes after the assistant's text;
+    /// ordinary text written there is no stop.
+    #[test]
+    fn the_token_a_template_writes_after_a_reply_stops_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let model = chatml_model(dir.path());
+        let source = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}";
+        let template = ChatTemplate::new("t", source, "", "").unwrap();
+        assert_eq!(
+            template.after_assistant_text().as_deref(),
+            Some("<|im_end|>\n")
+        );
+        let eos = &model.config.eos_token_ids;
+        assert_eq!(stop_tokens(&model.tokenizer, eos, &template), [0, 2]);
+        let plain = ChatTemplate::new(
+            "t",
+            "{% for m in messages %}{{ m.content }}\n{% endfor %}",
+            "",
+            "",
+        )
+        .unwrap();
+        assert_eq!(plain.after_assistant_text().as_deref(), Some("\n"));
+        assert_eq!(stop_tokens(&model.tokenizer, eos, &plain), [0]);
     }
 
     #[test]

@@ -130,6 +130,19 @@ impl Tokenizer {
         }
     }
 
+    /// Whether `id` is one of the vocabulary's special tokens (Hugging
+    /// Face's `added_tokens` marked special; a GGUF file's control tokens):
+    /// markers a template writes, never pieces of ordinary text.
+    pub fn is_special(&self, id: u32) -> bool {
+        match self {
+            Tokenizer::Bytes(_) => false,
+            Tokenizer::HuggingFace(t) => t
+                .get_added_tokens_decoder()
+                .get(&id)
+                .is_some_and(|token| token.special),
+        }
+    }
+
     /// How the vocabulary spells `id` (`Ġthe`, `<0xC3>`); `None` for the
     /// byte tokenizer, whose tokens are characters.
     pub fn vocabulary_entry(&self, id: u32) -> Option<String> {

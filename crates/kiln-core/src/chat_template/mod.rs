@@ -187,6 +187,21 @@ impl ChatTemplate {
         &self.bos_token
     }
 
+    /// What the template writes right after an assistant message's text
+    /// (Llama 3's `<|eot_id|>`, ChatML's `<|im_end|>\n`, Mistral's `</s>`),
+    /// found by rendering an exchange; `None` when the template renders no
+    /// such exchange or writes nothing after the reply.
+    pub fn after_assistant_text(&self) -> Option<String> {
+        const PROBE: &str = "kilnAssistantReplyProbe";
+        let exchange = [
+            Message::new("user", "Hello"),
+            Message::new("assistant", PROBE),
+        ];
+        let rendered = self.render(&exchange, false).ok()?;
+        let (_, after) = rendered.rsplit_once(PROBE)?;
+        (!after.is_empty()).then(|| after.to_string())
+    }
+
     /// The prompt for `messages`; with `add_generation_prompt`, ending where
     /// the assistant's next turn begins.
     pub fn render(&self, messages: &[Message], add_generation_prompt: bool) -> Result<String> {
