@@ -396,6 +396,13 @@ fn inspect(model: Option<&PathBuf>) -> Result<()> {
             None => "none".into(),
         }
     );
+    let activations = kiln_cpu::Activations::fastest();
+    println!(
+        "cpu-q4 kernels:        {} (f32 activations), {} (q8 activations); default activations {}",
+        kiln_cpu::kernel::best().name,
+        kiln_cpu::integer::best().name,
+        activations.name()
+    );
     iree_report()
 }
 

@@ -535,9 +535,20 @@ fn inspect_names_the_family_and_its_switches() {
         "rope theta 1000000",
         "tied output false",
         "sliding window 40 (kiln runs it up to 40 positions",
+        "cpu-q4 kernels:",
     ] {
         assert!(text.contains(expected), "{expected:?} not in {text}");
     }
+    // This CPU's kernels and the activations cpu-q4 takes by default on it.
+    #[cfg(target_arch = "x86_64")]
+    let simd = std::is_x86_feature_detected!("avx2");
+    #[cfg(not(target_arch = "x86_64"))]
+    let simd = false;
+    let q8 = match simd {
+        true => "default activations q8",
+        false => "default activations f32",
+    };
+    assert!(text.contains(q8), "{q8:?} not in {text}");
     let dir = concat!(
         env!("CARGO_MANIFEST_DIR"),
         "/tests/fixtures/qwen2-tied-bias"

@@ -15,6 +15,7 @@ use std::sync::OnceLock;
 
 use crate::blocks::{BLOCK, BLOCK_BYTES, Q4Blocks};
 use crate::inputs::Q8Inputs;
+#[cfg(target_arch = "x86_64")]
 use crate::kernel::for_each_group;
 
 /// `out[(r − first) · n + i] = Σ_c w[r][c] · x[i][c]` for the rows `first..`

@@ -20,6 +20,7 @@ use crate::blocks::{BLOCK, BLOCK_BYTES, Q4Blocks, Q8Blocks};
 /// Output rows computed against one group of inputs before the next group:
 /// the group's inputs (4-8 × cols f32, 9-48 KB on SmolLM2) stay in L1
 /// across the tile instead of being read again from L2 for every row.
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 const ROW_TILE: usize = 16;
 
 /// Calls `group(row, inputs, out)` for each output row from `first` that
@@ -27,6 +28,7 @@ const ROW_TILE: usize = 16;
 /// (handled together: their accumulators stay in registers), `out` being
 /// that row's slots for those inputs; rows in tiles of [`ROW_TILE`].
 #[inline(always)]
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 pub(crate) fn for_each_group<const GROUP: usize>(
     first: usize,
     n: usize,
@@ -48,6 +50,7 @@ pub(crate) fn for_each_group<const GROUP: usize>(
 /// [`for_each_group`] over a 4-bit matrix: `group(levels, scales, mins, x,
 /// out)` gets one output row's blocks and one group's inputs.
 #[inline(always)]
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 fn q4_rows_in_groups<const GROUP: usize>(
     m: &Q4Blocks,
     first: usize,
@@ -69,6 +72,7 @@ fn q4_rows_in_groups<const GROUP: usize>(
 /// [`for_each_group`] over an 8-bit matrix: `group(values, scales, x, out)`
 /// gets one output row's blocks and one group's inputs.
 #[inline(always)]
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 fn q8_rows_in_groups<const GROUP: usize>(
     m: &Q8Blocks,
     first: usize,
