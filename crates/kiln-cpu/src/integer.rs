@@ -525,23 +525,9 @@ mod avx2 {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::test_products::{exact_products, later_rows_alone, random_product};
     use kiln_core::weights::Matrix;
     use proptest::prelude::*;
-
-    /// `Σ w·x` of each output row and input row, in f64, `[rows, n]`.
-    fn products(w: &Matrix, x: &[f32]) -> Vec<f64> {
-        let n = x.len() / w.cols;
-        (0..w.rows)
-            .flat_map(|r| (0..n).map(move |i| (r, i)))
-            .map(|(r, i)| {
-                w.row(r)
-                    .iter()
-                    .zip(&x[i * w.cols..][..w.cols])
-                    .map(|(a, b)| f64::from(*a) * f64::from(*b))
-                    .sum()
-            })
-            .collect()
-    }
 
     /// Every available set computes the product of the dequantized weights
     /// and the dequantized inputs (up to f32 sums over blocks), and so is
@@ -549,8 +535,8 @@ mod tests {
     /// inputs; a later first row writes only its own rows.
     fn check(w: &Matrix, x: &[f32], q: &Q8Inputs, kernel: &dyn Fn(usize, &mut [f32])) {
         let n = q.rows();
-        let of_rounded = products(w, &q.dequantize());
-        let exact = products(w, x);
+        let of_rounded = exact_products(w, &q.dequantize());
+        let exact = exact_products(w, x);
         let mut got = vec![0.0; w.rows * n];
         kernel(0, &mut got);
         for (k, g) in got.iter().enumerate() {
@@ -575,11 +561,7 @@ mod tests {
                 exact[k]
             );
         }
-        if w.rows > 1 {
-            let mut tail = vec![0.0; (w.rows - 1) * n];
-            kernel(1, &mut tail);
-            assert_eq!(tail, got[n..]);
-        }
+        later_rows_alone(w.rows, &got, kernel);
     }
 
     proptest! {
@@ -594,15 +576,7 @@ mod tests {
             seed in any::<u64>(),
         ) {
             let cols = blocks * BLOCK;
-            let mut state = seed | 1;
-            let mut next = move || {
-                state ^= state << 13;
-                state ^= state >> 7;
-                state ^= state << 17;
-                (state % 2001) as f32 / 1000.0 - 1.0
-            };
-            let w = Matrix { rows: height, cols, data: (0..height * cols).map(|_| next()).collect() };
-            let x: Vec<f32> = (0..n * cols).map(|_| next() * 3.0).collect();
+            let (w, x) = random_product(seed, height, cols, n);
             let q = Q8Inputs::quantize(&x, cols);
             let q4 = Q4Blocks::quantize(&w).unwrap();
             let sets = available();

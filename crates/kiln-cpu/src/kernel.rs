@@ -464,31 +464,15 @@ mod avx512 {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::test_products::{exact_products, later_rows_alone, random_product};
     use kiln_core::weights::Matrix;
     use proptest::prelude::*;
-
-    /// The product of the dequantized matrix `w`, in f64.
-    fn reference(w: &Matrix, x: &[f32]) -> Vec<f64> {
-        let n = x.len() / w.cols;
-        let mut out = vec![0.0; w.rows * n];
-        for r in 0..w.rows {
-            for i in 0..n {
-                out[r * n + i] = w
-                    .row(r)
-                    .iter()
-                    .zip(&x[i * w.cols..][..w.cols])
-                    .map(|(a, b)| f64::from(*a) * f64::from(*b))
-                    .sum();
-            }
-        }
-        out
-    }
 
     /// `kernel(first, out)` computes the rows from `first` of the matrix
     /// whose dequantized values are `w`.
     fn check(w: &Matrix, x: &[f32], kernel: &dyn Fn(usize, &mut [f32])) {
         let n = x.len() / w.cols;
-        let want = reference(w, x);
+        let want = exact_products(w, x);
         let mut got = vec![0.0; w.rows * n];
         kernel(0, &mut got);
         // Relative to the sum of the terms' magnitudes: f32 accumulation.
@@ -499,12 +483,7 @@ mod tests {
                 "output {k}: {g} against {w}"
             );
         }
-        // A later first row writes only its own rows.
-        if w.rows > 1 {
-            let mut tail = vec![0.0; (w.rows - 1) * n];
-            kernel(1, &mut tail);
-            assert_eq!(tail, got[n..]);
-        }
+        later_rows_alone(w.rows, &got, kernel);
     }
 
     proptest! {
@@ -518,16 +497,7 @@ mod tests {
             n in 1usize..20,
             seed in any::<u64>(),
         ) {
-            let cols = blocks * BLOCK;
-            let mut state = seed | 1;
-            let mut next = move || {
-                state ^= state << 13;
-                state ^= state >> 7;
-                state ^= state << 17;
-                (state % 2001) as f32 / 1000.0 - 1.0
-            };
-            let w = Matrix { rows: height, cols, data: (0..height * cols).map(|_| next()).collect() };
-            let x: Vec<f32> = (0..n * cols).map(|_| next() * 3.0).collect();
+            let (w, x) = random_product(seed, height, blocks * BLOCK, n);
             let q4 = Q4Blocks::quantize(&w).unwrap();
             let q4_values = q4.dequantize();
             let q8 = Q8Blocks::quantize(&w).unwrap();

@@ -22,6 +22,8 @@ pub mod inputs;
 pub mod integer;
 pub mod kernel;
 pub mod team;
+#[cfg(test)]
+mod test_products;
 mod weights;
 
 pub use blocks::{BLOCK, BlockError, Q4Blocks, Q8Blocks};
