@@ -171,6 +171,7 @@ fn matvec(w: &Matrix, x: &[f32]) -> Vec<f32> {
 /// vector multiply-adds (one running sum is a chain it must keep in order);
 /// the attention scores of long contexts are most of a step's work outside
 /// the matrix products.
+#[inline(always)]
 pub fn dot(a: &[f32], b: &[f32]) -> f32 {
     const LANES: usize = 8;
     let mut partial = [0.0f32; LANES];
@@ -186,6 +187,67 @@ pub fn dot(a: &[f32], b: &[f32]) -> f32 {
         .map(|(x, y)| x * y)
         .sum();
     partial.iter().sum::<f32>() + tail
+}
+
+/// One head's keys and values in a layer's cache: position `p`'s are
+/// `[p * stride + offset..][..head_dim]` of each.
+struct HeadCache<'c> {
+    keys: &'c [f32],
+    values: &'c [f32],
+    stride: usize,
+    offset: usize,
+}
+
+/// Adds to `out` the attention of query `q` over every position of `cache`
+/// (softmax of the scaled scores, the values weighted by it); `scores` is
+/// scratch. The same arithmetic on every CPU, in wider vectors where it
+/// has AVX: the scores and the weighted sums of long contexts are most of
+/// a decode step outside the matrix products.
+fn attend(q: &[f32], cache: &HeadCache, scale: f32, scores: &mut Vec<f32>, out: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx") {
+        // SAFETY: the CPU has AVX (checked just above).
+        return unsafe { attend_avx(q, cache, scale, scores, out) };
+    }
+    attend_body(q, cache, scale, scores, out)
+}
+
+/// [`attend`] compiled for AVX: the same operations in the same order per
+/// lane (no fused multiply-add), so the same bits.
+///
+/// # Safety
+/// The CPU must have AVX.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx")]
+unsafe fn attend_avx(
+    q: &[f32],
+    cache: &HeadCache,
+    scale: f32,
+    scores: &mut Vec<f32>,
+    out: &mut [f32],
+) {
+    attend_body(q, cache, scale, scores, out)
+}
+
+#[inline(always)]
+fn attend_body(q: &[f32], cache: &HeadCache, scale: f32, scores: &mut Vec<f32>, out: &mut [f32]) {
+    let d = q.len();
+    let positions = cache.keys.len() / cache.stride;
+    scores.clear();
+    scores.extend((0..positions).map(|p| {
+        let k = &cache.keys[p * cache.stride + cache.offset..][..d];
+        dot(q, k) * scale
+    }));
+    let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    scores.iter_mut().for_each(|s| *s = (*s - max).exp());
+    let total: f32 = scores.iter().sum();
+    for (p, e) in scores.iter().enumerate() {
+        let v = &cache.values[p * cache.stride + cache.offset..][..d];
+        let weight = e / total;
+        for (o, vi) in out.iter_mut().zip(v) {
+            *o += weight * vi;
+        }
+    }
 }
 
 /// RMSNorm: `x / sqrt(mean(x²) + eps) * weight`.
@@ -301,6 +363,7 @@ pub fn forward_until(
             queries.extend_from_slice(&q);
         }
         let mut attended = vec![0.0f32; n * q_width];
+        let mut scores = Vec::with_capacity(start + n);
         for (r, out) in attended.chunks_exact_mut(q_width).enumerate() {
             if !keep_going() {
                 return Err(crate::Error::Interrupted);
@@ -308,23 +371,20 @@ pub fn forward_until(
             let visible = start + r + 1;
             for head in 0..config.num_heads {
                 let kv_head = head / group;
+                let head_cache = HeadCache {
+                    keys: &cache.keys[l][..visible * kv_width],
+                    values: &cache.values[l][..visible * kv_width],
+                    stride: kv_width,
+                    offset: kv_head * d,
+                };
                 let q = &queries[r * q_width + head * d..][..d];
-                let scores: Vec<f32> = (0..visible)
-                    .map(|p| {
-                        let k = &cache.keys[l][p * kv_width + kv_head * d..][..d];
-                        dot(q, k) * scale
-                    })
-                    .collect();
-                let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-                let exps: Vec<f32> = scores.iter().map(|s| (s - max).exp()).collect();
-                let total: f32 = exps.iter().sum();
-                let out = &mut out[head * d..][..d];
-                for (p, e) in exps.iter().enumerate() {
-                    let v = &cache.values[l][p * kv_width + kv_head * d..][..d];
-                    for (o, vi) in out.iter_mut().zip(v) {
-                        *o += e / total * vi;
-                    }
-                }
+                attend(
+                    q,
+                    &head_cache,
+                    scale,
+                    &mut scores,
+                    &mut out[head * d..][..d],
+                );
             }
         }
         for (xi, p) in xs.iter_mut().zip(layer.wo.apply(&attended, n)) {
@@ -358,4 +418,38 @@ fn rms_norm_rows(xs: &[f32], weight: &[f32], eps: f32) -> Vec<f32> {
     xs.chunks_exact(weight.len())
         .flat_map(|x| rms_norm(x, weight, eps))
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The AVX build of the attention gives the portable build's bits, so
+    /// the reference's logits do not depend on the CPU that computes them.
+    #[test]
+    fn attention_is_the_same_with_and_without_avx() {
+        #[cfg(target_arch = "x86_64")]
+        if std::arch::is_x86_feature_detected!("avx") {
+            let (d, positions, stride) = (64, 37, 3 * 64);
+            let value = |i: usize| ((i * 7919 + 13) % 2003) as f32 / 1001.0 - 1.0;
+            let keys: Vec<f32> = (0..positions * stride).map(value).collect();
+            let values: Vec<f32> = (0..positions * stride).map(|i| value(i + 5)).collect();
+            let q: Vec<f32> = (0..d).map(|i| value(i + 11) * 4.0).collect();
+            let cache = HeadCache {
+                keys: &keys,
+                values: &values,
+                stride,
+                offset: d,
+            };
+            let (mut portable, mut avx) = (vec![0.5f32; d], vec![0.5f32; d]);
+            attend_body(&q, &cache, 0.125, &mut Vec::new(), &mut portable);
+            // SAFETY: the CPU has AVX (checked above).
+            unsafe { attend_avx(&q, &cache, 0.125, &mut Vec::new(), &mut avx) };
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&portable), bits(&avx));
+            assert!(portable.iter().any(|&x| x != 0.5));
+            return;
+        }
+        eprintln!("skipped: this CPU has no AVX, so only the portable attention runs");
+    }
 }
