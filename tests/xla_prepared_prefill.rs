@@ -11,7 +11,7 @@ use kiln_core::testing::max_abs_diff;
 use kiln_core::{Backend, CpuBackend, Model, SamplingParams, generate};
 use kiln_xla::{
     Buckets, Compiler, GraphOptions, IreeBackend, ModuleCache, ModuleKind, Origin, Precision,
-    Target, WeightLayout,
+    Q4Rows, Target, WeightLayout,
 };
 
 fn fixture(name: &str) -> Model {
@@ -454,10 +454,10 @@ fn q4_weights_agree_with_the_reference_on_their_dequantized_weights() {
             moved > 10.0 * Q4_BOUND,
             "quantizing moved the logits by only {moved}"
         );
-        // The CPU does not read CUDA's kernel configuration; the products
-        // are the same linalg ops without it.
+        // CUDA's one-row products are kiln's kernel, which runs on the GPU
+        // only; on the CPU they are the same arithmetic through IREE.
         let on_cpu = GraphOptions {
-            tuned_q4_rows: false,
+            q4_rows: Q4Rows::Integer,
             ..graph
         };
         let mut xla = with_graph_on_cpu(&model, on_cpu, default_cache());
@@ -480,7 +480,7 @@ fn qwen2_at_q4_matches_the_reference_on_its_dequantized_weights() {
         let graph = GraphOptions::for_target(target, Some(Precision::Q4), None);
         let reference = q4_reference(&model, graph.fold_norms);
         let on_cpu = GraphOptions {
-            tuned_q4_rows: false,
+            q4_rows: Q4Rows::Integer,
             ..graph
         };
         let mut xla = with_graph_on_cpu(&model, on_cpu, default_cache());
@@ -665,15 +665,14 @@ mod cuda {
         }
     }
 
-    /// q4 on the GPU through kiln's kernel configuration: random-100m's
-    /// gate-up, down and head products are wide enough to carry it (4 rows
-    /// a workgroup over its 768-wide rows, 1 over the 2048-wide), its qkv
-    /// and o products take IREE's own form. Within [`Q4_BOUND`] of the
+    /// q4 on the GPU through kiln's kernel (`kernels/q4_row.cu`) at
+    /// every rows-per-warp choice: random-100m's qkv, o and down products
+    /// take one row a warp, its head four. Within [`Q4_BOUND`] of the
     /// reference on the dequantized weights, 8 greedy steps. Modules:
     /// `kiln-bench-decode --prepare --model random-100m --max-context 64
     /// --precision q4`.
     #[test]
-    fn q4_kernel_configuration_on_the_gpu_matches_the_reference() {
+    fn q4_kernel_on_the_gpu_matches_the_reference() {
         q4_on_the_gpu(&wide_vocabulary_model(), 8);
     }
 

@@ -182,33 +182,37 @@ pub struct GraphOptions {
     /// and its 1/rms scale applied to that product's output, so that no
     /// kernel normalises the rows themselves (see [`fold_norms_for`]).
     pub fold_norms: bool,
-    /// One-row q4 products carry a hand-set kernel configuration for
-    /// NVIDIA GPUs (see [`tuned_q4_rows_for`]).
-    pub tuned_q4_rows: bool,
-    /// One-row q4 products round the row to 16-bit levels per block and
-    /// sum in integers (see [`q4_integer_rows_for`]).
-    pub q4_integer_rows: bool,
+    /// How one-row q4 products are computed (see [`q4_rows_for`]).
+    pub q4_rows: Q4Rows,
 }
 
-/// Whether `target`'s one-row q4 products take the row as 16-bit levels
-/// of each block's largest magnitude and sum `level · value` in i32 per
-/// block, scaling the sums after. IREE's CPU code keeps an f32 sum over a
-/// block in order (floats may not be reassociated) and unpacks i4 values
-/// one at a time; integer sums vectorize, and the bytes are unpacked with
-/// shifts. SmolLM2 at q4 then decodes at 1.9x f16 on one thread, where it
-/// ran at 0.22-0.24x (docs/models.md). The rounding is at most 1/65534 of
-/// the block's largest magnitude, finer than the f16 rounding of the row it
-/// replaces. CUDA keeps its f32 kernel ([`tuned_q4_rows_for`]).
-pub fn q4_integer_rows_for(target: Target) -> bool {
-    matches!(target, Target::LlvmCpu)
+/// How a one-row q4 product is computed. Both round each block of the row
+/// to 16-bit levels of its largest magnitude and sum `level · value` in i32
+/// per block, scaling the sums after; the rounding is at most 1/65534 of
+/// the block's largest magnitude.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Q4Rows {
+    /// In StableHLO and linalg, through IREE's code generation.
+    Integer,
+    /// In kiln's CUDA kernel (`kernels/q4_row.cu`), dispatched as an
+    /// external object.
+    Kernel,
 }
 
-/// Whether `target`'s one-row q4 products carry kiln's kernel
-/// configuration. CUDA's own choice for them reads one 4-bit value per lane
-/// per load and made q4 decode 2x slower than f16 (docs/perf-notes.md); the
-/// configuration is NVIDIA code generation's, which the CPU does not read.
-pub fn tuned_q4_rows_for(target: Target) -> bool {
-    matches!(target, Target::Cuda)
+/// How `target` computes one-row q4 products. On the CPU, in integers
+/// through IREE: its code keeps an f32 sum over a block in order (floats
+/// may not be reassociated) and unpacks i4 values one at a time, where
+/// integer sums vectorize and the bytes are unpacked with shifts (SmolLM2
+/// at q4 then decoded at 1.9x f16 on one thread, where it ran at
+/// 0.22-0.24x; docs/models.md). On CUDA, IREE's best configuration of the
+/// product moved about as many weights a second as the f16 kernel, not
+/// four times the bytes' worth (docs/perf-notes.md), so kiln's kernel,
+/// which sums with `dp2a` and reads each block's 16 bytes in one load.
+pub fn q4_rows_for(target: Target) -> Q4Rows {
+    match target {
+        Target::LlvmCpu => Q4Rows::Integer,
+        Target::Cuda => Q4Rows::Kernel,
+    }
 }
 
 /// Whether `target` folds the RMSNorm weights into the next matrix. On CUDA
@@ -256,8 +260,7 @@ impl GraphOptions {
             layout,
             attention_rows: attention_rows_for(target),
             fold_norms: fold_norms_for(target),
-            tuned_q4_rows: tuned_q4_rows_for(target),
-            q4_integer_rows: q4_integer_rows_for(target),
+            q4_rows: q4_rows_for(target),
         }
     }
 

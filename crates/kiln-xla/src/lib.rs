@@ -8,6 +8,7 @@ mod compiler;
 mod error;
 mod graph;
 mod host_cpu;
+mod kernels;
 pub mod llama;
 mod module_cache;
 pub mod prepared;
@@ -23,5 +24,5 @@ pub use batched::{
 };
 pub use compiler::{Compiler, Target};
 pub use error::{Error, Result};
-pub use graph::{GraphOptions, Precision, WeightLayout, padded_row};
+pub use graph::{GraphOptions, Precision, Q4Rows, WeightLayout, padded_row};
 pub use module_cache::{ModuleCache, Origin};

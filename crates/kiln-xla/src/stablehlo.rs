@@ -1,7 +1,7 @@
 //! A small builder of StableHLO text: SSA values with static shapes, one
 //! method per op kiln uses. It writes the MLIR assembly iree-compile reads
-//! (one op, [`Function::q4_row_product`], is linalg, which iree-compile
-//! takes beside StableHLO).
+//! (the q4 block sums are linalg, which iree-compile takes beside
+//! StableHLO, and kiln's own kernels are dispatched as HAL externs).
 
 use std::fmt::Write as _;
 
@@ -625,72 +625,6 @@ impl Function {
 }
 
 impl Function {
-    /// One row times a q4 matrix (see `crate::q4`), `[out]` f32: `Σ
-    /// (quants · scale + offset) · x` over each row's blocks, of `quants`
-    /// `[out, groups, block]` i4, `scales` and `offsets` `[out, groups]`
-    /// f16 and the row `x` `[groups, block]` f16. Written as one
-    /// `linalg.generic` (iree-compile takes linalg beside StableHLO) so that
-    /// `compilation_info`, the text of an `#iree_codegen.compilation_info`
-    /// attribute, can set how the kernel is distributed; without it the
-    /// target's code generation chooses.
-    pub fn q4_row_product(
-        &mut self,
-        quants: &Val,
-        scales: &Val,
-        offsets: &Val,
-        x: &Val,
-        compilation_info: Option<&str>,
-    ) -> Val {
-        let out = quants.shape[0];
-        assert_eq!(x.shape, quants.shape[1..], "q4_row_product: row shape");
-        assert_eq!(scales.shape, quants.shape[..2], "q4_row_product: scales");
-        let result = tensor_type(&[out], Ty::F32);
-        let init = self.linalg_zeros(&[out], Ty::F32);
-        let attributes = compilation_info
-            .map(|info| format!(" attrs = {{compilation_info = {info}}}"))
-            .unwrap_or_default();
-        // Block arguments live in the enclosing function's namespace: a
-        // prefix unique to this op keeps them apart from other products'.
-        let p = format!("%q4r{}", self.next);
-        // The row's values in f32: an f16 row is widened in the body.
-        let (x_ty, widen_x, xf) = match x.ty {
-            Ty::F32 => ("f32", String::new(), format!("{p}x")),
-            _ => (
-                "f16",
-                format!("{p}xf = arith.extf {p}x : f16 to f32\n"),
-                format!("{p}xf"),
-            ),
-        };
-        let rhs = format!(
-            "linalg.generic {{indexing_maps = [affine_map<(d0, d1, d2) -> (d0, d1, d2)>, \
-             affine_map<(d0, d1, d2) -> (d0, d1)>, affine_map<(d0, d1, d2) -> (d0, d1)>, \
-             affine_map<(d0, d1, d2) -> (d1, d2)>, affine_map<(d0, d1, d2) -> (d0)>], \
-             iterator_types = [\"parallel\", \"reduction\", \"reduction\"]}} \
-             ins({}, {}, {}, {} : {}, {}, {}, {}) outs({} : {result}){attributes} {{\n\
-             ^bb0({p}q: i4, {p}s: f16, {p}o: f16, {p}x: {x_ty}, {p}acc: f32):\n\
-             {p}qf = arith.sitofp {p}q : i4 to f32\n\
-             {p}sf = arith.extf {p}s : f16 to f32\n\
-             {p}of = arith.extf {p}o : f16 to f32\n\
-             {widen_x}\
-             {p}scaled = arith.mulf {p}qf, {p}sf : f32\n\
-             {p}w = arith.addf {p}scaled, {p}of : f32\n\
-             {p}term = arith.mulf {p}w, {xf} : f32\n\
-             {p}sum = arith.addf {p}acc, {p}term : f32\n\
-             linalg.yield {p}sum : f32\n\
-             }} -> {result}",
-            quants.name,
-            scales.name,
-            offsets.name,
-            x.name,
-            quants.mlir_type(),
-            scales.mlir_type(),
-            offsets.mlir_type(),
-            x.mlir_type(),
-            init.name,
-        );
-        self.emit(&[out], Ty::F32, rhs)
-    }
-
     /// A tensor of zeros made the way a `linalg` op's accumulator is
     /// (`tensor.empty` then `linalg.fill`), for the ops written in linalg.
     fn linalg_zeros(&mut self, shape: &[usize], ty: Ty) -> Val {
@@ -710,6 +644,56 @@ impl Function {
                 zero.name, empty.name
             ),
         )
+    }
+
+    /// `d`'s kernel over `inputs` (bound read-only, in order, then the
+    /// result), returning a new `shape` tensor of `ty` (its last binding).
+    /// IREE's CUDA driver passes a kernel its bindings' addresses, then
+    /// `d.constants`; nothing fuses across the dispatch.
+    pub fn dispatch_extern(
+        &mut self,
+        d: &ExternDispatch,
+        inputs: &[&Val],
+        shape: &[usize],
+        ty: Ty,
+    ) -> Val {
+        let p = format!("%ext{}", self.next);
+        let _ = writeln!(
+            self.body,
+            "    {p}w = arith.constant {} : index",
+            d.workgroups
+        );
+        for (i, c) in d.constants.iter().enumerate() {
+            let _ = writeln!(self.body, "    {p}c{i} = arith.constant {c} : i32");
+        }
+        let mut operands: Vec<String> = inputs.iter().map(|v| v.name.clone()).collect();
+        let mut types: Vec<String> = inputs.iter().map(|v| v.mlir_type()).collect();
+        for i in 0..d.constants.len() {
+            operands.push(format!("{p}c{i}"));
+            types.push("i32".to_string());
+        }
+        let mut bindings = vec!["#hal.pipeline.binding<storage_buffer, ReadOnly>"; inputs.len()];
+        bindings.push("#hal.pipeline.binding<storage_buffer>");
+        let rhs = format!(
+            "hal.dispatch.extern \"{entry}\"[{p}w]({operands}) : ({types}) -> {result}\n\
+             \x20     count({p}d: !hal.device, {p}n: index) -> (index, index, index) {{\n\
+             \x20       {p}one = arith.constant 1 : index\n\
+             \x20       hal.return {p}n, {p}one, {p}one : index, index, index\n\
+             \x20     }}\n\
+             \x20     layout(#hal.pipeline.layout<constants = {constants}, bindings = [{bindings}]>)\n\
+             \x20     objects({{#hal.executable.target<\"cuda\", \"cuda-nvptx-fb\"> ordinal(0) = \
+             [#hal.executable.object<{{data = {object}}}>]}})\n\
+             \x20     attributes {{workgroup_size = [{size} : index, 1 : index, 1 : index]}}",
+            entry = d.entry,
+            operands = operands.join(", "),
+            types = types.join(", "),
+            result = tensor_type(shape, ty),
+            constants = d.constants.len(),
+            bindings = bindings.join(", "),
+            object = d.object.reference(),
+            size = d.workgroup_size,
+        );
+        self.emit(shape, ty, rhs)
     }
 
     /// `a` unchanged, but computed in a kernel of its own: IREE fuses no
@@ -785,9 +769,65 @@ impl Function {
     }
 }
 
-/// Wraps functions into a module.
+/// Wraps functions into a module, with the kernel objects they dispatch
+/// ([`crate::kernels::OBJECTS`]) once each as MLIR resources.
 pub fn module(functions: &[String]) -> String {
-    format!("module {{\n{}}}\n", functions.concat())
+    let body = functions.concat();
+    let used: Vec<&ExternObject> = crate::kernels::OBJECTS
+        .iter()
+        .copied()
+        .filter(|object| body.contains(&object.reference()))
+        .collect();
+    let mut text = format!("module {{\n{body}}}\n");
+    if !used.is_empty() {
+        text.push_str("{-#\n  dialect_resources: {\n    builtin: {\n");
+        for object in used {
+            // A blob is its alignment (a little-endian u32), then its bytes.
+            let _ = write!(text, "      {}: \"0x01000000", object.name);
+            for byte in object.bytes() {
+                let _ = write!(text, "{byte:02X}");
+            }
+            text.push_str("\"\n");
+        }
+        text.push_str("    }\n  }\n#-}\n");
+    }
+    text
+}
+
+/// A kernel object of kiln's own: PTX the CUDA driver assembles at load
+/// time (see `crate::kernels`).
+pub struct ExternObject {
+    /// Its name among the module's resources.
+    pub name: &'static str,
+    pub ptx: &'static str,
+}
+
+impl ExternObject {
+    /// The PTX and the NUL the driver reads it up to.
+    fn bytes(&self) -> impl Iterator<Item = u8> {
+        self.ptx.bytes().chain([0])
+    }
+
+    /// The object as a dispatch names it: its resource.
+    fn reference(&self) -> String {
+        format!(
+            "dense_resource<{}> : vector<{}xi8>",
+            self.name,
+            self.ptx.len() + 1
+        )
+    }
+}
+
+/// One dispatch of an [`ExternObject`]'s entry point.
+pub struct ExternDispatch<'a> {
+    pub object: &'static ExternObject,
+    pub entry: &'a str,
+    /// Workgroups along x (y and z are 1).
+    pub workgroups: usize,
+    /// Threads a workgroup, along x.
+    pub workgroup_size: usize,
+    /// 32-bit values after the bindings in the kernel's parameters.
+    pub constants: &'a [u32],
 }
 
 #[cfg(test)]

@@ -14,6 +14,7 @@ mod flake_contract;
 mod gate;
 mod iree;
 mod iree_patches;
+mod kernels;
 mod lint_nix;
 mod lint_workflows;
 mod load;
@@ -168,6 +169,14 @@ enum Task {
         /// check).
         attributes: Vec<String>,
     },
+    /// Compile kiln's own CUDA kernels (crates/kiln-xla/kernels/*.cu) to the
+    /// PTX committed beside them, with Debian 12's clang-14.
+    Kernels {
+        /// Fail where the committed PTX differs from what its source
+        /// compiles to, instead of writing it.
+        #[arg(long)]
+        check: bool,
+    },
     /// Assemble the PTX of every module kiln prepares (embedded model and
     /// TinyLlama's shape, f32 and f16) with the pinned CUDA's ptxas for each
     /// pinned capability; report registers, spills and shared memory per kernel.
@@ -286,6 +295,7 @@ fn run(cli: Cli) -> Result<()> {
         }
         Task::Repro => repro::run(&prefix_for_gate(&Target::host()?)?)?,
         Task::LintNix => lint_nix::run(&setup::Toolbox::installed(&Cache::open()?)?)?,
+        Task::Kernels { check } => kernels::run(check)?,
         Task::LintWorkflows => lint_workflows::run(&setup::Toolbox::installed(&Cache::open()?)?)?,
         Task::EvalNix { inputs, check } => {
             if check {

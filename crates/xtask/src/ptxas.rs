@@ -153,14 +153,20 @@ pub fn run(tools: &Tools, capabilities: &[String], out: &Path) -> Result<()> {
             "iree-compile dumped no .ptx: did `--iree-hal-dump-executable-binaries-to` change?"
         ));
     }
+    // kiln's own kernels, which the modules embed as they are.
+    ptx_files.extend(crate::kernels::committed_ptx()?);
 
     let mut kernels = Vec::new();
     let mut rejected = Vec::new();
     for capability in capabilities {
         let gpu = gpu_name(capability)?;
         for (index, ptx) in ptx_files.iter().enumerate() {
-            // Every module's file has the same name; number them.
-            let module = format!("module{index}");
+            // Every module's file has the same name; number them. kiln's
+            // own kernels go by their file's name.
+            let module = match ptx.strip_prefix(crate::kernels::folder()) {
+                Ok(file) => file.display().to_string(),
+                Err(_) => format!("module{index}"),
+            };
             let output = Command::new(&tools.ptxas)
                 .args(["-v", "--gpu-name", &gpu, "-o"])
                 .arg(work.path().join("out.cubin"))

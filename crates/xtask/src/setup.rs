@@ -25,7 +25,7 @@ use crate::pins::{Download, repo_root};
 use crate::unpack;
 
 /// Debian/Ubuntu packages the suite needs, and why.
-const SYSTEM_PACKAGES: [(&str, &str); 13] = [
+const SYSTEM_PACKAGES: [(&str, &str); 14] = [
     (
         "build-essential",
         "C/C++ compilers for the IREE runtime and the shim",
@@ -35,6 +35,10 @@ const SYSTEM_PACKAGES: [(&str, &str); 13] = [
         "kiln-iree's build script reads the prefix's link recipe",
     ),
     ("libclang-dev", "bindgen"),
+    (
+        "clang-14",
+        "cargo xtask kernels: kiln's CUDA kernels' PTX from their source",
+    ),
     ("patch", "applies nix/iree-patches to the IREE source"),
     ("ca-certificates", "HTTPS downloads of the pinned inputs"),
     ("nix-bin", "nix-instantiate --parse for the Nix files"),

@@ -100,6 +100,9 @@ pub fn run(cache: &Cache, pins: &Pins, plan: &Plan) -> Result<()> {
         reusable: true,
     };
     steps.run("rustfmt", || cargo(&["fmt", "--all", "--check"], &[]))?;
+    steps.run("kernels' PTX from their source", || {
+        crate::kernels::run(true)
+    })?;
     if !plan.quick {
         let lint = |name, reads| Keyed {
             name,

@@ -1,0 +1,95 @@
+//! Kernels of kiln's own, for what IREE's code generation does not make
+//! fast: CUDA C under `crates/kiln-xla/kernels/`, compiled to PTX by `cargo
+//! xtask kernels` (the PTX is committed beside its source, so a build needs
+//! no CUDA compiler), embedded in the modules that dispatch them
+//! ([`Function::dispatch_extern`]) and assembled for the real GPU by its
+//! driver at load time, as IREE's own kernels are.
+
+use crate::q4::BLOCK;
+use crate::stablehlo::{ExternDispatch, ExternObject, Function, Ty, Val};
+
+/// The one-row q4 product (`kernels/q4_row.cu`).
+pub static Q4_ROW: ExternObject = ExternObject {
+    name: "kiln_q4_row",
+    ptx: include_str!("../kernels/q4_row.ptx"),
+};
+
+/// Every object a module may dispatch: [`crate::stablehlo::module`] adds
+/// the ones its functions use.
+pub static OBJECTS: [&ExternObject; 1] = [&Q4_ROW];
+
+/// Warps in one of [`Q4_ROW`]'s workgroups (`WARPS` in the source).
+const Q4_ROW_WARPS: usize = 8;
+
+/// The fewest workgroups a [`Q4_ROW`] product is given before a warp takes
+/// more than one row: about two per SM of an H200 (132). Rows per warp
+/// share the warp's rounding of the row; workgroups keep the SMs' loads in
+/// flight.
+const Q4_ROW_MIN_WORKGROUPS: usize = 256;
+
+/// Rows a warp takes in a product of `out` outputs: 4, 2 or 1, the most
+/// that still gives [`Q4_ROW_MIN_WORKGROUPS`].
+pub fn q4_rows_per_warp(out: usize) -> usize {
+    [4, 2]
+        .into_iter()
+        .find(|rows| out.div_ceil(rows * Q4_ROW_WARPS) >= Q4_ROW_MIN_WORKGROUPS)
+        .unwrap_or(1)
+}
+
+/// One f32 row `x` `[in]` times q4 weights (`quants` `[out, in / BLOCK,
+/// BLOCK]` i4, `scales` and `offsets` `[out, in / BLOCK]` f16) with
+/// [`Q4_ROW`]: `[out]` f32. The kernel rounds each block of the row to
+/// 16-bit levels, as the CPU graph's integer product does.
+pub fn q4_row(f: &mut Function, quants: &Val, scales: &Val, offsets: &Val, x: &Val) -> Val {
+    let (out, blocks) = (quants.shape[0], quants.shape[1]);
+    assert_eq!(quants.shape[2], BLOCK, "q4_row: block width");
+    assert_eq!(x.shape, [blocks * BLOCK], "q4_row: row shape");
+    let rows = q4_rows_per_warp(out);
+    let bytes = f.i4_as_bytes(quants);
+    let entry = format!("kiln_q4_row_{rows}");
+    f.dispatch_extern(
+        &ExternDispatch {
+            object: &Q4_ROW,
+            entry: &entry,
+            workgroups: out.div_ceil(rows * Q4_ROW_WARPS),
+            workgroup_size: Q4_ROW_WARPS * 32,
+            constants: &[out as u32, blocks as u32],
+        },
+        &[&bytes, scales, offsets, x],
+        &[out],
+        Ty::F32,
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The products of the shapes kiln serves get at least two workgroups
+    /// an SM where they have the rows for it, and the most rows a warp
+    /// that allows.
+    #[test]
+    fn q4_rows_per_warp_keep_the_gpu_busy() {
+        // TinyLlama: qkv, o and down, then gate-up and the head.
+        assert_eq!(q4_rows_per_warp(2560), 1);
+        assert_eq!(q4_rows_per_warp(2048), 1);
+        assert_eq!(q4_rows_per_warp(11264), 4);
+        assert_eq!(q4_rows_per_warp(32000), 4);
+        // Llama-3.1-8B's qkv, and random-100m's gate-up (the GPU test's).
+        assert_eq!(q4_rows_per_warp(6144), 2);
+        assert_eq!(q4_rows_per_warp(4096), 2);
+        // Too few outputs for even one workgroup an SM.
+        assert_eq!(q4_rows_per_warp(64), 1);
+    }
+
+    /// Each entry point the products use is in the PTX, which declares
+    /// the PTX version and target the driver needs.
+    #[test]
+    fn the_ptx_has_every_entry_point() {
+        for rows in [1, 2, 4] {
+            let entry = format!(".visible .entry kiln_q4_row_{rows}(");
+            assert!(Q4_ROW.ptx.contains(&entry), "{entry}");
+        }
+        assert!(Q4_ROW.ptx.contains("\n.target sm_80\n"));
+    }
+}

@@ -1,0 +1,96 @@
+//! `cargo xtask kernels`: kiln's own CUDA kernels
+//! (`crates/kiln-xla/kernels/*.cu`) compiled to the PTX committed beside
+//! them, which the modules embed. clang compiles them without CUDA's headers
+//! or nvcc; the PTX is sm_80's (the oldest GPU kiln's modules target), which
+//! the driver assembles for the real GPU at load time and `cargo xtask
+//! ptxas` assembles for every pinned capability. `--check` fails where the
+//! committed PTX is not what its source compiles to.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use anyhow::{Context, Result, anyhow};
+
+use crate::pins::repo_root;
+
+/// Debian 12's clang, whose output the committed PTX is.
+const CLANG: &str = "clang-14";
+
+/// The folder of the kernels' sources and PTX.
+pub fn folder() -> PathBuf {
+    repo_root().join("crates/kiln-xla/kernels")
+}
+
+/// Every kernel source, sorted.
+fn sources() -> Result<Vec<PathBuf>> {
+    let mut sources: Vec<PathBuf> = std::fs::read_dir(folder())?
+        .map(|entry| entry.map(|e| e.path()))
+        .collect::<std::io::Result<_>>()?;
+    sources.retain(|path| path.extension().is_some_and(|e| e == "cu"));
+    sources.sort();
+    Ok(sources)
+}
+
+/// `source`'s PTX: device code only, for sm_80 with PTX ISA 7.4 (for
+/// `ld.global.nc.L1::no_allocate`), no CUDA headers or libraries, and no
+/// contraction of a product and a sum into an FMA the source did not write.
+fn compile(source: &Path) -> Result<Vec<u8>> {
+    let output = Command::new(CLANG)
+        .args(["-x", "cuda", "--cuda-device-only", "--cuda-gpu-arch=sm_80"])
+        .args(["-nocudainc", "-nocudalib", "-Xclang", "-target-feature"])
+        .args([
+            "-Xclang",
+            "+ptx74",
+            "-O3",
+            "-ffp-contract=off",
+            "-S",
+            "-o",
+            "-",
+        ])
+        .arg(source)
+        .output()
+        .with_context(|| {
+            format!("cannot run {CLANG} (Debian/Ubuntu: apt-get install -y {CLANG})")
+        })?;
+    if !output.status.success() {
+        return Err(anyhow!(
+            "{CLANG} failed on {}:\n{}",
+            source.display(),
+            String::from_utf8_lossy(&output.stderr)
+        ));
+    }
+    Ok(output.stdout)
+}
+
+/// Writes each kernel's PTX, or with `check` fails where a committed one
+/// differs from it.
+pub fn run(check: bool) -> Result<()> {
+    let mut stale = Vec::new();
+    for source in sources()? {
+        let ptx_path = source.with_extension("ptx");
+        let ptx = compile(&source)?;
+        if check {
+            if std::fs::read(&ptx_path).ok().as_deref() != Some(ptx.as_slice()) {
+                stale.push(ptx_path.display().to_string());
+            }
+        } else {
+            std::fs::write(&ptx_path, &ptx)?;
+            println!("wrote {}", ptx_path.display());
+        }
+    }
+    if !stale.is_empty() {
+        return Err(anyhow!(
+            "not what their sources compile to: {} (run `cargo xtask kernels`)",
+            stale.join(", ")
+        ));
+    }
+    Ok(())
+}
+
+/// The committed PTX of every kernel, for `cargo xtask ptxas`.
+pub fn committed_ptx() -> Result<Vec<PathBuf>> {
+    Ok(sources()?
+        .into_iter()
+        .map(|source| source.with_extension("ptx"))
+        .collect())
+}
