@@ -35,4 +35,8 @@ done
 prepare --precision q4
 "$bin/kiln-bench-decode" --prepare --backend iree-cuda --model random-100m --max-context 64 \
     --precision f32 --precision f16 --precision q4 > /dev/null
+# q4 through kiln's own CUDA kernel (--q4-rows kernel), on both models.
+prepare --precision q4 --q4-rows kernel
+"$bin/kiln-bench-decode" --prepare --backend iree-cuda --model random-100m --max-context 64 \
+    --precision q4 --q4-rows kernel > /dev/null
 echo "prepared into $KILN_CACHE_DIR"

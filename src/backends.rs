@@ -104,6 +104,13 @@ pub struct BackendOptions {
     /// for iree-cpu).
     #[arg(long)]
     pub weight_layout: Option<String>,
+    /// How iree-cuda's one-row q4 products (decode) are computed:
+    /// `configured` (default: IREE's code generation with kiln's kernel
+    /// configuration, measured on the H200), `kernel` (kiln's own CUDA
+    /// kernel, kernels/q4_row.cu: not yet run on a GPU), or `integer` (the
+    /// CPU's form). For --precision q4 only.
+    #[arg(long, value_name = "FORM")]
+    pub q4_rows: Option<String>,
     /// An IREE runtime flag for the device's driver, as IREE's own tools
     /// take it (`--iree-flag=--cuda_allow_inline_execution=true`); repeat for
     /// several. For experiments: kiln's defaults are the measured best.
@@ -163,11 +170,17 @@ impl From<ActivationsKind> for kiln_cpu::Activations {
 /// `--threads` is for the backends that run on this machine's cores
 /// besides the f32 reference, which is one thread by design;
 /// `--activations` for cpu-q4, the one backend whose products take them
-/// either way.
+/// either way; `--q4-rows` for the IREE backends.
 fn check_threads(kind: BackendKind, options: &BackendOptions) -> Result<()> {
     if options.threads.is_some() && !matches!(kind, BackendKind::CpuQ4 | BackendKind::IreeCpu) {
         bail!(
             "--threads is for the cpu-q4 and iree-cpu backends; {} does not take it",
+            kind.name()
+        );
+    }
+    if options.q4_rows.is_some() && !matches!(kind, BackendKind::IreeCpu | BackendKind::IreeCuda) {
+        bail!(
+            "--q4-rows is for the IREE backends' q4 products; {} does not take it",
             kind.name()
         );
     }
@@ -277,9 +290,23 @@ pub fn target(kind: BackendKind) -> Result<kiln_xla::Target> {
 pub fn graph(target: kiln_xla::Target, options: &BackendOptions) -> Result<kiln_xla::GraphOptions> {
     let precision = parse_option("--precision", options.precision.as_deref())?;
     let layout = parse_option("--weight-layout", options.weight_layout.as_deref())?;
-    Ok(kiln_xla::GraphOptions::for_target(
-        target, precision, layout,
-    ))
+    let q4_rows: Option<kiln_xla::Q4Rows> = parse_option("--q4-rows", options.q4_rows.as_deref())?;
+    let mut graph = kiln_xla::GraphOptions::for_target(target, precision, layout);
+    if let Some(rows) = q4_rows {
+        if graph.precision != kiln_xla::Precision::Q4 {
+            bail!(
+                "--q4-rows is for --precision q4; {} has no 4-bit products",
+                graph.precision
+            );
+        }
+        if target == kiln_xla::Target::LlvmCpu && rows != kiln_xla::Q4Rows::Integer {
+            bail!(
+                "--q4-rows {rows} runs on NVIDIA GPUs (iree-cuda) only; iree-cpu's q4 products are integer"
+            );
+        }
+        graph.q4_rows = rows;
+    }
+    Ok(graph)
 }
 
 /// An optional option value parsed, an error naming the option otherwise.

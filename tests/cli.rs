@@ -317,6 +317,64 @@ fn activations_are_cpu_q4s_option() {
     );
 }
 
+/// `--q4-rows` is the IREE backends' q4 option: the CPU backends refuse
+/// it by name, iree-cpu refuses it at another precision and refuses the
+/// GPU's forms, and an unknown form is named with the known ones.
+#[test]
+fn q4_rows_is_the_iree_q4_option() {
+    let refused = |args: &[&str], expected: &str| {
+        let mut all = vec!["generate", "--max-tokens", "1"];
+        all.extend_from_slice(args);
+        all.push("x");
+        let out = kiln(&all);
+        assert!(!out.status.success(), "{args:?} was taken");
+        let err = stderr(&out);
+        assert!(
+            err.contains(expected) || err.contains("--features"),
+            "{args:?}: {err}"
+        );
+    };
+    for backend in ["cpu", "cpu-q4"] {
+        refused(
+            &["--backend", backend, "--q4-rows", "kernel"],
+            "--q4-rows is for the IREE backends' q4 products",
+        );
+    }
+    refused(
+        &[
+            "--backend",
+            "iree-cpu",
+            "--precision",
+            "f32",
+            "--q4-rows",
+            "integer",
+        ],
+        "--q4-rows is for --precision q4; f32 has no 4-bit products",
+    );
+    refused(
+        &[
+            "--backend",
+            "iree-cpu",
+            "--precision",
+            "q4",
+            "--q4-rows",
+            "kernel",
+        ],
+        "--q4-rows kernel runs on NVIDIA GPUs (iree-cuda) only",
+    );
+    refused(
+        &[
+            "--backend",
+            "iree-cpu",
+            "--precision",
+            "q4",
+            "--q4-rows",
+            "fast",
+        ],
+        "unknown q4 row product \"fast\" (integer, configured or kernel)",
+    );
+}
+
 /// kiln-bench-kernels times every kernel set of this CPU, the portable ones
 /// included, and refuses a width that is not whole blocks.
 #[test]

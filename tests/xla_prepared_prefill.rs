@@ -646,34 +646,56 @@ mod cuda {
     /// reference on its dequantized weights, 32 greedy steps.
     #[test]
     fn q4_weights_on_the_gpu_match_the_reference_on_their_dequantized_weights() {
-        q4_on_the_gpu(&Model::embedded(), 32);
+        q4_on_the_gpu(&Model::embedded(), 32, None);
     }
 
-    /// `model` (rounded to f16) at q4 on the GPU, within [`Q4_BOUND`] of
-    /// the reference on its dequantized weights for `steps` greedy steps.
-    fn q4_on_the_gpu(model: &Model, steps: usize) {
+    /// `model` (rounded to f16) at q4 on the GPU, its one-row products
+    /// `rows` (default: CUDA's), within [`Q4_BOUND`] of the reference on
+    /// its dequantized weights for `steps` greedy steps.
+    fn q4_on_the_gpu(model: &Model, steps: usize, rows: Option<Q4Rows>) {
         let model = rounded_to_f16(model);
-        let graph = GraphOptions::for_target(Target::Cuda, Some(Precision::Q4), None);
+        let mut graph = GraphOptions::for_target(Target::Cuda, Some(Precision::Q4), None);
+        if let Some(rows) = rows {
+            graph.q4_rows = rows;
+        }
         let reference = q4_reference(&model, graph.fold_norms);
         match open(&model, "cuda", Target::Cuda, graph, default_cache()) {
             Ok(mut xla) => {
                 let worst = agrees(&reference, &mut xla, Q4_BOUND, steps);
-                println!("{}: q4 worst |gpu - cpu| = {worst:e}", model.name);
+                println!(
+                    "{}: q4 ({}) worst |gpu - cpu| = {worst:e}",
+                    model.name, graph.q4_rows
+                );
             }
             Err(error) if error.to_string().contains("is not available") => no_device(&error),
             Err(error) => panic!("{error}"),
         }
     }
 
-    /// q4 on the GPU through kiln's kernel (`kernels/q4_row.cu`) at
-    /// every rows-per-warp choice: random-100m's qkv, o and down products
-    /// take one row a warp, its head four. Within [`Q4_BOUND`] of the
+    /// q4 on the GPU through kiln's kernel configuration: random-100m's
+    /// gate-up, down and head products are wide enough to carry it (4 rows
+    /// a workgroup over its 768-wide rows, 1 over the 2048-wide), its qkv
+    /// and o products take IREE's own form. Within [`Q4_BOUND`] of the
     /// reference on the dequantized weights, 8 greedy steps. Modules:
     /// `kiln-bench-decode --prepare --model random-100m --max-context 64
     /// --precision q4`.
     #[test]
+    fn q4_kernel_configuration_on_the_gpu_matches_the_reference() {
+        q4_on_the_gpu(&wide_vocabulary_model(), 8, None);
+    }
+
+    /// q4 through kiln's own CUDA kernel (`kernels/q4_row.cu`,
+    /// `--q4-rows kernel`) at every rows-per-warp choice: random-100m's
+    /// qkv, o and down products take one row a warp, its gate-up two, its
+    /// head four; the embedded model's narrow products one. Within
+    /// [`Q4_BOUND`] of the reference on the dequantized weights. Modules:
+    /// `kiln prepare --backend iree-cuda --max-context 64 --precision q4
+    /// --q4-rows kernel` and `kiln-bench-decode --prepare --model
+    /// random-100m --max-context 64 --precision q4 --q4-rows kernel`.
+    #[test]
     fn q4_kernel_on_the_gpu_matches_the_reference() {
-        q4_on_the_gpu(&wide_vocabulary_model(), 8);
+        q4_on_the_gpu(&Model::embedded(), 32, Some(Q4Rows::Kernel));
+        q4_on_the_gpu(&wide_vocabulary_model(), 8, Some(Q4Rows::Kernel));
     }
 
     #[test]

@@ -72,6 +72,11 @@ struct Args {
     /// only after (see `--no-pipeline`).
     #[arg(long, value_parser = ["on", "off"], default_values_t = ["on".to_string()])]
     pipeline: Vec<String>,
+    /// How q4's one-row products are computed, to measure (repeat for
+    /// several: configured, kernel, integer; see `kiln generate
+    /// --q4-rows`); applies to the q4 variants.
+    #[arg(long)]
+    q4_rows: Vec<String>,
     /// Greedy steps per call of the device to measure (repeat for several;
     /// see `--steps-per-call`).
     #[arg(long, default_values_t = [1])]
@@ -130,17 +135,24 @@ impl Args {
         };
         let mut out = Vec::new();
         for precision in some_or_default(&self.precision) {
+            let q4_rows = match precision.as_deref() {
+                Some("q4") => some_or_default(&self.q4_rows),
+                _ => vec![None],
+            };
             for layout in some_or_default(&self.weight_layout) {
                 for flags in &flag_sets {
                     for pipeline in &self.pipeline {
                         for &steps in &self.steps_per_call {
-                            let mut options = self.iree(precision.clone(), layout.clone());
-                            options.iree_flag =
-                                flags.split_whitespace().map(str::to_string).collect();
-                            options.no_pipeline = pipeline == "off";
-                            options.steps_per_call = steps;
-                            options.threads = self.threads;
-                            out.push(options);
+                            for rows in &q4_rows {
+                                let mut options = self.iree(precision.clone(), layout.clone());
+                                options.iree_flag =
+                                    flags.split_whitespace().map(str::to_string).collect();
+                                options.no_pipeline = pipeline == "off";
+                                options.steps_per_call = steps;
+                                options.threads = self.threads;
+                                options.q4_rows = rows.clone();
+                                out.push(options);
+                            }
                         }
                     }
                 }
@@ -156,6 +168,7 @@ impl Args {
             max_context: self.max_context,
             precision,
             weight_layout,
+            q4_rows: None,
             iree_flag: Vec::new(),
             no_pipeline: false,
             steps_per_call: 1,
@@ -393,8 +406,13 @@ fn describe(kind: BackendKind, options: &BackendOptions) -> Result<(String, Stri
 #[cfg(feature = "xla-iree")]
 fn iree_graph(kind: BackendKind, options: &BackendOptions) -> Result<(String, String, u64)> {
     let graph = backends::graph(backends::target(kind)?, options)?;
+    // A q4 variant names its row products where they are not the default.
+    let precision = match options.q4_rows {
+        Some(_) => format!("{}/{}", graph.precision, graph.q4_rows),
+        None => graph.precision.to_string(),
+    };
     Ok((
-        graph.precision.to_string(),
+        precision,
         graph.layout.to_string(),
         graph.precision.bits_per_weight() as u64,
     ))

@@ -186,32 +186,61 @@ pub struct GraphOptions {
     pub q4_rows: Q4Rows,
 }
 
-/// How a one-row q4 product is computed. Both round each block of the row
-/// to 16-bit levels of its largest magnitude and sum `level · value` in i32
-/// per block, scaling the sums after; the rounding is at most 1/65534 of
-/// the block's largest magnitude.
+/// How a one-row q4 product is computed.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Q4Rows {
-    /// In StableHLO and linalg, through IREE's code generation.
+    /// Each block of the row rounded to 16-bit levels of its largest
+    /// magnitude and `level · value` summed in i32, the sums scaled after
+    /// (at most 1/65534 of the block's largest magnitude off), in
+    /// StableHLO and linalg through IREE's code generation.
     Integer,
-    /// In kiln's CUDA kernel (`kernels/q4_row.cu`), dispatched as an
-    /// external object.
+    /// The row rounded to f16 and the product in f32, one linalg op that
+    /// carries kiln's kernel configuration for NVIDIA GPUs where its shape
+    /// has one, IREE's own choice elsewhere.
+    Configured,
+    /// [`Q4Rows::Integer`]'s arithmetic in kiln's own CUDA kernel
+    /// (`kernels/q4_row.cu`), dispatched as an external object.
     Kernel,
 }
 
-/// How `target` computes one-row q4 products. On the CPU, in integers
-/// through IREE: its code keeps an f32 sum over a block in order (floats
+impl std::str::FromStr for Q4Rows {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Q4Rows, String> {
+        match s {
+            "integer" => Ok(Q4Rows::Integer),
+            "configured" => Ok(Q4Rows::Configured),
+            "kernel" => Ok(Q4Rows::Kernel),
+            _ => Err(format!(
+                "unknown q4 row product {s:?} (integer, configured or kernel)"
+            )),
+        }
+    }
+}
+
+impl std::fmt::Display for Q4Rows {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Q4Rows::Integer => "integer",
+            Q4Rows::Configured => "configured",
+            Q4Rows::Kernel => "kernel",
+        })
+    }
+}
+
+/// How `target` computes one-row q4 products by default. On the CPU, in
+/// integers: IREE's CPU code keeps an f32 sum over a block in order (floats
 /// may not be reassociated) and unpacks i4 values one at a time, where
 /// integer sums vectorize and the bytes are unpacked with shifts (SmolLM2
 /// at q4 then decoded at 1.9x f16 on one thread, where it ran at
-/// 0.22-0.24x; docs/models.md). On CUDA, IREE's best configuration of the
-/// product moved about as many weights a second as the f16 kernel, not
-/// four times the bytes' worth (docs/perf-notes.md), so kiln's kernel,
-/// which sums with `dp2a` and reads each block's 16 bytes in one load.
+/// 0.22-0.24x; docs/models.md). On CUDA, the configured product, measured
+/// on the H200 (q4 decode at 0.97x f16). kiln's own kernel
+/// ([`Q4Rows::Kernel`]) has not run on a GPU yet: it is chosen with
+/// `--q4-rows kernel` until it has been measured and checked there.
 pub fn q4_rows_for(target: Target) -> Q4Rows {
     match target {
         Target::LlvmCpu => Q4Rows::Integer,
-        Target::Cuda => Q4Rows::Kernel,
+        Target::Cuda => Q4Rows::Configured,
     }
 }
 

@@ -383,14 +383,26 @@ fn dequantized(f: &mut Function, w: &Weight) -> Val {
 /// One f32 row `x` `[1, in]` times q4 `w`: `[1, out]`, in f32, as
 /// [`Dims::q4_rows`] says.
 fn q4_row_product(f: &mut Function, dm: &Dims, x: &Val, w: &Weight) -> Val {
+    let (quants, scales, offsets) = w.q4_parts("q4_row_product");
+    let (out, groups) = (quants.shape[0], quants.shape[1]);
     match dm.q4_rows {
         Q4Rows::Integer => q4_integer_row_product(f, x, w),
         Q4Rows::Kernel => {
-            let (quants, scales, offsets) = w.q4_parts("q4_row_product");
             let row = f.reshape(x, &[x.shape[1]]);
             let product = kernels::q4_row(f, quants, scales, offsets, &row);
-            f.reshape(&product, &[1, quants.shape[0]])
+            f.reshape(&product, &[1, out])
         }
+        // The row rounded to f16: half the bytes each lane reads beside
+        // its weights.
+        Q4Rows::Configured => match q4_row_kernel(out, groups) {
+            Some(info) => {
+                let row = f.convert(x, Ty::F16);
+                let row = f.reshape(&row, &[groups, BLOCK]);
+                let product = f.q4_row_product(quants, scales, offsets, &row, &info);
+                f.reshape(&product, &[1, out])
+            }
+            None => q4_row_product_untuned(f, x, w),
+        },
     }
 }
 
@@ -448,6 +460,59 @@ fn q4_integer_row_product(f: &mut Function, x: &Val, w: &Weight) -> Val {
     let terms = f.binary("add", &scaled, &shifted);
     let product = f.reduce("add", &terms, &[1], 0.0);
     f.reshape(&product, &[1, out])
+}
+
+/// The fewest workgroups [`q4_row_kernel`] gives a product: about four per
+/// SM of an H200 (132). Its workgroups are one 32-thread subgroup, and with
+/// 16 rows each SmolLM2's qkv product (960 outputs) would be 60 of them,
+/// fewer than the SMs; below this, IREE's own configuration (one row a
+/// workgroup) takes the product. (SmolLM2 decoded at 338-353 tok/s with
+/// every product configured, 349-355 with this bound: within the noise;
+/// docs/perf-notes.md.)
+const Q4_ROW_MIN_WORKGROUPS: usize = 512;
+
+/// The `compilation_info` of a one-row q4 product on CUDA, or `None` where
+/// its shape has none or too few workgroups. One 32-lane subgroup per
+/// workgroup; each lane takes whole blocks (one 16-byte load of values),
+/// `lanes` lanes side by side along a row's blocks and `32 / lanes` rows
+/// per workgroup. `lanes` must divide the row's block count (iree-compile
+/// did not finish on 32 lanes over 176 blocks), so it is the largest power
+/// of two up to 32 that does; the rows per workgroup must divide `out`.
+/// Measured on the H200 against IREE's own choice, on matrices far larger
+/// than L2: 131072×2048 0.287 against 0.628 ms, 262144×576 0.243 against
+/// 0.439 ms (docs/perf-notes.md).
+fn q4_row_kernel(out: usize, groups: usize) -> Option<String> {
+    let lanes = [32, 16, 8, 4, 2, 1]
+        .into_iter()
+        .find(|lanes| groups.is_multiple_of(*lanes))?;
+    let rows = 32 / lanes;
+    if !out.is_multiple_of(rows) || out / rows < Q4_ROW_MIN_WORKGROUPS {
+        return None;
+    }
+    // One row a workgroup: no thread tiling along the rows.
+    let thread_rows = usize::from(rows > 1);
+    Some(format!(
+        "#iree_codegen.compilation_info<lowering_config = #iree_gpu.lowering_config<{{\
+         lane_basis = [[{rows}, {lanes}, 1], [0, 1, 2]], partial_reduction = [0, {lanes}, {BLOCK}], \
+         subgroup_basis = [[1, 1, 1], [0, 1, 2]], thread = [{thread_rows}, 1, {BLOCK}], \
+         workgroup = [{rows}, 0, 0]}}>, translation_info = \
+         #iree_codegen.translation_info<pipeline = LLVMGPUVectorDistribute \
+         workgroup_size = [32, 1, 1] subgroup_size = 32>>"
+    ))
+}
+
+/// [`q4_row_product`] as StableHLO, for CUDA shapes [`q4_row_kernel`] has
+/// no configuration for: a product and a reduction over both block
+/// dimensions, which IREE fuses with the dequantization into one kernel
+/// that reads the packed values (one 4-bit value per lane per load).
+fn q4_row_product_untuned(f: &mut Function, x: &Val, w: &Weight) -> Val {
+    let values = dequantized(f, w);
+    let shape = values.shape.clone();
+    let row = f.reshape(x, &[shape[1], shape[2]]);
+    let row = f.broadcast(&row, &shape, &[1, 2]);
+    let terms = f.binary("multiply", &values, &row);
+    let out = f.reduce("add", &terms, &[1, 2], 0.0);
+    f.reshape(&out, &[1, shape[0]])
 }
 
 /// `x · w` of rows `x` `[n, in]` and weights `w` of one element type, laid
@@ -1491,6 +1556,36 @@ mod tests {
         assert_eq!(attention_rows_for(Target::LlvmCpu), 1);
     }
 
+    /// The q4 row kernel's lanes divide the row's blocks (iree-compile did
+    /// not finish otherwise) and its rows per workgroup divide the outputs;
+    /// where they cannot, there is no configuration.
+    #[test]
+    fn q4_row_kernels_fit_their_shapes() {
+        let lanes_rows = |out, groups| {
+            let info = q4_row_kernel(out, groups)?;
+            let basis = info.split("lane_basis = [[").nth(1).unwrap();
+            let v: Vec<usize> = basis
+                .split(']')
+                .next()
+                .unwrap()
+                .split(", ")
+                .map(|n| n.parse().unwrap())
+                .collect();
+            Some((v[1], v[0]))
+        };
+        // TinyLlama's products: the 2048-wide rows (64 blocks) and the
+        // 5632-wide ones of the down projection (176).
+        assert_eq!(lanes_rows(11264, 64), Some((32, 1)));
+        assert_eq!(lanes_rows(32000, 64), Some((32, 1)));
+        assert_eq!(lanes_rows(2048, 176), Some((16, 2)));
+        // SmolLM2's 576-wide rows (18 blocks): 16 rows a workgroup, which
+        // only the head has enough outputs for.
+        assert_eq!(lanes_rows(49152, 18), Some((2, 16)));
+        assert_eq!(lanes_rows(960, 18), None, "60 workgroups");
+        assert_eq!(lanes_rows(576, 48), None, "288 workgroups");
+        assert_eq!(lanes_rows(16 * 600 + 8, 18), None, "16 rows do not divide");
+    }
+
     /// The CPU's one-row q4 product in integers against the exact product
     /// of the dequantized weights and the row: within what rounding the row
     /// to 16-bit levels allows (half a level of each block's largest
@@ -1576,13 +1671,53 @@ mod tests {
         println!("worst error relative to Σ|w·x|: {worst:e}");
     }
 
-    /// Every one-row q4 product on CUDA is a dispatch of kiln's kernel,
-    /// whatever its shape, the kernel's PTX in the module once; the CPU's
-    /// products sum in integers over the values' bytes through IREE. Both
-    /// compile.
+    /// A one-row q4 product on CUDA carries the kernel configuration where
+    /// its shape has one, and is IREE's own fused form where not; both
+    /// compile. The CPU's products sum in integers over the values' bytes,
+    /// unconfigured.
+    #[test]
+    fn cuda_q4_rows_carry_their_kernel_configuration() {
+        let q4 = |target| GraphOptions::for_target(target, Some(Precision::Q4), None);
+        let configured = "attrs = {compilation_info = #iree_codegen.compilation_info";
+        // Every product with at least 512 workgroups: qkv 1536 rows, o and
+        // gate-up 1024, down 1024 of 512 inputs (2 rows a workgroup), the
+        // head 512.
+        let mut wide = config(16, 4);
+        (wide.hidden_size, wide.head_dim) = (1024, 64);
+        (wide.intermediate_size, wide.vocab_size) = (512, 512);
+        let cuda = decode_module(&wide, &q4(Target::Cuda), 64);
+        assert_eq!(cuda.matches(configured).count(), 4 + 1);
+        let cpu = decode_module(&wide, &q4(Target::LlvmCpu), 64);
+        assert_eq!(cpu.matches("linalg.generic").count(), 4 + 1);
+        assert_eq!(cpu.matches("flow.tensor.bitcast").count(), 4 + 1);
+        assert!(!cpu.contains("compilation_info"));
+        // Too few outputs everywhere: no configuration, no linalg.
+        let mut narrow = config(4, 2);
+        (narrow.hidden_size, narrow.head_dim) = (64, 16);
+        (narrow.intermediate_size, narrow.vocab_size) = (96, 64);
+        let small = decode_module(&narrow, &q4(Target::Cuda), 64);
+        assert!(!small.contains("linalg.generic"));
+        match crate::compiler::Compiler::from_env() {
+            Ok(compiler) => {
+                for module in [cuda, small] {
+                    compiler.compile(&module, Target::Cuda, &[]).unwrap();
+                }
+                compiler.compile(&cpu, Target::LlvmCpu, &[]).unwrap();
+            }
+            Err(e) => println!("skipped compiling for CUDA: {e}"),
+        }
+    }
+
+    /// With [`Q4Rows::Kernel`] every one-row q4 product on CUDA is a
+    /// dispatch of kiln's kernel, whatever its shape, the kernel's PTX in
+    /// the module once; the CPU's products sum in integers over the values'
+    /// bytes through IREE. Both compile.
     #[test]
     fn cuda_q4_rows_dispatch_kilns_kernel() {
-        let q4 = |target| GraphOptions::for_target(target, Some(Precision::Q4), None);
+        let q4 = |target| GraphOptions {
+            q4_rows: Q4Rows::Kernel,
+            ..GraphOptions::for_target(target, Some(Precision::Q4), None)
+        };
         let mut wide = config(16, 4);
         (wide.hidden_size, wide.head_dim) = (1024, 64);
         (wide.intermediate_size, wide.vocab_size) = (512, 512);
@@ -1598,7 +1733,8 @@ mod tests {
             assert!(!module.contains("linalg.generic"));
             cuda.push(module);
         }
-        let cpu = decode_module(&wide, &q4(Target::LlvmCpu), 64);
+        let cpu = GraphOptions::for_target(Target::LlvmCpu, Some(Precision::Q4), None);
+        let cpu = decode_module(&wide, &cpu, 64);
         assert_eq!(cpu.matches("linalg.generic").count(), products(&wide));
         assert!(!cpu.contains("hal.dispatch.extern"));
         assert!(!cpu.contains("dialect_resources"));
@@ -1642,8 +1778,11 @@ mod tests {
         use crate::backend::ModuleKind;
         let c = config(4, 2);
         let cuda = graph(Target::Cuda);
-        // At q4 every product is a dispatch of kiln's own kernel.
-        let q4 = GraphOptions::for_target(Target::Cuda, Some(Precision::Q4), None);
+        // At q4 through kiln's own kernel, every product is its dispatch.
+        let q4 = GraphOptions {
+            q4_rows: Q4Rows::Kernel,
+            ..GraphOptions::for_target(Target::Cuda, Some(Precision::Q4), None)
+        };
         let modules = [
             (ModuleKind::Decode, decode_module(&c, &cuda, 64)),
             (ModuleKind::Decode, decode_module(&c, &q4, 64)),

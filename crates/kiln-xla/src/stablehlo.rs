@@ -1,7 +1,7 @@
 //! A small builder of StableHLO text: SSA values with static shapes, one
 //! method per op kiln uses. It writes the MLIR assembly iree-compile reads
-//! (the q4 block sums are linalg, which iree-compile takes beside
-//! StableHLO, and kiln's own kernels are dispatched as HAL externs).
+//! (the q4 products are linalg, which iree-compile takes beside StableHLO,
+//! and kiln's own kernels are dispatched as HAL externs).
 
 use std::fmt::Write as _;
 
@@ -625,6 +625,69 @@ impl Function {
 }
 
 impl Function {
+    /// One row times a q4 matrix (see `crate::q4`), `[out]` f32: `Σ
+    /// (quants · scale + offset) · x` over each row's blocks, of `quants`
+    /// `[out, groups, block]` i4, `scales` and `offsets` `[out, groups]`
+    /// f16 and the row `x` `[groups, block]` f16. Written as one
+    /// `linalg.generic` (iree-compile takes linalg beside StableHLO) so that
+    /// `compilation_info`, the text of an `#iree_codegen.compilation_info`
+    /// attribute, sets how the kernel is distributed.
+    pub fn q4_row_product(
+        &mut self,
+        quants: &Val,
+        scales: &Val,
+        offsets: &Val,
+        x: &Val,
+        compilation_info: &str,
+    ) -> Val {
+        let out = quants.shape[0];
+        assert_eq!(x.shape, quants.shape[1..], "q4_row_product: row shape");
+        assert_eq!(scales.shape, quants.shape[..2], "q4_row_product: scales");
+        let result = tensor_type(&[out], Ty::F32);
+        let init = self.linalg_zeros(&[out], Ty::F32);
+        let attributes = format!(" attrs = {{compilation_info = {compilation_info}}}");
+        // Block arguments live in the enclosing function's namespace: a
+        // prefix unique to this op keeps them apart from other products'.
+        let p = format!("%q4r{}", self.next);
+        // The row's values in f32: an f16 row is widened in the body.
+        let (x_ty, widen_x, xf) = match x.ty {
+            Ty::F32 => ("f32", String::new(), format!("{p}x")),
+            _ => (
+                "f16",
+                format!("{p}xf = arith.extf {p}x : f16 to f32\n"),
+                format!("{p}xf"),
+            ),
+        };
+        let rhs = format!(
+            "linalg.generic {{indexing_maps = [affine_map<(d0, d1, d2) -> (d0, d1, d2)>, \
+             affine_map<(d0, d1, d2) -> (d0, d1)>, affine_map<(d0, d1, d2) -> (d0, d1)>, \
+             affine_map<(d0, d1, d2) -> (d1, d2)>, affine_map<(d0, d1, d2) -> (d0)>], \
+             iterator_types = [\"parallel\", \"reduction\", \"reduction\"]}} \
+             ins({}, {}, {}, {} : {}, {}, {}, {}) outs({} : {result}){attributes} {{\n\
+             ^bb0({p}q: i4, {p}s: f16, {p}o: f16, {p}x: {x_ty}, {p}acc: f32):\n\
+             {p}qf = arith.sitofp {p}q : i4 to f32\n\
+             {p}sf = arith.extf {p}s : f16 to f32\n\
+             {p}of = arith.extf {p}o : f16 to f32\n\
+             {widen_x}\
+             {p}scaled = arith.mulf {p}qf, {p}sf : f32\n\
+             {p}w = arith.addf {p}scaled, {p}of : f32\n\
+             {p}term = arith.mulf {p}w, {xf} : f32\n\
+             {p}sum = arith.addf {p}acc, {p}term : f32\n\
+             linalg.yield {p}sum : f32\n\
+             }} -> {result}",
+            quants.name,
+            scales.name,
+            offsets.name,
+            x.name,
+            quants.mlir_type(),
+            scales.mlir_type(),
+            offsets.mlir_type(),
+            x.mlir_type(),
+            init.name,
+        );
+        self.emit(&[out], Ty::F32, rhs)
+    }
+
     /// A tensor of zeros made the way a `linalg` op's accumulator is
     /// (`tensor.empty` then `linalg.fill`), for the ops written in linalg.
     fn linalg_zeros(&mut self, shape: &[usize], ty: Ty) -> Val {

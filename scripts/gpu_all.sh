@@ -1,0 +1,72 @@
+#!/usr/bin/env bash
+# What the GPU path is measured by, on an NVIDIA GPU machine without Rust,
+# from binaries and modules built and prepared elsewhere (docs/gpu.md):
+#
+#   tests   the GPU tests (`xla_prepared_prefill cuda::`, KILN_REQUIRE_GPU=1)
+#   decode  batch-1 decode of TinyLlama-1.1B's shape at f16 and q4 beside
+#           transformers, with the copy bandwidth (scripts/bench_gpu.py)
+#   server  kiln-server's aggregate tok/s at 1, 8 and 32 slots and
+#           concurrency 1, 8 and 32, 64-token answers, then 192-token ones
+#           at 1 and 32 (scripts/server_concurrency.sh)
+#   8b      batch-1 decode of Llama-3.1-8B's shape at f16 and q4 beside
+#           transformers (400 s, most of it writing the 16 GB folder)
+#
+#   BIN=dir KILN_CACHE_DIR=carried-cache PARTS="tests decode server" scripts/gpu_all.sh
+#
+# BIN holds xla_prepared_prefill (the test binary), kiln-bench-decode,
+# kiln-server and xtask, release builds with `--features cuda,xla-iree`.
+# The modules: scripts/prepare_gpu_tests.sh (tests), `kiln-bench-decode
+# --prepare --backend iree-cuda --model tinyllama-1.1b --max-context 640
+# --precision f16 --precision q4` (decode), `kiln prepare --backend
+# iree-cuda --model DIR --max-context 256` with `--batch-slots` 8, 32 and
+# without (server, DIR the folder `kiln-bench-decode --model
+# tinyllama-1.1b --write-model DIR` writes), and `kiln-bench-decode --prepare
+# --backend iree-cuda --model llama-3.1-8b --precision f16 --precision q4
+# --prompt-tokens 128 --max-context 640` (8b). A part whose command fails
+# is reported and the next one runs; the exit status is the worst.
+set -uo pipefail
+: "${BIN:?set BIN}" "${KILN_CACHE_DIR:?set KILN_CACHE_DIR}"
+export KILN_CACHE_DIR PYTHONUNBUFFERED=1 KILN_REQUIRE_GPU=1
+unset KILN_IREE_COMPILE
+here=$(cd "$(dirname "$0")" && pwd)
+status=0
+part() { echo; echo "== $1 ($(date -u +%H:%M:%S))"; }
+fail() { echo "!! $1 failed"; status=1; }
+
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm,clocks.max.mem --format=csv
+for p in ${PARTS:-tests decode server 8b}; do
+    case $p in
+    tests)
+        part "GPU tests"
+        "$BIN/xla_prepared_prefill" cuda:: --nocapture --test-threads 1 2>&1 |
+            grep -E "^test |worst|result|panicked|skipped" || fail tests
+        ;;
+    decode)
+        part "batch-1 decode, TinyLlama-1.1B's shape"
+        python3 "$here/bench_gpu.py" --kiln-bench "$BIN/kiln-bench-decode" \
+            --precision f16 q4 --hf-dtype float16 --prompt 16 --decode 256 --repeat 1 ||
+            fail decode
+        ;;
+    server)
+        part "kiln-server, TinyLlama-1.1B's shape, f16"
+        model=/tmp/kiln-tinyllama-1.1b
+        [ -f "$model/config.json" ] ||
+            "$BIN/kiln-bench-decode" --model tinyllama-1.1b --write-model "$model"
+        python3 "$here/word_tokenizer.py" "$model"
+        common=(SERVER="$BIN/kiln-server" LOAD="$BIN/xtask" MODEL_ID=kiln-tinyllama-1.1b
+            LOAD_ARGS=--allow-divergence
+            SERVER_ARGS="--backend iree-cuda --model $model --max-context 256")
+        env "${common[@]}" SLOTS="1 8 32" CONCURRENCY="1 8 32" "$here/server_concurrency.sh" ||
+            fail "server (64 tokens)"
+        env "${common[@]}" MAX_TOKENS=192 SLOTS="1 32" CONCURRENCY="1 32" \
+            "$here/server_concurrency.sh" || fail "server (192 tokens)"
+        ;;
+    8b)
+        part "batch-1 decode, Llama-3.1-8B's shape"
+        python3 "$here/bench_gpu.py" --kiln-bench "$BIN/kiln-bench-decode" --preset llama-3.1-8b \
+            --precision f16 q4 --hf-dtype float16 --prompt 128 --decode 64 --repeat 2 || fail 8b
+        ;;
+    *) echo "unknown part: $p"; exit 2 ;;
+    esac
+done
+exit $status
