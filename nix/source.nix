@@ -1,5 +1,5 @@
 # Exactly what the Rust build reads: Cargo files and Rust sources, the C shim,
-# the pin file and the IREE CMake project, the test fixtures. Editing the
+# kiln's CUDA kernels (their PTX is embedded in the binaries), the pin file and the IREE CMake project, the test fixtures. Editing the
 # README, the docs, a workflow or a Nix file rebuilds nothing. With
 # `forTests`, also what the tests read beyond it (nix/test-data.json: the
 # workflows, the CI scripts and the IREE patches xtask's tests check).
@@ -17,6 +17,7 @@ lib.fileset.toSource {
     [
       (craneLib.fileset.commonCargoSources ../.)
       ../crates/kiln-iree/csrc
+      ../crates/kiln-xla/kernels
       ./pins.json
       ./iree-prefix
       ../tests/fixtures
