@@ -5,6 +5,8 @@
 #   tests   the GPU tests (`xla_prepared_prefill cuda::`, KILN_REQUIRE_GPU=1)
 #   decode  batch-1 decode of TinyLlama-1.1B's shape at f16 and q4 beside
 #           transformers, with the copy bandwidth (scripts/bench_gpu.py)
+#   q4      TinyLlama-1.1B's shape at q4, IREE's configured products against
+#           kiln's own kernel (--q4-rows), in one process, twice
 #   server  kiln-server's aggregate tok/s at 1, 8 and 32 slots and
 #           concurrency 1, 8 and 32, 64-token answers, then 192-token ones
 #           at 1 and 32 (scripts/server_concurrency.sh)
@@ -17,7 +19,8 @@
 # kiln-server and xtask, release builds with `--features cuda,xla-iree`.
 # The modules: scripts/prepare_gpu_tests.sh (tests), `kiln-bench-decode
 # --prepare --backend iree-cuda --model tinyllama-1.1b --max-context 640
-# --precision f16 --precision q4` (decode), `kiln prepare --backend
+# --precision f16 --precision q4` (decode; for q4, the same with
+# `--precision q4 --q4-rows kernel` too), `kiln prepare --backend
 # iree-cuda --model DIR --max-context 256` with `--batch-slots` 8, 32 and
 # without (server, DIR the folder `kiln-bench-decode --model
 # tinyllama-1.1b --write-model DIR` writes), and `kiln-bench-decode --prepare
@@ -34,7 +37,7 @@ part() { echo; echo "== $1 ($(date -u +%H:%M:%S))"; }
 fail() { echo "!! $1 failed"; status=1; }
 
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm,clocks.max.mem --format=csv
-for p in ${PARTS:-tests decode server 8b}; do
+for p in ${PARTS:-tests decode q4 server 8b}; do
     case $p in
     tests)
         part "GPU tests"
@@ -46,6 +49,18 @@ for p in ${PARTS:-tests decode server 8b}; do
         python3 "$here/bench_gpu.py" --kiln-bench "$BIN/kiln-bench-decode" \
             --precision f16 q4 --hf-dtype float16 --prompt 16 --decode 256 --repeat 1 ||
             fail decode
+        ;;
+    q4)
+        part "q4 row products, TinyLlama-1.1B's shape"
+        model=/tmp/kiln-tinyllama-1.1b
+        [ -f "$model/config.json" ] ||
+            "$BIN/kiln-bench-decode" --model tinyllama-1.1b --write-model "$model"
+        for round in 1 2; do
+            echo "round $round"
+            "$BIN/kiln-bench-decode" --backend iree-cuda --model "$model" --max-context 640 \
+                --prompt-tokens 16 --decode-tokens 256 --precision q4 \
+                --q4-rows configured --q4-rows kernel | grep -v '^[][{} ]' || fail q4
+        done
         ;;
     server)
         part "kiln-server, TinyLlama-1.1B's shape, f16"
