@@ -66,7 +66,8 @@ struct Host {
 }
 
 fn find_host(cache: &Cache) -> Result<Host> {
-    for (program, package) in [
+    // Every missing program named at once, so that one install fixes it.
+    let missing: Vec<(&str, &str)> = [
         ("nix-build", "nix-bin"),
         ("jq", "jq"),
         ("zstd", "zstd"),
@@ -75,12 +76,18 @@ fn find_host(cache: &Cache) -> Result<Host> {
         ("patchelf", "patchelf"),
         ("pkg-config", "pkg-config"),
         ("curl", "curl"),
-    ] {
-        which(program).map_err(|_| {
-            anyhow!(
-                "the Nix build's host package set needs {program}: apt-get install -y {package}"
-            )
-        })?;
+    ]
+    .into_iter()
+    .filter(|(program, _)| which(program).is_err())
+    .collect();
+    if !missing.is_empty() {
+        let programs: Vec<&str> = missing.iter().map(|(program, _)| *program).collect();
+        let packages: Vec<&str> = missing.iter().map(|(_, package)| *package).collect();
+        return Err(anyhow!(
+            "the Nix build's host package set needs {}: apt-get install -y {}",
+            programs.join(", "),
+            packages.join(" ")
+        ));
     }
     let sysroot = output(Command::new("rustc").args(["--print", "sysroot"]))?;
     let version_line = output(Command::new("rustc").arg("--version"))?;
