@@ -110,13 +110,15 @@ in
       '';
 
   # "sm_121" as a property of kiln's kernels: every module kiln prepares for
-  # its embedded model and TinyLlama's shape, assembled by the pinned CUDA's
-  # ptxas for each pinned capability (the twin: `cargo xtask ptxas`).
+  # its embedded model and TinyLlama's shape, and kiln's own kernels'
+  # committed PTX, assembled by the pinned CUDA's ptxas for each pinned
+  # capability (the twin: `cargo xtask ptxas`).
   ptxas = pkgs.runCommand "kiln-ptxas" { nativeBuildInputs = [ xtask ]; } ''
     xtask ptxas --pins ${./pins.json} --out $out \
       --bench ${packages.kiln-unwrapped}/bin/kiln-bench-decode \
       --compiler ${lib.getExe iree-compiler} \
-      --ptxas ${lib.getBin pkgs.cudaPackages.cuda_nvcc}/bin/ptxas
+      --ptxas ${lib.getBin pkgs.cudaPackages.cuda_nvcc}/bin/ptxas \
+      --kernels ${../crates/kiln-xla/kernels}
   '';
 
   # The release binaries built a second time, sharing nothing with the first

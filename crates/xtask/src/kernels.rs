@@ -21,9 +21,10 @@ pub fn folder() -> PathBuf {
     repo_root().join("crates/kiln-xla/kernels")
 }
 
-/// Every kernel source, sorted.
-fn sources() -> Result<Vec<PathBuf>> {
-    let mut sources: Vec<PathBuf> = std::fs::read_dir(folder())?
+/// Every kernel source in `folder`, sorted.
+fn sources(folder: &Path) -> Result<Vec<PathBuf>> {
+    let mut sources: Vec<PathBuf> = std::fs::read_dir(folder)
+        .with_context(|| format!("cannot read {}", folder.display()))?
         .map(|entry| entry.map(|e| e.path()))
         .collect::<std::io::Result<_>>()?;
     sources.retain(|path| path.extension().is_some_and(|e| e == "cu"));
@@ -66,7 +67,7 @@ fn compile(source: &Path) -> Result<Vec<u8>> {
 /// differs from it.
 pub fn run(check: bool) -> Result<()> {
     let mut stale = Vec::new();
-    for source in sources()? {
+    for source in sources(&folder())? {
         let ptx_path = source.with_extension("ptx");
         let ptx = compile(&source)?;
         if check {
@@ -87,9 +88,9 @@ pub fn run(check: bool) -> Result<()> {
     Ok(())
 }
 
-/// The committed PTX of every kernel, for `cargo xtask ptxas`.
-pub fn committed_ptx() -> Result<Vec<PathBuf>> {
-    Ok(sources()?
+/// The committed PTX of every kernel in `folder`, for `cargo xtask ptxas`.
+pub fn committed_ptx(folder: &Path) -> Result<Vec<PathBuf>> {
+    Ok(sources(folder)?
         .into_iter()
         .map(|source| source.with_extension("ptx"))
         .collect())

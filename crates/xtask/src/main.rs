@@ -190,6 +190,10 @@ enum Task {
         /// ptxas (default: the pinned nvcc wheel's).
         #[arg(long)]
         ptxas: Option<PathBuf>,
+        /// The folder of kiln's own kernels and their PTX (default: this
+        /// checkout's crates/kiln-xla/kernels).
+        #[arg(long)]
+        kernels: Option<PathBuf>,
         /// The pin file (default: this checkout's).
         #[arg(long)]
         pins: Option<PathBuf>,
@@ -320,6 +324,7 @@ fn run(cli: Cli) -> Result<()> {
             bench,
             compiler,
             ptxas,
+            kernels,
             pins,
             out,
         } => {
@@ -337,6 +342,7 @@ fn run(cli: Cli) -> Result<()> {
                     Some(path) => path,
                     None => ptxas::pinned_ptxas(&Cache::open()?, &pins)?,
                 },
+                kernels: kernels.unwrap_or_else(kernels::folder),
             };
             let out = out.unwrap_or_else(|| crate::pins::repo_root().join("target/ptxas"));
             ptxas::run(&tools, &pins.cuda.capabilities, &out)?;

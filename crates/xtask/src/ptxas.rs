@@ -27,11 +27,13 @@ const MODELS: [&str; 2] = ["embedded", "tinyllama-1.1b"];
 const PRECISIONS: [&str; 2] = ["f32", "f16"];
 
 /// What to run: kiln-bench-decode (its `--prepare` compiles every module a
-/// model needs), the compiler and ptxas.
+/// model needs), the compiler and ptxas; and the folder of kiln's own
+/// kernels, whose PTX the modules embed as it is.
 pub struct Tools {
     pub bench: PathBuf,
     pub compiler: PathBuf,
     pub ptxas: PathBuf,
+    pub kernels: PathBuf,
 }
 
 #[derive(Serialize)]
@@ -154,7 +156,7 @@ pub fn run(tools: &Tools, capabilities: &[String], out: &Path) -> Result<()> {
         ));
     }
     // kiln's own kernels, which the modules embed as they are.
-    ptx_files.extend(crate::kernels::committed_ptx()?);
+    ptx_files.extend(crate::kernels::committed_ptx(&tools.kernels)?);
 
     let mut kernels = Vec::new();
     let mut rejected = Vec::new();
@@ -163,7 +165,7 @@ pub fn run(tools: &Tools, capabilities: &[String], out: &Path) -> Result<()> {
         for (index, ptx) in ptx_files.iter().enumerate() {
             // Every module's file has the same name; number them. kiln's
             // own kernels go by their file's name.
-            let module = match ptx.strip_prefix(crate::kernels::folder()) {
+            let module = match ptx.strip_prefix(&tools.kernels) {
                 Ok(file) => file.display().to_string(),
                 Err(_) => format!("module{index}"),
             };

@@ -211,6 +211,7 @@ pub fn run(cache: &Cache, pins: &Pins, plan: &Plan) -> Result<()> {
                 bench: crate::ptxas::build_bench(&cuda_prefix)?,
                 compiler: compiler.clone(),
                 ptxas: crate::ptxas::pinned_ptxas(cache, pins)?,
+                kernels: crate::kernels::folder(),
             };
             crate::ptxas::run(
                 &tools,
