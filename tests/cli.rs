@@ -340,39 +340,33 @@ fn q4_rows_is_the_iree_q4_option() {
             "--q4-rows is for the IREE backends' q4 products",
         );
     }
-    refused(
-        &[
-            "--backend",
-            "iree-cpu",
-            "--precision",
+    for (precision, form, expected) in [
+        (
             "f32",
-            "--q4-rows",
             "integer",
-        ],
-        "--q4-rows is for --precision q4; f32 has no 4-bit products",
-    );
-    refused(
-        &[
-            "--backend",
-            "iree-cpu",
-            "--precision",
+            "--q4-rows is for --precision q4; f32 has no 4-bit products",
+        ),
+        (
             "q4",
-            "--q4-rows",
             "kernel",
-        ],
-        "--q4-rows kernel runs on NVIDIA GPUs (iree-cuda) only",
-    );
-    refused(
-        &[
+            "--q4-rows kernel runs on NVIDIA GPUs (iree-cuda) only",
+        ),
+        (
+            "q4",
+            "fast",
+            "unknown q4 row product \"fast\" (integer, configured or kernel)",
+        ),
+    ] {
+        let args = [
             "--backend",
             "iree-cpu",
             "--precision",
-            "q4",
+            precision,
             "--q4-rows",
-            "fast",
-        ],
-        "unknown q4 row product \"fast\" (integer, configured or kernel)",
-    );
+            form,
+        ];
+        refused(&args, expected);
+    }
 }
 
 /// kiln-bench-kernels times every kernel set of this CPU, the portable ones
