@@ -26,18 +26,19 @@
 // consecutive bytes). Bindings: quants (bytes), scales, offsets (f16), x
 // (f32), y (f32); constants: outputs, blocks a row.
 
+typedef unsigned int u32;
+typedef unsigned short u16;
+#define WARPS 8
+
+#ifndef KILN_HOST_CHECK
 // Without CUDA's headers, what they would define.
 #define __device__ __attribute__((device))
 #define __global__ __attribute__((global))
 #define __forceinline__ __inline__ __attribute__((always_inline))
-typedef unsigned int u32;
-typedef unsigned short u16;
 typedef unsigned long size_t;
 struct __attribute__((aligned(16))) float4 {
     float x, y, z, w;
 };
-
-#define WARPS 8
 #define GLOBAL extern "C" __global__ __attribute__((launch_bounds(WARPS * 32)))
 
 static __device__ __forceinline__ u32 dp2a_lo(u32 levels, u32 bytes, u32 acc) {
@@ -71,6 +72,11 @@ static __device__ __forceinline__ void load_values(const u32 *p, u32 v[4]) {
                  : "=r"(v[0]), "=r"(v[1]), "=r"(v[2]), "=r"(v[3])
                  : "l"(p));
 }
+#else
+// The host's build for kiln-xla's test of this file's arithmetic
+// (`kernels::tests`): the instructions above as PTX defines them.
+#include "q4_row_host.h"
+#endif
 
 // Adding 1.5 · 2^23 to |t| ≤ 2^22 leaves round-to-nearest-even(t) in the
 // low bits, in two's complement: its low 16 bits are the level as an i16.
@@ -148,21 +154,20 @@ static __device__ __forceinline__ int block_dot(const u32 w[4], const Block &blo
     return (int)acc - 8 * block.level_sum;
 }
 
+// Lane `lane`'s share of the ROWS outputs from `first`: its blocks' sums.
 template <int ROWS>
-static __device__ __forceinline__ void q4_row(const u32 *quants, const u16 *scales,
-                                              const u16 *offsets, const float *x, float *y,
-                                              u32 outputs, u32 blocks) {
-    u32 lane = __nvvm_read_ptx_sreg_tid_x() & 31;
-    u32 warp = __nvvm_read_ptx_sreg_tid_x() >> 5;
-    u32 first = (__nvvm_read_ptx_sreg_ctaid_x() * WARPS + warp) * ROWS;
-    float acc[ROWS];
+static __device__ __forceinline__ void lane_sums(const u32 *quants, const u16 *scales,
+                                                 const u16 *offsets, const float *x,
+                                                 u32 outputs, u32 blocks, u32 first, u32 lane,
+                                                 float acc[ROWS]) {
 #pragma unroll
     for (int r = 0; r < ROWS; r++)
         acc[r] = 0.0f;
     for (u32 b = lane; b < blocks; b += 32) {
         u32 w[ROWS][4];
         float scale[ROWS], offset[ROWS];
-        // Every row's loads first, so that they are in flight together.
+        // Every row's loads first, so that they are in flight together. A
+        // row past the end reads the last one's and is not written.
 #pragma unroll
         for (int r = 0; r < ROWS; r++) {
             u32 row = first + r < outputs ? first + r : outputs - 1;
@@ -179,6 +184,18 @@ static __device__ __forceinline__ void q4_row(const u32 *quants, const u16 *scal
             acc[r] += (dot * block.step) * scale[r] + offset[r] * block.sum;
         }
     }
+}
+
+#ifndef KILN_HOST_CHECK
+template <int ROWS>
+static __device__ __forceinline__ void q4_row(const u32 *quants, const u16 *scales,
+                                              const u16 *offsets, const float *x, float *y,
+                                              u32 outputs, u32 blocks) {
+    u32 lane = __nvvm_read_ptx_sreg_tid_x() & 31;
+    u32 warp = __nvvm_read_ptx_sreg_tid_x() >> 5;
+    u32 first = (__nvvm_read_ptx_sreg_ctaid_x() * WARPS + warp) * ROWS;
+    float acc[ROWS];
+    lane_sums<ROWS>(quants, scales, offsets, x, outputs, blocks, first, lane, acc);
 #pragma unroll
     for (int r = 0; r < ROWS; r++) {
 #pragma unroll
@@ -203,3 +220,4 @@ GLOBAL void kiln_q4_row_4(const u32 *quants, const u16 *scales, const u16 *offse
                           const float *x, float *y, u32 outputs, u32 blocks) {
     q4_row<4>(quants, scales, offsets, x, y, outputs, blocks);
 }
+#endif

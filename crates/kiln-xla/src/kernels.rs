@@ -82,6 +82,63 @@ mod tests {
         assert_eq!(q4_rows_per_warp(64), 1);
     }
 
+    /// `kernels/q4_row.cu`'s arithmetic built for the host
+    /// (`q4_row_host.cpp`, the GPU instructions as the PTX ISA defines
+    /// them, every lane of the grid in turn) against the exact product
+    /// within what rounding the row to 16-bit levels allows, at 1, 2 and 4
+    /// rows a warp: a last warp with rows past the end, lanes with no block
+    /// and lanes with two, blocks of very different magnitudes and of zeros.
+    /// The instructions themselves run on a GPU only
+    /// (`cuda::q4_kernel_on_the_gpu_matches_the_reference`).
+    #[test]
+    fn q4_row_arithmetic_on_the_host_is_within_the_rows_rounding() {
+        use std::io::Write;
+        use std::process::{Command, Stdio};
+        let dir = tempfile::tempdir().unwrap();
+        let exe = dir.path().join("q4_row_host");
+        let source = concat!(env!("CARGO_MANIFEST_DIR"), "/kernels/q4_row_host.cpp");
+        let compiler = std::env::var("CXX").unwrap_or_else(|_| "c++".to_string());
+        let status = Command::new(&compiler)
+            .args(["-O2", "-std=c++17", "-ffp-contract=off", "-Wall", "-Werror"])
+            .args(["-Wno-unknown-pragmas", "-o"])
+            .arg(&exe)
+            .arg(source)
+            .status()
+            .unwrap_or_else(|e| panic!("cannot run the C++ compiler {compiler}: {e}"));
+        assert!(status.success(), "{compiler} failed on {source}");
+        for (rows_per_warp, outputs, blocks) in [(1, 37, 3), (2, 300, 40), (4, 300, 40), (4, 70, 1)]
+        {
+            let (q, x) = crate::q4::row_check::case(outputs, blocks);
+            let mut input = Vec::new();
+            for v in [rows_per_warp, outputs as u32, blocks as u32] {
+                input.extend(v.to_le_bytes());
+            }
+            input.extend(&q.quants);
+            for v in q.scales.iter().chain(&q.offsets) {
+                input.extend(v.to_bits().to_le_bytes());
+            }
+            for v in &x {
+                input.extend(v.to_le_bytes());
+            }
+            let mut child = Command::new(&exe)
+                .stdin(Stdio::piped())
+                .stdout(Stdio::piped())
+                .spawn()
+                .unwrap();
+            child.stdin.take().unwrap().write_all(&input).unwrap();
+            let out = child.wait_with_output().unwrap();
+            assert!(out.status.success(), "{:?}", out.status);
+            let got: Vec<f32> = out
+                .stdout
+                .chunks_exact(4)
+                .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
+                .collect();
+            // LEVELS in the source.
+            let worst = crate::q4::row_check::worst_error(&q, &x, &got, 32767.0);
+            println!("{rows_per_warp} rows a warp, {outputs}x{blocks} blocks: worst {worst:e}");
+        }
+    }
+
     /// Each entry point the products use is in the PTX, which declares
     /// the PTX version and target the driver needs.
     #[test]

@@ -1587,38 +1587,20 @@ mod tests {
     }
 
     /// The CPU's one-row q4 product in integers against the exact product
-    /// of the dequantized weights and the row: within what rounding the row
-    /// to 16-bit levels allows (half a level of each block's largest
-    /// magnitude per input, times the weight), on blocks of very different
-    /// magnitudes, a block of zeros and negative values. A swapped nibble,
-    /// a wrong sign or a missing offset term is orders of magnitude beyond.
+    /// of the dequantized weights and the row, within what rounding the row
+    /// to 16-bit levels allows (`q4::row_check`), on blocks of very
+    /// different magnitudes, a block of zeros and negative values.
     #[test]
     fn q4_integer_rows_are_within_the_rows_rounding_of_the_exact_product() {
         use crate::compiler::Compiler;
-        use kiln_core::weights::Matrix;
         use kiln_iree::{Instance, Tensor};
-        let (rows, cols) = (48, 3 * BLOCK);
-        let m = Matrix {
-            rows,
-            cols,
-            data: (0..rows * cols)
-                .map(|i| ((i * 7919 % 1000) as f32 / 500.0 - 1.0) * 0.05)
-                .collect(),
-        };
-        let q = crate::q4::Q4Matrix::quantize(&m).unwrap();
-        let w = q.dequantize();
-        // Block 0 small, block 1 zeros, block 2 large.
-        let x: Vec<f32> = (0..cols)
-            .map(|i| match i / BLOCK {
-                0 => ((i * 31 % 17) as f32 - 8.0) * 1e-4,
-                1 => 0.0,
-                _ => ((i * 13 % 29) as f32 - 14.0) * 7.0,
-            })
-            .collect();
+        let (rows, blocks) = (48, 3);
+        let (q, x) = crate::q4::row_check::case(rows, blocks);
+        let cols = blocks * BLOCK;
         let mut f = Function::new("row");
-        let quants = f.param(&[rows, cols / BLOCK, BLOCK], Ty::I4);
-        let scales = f.param(&[rows, cols / BLOCK], Ty::F16);
-        let offsets = f.param(&[rows, cols / BLOCK], Ty::F16);
+        let quants = f.param(&[rows, blocks, BLOCK], Ty::I4);
+        let scales = f.param(&[rows, blocks], Ty::F16);
+        let offsets = f.param(&[rows, blocks], Ty::F16);
         let row = f.param(&[1, cols], Ty::F32);
         let weight = Weight::Q4 {
             quants,
@@ -1631,43 +1613,16 @@ mod tests {
         let vmfb = compiler.compile(&mlir, Target::LlvmCpu, &[]).unwrap();
         let device = Instance::new().unwrap().device("local-task").unwrap();
         let module = device.load_module(&vmfb).unwrap();
-        let blocks = [rows as i64, (cols / BLOCK) as i64];
+        let shape = [rows as i64, blocks as i64];
         let inputs = [
-            Tensor::i4_packed(&[rows as i64, blocks[1], BLOCK as i64], q.quants.clone()).unwrap(),
-            Tensor::f16(&blocks, q.scales.clone()).unwrap(),
-            Tensor::f16(&blocks, q.offsets.clone()).unwrap(),
+            Tensor::i4_packed(&[shape[0], shape[1], BLOCK as i64], q.quants.clone()).unwrap(),
+            Tensor::f16(&shape, q.scales.clone()).unwrap(),
+            Tensor::f16(&shape, q.offsets.clone()).unwrap(),
             Tensor::f32(&[1, cols as i64], x.clone()).unwrap(),
         ];
         let out = module.call("row", &inputs).unwrap();
         let got = out[0].as_f32().unwrap();
-        let largest: Vec<f64> = x
-            .chunks(BLOCK)
-            .map(|b| b.iter().fold(0.0f64, |a, v| a.max(v.abs() as f64)))
-            .collect();
-        let mut worst = 0.0f64;
-        for (n, (weights, &value)) in w.data.chunks(cols).zip(got).enumerate() {
-            let exact: f64 = weights
-                .iter()
-                .zip(&x)
-                .map(|(&a, &b)| a as f64 * b as f64)
-                .sum();
-            let magnitude: f64 = weights
-                .iter()
-                .zip(&x)
-                .map(|(a, b)| (a * b).abs() as f64)
-                .sum();
-            let rounding: f64 = weights
-                .iter()
-                .enumerate()
-                .map(|(i, a)| a.abs() as f64 * largest[i / BLOCK] / ROW_LEVELS / 2.0)
-                .sum();
-            let error = (value as f64 - exact).abs();
-            assert!(
-                error <= rounding + 1e-6 * magnitude,
-                "output {n}: {value} against {exact}, error {error:e} beyond {rounding:e}"
-            );
-            worst = worst.max(error / magnitude);
-        }
+        let worst = crate::q4::row_check::worst_error(&q, &x, &got, ROW_LEVELS);
         println!("worst error relative to Σ|w·x|: {worst:e}");
     }
 

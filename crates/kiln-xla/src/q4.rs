@@ -142,6 +142,76 @@ pub fn device_weights(w: &Weights, fold_norms: bool) -> Result<Weights, Q4Error>
     })
 }
 
+/// A one-row q4 product's test case and its check, for every form of the
+/// product (`llama`'s integer graph, `kernels`' CUDA kernel on the host).
+#[cfg(test)]
+pub(crate) mod row_check {
+    use super::{BLOCK, Q4Matrix};
+    use kiln_core::weights::Matrix;
+
+    /// Weights of `rows` outputs over `blocks` blocks, and a row whose
+    /// blocks cycle through small, zero and large values (negative ones
+    /// among them).
+    pub fn case(rows: usize, blocks: usize) -> (Q4Matrix, Vec<f32>) {
+        let cols = blocks * BLOCK;
+        let m = Matrix {
+            rows,
+            cols,
+            data: (0..rows * cols)
+                .map(|i| ((i * 7919 % 1000) as f32 / 500.0 - 1.0) * 0.05)
+                .collect(),
+        };
+        let x = (0..cols)
+            .map(|i| match i / BLOCK % 3 {
+                0 => ((i * 31 % 17) as f32 - 8.0) * 1e-4,
+                1 => 0.0,
+                _ => ((i * 13 % 29) as f32 - 14.0) * 7.0,
+            })
+            .collect();
+        (Q4Matrix::quantize(&m).unwrap(), x)
+    }
+
+    /// Asserts each of `got` is the exact product of the dequantized
+    /// weights and `x` within what rounding the row to 16-bit levels allows
+    /// (half a level of each block's largest magnitude per input, times the
+    /// weight; `levels` the largest level); returns the worst error relative
+    /// to `Σ|w·x|`. A swapped nibble, a wrong sign or a missing offset term
+    /// is orders of magnitude beyond.
+    pub fn worst_error(q: &Q4Matrix, x: &[f32], got: &[f32], levels: f64) -> f64 {
+        assert_eq!(got.len(), q.rows, "one output a row");
+        let w = q.dequantize();
+        let largest: Vec<f64> = x
+            .chunks(BLOCK)
+            .map(|b| b.iter().fold(0.0f64, |a, v| a.max(v.abs() as f64)))
+            .collect();
+        let mut worst = 0.0f64;
+        for (n, (weights, &value)) in w.data.chunks(q.cols).zip(got).enumerate() {
+            let exact: f64 = weights
+                .iter()
+                .zip(x)
+                .map(|(&a, &b)| a as f64 * b as f64)
+                .sum();
+            let magnitude: f64 = weights
+                .iter()
+                .zip(x)
+                .map(|(a, b)| (a * b).abs() as f64)
+                .sum();
+            let rounding: f64 = weights
+                .iter()
+                .enumerate()
+                .map(|(i, a)| a.abs() as f64 * largest[i / BLOCK] / levels / 2.0)
+                .sum();
+            let error = (value as f64 - exact).abs();
+            assert!(
+                error <= rounding + 1e-6 * magnitude,
+                "output {n}: {value} against {exact}, error {error:e} beyond {rounding:e}"
+            );
+            worst = worst.max(error / magnitude);
+        }
+        worst
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -1,0 +1,65 @@
+// q4_row.cu's arithmetic on the host, for kiln-xla's tests
+// (`kernels::tests`): every lane of every warp of the grid the decode
+// modules launch, run one after another, each warp's lanes summed as the
+// kernel's shuffles sum them (in another order). Reads from stdin, as
+// little-endian u32s, rows a warp, outputs and blocks a row, then the
+// values (16 bytes a block), scales and offsets (f16 bits) and x (f32);
+// writes the outputs (f32) to stdout.
+#define KILN_HOST_CHECK
+#include "q4_row.cu"
+
+#include <cstdio>
+#include <vector>
+
+template <int ROWS>
+static void grid(const std::vector<u32> &quants, const std::vector<u16> &scales,
+                 const std::vector<u16> &offsets, const float *x, float *y, u32 outputs,
+                 u32 blocks) {
+    u32 workgroups = (outputs + ROWS * WARPS - 1) / (ROWS * WARPS);
+    for (u32 workgroup = 0; workgroup < workgroups; workgroup++) {
+        for (u32 warp = 0; warp < WARPS; warp++) {
+            u32 first = (workgroup * WARPS + warp) * ROWS;
+            float sums[ROWS] = {};
+            for (u32 lane = 0; lane < 32; lane++) {
+                float acc[ROWS];
+                lane_sums<ROWS>(quants.data(), scales.data(), offsets.data(), x, outputs,
+                                blocks, first, lane, acc);
+                for (int r = 0; r < ROWS; r++)
+                    sums[r] += acc[r];
+            }
+            for (int r = 0; r < ROWS; r++)
+                if (first + r < outputs)
+                    y[first + r] = sums[r];
+        }
+    }
+}
+
+template <typename T>
+static bool read(std::vector<T> &v, size_t n) {
+    v.resize(n);
+    return std::fread(v.data(), sizeof(T), n, stdin) == n;
+}
+
+int main() {
+    u32 header[3];
+    if (std::fread(header, 4, 3, stdin) != 3)
+        return 2;
+    u32 rows = header[0], outputs = header[1], blocks = header[2];
+    size_t n = (size_t)outputs * blocks;
+    std::vector<u32> quants;
+    std::vector<u16> scales, offsets;
+    std::vector<float4> x(blocks * 8);
+    std::vector<float> xs;
+    if (!read(quants, 4 * n) || !read(scales, n) || !read(offsets, n) || !read(xs, 32 * blocks))
+        return 2;
+    std::memcpy(x.data(), xs.data(), xs.size() * 4);
+    std::vector<float> y(outputs);
+    const float *row = (const float *)x.data();
+    switch (rows) {
+    case 1: grid<1>(quants, scales, offsets, row, y.data(), outputs, blocks); break;
+    case 2: grid<2>(quants, scales, offsets, row, y.data(), outputs, blocks); break;
+    case 4: grid<4>(quants, scales, offsets, row, y.data(), outputs, blocks); break;
+    default: return 2;
+    }
+    return std::fwrite(y.data(), 4, outputs, stdout) == outputs ? 0 : 1;
+}

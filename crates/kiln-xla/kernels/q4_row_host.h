@@ -1,0 +1,52 @@
+// q4_row.cu's GPU instructions for the host, as the PTX ISA defines them,
+// so that kiln-xla's tests can run the kernel's arithmetic on the CPU
+// (q4_row_host.cpp). Only what the kernel uses.
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+
+#define __device__
+#define __forceinline__ inline
+struct alignas(16) float4 {
+    float x, y, z, w;
+};
+
+// dp2a.{lo,hi}.s32.u32: acc + the two signed 16-bit halves of `levels`
+// times bytes 0 and 1 (lo) or 2 and 3 (hi) of `bytes`, unsigned.
+static inline u32 dp2a(u32 levels, u32 bytes, u32 acc, int first_byte) {
+    int32_t sum = (int32_t)acc;
+    sum += (int32_t)(int16_t)(levels & 0xffff) * (int32_t)((bytes >> (8 * first_byte)) & 0xff);
+    sum += (int32_t)(int16_t)(levels >> 16) * (int32_t)((bytes >> (8 * first_byte + 8)) & 0xff);
+    return (u32)sum;
+}
+static inline u32 dp2a_lo(u32 levels, u32 bytes, u32 acc) { return dp2a(levels, bytes, acc, 0); }
+static inline u32 dp2a_hi(u32 levels, u32 bytes, u32 acc) { return dp2a(levels, bytes, acc, 2); }
+
+// prmt.b32 d, a, b, 0x5410.
+static inline u32 pack_low_halves(u32 a, u32 b) { return (a & 0xffff) | (b << 16); }
+
+// cvt.f32.f16: exact (every f16 is an f32).
+static inline float half_to_float(u16 h) {
+    u32 sign = (u32)(h >> 15) << 31, exponent = (h >> 10) & 0x1f, mantissa = h & 0x3ff;
+    u32 bits;
+    if (exponent == 0x1f) {
+        bits = sign | 0x7f800000 | (mantissa << 13);
+    } else if (exponent != 0) {
+        bits = sign | ((exponent + 112) << 23) | (mantissa << 13);
+    } else if (mantissa == 0) {
+        bits = sign;
+    } else {
+        // Subnormal: normalise.
+        int shift = 0;
+        while (!(mantissa & 0x400)) {
+            mantissa <<= 1;
+            shift++;
+        }
+        bits = sign | ((u32)(113 - shift) << 23) | ((mantissa & 0x3ff) << 13);
+    }
+    float f;
+    std::memcpy(&f, &bits, 4);
+    return f;
+}
+
+static inline void load_values(const u32 *p, u32 v[4]) { std::memcpy(v, p, 16); }
