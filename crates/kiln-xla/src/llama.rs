@@ -1622,7 +1622,7 @@ mod tests {
         ];
         let out = module.call("row", &inputs).unwrap();
         let got = out[0].as_f32().unwrap();
-        let worst = crate::q4::row_check::worst_error(&q, &x, &got, ROW_LEVELS);
+        let worst = crate::q4::row_check::worst_error(&q, &x, got, ROW_LEVELS);
         println!("worst error relative to Σ|w·x|: {worst:e}");
     }
 
