@@ -63,6 +63,8 @@ def run_kiln(args, model_dir):
             cmd += ["--precision", p]
         for layout in args.weight_layout:
             cmd += ["--weight-layout", layout]
+        for rows in args.q4_rows:
+            cmd += ["--q4-rows", rows]
         for flags in args.iree_flags:
             cmd.append(f"--iree-flags={flags}")
         for n in args.prompt:
@@ -84,6 +86,8 @@ def main():
     parser.add_argument("--model-dir", help="where that model is written (default /tmp/kiln-PRESET)")
     parser.add_argument("--precision", nargs="+", default=["f32", "f16"])
     parser.add_argument("--weight-layout", nargs="*", default=[])
+    parser.add_argument("--q4-rows", nargs="*", default=[],
+                        help="q4's row products to measure, each a row (configured, kernel)")
     parser.add_argument("--iree-flags", action="append", default=[],
                         help="a set of IREE runtime flags to measure kiln with (repeat)")
     parser.add_argument("--steps-per-call", type=int, nargs="+", default=[1],

@@ -25,8 +25,9 @@
 # without (server, DIR the folder `kiln-bench-decode --model
 # tinyllama-1.1b --write-model DIR` writes), and `kiln-bench-decode --prepare
 # --backend iree-cuda --model llama-3.1-8b --precision f16 --precision q4
-# --prompt-tokens 128 --max-context 640` (8b). A part whose command fails
-# is reported and the next one runs; the exit status is the worst.
+# --prompt-tokens 128 --max-context 640`, and its q4 with `--q4-rows kernel`
+# (8b). A part whose command fails is reported and the next one runs; the
+# exit status is the worst.
 set -uo pipefail
 : "${BIN:?set BIN}" "${KILN_CACHE_DIR:?set KILN_CACHE_DIR}"
 export KILN_CACHE_DIR PYTHONUNBUFFERED=1 KILN_REQUIRE_GPU=1
@@ -47,7 +48,8 @@ for p in ${PARTS:-tests decode q4 server 8b}; do
     decode)
         part "batch-1 decode, TinyLlama-1.1B's shape"
         python3 "$here/bench_gpu.py" --kiln-bench "$BIN/kiln-bench-decode" \
-            --precision f16 q4 --hf-dtype float16 --prompt 16 --decode 256 --repeat 1 ||
+            --precision f16 q4 --q4-rows configured kernel --hf-dtype float16 --prompt 16 \
+            --decode 256 --repeat 1 ||
             fail decode
         ;;
     q4)
@@ -79,7 +81,8 @@ for p in ${PARTS:-tests decode q4 server 8b}; do
     8b)
         part "batch-1 decode, Llama-3.1-8B's shape"
         python3 "$here/bench_gpu.py" --kiln-bench "$BIN/kiln-bench-decode" --preset llama-3.1-8b \
-            --precision f16 q4 --hf-dtype float16 --prompt 128 --decode 64 --repeat 2 || fail 8b
+            --precision f16 q4 --q4-rows configured kernel --hf-dtype float16 --prompt 128 \
+            --decode 64 --repeat 2 || fail 8b
         ;;
     *) echo "unknown part: $p"; exit 2 ;;
     esac
