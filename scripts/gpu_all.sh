@@ -3,10 +3,11 @@
 # from binaries and modules built and prepared elsewhere (docs/gpu.md):
 #
 #   tests   the GPU tests (`xla_prepared_prefill cuda::`, KILN_REQUIRE_GPU=1)
-#   decode  batch-1 decode of TinyLlama-1.1B's shape at f16 and q4 beside
-#           transformers, with the copy bandwidth (scripts/bench_gpu.py)
-#   q4      TinyLlama-1.1B's shape at q4, IREE's configured products against
-#           kiln's own kernel (--q4-rows), in one process, twice
+#   decode  batch-1 decode of TinyLlama-1.1B's shape at f16 and q4 (IREE's
+#           configured products and kiln's own kernel) beside transformers,
+#           with the copy bandwidth (scripts/bench_gpu.py)
+#   q4      only the two q4 rows of `decode`, twice, without transformers or
+#           the copy (not in the default parts: `decode` measures them)
 #   server  kiln-server's aggregate tok/s at 1, 8 and 32 slots and
 #           concurrency 1, 8 and 32, 64-token answers, then 192-token ones
 #           at 1 and 32 (scripts/server_concurrency.sh)
@@ -38,7 +39,7 @@ part() { echo; echo "== $1 ($(date -u +%H:%M:%S))"; }
 fail() { echo "!! $1 failed"; status=1; }
 
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm,clocks.max.mem --format=csv
-for p in ${PARTS:-tests decode q4 server 8b}; do
+for p in ${PARTS:-tests decode server 8b}; do
     case $p in
     tests)
         part "GPU tests"
