@@ -52,6 +52,13 @@ fn flags_are_kept_validated_and_fixed_while_a_device_is_open() {
     assert!(listing_has("--task_worker_stack_size=131072"));
     assert!(listing_has("--task_topology_performance_level=\"any\""));
 
+    // A scalar flag given twice takes its later value: kiln puts its own
+    // defaults before the user's `--iree-flag`s.
+    set_flags(&["--task_worker_spin_us=100", "--task_worker_spin_us=0"]).unwrap();
+    assert!(listing_has("--task_worker_spin_us=0"));
+    set_flags(&["--task_worker_spin_us=100"]).unwrap();
+    assert!(listing_has("--task_worker_spin_us=100"));
+
     // IREE appends list flags and cannot clear them: once given, a list
     // can be repeated, not changed.
     set_flags(&["--task_topology_cpu_ids=0"]).unwrap();
