@@ -263,6 +263,7 @@ pub fn open_iree<'m>(
 /// sleeping between them, two workers decoded SmolLM2 at q4 slower than the
 /// calling thread alone (36-44 tok/s against 63); spinning 30, 100 or 300 µs
 /// gave 55-69, and f16 and f32 gained 5-10 % (docs/models.md).
+#[cfg(feature = "xla-iree")]
 const IREE_WORKER_SPIN_US: u32 = 100;
 
 /// The IREE device URI and runtime flags for `target` at `threads`: kiln's
