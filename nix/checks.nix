@@ -8,6 +8,8 @@
 , packages
 , iree-compiler
 , xtask
+, models
+, reference-files
 ,
 }:
 let
@@ -16,14 +18,24 @@ let
     inherit cargoArtifacts;
   };
 
-  nextestArgs.cargoNextestExtraArgs = "--workspace";
+  # Every failure in one run, not only the first.
+  nextestArgs.cargoNextestExtraArgs = "--workspace --no-fail-fast";
   # The tests read more than the build (nix/test-data.json); the dependency
   # artifacts are the same, as they are built from the Cargo files alone.
+  # They get every outside input `cargo xtask test` gives them — the pinned
+  # model in the cache, the released files, a Python with Jinja2 — and, as
+  # in CI, KILN_REQUIRE_MODELS=1 turns a test that would skip for lack of
+  # one into a failure.
   testEnv = {
     src = testSrc;
     KILN_IREE_COMPILE = lib.getExe iree-compiler;
+    KILN_REFERENCE_FILES = reference-files;
+    KILN_JINJA_PYTHON = "${pkgs.python3.withPackages (ps: [ ps.jinja2 ])}/bin/python3";
+    KILN_REQUIRE_MODELS = "1";
     preCheck = ''
       export KILN_CACHE_DIR="$TMPDIR/kiln-cache"
+      mkdir -p "$KILN_CACHE_DIR/models"
+      ln -s ${models.smollm2-135m-instruct} "$KILN_CACHE_DIR/models/smollm2-135m-instruct.gguf"
     '';
     doInstallCargoArtifacts = false;
   };

@@ -32,6 +32,8 @@ let
     inherit (pkgs) stdenvNoCC fetchurl unzip;
   };
 
+  reference-files = pkgs.callPackage ./reference-files.nix { inherit kilnLib; };
+
   packages = import ./packages.nix {
     inherit
       lib
@@ -63,6 +65,8 @@ in
       packages
       iree-compiler
       xtask
+      models
+      reference-files
       ;
   };
 

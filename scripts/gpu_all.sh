@@ -43,8 +43,14 @@ for p in ${PARTS:-tests decode server 8b}; do
     case $p in
     tests)
         part "GPU tests"
-        "$BIN/xla_prepared_prefill" cuda:: --nocapture --test-threads 1 2>&1 |
-            grep -E "^test |worst|result|panicked|skipped" || fail tests
+        # One test at a time, each with its own limit: on 2026-12-05 (an
+        # H100) the whole set printed nothing for 570 s, which ate the call.
+        for t in $("$BIN/xla_prepared_prefill" cuda:: --list 2>/dev/null | sed -n 's/: test$//p'); do
+            timeout "${TEST_LIMIT:-150}" "$BIN/xla_prepared_prefill" "$t" --exact --nocapture \
+                --test-threads 1 2>&1 | grep -E "^test |worst|result|panicked|skipped|ABORTED"
+            rc=${PIPESTATUS[0]}
+            [ "$rc" = 0 ] || fail "test $t (exit $rc; 124: over ${TEST_LIMIT:-150} s)"
+        done
         ;;
     decode)
         part "batch-1 decode, TinyLlama-1.1B's shape"

@@ -107,7 +107,8 @@ pub struct BackendOptions {
     /// How iree-cuda's one-row q4 products (decode) are computed:
     /// `configured` (default: IREE's code generation with kiln's kernel
     /// configuration, measured on the H200), `kernel` (kiln's own CUDA
-    /// kernel, kernels/q4_row.cu: not yet run on a GPU), or `integer` (the
+    /// kernel, kernels/q4_row.cu: on its first GPU run it gave NaN logits
+    /// beyond the embedded model; not usable yet), or `integer` (the
     /// CPU's form). For --precision q4 only.
     #[arg(long, value_name = "FORM")]
     pub q4_rows: Option<String>,

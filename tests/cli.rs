@@ -1,6 +1,7 @@
 //! The `kiln` binary as a user meets it: the main job on the embedded model,
 //! and the errors for what cannot be done.
 
+use std::os::unix::fs::PermissionsExt;
 use std::process::{Command, Output};
 
 fn kiln(args: &[&str]) -> Output {
@@ -521,6 +522,9 @@ fn a_damaged_pulled_model_is_refused_and_pull_removes_leftovers() {
     std::fs::create_dir_all(&models).unwrap();
     let pulled = models.join("smollm2-135m-instruct.gguf");
     std::fs::copy(&real, &pulled).unwrap();
+    // The copy keeps its source's mode, which may be read-only (the Nix
+    // checks' model is a store path): this test damages the copy below.
+    std::fs::set_permissions(&pulled, std::fs::Permissions::from_mode(0o644)).unwrap();
     let generate = |cache: &std::path::Path| {
         kiln_in(
             cache,

@@ -64,11 +64,7 @@ fn agrees(name: &str, model: &Model, reference: &Reference) {
         let theirs: Vec<f32> = reference.logits[i].iter().flatten().copied().collect();
         assert_eq!(ours.len(), prompt.len() * vocab);
         assert_eq!(ours.len(), theirs.len());
-        let worst = ours
-            .iter()
-            .zip(&theirs)
-            .map(|(a, b)| (a - b).abs())
-            .fold(0.0f32, f32::max);
+        let worst = kiln_core::testing::max_abs_diff(&ours, &theirs);
         println!("{name} prompt {i}: max |logit - transformers| = {worst:e}");
         assert!(
             worst <= 1e-4,

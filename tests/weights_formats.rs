@@ -83,22 +83,14 @@ fn max_diff(a: &Model, b: &Model) -> f32 {
     ];
     let mut worst = 0.0f32;
     for (x, y) in pairs {
-        worst = x
-            .iter()
-            .zip(y.iter())
-            .map(|(p, q)| (p - q).abs())
-            .fold(worst, f32::max);
+        worst = worst.max(kiln_core::testing::max_abs_diff(x, y));
     }
     for (la, lb) in a.weights.layers.iter().zip(&b.weights.layers) {
         for (x, y) in [
             (&la.wq.data, &lb.wq.data),
             (&la.w_down.data, &lb.w_down.data),
         ] {
-            worst = x
-                .iter()
-                .zip(y.iter())
-                .map(|(p, q)| (p - q).abs())
-                .fold(worst, f32::max);
+            worst = worst.max(kiln_core::testing::max_abs_diff(x, y));
         }
     }
     worst

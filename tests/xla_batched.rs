@@ -330,11 +330,7 @@ fn prompts_prefilled_together_equal_each_prefilled_alone() {
     for (slot, (prompt, logits)) in prompts.iter().zip(&results).enumerate() {
         let logits = logits.as_ref().unwrap();
         let expected = backend(&model).prefill(prompt).unwrap();
-        let diff = logits
-            .iter()
-            .zip(&expected)
-            .map(|(x, y)| (x - y).abs())
-            .fold(0.0f32, f32::max);
+        let diff = kiln_core::testing::max_abs_diff(logits, &expected);
         assert!(diff <= 1e-4, "slot {slot}: logits differ by {diff}");
         next.push(argmax(logits));
         decoder.feed(slot, argmax(logits)).unwrap();
@@ -422,11 +418,7 @@ fn sampled_slots_get_their_own_logits() {
     let expected_b = single.decode_greedy(first_b).unwrap();
     match &outputs[0] {
         (0, SlotOutput::Logits(logits)) => {
-            let diff = logits
-                .iter()
-                .zip(&expected_a)
-                .map(|(x, y)| (x - y).abs())
-                .fold(0.0f32, f32::max);
+            let diff = kiln_core::testing::max_abs_diff(logits, &expected_a);
             assert!(diff <= 1e-4, "slot 0 logits differ by {diff}");
         }
         other => panic!("slot 0: {other:?}"),

@@ -360,6 +360,30 @@ let
       gnutar = hostTool "tar" [ "tar" ];
       pkg-config = hostTool "pkg-config" [ "pkg-config" ];
       zlib = hostTool "zlib" [ ];
+      # The host's python3, which must import every module asked for (the
+      # build fails, naming it, where it does not): Debian's python3-jinja2
+      # for the tests' Jinja2.
+      python3.withPackages =
+        pick:
+        let
+          modules = map (p: p.module) (pick {
+            jinja2.module = "jinja2";
+          });
+        in
+        runCommand "host-python3-env" { inherit modules; } ''
+          python="$(command -v python3)" || {
+            echo "the host has no python3 (apt-get install python3)" >&2
+            exit 1
+          }
+          for module in $modules; do
+            "$python" -c "import $module" || {
+              echo "the host's python3 cannot import $module (Debian: apt-get install python3-$module)" >&2
+              exit 1
+            }
+          done
+          mkdir -p $out/bin
+          ln -s "$python" $out/bin/python3
+        '';
       cargo-nextest = storedBinary "cargo-nextest" host.cargoNextest;
       nixpkgs-fmt = storedBinary "nixpkgs-fmt" host.nixpkgsFmt;
       deadnix = storedBinary "deadnix" host.deadnix;

@@ -457,6 +457,17 @@ let
           "libgcc"
         ];
       };
+      # Only the Python packages the flake asks for exist: a misspelt one
+      # is a missing attribute, as in nixpkgs.
+      python3 = leaf { pname = "python3"; } // {
+        withPackages =
+          pick:
+          leaf {
+            pname = lib.concatMapStringsSep "-" (p: p.pname) (
+              [{ pname = "python3-with"; }] ++ pick { jinja2.pname = "jinja2"; }
+            );
+          };
+      };
       llvmPackages.libclang = leaf {
         pname = "clang";
         outputs = [

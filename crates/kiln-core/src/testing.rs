@@ -56,12 +56,22 @@ pub fn wide_fixtures() -> Vec<PathBuf> {
     dirs
 }
 
-/// The largest absolute difference between two equally long slices.
+/// The largest absolute difference between two equally long slices, with a
+/// NaN anywhere (in either, or from infinities) counted as infinite: folding
+/// with `f32::max` alone drops NaNs, and NaN logits from a GPU kernel then
+/// compared as 0 apart from the reference's.
 pub fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
     assert_eq!(a.len(), b.len());
     a.iter()
         .zip(b)
-        .map(|(x, y)| (x - y).abs())
+        .map(|(x, y)| {
+            let difference = (x - y).abs();
+            if difference.is_nan() {
+                f32::INFINITY
+            } else {
+                difference
+            }
+        })
         .fold(0.0, f32::max)
 }
 
@@ -277,4 +287,22 @@ pub fn chatml_model(dir: &Path, chat_template: Option<&str>) -> Result<()> {
             .map_err(|error| crate::Error::Io { path, error })?;
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::max_abs_diff;
+
+    #[test]
+    fn a_nan_is_never_close() {
+        assert_eq!(max_abs_diff(&[1.0, 2.0], &[1.5, 2.0]), 0.5);
+        for (a, b) in [
+            ([1.0, f32::NAN], [1.0, 2.0]),
+            ([1.0, f32::NAN], [1.0, f32::NAN]),
+            ([f32::INFINITY, 0.0], [f32::INFINITY, 0.0]),
+            ([f32::NEG_INFINITY, 0.0], [0.0, 0.0]),
+        ] {
+            assert_eq!(max_abs_diff(&a, &b), f32::INFINITY, "{a:?} {b:?}");
+        }
+    }
 }

@@ -235,8 +235,9 @@ impl std::fmt::Display for Q4Rows {
 /// at q4 then decoded at 1.9x f16 on one thread, where it ran at
 /// 0.22-0.24x; docs/models.md). On CUDA, the configured product, measured
 /// on the H200 (q4 decode at 0.97x f16). kiln's own kernel
-/// ([`Q4Rows::Kernel`]) has not run on a GPU yet: it is chosen with
-/// `--q4-rows kernel` until it has been measured and checked there.
+/// ([`Q4Rows::Kernel`]) gave NaN logits on its first GPU run beyond the
+/// embedded model (docs/perf-notes.md): it is chosen only with
+/// `--q4-rows kernel`.
 pub fn q4_rows_for(target: Target) -> Q4Rows {
     match target {
         Target::LlvmCpu => Q4Rows::Integer,
