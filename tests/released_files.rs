@@ -4,7 +4,9 @@
 //! of Llama 3 (`llama-bpe`), Qwen2 and Llama 2's SentencePiece, each with the
 //! inputs and the token ids Hugging Face's tokenizers gave for them (made by
 //! llama.cpp's `convert_hf_to_gguf_update.py`), and the chat templates of
-//! Llama 3.1 and 3.2, Qwen2.5 and Mistral NeMo.
+//! Llama 3.1 and 3.2, Qwen2.5 and Mistral NeMo; and (`mistral-common`'s
+//! source distribution) Mistral 7B v0.3's v3 SentencePiece model, with the
+//! ids SentencePiece gives in tests/fixtures/mistral-v3-ids.json.
 //!
 //! `cargo xtask test` unpacks them and sets `KILN_REFERENCE_FILES` (and
 //! `KILN_JINJA_PYTHON`, a Python with the pinned Jinja2, which renders the
@@ -110,6 +112,176 @@ fn qwen2_vocabulary_tokenizes_as_hugging_face_does() {
 #[test]
 fn llama_sentencepiece_vocabulary_tokenizes_as_hugging_face_does() {
     tokenizes_as_hugging_face_does("ggml-vocab-llama-spm.gguf");
+}
+
+/// As much of SentencePiece's model file (`sentencepiece_model.proto`) as a
+/// vocabulary needs: its pieces.
+#[derive(Clone, PartialEq, prost::Message)]
+struct SentencePieceModel {
+    #[prost(message, repeated, tag = "1")]
+    pieces: Vec<SentencePiece>,
+}
+
+#[derive(Clone, PartialEq, prost::Message)]
+struct SentencePiece {
+    #[prost(string, optional, tag = "1")]
+    piece: Option<String>,
+    #[prost(float, optional, tag = "2")]
+    score: Option<f32>,
+    /// NORMAL 1 (the default), UNKNOWN 2, CONTROL 3, USER_DEFINED 4,
+    /// UNUSED 5, BYTE 6: the numbers GGUF's token types use too.
+    #[prost(int32, optional, tag = "3")]
+    kind: Option<i32>,
+}
+
+/// A vocabulary-only GGUF file of a SentencePiece model, with the keys
+/// llama.cpp's converter writes for one (`llama` tokenizer: pieces, scores,
+/// types, BOS 1, EOS 2, unknown 0, BOS added).
+fn sentencepiece_as_gguf(model: &SentencePieceModel) -> Vec<u8> {
+    fn string(out: &mut Vec<u8>, s: &str) {
+        out.extend((s.len() as u64).to_le_bytes());
+        out.extend(s.as_bytes());
+    }
+    const U32: u32 = 4;
+    const I32: u32 = 5;
+    const F32: u32 = 6;
+    const BOOL: u32 = 7;
+    const STRING: u32 = 8;
+    const ARRAY: u32 = 9;
+    let n = model.pieces.len() as u64;
+    let mut kv = Vec::new();
+    let mut count = 0u64;
+    let mut key = |kv: &mut Vec<u8>, name: &str, ty: u32| {
+        count += 1;
+        string(kv, name);
+        kv.extend(ty.to_le_bytes());
+    };
+    key(&mut kv, "general.architecture", STRING);
+    string(&mut kv, "llama");
+    key(&mut kv, "tokenizer.ggml.model", STRING);
+    string(&mut kv, "llama");
+    key(&mut kv, "tokenizer.ggml.tokens", ARRAY);
+    kv.extend(STRING.to_le_bytes());
+    kv.extend(n.to_le_bytes());
+    for piece in &model.pieces {
+        string(&mut kv, piece.piece.as_deref().unwrap_or_default());
+    }
+    key(&mut kv, "tokenizer.ggml.scores", ARRAY);
+    kv.extend(F32.to_le_bytes());
+    kv.extend(n.to_le_bytes());
+    for piece in &model.pieces {
+        kv.extend(piece.score.unwrap_or(0.0).to_le_bytes());
+    }
+    key(&mut kv, "tokenizer.ggml.token_type", ARRAY);
+    kv.extend(I32.to_le_bytes());
+    kv.extend(n.to_le_bytes());
+    for piece in &model.pieces {
+        kv.extend(piece.kind.unwrap_or(1).to_le_bytes());
+    }
+    for (name, id) in [
+        ("tokenizer.ggml.bos_token_id", 1u32),
+        ("tokenizer.ggml.eos_token_id", 2),
+        ("tokenizer.ggml.unknown_token_id", 0),
+    ] {
+        key(&mut kv, name, U32);
+        kv.extend(id.to_le_bytes());
+    }
+    key(&mut kv, "tokenizer.ggml.add_bos_token", BOOL);
+    kv.push(1);
+    let mut file = b"GGUF".to_vec();
+    file.extend(3u32.to_le_bytes());
+    file.extend(0u64.to_le_bytes());
+    file.extend(count.to_le_bytes());
+    file.extend(kv);
+    // The (empty) tensor data starts at the default alignment.
+    file.resize(file.len().next_multiple_of(32), 0);
+    file
+}
+
+/// Mistral 7B v0.3's vocabulary, as llama.cpp's converter puts its v3
+/// SentencePiece model into a GGUF file, tokenizes every input of
+/// llama.cpp's SentencePiece test file and kiln's own to the ids
+/// SentencePiece — the library Mistral's own tokenizer runs — gives
+/// (tests/fixtures/mistral-v3-ids.json, from scripts/mistral_v3_ids.py),
+/// and reads each instruct control token's text as that token, as the ids
+/// Mistral's tokenizer writes for a conversation have them.
+#[test]
+fn mistral_v3_vocabulary_tokenizes_as_sentencepiece_does() {
+    let fixture: Value =
+        serde_json::from_str(include_str!("fixtures/mistral-v3-ids.json")).unwrap();
+    let name = fixture["model"].as_str().unwrap();
+    let (Some(model_path), Some(inputs_path)) = (
+        reference_file(name),
+        reference_file(fixture["inputs_file"].as_str().unwrap()),
+    ) else {
+        return;
+    };
+    // The ids were made with the pinned model.
+    let pins: Value = serde_json::from_str(include_str!("../nix/pins.json")).unwrap();
+    let pinned = pins["reference_files"]
+        .as_object()
+        .unwrap()
+        .values()
+        .filter_map(|archive| archive["members"].as_object())
+        .flat_map(|members| members.iter())
+        .find(|(member, _)| member.ends_with(&format!("/{name}")))
+        .map(|(_, sha256)| sha256.as_str().unwrap())
+        .unwrap();
+    assert_eq!(fixture["model_sha256"].as_str().unwrap(), pinned);
+
+    let bytes = std::fs::read(&model_path).unwrap();
+    let model = <SentencePieceModel as prost::Message>::decode(bytes.as_slice()).unwrap();
+    assert_eq!(model.pieces.len(), 32_768, "the v3 vocabulary");
+    let dir = tempfile::tempdir().unwrap();
+    let gguf = dir.path().join("mistral-v3-vocabulary.gguf");
+    std::fs::write(&gguf, sentencepiece_as_gguf(&model)).unwrap();
+    let file = GgufFile::open(&gguf).unwrap();
+    let (tokenizer, format) = tokenizer_from_gguf(&file).unwrap();
+    assert_eq!((format.bos, format.eos), (Some(1), Some(2)));
+    let tokenizer = Tokenizer::from_hugging_face(tokenizer);
+
+    let texts = std::fs::read_to_string(&inputs_path).unwrap();
+    let mut texts: Vec<&str> = texts.split("\n__ggml_vocab_test__\n").collect();
+    assert_eq!(texts.pop(), Some(""), "the inputs end with a separator");
+    let ids = |v: &Value| -> Vec<u32> {
+        v.as_array()
+            .unwrap()
+            .iter()
+            .map(|id| id.as_u64().unwrap() as u32)
+            .collect()
+    };
+    let mut cases: Vec<(String, Vec<u32>)> = texts
+        .iter()
+        .zip(fixture["inputs"].as_array().unwrap())
+        .map(|(text, expected)| (text.to_string(), ids(expected)))
+        .collect();
+    assert_eq!(cases.len(), fixture["inputs"].as_array().unwrap().len());
+    for own in fixture["own"].as_array().unwrap() {
+        cases.push((own["text"].as_str().unwrap().to_string(), ids(&own["ids"])));
+    }
+    let mut wrong = Vec::new();
+    for (text, expected) in &cases {
+        let got = tokenizer.encode_rendered(text).unwrap();
+        if &got != expected {
+            wrong.push(format!(
+                "{text:?}: kiln {got:?}, SentencePiece {expected:?}"
+            ));
+        }
+    }
+    assert!(
+        wrong.is_empty(),
+        "{} of {} inputs differ:\n{}",
+        wrong.len(),
+        cases.len(),
+        wrong.join("\n")
+    );
+    for (text, id) in [("[INST]", 3u32), ("[/INST]", 4), ("[TOOL_CALLS]", 5)] {
+        assert_eq!(tokenizer.encode_rendered(text).unwrap(), vec![id], "{text}");
+    }
+    println!(
+        "Mistral v3 vocabulary: {} inputs tokenized as SentencePiece's",
+        cases.len()
+    );
 }
 
 /// The conversations each released template renders: a lone question, a
