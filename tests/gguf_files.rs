@@ -8,6 +8,10 @@ use std::path::{Path, PathBuf};
 use kiln_core::gguf::GgufFile;
 use kiln_core::{Error, Model};
 
+#[path = "common/gguf_writer.rs"]
+mod gguf_writer;
+use gguf_writer::{V, Writer, sentencepiece_vocabulary, string};
+
 fn fixture(name: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("tests/fixtures/gguf")
@@ -48,112 +52,6 @@ fn every_type_dequantizes_as_the_reference_does() {
                 want[i]
             );
         }
-    }
-}
-
-/// A GGUF v3 file, written by hand.
-#[derive(Default)]
-struct Writer {
-    kv: Vec<u8>,
-    kv_count: u64,
-    infos: Vec<u8>,
-    data: Vec<u8>,
-    tensor_count: u64,
-}
-
-fn string(out: &mut Vec<u8>, s: &str) {
-    out.extend((s.len() as u64).to_le_bytes());
-    out.extend(s.as_bytes());
-}
-
-enum V<'a> {
-    U32(u32),
-    U64(u64),
-    F32(f32),
-    Bool(bool),
-    Str(&'a str),
-    Strs(Vec<String>),
-    I32s(Vec<i32>),
-    F32s(Vec<f32>),
-}
-
-impl Writer {
-    fn kv(&mut self, key: &str, value: V) -> &mut Self {
-        string(&mut self.kv, key);
-        let out = &mut self.kv;
-        match value {
-            V::U32(v) => {
-                out.extend(4u32.to_le_bytes());
-                out.extend(v.to_le_bytes());
-            }
-            V::U64(v) => {
-                out.extend(10u32.to_le_bytes());
-                out.extend(v.to_le_bytes());
-            }
-            V::F32(v) => {
-                out.extend(6u32.to_le_bytes());
-                out.extend(v.to_le_bytes());
-            }
-            V::Bool(v) => {
-                out.extend(7u32.to_le_bytes());
-                out.push(v as u8);
-            }
-            V::Str(v) => {
-                out.extend(8u32.to_le_bytes());
-                string(out, v);
-            }
-            V::Strs(v) => {
-                out.extend(9u32.to_le_bytes());
-                out.extend(8u32.to_le_bytes());
-                out.extend((v.len() as u64).to_le_bytes());
-                v.iter().for_each(|s| string(out, s));
-            }
-            V::I32s(v) => {
-                out.extend(9u32.to_le_bytes());
-                out.extend(5u32.to_le_bytes());
-                out.extend((v.len() as u64).to_le_bytes());
-                v.iter().for_each(|i| out.extend(i.to_le_bytes()));
-            }
-            V::F32s(v) => {
-                out.extend(9u32.to_le_bytes());
-                out.extend(6u32.to_le_bytes());
-                out.extend((v.len() as u64).to_le_bytes());
-                v.iter().for_each(|f| out.extend(f.to_le_bytes()));
-            }
-        }
-        self.kv_count += 1;
-        self
-    }
-
-    /// An F32 tensor of GGUF dims `dims` (fastest first).
-    fn tensor(&mut self, name: &str, dims: &[u64], values: &[f32]) -> &mut Self {
-        while !self.data.len().is_multiple_of(32) {
-            self.data.push(0);
-        }
-        string(&mut self.infos, name);
-        self.infos.extend((dims.len() as u32).to_le_bytes());
-        dims.iter().for_each(|d| self.infos.extend(d.to_le_bytes()));
-        self.infos.extend(0u32.to_le_bytes());
-        self.infos.extend((self.data.len() as u64).to_le_bytes());
-        values
-            .iter()
-            .for_each(|v| self.data.extend(v.to_le_bytes()));
-        self.tensor_count += 1;
-        self
-    }
-
-    fn bytes(&self) -> Vec<u8> {
-        let mut out = b"GGUF".to_vec();
-        out.extend(3u32.to_le_bytes());
-        out.extend(self.tensor_count.to_le_bytes());
-        out.extend(self.kv_count.to_le_bytes());
-        out.extend(&self.kv);
-        out.extend(&self.infos);
-        while !out.len().is_multiple_of(32) {
-            out.push(0);
-        }
-        out.extend(&self.data);
-        out
     }
 }
 
@@ -500,13 +398,7 @@ fn sentencepiece_llama(tokens: Vec<String>, types: Vec<i32>, scores: Vec<f32>) -
     let vocab = tokens.len() as u64;
     let mut w = Writer::default();
     llama_header(&mut w);
-    w.kv("tokenizer.ggml.model", V::Str("llama"))
-        .kv("tokenizer.ggml.bos_token_id", V::U32(1))
-        .kv("tokenizer.ggml.eos_token_id", V::U32(2))
-        .kv("tokenizer.ggml.unknown_token_id", V::U32(0))
-        .kv("tokenizer.ggml.tokens", V::Strs(tokens))
-        .kv("tokenizer.ggml.token_type", V::I32s(types))
-        .kv("tokenizer.ggml.scores", V::F32s(scores));
+    sentencepiece_vocabulary(&mut w, tokens, types, scores);
     llama_tensors(&mut w, vocab);
     w
 }
