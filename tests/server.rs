@@ -799,20 +799,24 @@ async fn completion_text(base: String, body: Value) -> String {
 
 /// Continuous batching through the server on iree-cpu: concurrent requests
 /// (more than the slots) of different prompts and lengths, streamed or not,
-/// and one client that leaves midway; each reply equals its request run
-/// alone by `kiln generate` on the same backend, so no sequence's tokens
-/// reach another client; prompts that wait together are prefilled together.
+/// and a client that leaves midway; each reply equals its request run alone
+/// by `kiln generate` on the same backend, so no sequence's tokens reach
+/// another client; prompts that wait together are prefilled together.
+///
+/// The waiting is made, not hoped for: the server starts on an empty module
+/// cache, so it compiles its batched modules before it takes any request,
+/// and every request is queued meanwhile. (Requests that merely arrive close
+/// together may each be prefilled before the next arrives on a loaded
+/// machine: CI saw that once.)
 #[cfg(feature = "xla-iree")]
 #[tokio::test]
 async fn concurrent_requests_on_iree_each_equal_their_request_alone() {
     let iree = ["--backend", "iree-cpu", "--max-context", "64"];
-    let server = Server::start(&[&iree[..], &["--batch-slots", "4"]].concat());
-    // The first start compiles the batched modules.
-    let deadline = Instant::now() + Duration::from_secs(600);
-    while !matches!(reqwest::get(server.url("/health")).await, Ok(r) if r.status() == 200) {
-        assert!(Instant::now() < deadline, "the server never became ready");
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    let cache = tempfile::tempdir().unwrap();
+    let server = Server::start_with_env(
+        &[&iree[..], &["--batch-slots", "4"]].concat(),
+        &[("KILN_CACHE_DIR", cache.path().to_str().unwrap())],
+    );
     let cases = [
         ("Hello", 24, false),
         ("The quick brown fox", 9, true),
@@ -822,13 +826,12 @@ async fn concurrent_requests_on_iree_each_equal_their_request_alone() {
         ("Tell me", 20, false),
     ];
     // A client that leaves after its first chunk, while the others run.
-    let mut leaver = reqwest::Client::new()
-        .post(server.url("/v1/completions"))
-        .json(&json!({"model": "embedded", "prompt": "bye", "max_tokens": 40, "stream": true}))
-        .send()
-        .await
-        .unwrap();
-    leaver.chunk().await.unwrap().unwrap();
+    let leaver = tokio::spawn(
+        reqwest::Client::new()
+            .post(server.url("/v1/completions"))
+            .json(&json!({"model": "embedded", "prompt": "bye", "max_tokens": 40, "stream": true}))
+            .send(),
+    );
     let replies: Vec<_> = cases
         .iter()
         .map(|&(prompt, max_tokens, stream)| {
@@ -837,6 +840,18 @@ async fn concurrent_requests_on_iree_each_equal_their_request_alone() {
             tokio::spawn(completion_text(server.base.clone(), body))
         })
         .collect();
+    let queued = cases.len() as f64 + 1.0;
+    while server.metric("kiln_queue_depth").await < queued {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let health = reqwest::get(server.url("/health")).await.unwrap();
+    assert_eq!(
+        health.status(),
+        503,
+        "every request was queued while the server loaded"
+    );
+    let mut leaver = leaver.await.unwrap().unwrap();
+    leaver.chunk().await.unwrap().unwrap();
     drop(leaver);
     for ((prompt, max_tokens, _), reply) in cases.iter().zip(replies) {
         let text = reply.await.unwrap();
@@ -858,6 +873,8 @@ async fn concurrent_requests_on_iree_each_equal_their_request_alone() {
         .metric("kiln_requests_total{outcome=\"cancelled\"}")
         .await;
     assert_eq!(cancelled, 1.0, "the client that left was cancelled");
+    // The first four waiting prompts are admitted at once; those whose
+    // lengths let them share a prefill call share it.
     let together = server.metric("kiln_prompts_prefilled_together_total").await;
     assert!(
         together >= 2.0,
