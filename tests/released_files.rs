@@ -4,7 +4,9 @@
 //! of Llama 3 (`llama-bpe`), Qwen2 and Llama 2's SentencePiece, each with the
 //! inputs and the token ids Hugging Face's tokenizers gave for them (made by
 //! llama.cpp's `convert_hf_to_gguf_update.py`), and the chat templates of
-//! Llama 3.1 and 3.2, Qwen2.5 and Mistral NeMo; and (`mistral-common`'s
+//! Llama 3.1 and 3.2, Qwen2.5 and Mistral NeMo, and llama.cpp's own
+//! chat-template tests (Mistral 7B's templates with the text each must
+//! render); and (`mistral-common`'s
 //! source distribution) Mistral 7B v0.3's v3 SentencePiece model, with the
 //! ids SentencePiece gives in tests/fixtures/mistral-v3-ids.json.
 //!
@@ -22,6 +24,10 @@ use kiln_core::chat_template::{ChatTemplate, Message};
 use kiln_core::gguf::{GgufFile, tokenizer_from_gguf};
 use kiln_core::testing::skip_unless_required;
 use serde_json::{Value, json};
+
+#[path = "common/gguf_writer.rs"]
+mod gguf_writer;
+use gguf_writer::{V, Writer, sentencepiece_vocabulary};
 
 /// A file of the unpacked reference files, or `None` (saying why) when they
 /// are not provided and not required.
@@ -135,67 +141,26 @@ struct SentencePiece {
 }
 
 /// A vocabulary-only GGUF file of a SentencePiece model, with the keys
-/// llama.cpp's converter writes for one (`llama` tokenizer: pieces, scores,
-/// types, BOS 1, EOS 2, unknown 0, BOS added).
+/// llama.cpp's converter writes for one (BOS added).
 fn sentencepiece_as_gguf(model: &SentencePieceModel) -> Vec<u8> {
-    fn string(out: &mut Vec<u8>, s: &str) {
-        out.extend((s.len() as u64).to_le_bytes());
-        out.extend(s.as_bytes());
-    }
-    const U32: u32 = 4;
-    const I32: u32 = 5;
-    const F32: u32 = 6;
-    const BOOL: u32 = 7;
-    const STRING: u32 = 8;
-    const ARRAY: u32 = 9;
-    let n = model.pieces.len() as u64;
-    let mut kv = Vec::new();
-    let mut count = 0u64;
-    let mut key = |kv: &mut Vec<u8>, name: &str, ty: u32| {
-        count += 1;
-        string(kv, name);
-        kv.extend(ty.to_le_bytes());
-    };
-    key(&mut kv, "general.architecture", STRING);
-    string(&mut kv, "llama");
-    key(&mut kv, "tokenizer.ggml.model", STRING);
-    string(&mut kv, "llama");
-    key(&mut kv, "tokenizer.ggml.tokens", ARRAY);
-    kv.extend(STRING.to_le_bytes());
-    kv.extend(n.to_le_bytes());
-    for piece in &model.pieces {
-        string(&mut kv, piece.piece.as_deref().unwrap_or_default());
-    }
-    key(&mut kv, "tokenizer.ggml.scores", ARRAY);
-    kv.extend(F32.to_le_bytes());
-    kv.extend(n.to_le_bytes());
-    for piece in &model.pieces {
-        kv.extend(piece.score.unwrap_or(0.0).to_le_bytes());
-    }
-    key(&mut kv, "tokenizer.ggml.token_type", ARRAY);
-    kv.extend(I32.to_le_bytes());
-    kv.extend(n.to_le_bytes());
-    for piece in &model.pieces {
-        kv.extend(piece.kind.unwrap_or(1).to_le_bytes());
-    }
-    for (name, id) in [
-        ("tokenizer.ggml.bos_token_id", 1u32),
-        ("tokenizer.ggml.eos_token_id", 2),
-        ("tokenizer.ggml.unknown_token_id", 0),
-    ] {
-        key(&mut kv, name, U32);
-        kv.extend(id.to_le_bytes());
-    }
-    key(&mut kv, "tokenizer.ggml.add_bos_token", BOOL);
-    kv.push(1);
-    let mut file = b"GGUF".to_vec();
-    file.extend(3u32.to_le_bytes());
-    file.extend(0u64.to_le_bytes());
-    file.extend(count.to_le_bytes());
-    file.extend(kv);
-    // The (empty) tensor data starts at the default alignment.
-    file.resize(file.len().next_multiple_of(32), 0);
-    file
+    let mut w = Writer::default();
+    w.kv("general.architecture", V::Str("llama"));
+    sentencepiece_vocabulary(
+        &mut w,
+        model
+            .pieces
+            .iter()
+            .map(|p| p.piece.clone().unwrap_or_default())
+            .collect(),
+        model.pieces.iter().map(|p| p.kind.unwrap_or(1)).collect(),
+        model
+            .pieces
+            .iter()
+            .map(|p| p.score.unwrap_or(0.0))
+            .collect(),
+    )
+    .kv("tokenizer.ggml.add_bos_token", V::Bool(true));
+    w.bytes()
 }
 
 /// Mistral 7B v0.3's vocabulary, as llama.cpp's converter puts its v3
@@ -350,10 +315,15 @@ fn renders_as_jinja2(template: &str, bos: &str, eos: &str) {
     let Some(path) = reference_file(template) else {
         return;
     };
-    let Some(expected) = jinja2_renders(&path, bos, eos) else {
+    file_renders_as_jinja2(template, &path, bos, eos);
+}
+
+/// [`renders_as_jinja2`] for the template in the file at `path`.
+fn file_renders_as_jinja2(template: &str, path: &PathBuf, bos: &str, eos: &str) {
+    let Some(expected) = jinja2_renders(path, bos, eos) else {
         return;
     };
-    let source = std::fs::read_to_string(&path).unwrap();
+    let source = std::fs::read_to_string(path).unwrap();
     let kiln = ChatTemplate::new(template, &source, bos, eos).unwrap_or_else(|e| panic!("{e}"));
     for ((messages, generation), expected) in conversations().iter().zip(&expected) {
         let rendered = kiln.render(messages, *generation);
@@ -403,6 +373,131 @@ fn qwen2_5_template_renders_as_jinja2_does() {
 #[test]
 fn mistral_nemo_template_renders_as_jinja2_does() {
     renders_as_jinja2("mistralai-Mistral-Nemo-Instruct-2407.jinja", "<s>", "</s>");
+}
+
+/// One case of llama.cpp's tests/test-chat-template.cpp: a released
+/// template, the text llama.cpp's Jinja engine must render from it for the
+/// file's conversation, and the special tokens it renders with.
+struct LlamaCppTemplateCase {
+    template: String,
+    expected: String,
+    bos: String,
+    eos: String,
+}
+
+/// The C++ string literals that start `text` (adjacent ones concatenated,
+/// as C++ does), unescaped, and what follows them.
+fn cpp_string(text: &str) -> (String, &str) {
+    let mut out = String::new();
+    let mut rest = text.trim_start();
+    while let Some(literal) = rest.strip_prefix("u8\"").or(rest.strip_prefix('"')) {
+        let mut chars = literal.char_indices();
+        let end = loop {
+            match chars.next().expect("a string literal ends") {
+                (i, '"') => break i,
+                (_, '\\') => out.push(match chars.next().unwrap().1 {
+                    'n' => '\n',
+                    't' => '\t',
+                    c @ ('"' | '\\' | '\'') => c,
+                    c => panic!("an escape kiln's reader does not know: \\{c}"),
+                }),
+                (_, c) => out.push(c),
+            }
+        };
+        rest = literal[end + 1..].trim_start();
+    }
+    (out, rest)
+}
+
+/// The case named `name` in llama.cpp's tests/test-chat-template.cpp (the
+/// pinned copy), or `None` (saying why) when the reference files are absent.
+fn llama_cpp_template_case(name: &str) -> Option<LlamaCppTemplateCase> {
+    let source = std::fs::read_to_string(reference_file("test-chat-template.cpp")?).unwrap();
+    let start = source
+        .find(&format!("/* .name= */ \"{name}\""))
+        .unwrap_or_else(|| panic!("test-chat-template.cpp has no case {name:?}"));
+    let case = &source[start..];
+    let field = |field: &str| {
+        let marker = format!("/* .{field}= */");
+        let at = case.find(&marker).unwrap() + marker.len();
+        cpp_string(&case[at..]).0
+    };
+    let expected = match field("expected_output_jinja") {
+        jinja if jinja.is_empty() => field("expected_output"),
+        jinja => jinja,
+    };
+    Some(LlamaCppTemplateCase {
+        template: field("template_str"),
+        expected,
+        bos: field("bos_token"),
+        eos: field("eos_token"),
+    })
+}
+
+/// Mistral 7B's released templates, as llama.cpp's tests carry them: v0.2's
+/// first (no system turn), v0.2's later one (a system turn before the first
+/// question) and the `v3` template Mistral ships with its v3 tokenizer
+/// (Mistral-7B-Instruct-v0.3's; the copy is Mistral-Large-Instruct-2407's,
+/// the other model of that tokenizer, with tools and the system turn before
+/// the last question). kiln renders llama.cpp's conversation to the text
+/// llama.cpp's tests expect, and kiln's conversations as Jinja2 does.
+#[test]
+fn mistral_7b_templates_render_as_llama_cpp_and_jinja2_do() {
+    let cases = [
+        (
+            "mistralai/Mistral-7B-Instruct-v0.2 (NOTE: Old pre-v1 without a system prompt)",
+            "mistral-7b-v0.2.jinja",
+            false,
+        ),
+        (
+            "mistralai/Mistral-7B-Instruct-v0.2 (mistralai 'v1' template with a system prompt)",
+            "mistral-7b-v0.2-system.jinja",
+            true,
+        ),
+        (
+            "Mistral-Large-Instruct-2407 (mistralai 'v3' template; modified to have system prompt at start)",
+            "mistral-v3.jinja",
+            true,
+        ),
+    ];
+    let conversation = [
+        ("system", "You are a helpful assistant"),
+        ("user", "Hello"),
+        ("assistant", "Hi there"),
+        ("user", "Who are you"),
+        ("assistant", "   I am an assistant   "),
+        ("user", "Another question"),
+    ]
+    .map(|(role, content)| Message::new(role, content));
+    let dir = tempfile::tempdir().unwrap();
+    for (name, file, takes_system) in cases {
+        let Some(case) = llama_cpp_template_case(name) else {
+            return;
+        };
+        let template = ChatTemplate::new(file, &case.template, &case.bos, &case.eos)
+            .unwrap_or_else(|e| panic!("{name}: {e}"));
+        let as_given = template.render(&conversation, true);
+        let rendered = if takes_system {
+            as_given.unwrap_or_else(|e| panic!("{name}: {e}"))
+        } else {
+            // The template refuses a system turn (as Jinja2 does: it raises);
+            // llama.cpp then puts the system text before the first question.
+            assert!(as_given.is_err(), "{name}: a system turn was taken");
+            let mut merged = conversation[1..].to_vec();
+            merged[0].content = format!("{}\n{}", conversation[0].content, merged[0].content);
+            template
+                .render(&merged, true)
+                .unwrap_or_else(|e| panic!("{name}: {e}"))
+        };
+        assert_eq!(
+            rendered, case.expected,
+            "{name}: as llama.cpp's tests expect"
+        );
+
+        let path = dir.path().join(file);
+        std::fs::write(&path, &case.template).unwrap();
+        file_renders_as_jinja2(file, &path, "<s>", "</s>");
+    }
 }
 
 /// A reply ends at the special token each released template writes after
