@@ -9,6 +9,10 @@ use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
 
+#[path = "common/reference_files.rs"]
+mod reference_files;
+use reference_files::{llama_cpp_template_case, reference_file};
+
 struct Server {
     child: Child,
     base: String,
@@ -880,6 +884,94 @@ async fn concurrent_requests_on_iree_each_equal_their_request_alone() {
         together >= 2.0,
         "prompts waiting together were prefilled together: {together}"
     );
+}
+
+/// Each family's released chat template, in a Hugging Face folder as
+/// transformers saves one (`chat_template.jinja`, the special tokens in
+/// `tokenizer_config.json`) around that family's fixture: Llama 3.1's,
+/// Qwen2.5's and Mistral's v3 (from the pinned reference files; the
+/// released-files tests hold kiln's rendering of each to Jinja2's).
+/// kiln-server renders a chat request with it, exactly as kiln renders it
+/// (the prompt's token count), and answers as `kiln chat` does.
+#[tokio::test]
+async fn families_serve_chat_with_their_released_templates() {
+    let mistral_v3 = "Mistral-Large-Instruct-2407 (mistralai 'v3' template; modified to have \
+                      system prompt at start)";
+    let families = [
+        (
+            "llama-gqa-untied",
+            "meta-llama-Llama-3.1-8B-Instruct.jinja",
+            json!({"bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>"}),
+        ),
+        (
+            "qwen2-tied-bias",
+            "Qwen-Qwen2.5-7B-Instruct.jinja",
+            json!({"bos_token": null, "eos_token": "<|im_end|>"}),
+        ),
+        (
+            "mistral-gqa-window",
+            mistral_v3,
+            json!({"bos_token": "<s>", "eos_token": "</s>"}),
+        ),
+    ];
+    let fixtures = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures");
+    for (fixture, template, special) in families {
+        let source = if template == mistral_v3 {
+            llama_cpp_template_case(template).map(|case| case.template)
+        } else {
+            reference_file(template).map(|path| std::fs::read_to_string(path).unwrap())
+        };
+        let Some(source) = source else {
+            return;
+        };
+        let temp = tempfile::tempdir().unwrap();
+        let dir = temp.path().join(fixture);
+        std::fs::create_dir(&dir).unwrap();
+        for file in ["config.json", "model.safetensors", "tokenizer.json"] {
+            std::fs::copy(fixtures.join(fixture).join(file), dir.join(file)).unwrap();
+        }
+        std::fs::write(dir.join("chat_template.jinja"), &source).unwrap();
+        std::fs::write(dir.join("tokenizer_config.json"), special.to_string()).unwrap();
+        let model = dir.to_str().unwrap();
+
+        let chat = kiln_core::chat_template::ChatTemplate::from_model_dir(&dir)
+            .unwrap()
+            .unwrap();
+        let question = [kiln_core::chat_template::Message::new("user", "Say hi")];
+        let rendered = chat.render(&question, true).unwrap();
+        let tokenizer = kiln_core::Tokenizer::from_file(&dir.join("tokenizer.json")).unwrap();
+        let prompt_tokens = tokenizer.encode_rendered(&rendered).unwrap().len();
+
+        let expected = kiln(&[
+            "chat",
+            "--backend",
+            "cpu",
+            "--model",
+            model,
+            "--max-tokens",
+            "6",
+            "Say hi",
+        ]);
+        let server = Server::start(&["--model", model]);
+        server.wait_ready().await;
+        let body = json!({"model": fixture, "max_completion_tokens": 6, "temperature": 0,
+                          "messages": [{"role": "user", "content": "Say hi"}]});
+        let (status, r) = server.post("/v1/chat/completions", &body).await;
+        assert_eq!(status, 200, "{fixture}: {r}");
+        assert_eq!(
+            r["usage"]["prompt_tokens"], prompt_tokens,
+            "{fixture}: {rendered:?}"
+        );
+        assert_eq!(
+            r["choices"][0]["message"]["content"],
+            expected.as_str(),
+            "{fixture}"
+        );
+        assert!(!expected.is_empty(), "{fixture}: {r}");
+        println!(
+            "{fixture} with {template}: {prompt_tokens} prompt tokens of {rendered:?}, answered {expected:?}"
+        );
+    }
 }
 
 /// A connection that sends no request within `--idle-timeout` is closed, and
