@@ -107,9 +107,9 @@ pub struct BackendOptions {
     /// How iree-cuda's one-row q4 products (decode) are computed:
     /// `configured` (default: IREE's code generation with kiln's kernel
     /// configuration, measured on the H200), `kernel` (kiln's own CUDA
-    /// kernel, kernels/q4_row.cu: on its first GPU run it gave NaN logits
-    /// beyond the embedded model; not usable yet), or `integer` (the
-    /// CPU's form). For --precision q4 only.
+    /// kernel, kernels/q4_row.cu: right, but decoding TinyLlama's shape
+    /// 2.6x slower than `configured` on an H100), or `integer` (the CPU's
+    /// form). For --precision q4 only.
     #[arg(long, value_name = "FORM")]
     pub q4_rows: Option<String>,
     /// An IREE runtime flag for the device's driver, as IREE's own tools

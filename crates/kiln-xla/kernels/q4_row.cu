@@ -24,7 +24,7 @@
 // of x once and uses the levels for all ROWS rows, whose 16-byte blocks of
 // values it loads side by side (a warp's loads of one row are 512
 // consecutive bytes). Bindings: quants (bytes), scales, offsets (f16), x
-// (f32), y (f32); constants: outputs, blocks a row.
+// (f32), y (f32); constants: outputs, blocks a row, rows a warp.
 
 typedef unsigned int u32;
 typedef unsigned short u16;
@@ -206,18 +206,16 @@ static __device__ __forceinline__ void q4_row(const u32 *quants, const u16 *scal
     }
 }
 
-GLOBAL void kiln_q4_row_1(const u32 *quants, const u16 *scales, const u16 *offsets,
-                          const float *x, float *y, u32 outputs, u32 blocks) {
-    q4_row<1>(quants, scales, offsets, x, y, outputs, blocks);
-}
-
-GLOBAL void kiln_q4_row_2(const u32 *quants, const u16 *scales, const u16 *offsets,
-                          const float *x, float *y, u32 outputs, u32 blocks) {
-    q4_row<2>(quants, scales, offsets, x, y, outputs, blocks);
-}
-
-GLOBAL void kiln_q4_row_4(const u32 *quants, const u16 *scales, const u16 *offsets,
-                          const float *x, float *y, u32 outputs, u32 blocks) {
-    q4_row<4>(quants, scales, offsets, x, y, outputs, blocks);
+// The one entry point, rows a warp (1, 2 or 4) a constant: IREE gives all
+// of a module's dispatches of one object a single executable exporting the
+// first dispatch's entry, so entries per row count ran the one-row code
+// over a grid made for more rows and left outputs unwritten.
+GLOBAL void kiln_q4_row(const u32 *quants, const u16 *scales, const u16 *offsets,
+                        const float *x, float *y, u32 outputs, u32 blocks, u32 rows) {
+    switch (rows) {
+    case 4: q4_row<4>(quants, scales, offsets, x, y, outputs, blocks); break;
+    case 2: q4_row<2>(quants, scales, offsets, x, y, outputs, blocks); break;
+    default: q4_row<1>(quants, scales, offsets, x, y, outputs, blocks); break;
+    }
 }
 #endif

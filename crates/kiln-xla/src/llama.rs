@@ -1684,6 +1684,10 @@ mod tests {
         for c in [&wide, &narrow] {
             let module = decode_module(c, &q4(Target::Cuda), 64);
             assert_eq!(module.matches("hal.dispatch.extern").count(), products(c));
+            // Every dispatch names the one entry: IREE runs the first
+            // dispatch's entry for all of them (`kernels::Q4_ROW_ENTRY`).
+            let entry = format!("hal.dispatch.extern \"{}\"[", crate::kernels::Q4_ROW_ENTRY);
+            assert_eq!(module.matches(&entry).count(), products(c));
             assert_eq!(module.matches("kiln_q4_row: \"0x").count(), 1);
             assert!(!module.contains("linalg.generic"));
             cuda.push(module);
