@@ -30,7 +30,7 @@ mod gguf_writer;
 #[path = "common/reference_files.rs"]
 mod reference_files;
 use gguf_writer::{V, Writer, sentencepiece_vocabulary};
-use reference_files::{llama_cpp_template_case, reference_file};
+use reference_files::{MISTRAL_V3_TEMPLATE_CASE, llama_cpp_template_case, reference_file};
 
 /// The texts of `<vocab>.inp` and the ids of `<vocab>.out`: each text
 /// followed by a line `__ggml_vocab_test__`, one line of ids per text.
@@ -380,11 +380,7 @@ fn mistral_7b_templates_render_as_llama_cpp_and_jinja2_do() {
             "mistral-7b-v0.2-system.jinja",
             true,
         ),
-        (
-            "Mistral-Large-Instruct-2407 (mistralai 'v3' template; modified to have system prompt at start)",
-            "mistral-v3.jinja",
-            true,
-        ),
+        (MISTRAL_V3_TEMPLATE_CASE, "mistral-v3.jinja", true),
     ];
     let conversation = [
         ("system", "You are a helpful assistant"),

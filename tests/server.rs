@@ -11,7 +11,7 @@ use serde_json::{Value, json};
 
 #[path = "common/reference_files.rs"]
 mod reference_files;
-use reference_files::{llama_cpp_template_case, reference_file};
+use reference_files::{MISTRAL_V3_TEMPLATE_CASE, llama_cpp_template_case, reference_file};
 
 struct Server {
     child: Child,
@@ -895,32 +895,31 @@ async fn concurrent_requests_on_iree_each_equal_their_request_alone() {
 /// (the prompt's token count), and answers as `kiln chat` does.
 #[tokio::test]
 async fn families_serve_chat_with_their_released_templates() {
-    let mistral_v3 = "Mistral-Large-Instruct-2407 (mistralai 'v3' template; modified to have \
-                      system prompt at start)";
+    let released =
+        |file: &str| reference_file(file).map(|path| std::fs::read_to_string(path).unwrap());
     let families = [
         (
             "llama-gqa-untied",
-            "meta-llama-Llama-3.1-8B-Instruct.jinja",
+            "Llama 3.1's",
+            released("meta-llama-Llama-3.1-8B-Instruct.jinja"),
             json!({"bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>"}),
         ),
         (
             "qwen2-tied-bias",
-            "Qwen-Qwen2.5-7B-Instruct.jinja",
+            "Qwen2.5's",
+            released("Qwen-Qwen2.5-7B-Instruct.jinja"),
             json!({"bos_token": null, "eos_token": "<|im_end|>"}),
         ),
         (
             "mistral-gqa-window",
-            mistral_v3,
+            "Mistral's v3",
+            llama_cpp_template_case(MISTRAL_V3_TEMPLATE_CASE).map(|case| case.template),
             json!({"bos_token": "<s>", "eos_token": "</s>"}),
         ),
     ];
     let fixtures = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures");
-    for (fixture, template, special) in families {
-        let source = if template == mistral_v3 {
-            llama_cpp_template_case(template).map(|case| case.template)
-        } else {
-            reference_file(template).map(|path| std::fs::read_to_string(path).unwrap())
-        };
+    for (fixture, template, source, special) in families {
+        // Absent reference files: each lookup said why (or failed, if required).
         let Some(source) = source else {
             return;
         };
@@ -969,7 +968,7 @@ async fn families_serve_chat_with_their_released_templates() {
         );
         assert!(!expected.is_empty(), "{fixture}: {r}");
         println!(
-            "{fixture} with {template}: {prompt_tokens} prompt tokens of {rendered:?}, answered {expected:?}"
+            "{fixture} with {template} template: {prompt_tokens} prompt tokens of {rendered:?}, answered {expected:?}"
         );
     }
 }

@@ -26,6 +26,11 @@ pub fn reference_file(name: &str) -> Option<PathBuf> {
     skip_unless_required(reason)
 }
 
+/// The case of llama.cpp's tests/test-chat-template.cpp that carries
+/// Mistral's `v3` template, the one its v3 tokenizer (Mistral 7B v0.3's)
+/// ships with; llama.cpp took its copy from Mistral-Large-Instruct-2407.
+pub const MISTRAL_V3_TEMPLATE_CASE: &str = "Mistral-Large-Instruct-2407 (mistralai 'v3' template; modified to have system prompt at start)";
+
 /// One case of llama.cpp's tests/test-chat-template.cpp: a released
 /// template, the text llama.cpp's Jinja engine must render from it for the
 /// file's conversation, and the special tokens it renders with.
