@@ -108,6 +108,8 @@ struct ChatArgs {
 }
 
 fn main() -> ExitCode {
+    // Chat templates are rendered in a child: this executable, asked so.
+    kiln_core::chat_template::serve_child_if_asked();
     match run(Cli::parse()) {
         Ok(()) => ExitCode::SUCCESS,
         Err(error) => {

@@ -29,8 +29,7 @@ pub fn pull(id: &str, verify: bool) -> Result<()> {
     let dest = model.path()?;
     let dir = dest.parent().expect("models/<name>.gguf has a parent");
     std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
-    let lock = File::create(dir.join(".pull.lock"))
-        .with_context(|| format!("cannot write in {}", dir.display()))?;
+    let lock = open_lock(&dir.join(".pull.lock"))?;
     lock.lock()
         .with_context(|| format!("cannot lock {}", dir.join(".pull.lock").display()))?;
     remove_leftovers(dir)?;
@@ -40,8 +39,19 @@ pub fn pull(id: &str, verify: bool) -> Result<()> {
         Rehash::IfChanged
     };
     match model.check(rehash)? {
+        Pulled::Intact if verify => {
+            println!(
+                "{id} is already pulled and intact (its sha256 matches the pin): {}",
+                dest.display()
+            );
+            return Ok(());
+        }
         Pulled::Intact => {
-            println!("{id} is already pulled and intact: {}", dest.display());
+            println!(
+                "{id} is already pulled: {} (its size and modification time are those it had \
+                 when its sha256 was checked; `kiln pull --verify {id}` hashes it again)",
+                dest.display()
+            );
             return Ok(());
         }
         Pulled::Damaged(why) => {
@@ -71,6 +81,26 @@ pub fn pull(id: &str, verify: bool) -> Result<()> {
     }
     println!("pulled {id}: {}", dest.display());
     Ok(())
+}
+
+/// The pulls' lock file, opened without following a link and without
+/// truncating: a link planted in a shared cache must not make kiln write
+/// through it.
+fn open_lock(path: &std::path::Path) -> Result<File> {
+    use std::os::unix::fs::OpenOptionsExt;
+    std::fs::OpenOptions::new()
+        .create(true)
+        .write(true)
+        .truncate(false)
+        .custom_flags(libc::O_NOFOLLOW)
+        .open(path)
+        .map_err(|error| match error.raw_os_error() {
+            Some(libc::ELOOP) => anyhow::anyhow!(
+                "{} is a symbolic link; kiln does not follow links in its cache: remove it and pull again",
+                path.display()
+            ),
+            _ => anyhow::Error::new(error).context(format!("cannot write {}", path.display())),
+        })
 }
 
 const DOWNLOAD_PREFIX: &str = ".download-";

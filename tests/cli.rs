@@ -547,8 +547,18 @@ fn a_damaged_pulled_model_is_refused_and_pull_removes_leftovers() {
     }
     let out = kiln_in(cache.path(), &["pull", "smollm2-135m-instruct"]);
     assert!(out.status.success(), "{}", stderr(&out));
+    // It says what it checked: the stamp, not the bytes.
     assert!(
-        stdout(&out).contains("already pulled and intact"),
+        stdout(&out).contains("already pulled")
+            && stdout(&out).contains("size and modification time")
+            && stdout(&out).contains("--verify"),
+        "{}",
+        stdout(&out)
+    );
+    let out = kiln_in(cache.path(), &["pull", "--verify", "smollm2-135m-instruct"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert!(
+        stdout(&out).contains("already pulled and intact (its sha256 matches the pin)"),
         "{}",
         stdout(&out)
     );
@@ -573,6 +583,27 @@ fn a_damaged_pulled_model_is_refused_and_pull_removes_leftovers() {
         stderr(&out)
     );
     assert!(stdout(&kiln_in(cache.path(), &["list"])).contains("DAMAGED"));
+}
+
+/// A link planted as the pulls' lock in a shared cache is refused by name,
+/// before anything is downloaded, and its target keeps its bytes. Before,
+/// `File::create` followed it and truncated the target.
+#[test]
+fn a_link_planted_as_the_pull_lock_is_not_followed() {
+    let cache = tempfile::tempdir().unwrap();
+    let models = cache.path().join("models");
+    std::fs::create_dir_all(&models).unwrap();
+    let victim = cache.path().join("victim");
+    std::fs::write(&victim, "precious").unwrap();
+    std::os::unix::fs::symlink(&victim, models.join(".pull.lock")).unwrap();
+    let out = kiln_in(cache.path(), &["pull", "smollm2-135m-instruct"]);
+    assert!(!out.status.success());
+    assert!(
+        stderr(&out).contains(".pull.lock is a symbolic link"),
+        "{}",
+        stderr(&out)
+    );
+    assert_eq!(std::fs::read_to_string(&victim).unwrap(), "precious");
 }
 
 /// `kiln inspect` names the family and the switches the graph takes from it.

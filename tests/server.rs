@@ -1154,7 +1154,7 @@ async fn health_is_503_until_the_modules_are_ready() {
 
 /// A model whose chat template puts a namespace inside itself and prints
 /// it: rendering it overflows any stack. It is rendered in a child process,
-/// so the request is a 400 naming the crash and the server serves on.
+/// so the request is a 500 naming the crash and the server serves on.
 #[tokio::test]
 async fn a_template_that_crashes_its_renderer_does_not_take_the_server() {
     let dir = tempfile::tempdir().unwrap();
@@ -1180,11 +1180,206 @@ async fn a_template_that_crashes_its_renderer_does_not_take_the_server() {
     let chat =
         json!({"model": id, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2});
     let (status, body) = server.post("/v1/chat/completions", &chat).await;
-    assert_eq!(status, 400, "{body}");
+    // The model's template failed, not the client's request.
+    assert_eq!(status, 500, "{body}");
+    assert_eq!(body["error"]["code"], "chat_template_failed", "{body}");
     let message = body["error"]["message"].as_str().unwrap();
     assert!(message.contains("crashed its renderer"), "{message}");
     let text = json!({"model": id, "prompt": "Hi", "max_tokens": 2});
     let (status, body) = server.post("/v1/completions", &text).await;
+    assert_eq!(status, 200, "{body}");
+}
+
+/// A copy of the llama-gqa-untied fixture whose chat template is `template`;
+/// its model id.
+fn fixture_with_template(dir: &Path, template: &str) -> String {
+    let fixture = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/llama-gqa-untied");
+    for entry in std::fs::read_dir(&fixture).unwrap() {
+        let path = entry.unwrap().path();
+        std::fs::copy(&path, dir.join(path.file_name().unwrap())).unwrap();
+    }
+    std::fs::write(dir.join("chat_template.jinja"), template).unwrap();
+    dir.file_name().unwrap().to_str().unwrap().to_string()
+}
+
+/// A template that doubles a list until it holds 2^64 items: minijinja
+/// builds it lazily, then copies it in one step that no fuel pays for.
+const DOUBLING_TEMPLATE: &str = "{% set ns = namespace(l=[1]) %}{% for i in range(64) %}\
+    {% set ns.l = ns.l + ns.l %}{% endfor %}{{ ns.l | length }}";
+
+/// The process ids whose parent is `parent`.
+fn children_of(parent: u32) -> Vec<u32> {
+    let mut children = Vec::new();
+    for entry in std::fs::read_dir("/proc").unwrap().flatten() {
+        let Ok(pid) = entry.file_name().to_string_lossy().parse::<u32>() else {
+            continue;
+        };
+        let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+            continue;
+        };
+        // After the command's closing parenthesis: state, then the parent.
+        let after = &stat[stat.rfind(')').unwrap() + 2..];
+        if after.split(' ').nth(1) == Some(&parent.to_string()) {
+            children.push(pid);
+        }
+    }
+    children
+}
+
+/// Whether `pid` is gone (or a zombie nobody reaped yet: it runs no more).
+fn is_gone(pid: u32) -> bool {
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        Err(_) => true,
+        Ok(stat) => stat[stat.rfind(')').unwrap() + 2..].starts_with('Z'),
+    }
+}
+
+/// Sends a chat request to the doubling template in the background and
+/// returns it with the renderer child it started.
+async fn render_in_flight(
+    server: &Server,
+    id: &str,
+) -> (tokio::task::JoinHandle<Option<u16>>, u32) {
+    let url = server.url("/v1/chat/completions");
+    let chat =
+        json!({"model": id, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2});
+    let request = tokio::spawn(async move {
+        let r = reqwest::Client::new().post(url).json(&chat).send().await;
+        r.ok().map(|r| r.status().as_u16())
+    });
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let pid = server.child.id();
+    let renderer = loop {
+        if let Some(&child) = children_of(pid).first() {
+            break child;
+        }
+        assert!(Instant::now() < deadline, "no renderer was started");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    };
+    (request, renderer)
+}
+
+/// A template that never ends (it doubles a list past any memory): each
+/// chat request is a 500 naming the model's template within the render's
+/// limit, the engine serves other requests meanwhile, SIGTERM stops the
+/// server within its grace while a render runs, and no renderer outlives
+/// the server, even one killed with SIGKILL. Before the fix the renderer's
+/// reply was read to its end before its clock started: the first request
+/// hung the engine thread for good, SIGTERM did not stop the server, and
+/// the renderer ran on under PID 1.
+#[tokio::test]
+async fn a_template_that_never_ends_is_stopped_and_the_server_serves_on() {
+    let dir = tempfile::tempdir().unwrap();
+    let id = fixture_with_template(dir.path(), DOUBLING_TEMPLATE);
+    let model = dir.path().to_str().unwrap();
+    let server = Server::start(&["--model", model, "--shutdown-grace", "1"]);
+    server.wait_ready().await;
+
+    let started = Instant::now();
+    let (chat, _renderer) = render_in_flight(&server, &id).await;
+    // While it renders, a text completion is answered: the engine is free.
+    let text = json!({"model": id, "prompt": "Hi", "max_tokens": 2});
+    let (status, body) = server.post("/v1/completions", &text).await;
+    assert_eq!(status, 200, "{body}");
+    assert!(
+        !chat.is_finished(),
+        "the completion came after the render ended"
+    );
+    let chat =
+        json!({"model": id, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2});
+    let (status, body) = server.post("/v1/chat/completions", &chat).await;
+    assert_eq!(status, 500, "{body}");
+    assert_eq!(body["error"]["code"], "chat_template_failed", "{body}");
+    let message = body["error"]["message"].as_str().unwrap();
+    assert!(
+        message.contains("chat_template.jinja") && message.contains("did not finish"),
+        "{message}"
+    );
+    assert!(
+        started.elapsed() < Duration::from_secs(60),
+        "{:?}",
+        started.elapsed()
+    );
+    let (status, _) = server.post("/v1/completions", &text).await;
+    assert_eq!(status, 200);
+
+    // SIGTERM with a render in flight: the server exits within its grace
+    // (1 s) and the engine's stop, and takes its renderer with it.
+    let (_chat, renderer) = render_in_flight(&server, &id).await;
+    let mut server = server;
+    let stopped = Instant::now();
+    let signalled = Command::new("kill")
+        .args(["-TERM", &server.child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(signalled.success());
+    let status = server.child.wait().unwrap();
+    assert!(status.success(), "{status}");
+    assert!(
+        stopped.elapsed() < Duration::from_secs(15),
+        "{:?}",
+        stopped.elapsed()
+    );
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while !is_gone(renderer) {
+        assert!(
+            Instant::now() < deadline,
+            "renderer {renderer} outlived the server"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+
+    // SIGKILL: nothing of the server runs on, yet its renderer dies too.
+    let server = Server::start(&["--model", model]);
+    server.wait_ready().await;
+    let (_chat, renderer) = render_in_flight(&server, &id).await;
+    let mut server = server;
+    server.child.kill().unwrap();
+    server.child.wait().unwrap();
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while !is_gone(renderer) {
+        assert!(
+            Instant::now() < deadline,
+            "renderer {renderer} outlived a killed server"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+/// A prompt of a megabyte of digits cannot fit the context: it is refused
+/// from a prefix, in milliseconds, off the engine thread; a request behind
+/// it is not kept waiting. Before, it was tokenized whole on the engine
+/// thread first (2.8 s for the pinned model, a request behind it waiting
+/// as long).
+#[tokio::test]
+async fn a_prompt_that_cannot_fit_is_refused_before_it_is_tokenized_whole() {
+    let Some(model) = kiln_core::testing::pulled_model("smollm2-135m-instruct") else {
+        return;
+    };
+    let server = Server::start(&[
+        "--model",
+        model.to_str().unwrap(),
+        "--max-body-bytes",
+        "4000000",
+    ]);
+    server.wait_ready().await;
+    let id = model.file_name().unwrap().to_str().unwrap().to_string();
+    let digits: String = (0..1_000_000)
+        .map(|i| char::from(b'0' + (i % 10) as u8))
+        .collect();
+    let long = json!({"model": id, "prompt": digits, "max_tokens": 1});
+    let started = Instant::now();
+    let (status, body) = server.post("/v1/completions", &long).await;
+    let took = started.elapsed();
+    assert_eq!(status, 400, "{body}");
+    assert_eq!(body["error"]["code"], "context_length_exceeded", "{body}");
+    let message = body["error"]["message"].as_str().unwrap();
+    assert!(message.contains("1000000 bytes long"), "{message}");
+    // Tokenizing it whole took 2.8 s in a release build; its prefix takes
+    // milliseconds (a generous bound for a debug build under load).
+    assert!(took < Duration::from_secs(5), "{took:?}");
+    let short = json!({"model": id, "prompt": "Hi", "max_tokens": 1});
+    let (status, body) = server.post("/v1/completions", &short).await;
     assert_eq!(status, 200, "{body}");
 }
 

@@ -15,6 +15,7 @@ use std::time::Duration;
 use axum::body::Body;
 use axum::http::Request;
 use kiln::server::engine::{self, Event, Finish, FinishReason};
+use kiln::server::prompt::Prompter;
 use kiln::server::{AppState, Shared, auth::ApiKey, router};
 use libfuzzer_sys::fuzz_target;
 use tower::ServiceExt;
@@ -34,7 +35,8 @@ fn fixture() -> &'static Fixture {
         // and its end.
         std::thread::spawn(move || {
             for job in jobs {
-                let _ = job.events.send(Event::Started { prompt_tokens: 1 });
+                let prompt_tokens = job.prompt.ids.len();
+                let _ = job.events.send(Event::Started { prompt_tokens });
                 let _ = job.events.send(Event::Text("x".into()));
                 let _ = job.events.send(Event::Done(Finish {
                     reason: FinishReason::Length,
@@ -43,9 +45,13 @@ fn fixture() -> &'static Fixture {
                 }));
             }
         });
+        let model = kiln::backends::load_model(None).expect("the embedded model");
+        let prompter = Prompter::new(&model, Some(kiln_core::ChatTemplate::chatml()), false, 256);
+        let (_, prompter) = tokio::sync::watch::channel(Some(Arc::new(prompter)));
         let app = router(AppState {
             shared,
             queue,
+            prompter,
             model_id: "embedded".into(),
             api_key: Some(ApiKey::new("sesame")),
             body_limit: 1 << 16,

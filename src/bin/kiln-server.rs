@@ -14,6 +14,7 @@ use tokio::sync::{oneshot, watch};
 
 use kiln::backends::ModelArgs;
 use kiln::server::engine::{self, Loaded};
+use kiln::server::prompt::Prompter;
 use kiln::server::{AppState, Shared, auth::ApiKey, router};
 use kiln::speculation::SpeculationArgs;
 
@@ -72,6 +73,9 @@ struct Args {
     user_content_as_text: bool,
 }
 
+/// How long the engine may take to end its last step after the shutdown's
+/// grace.
+const ENGINE_STOP_LIMIT: Duration = Duration::from_secs(10);
 /// The largest queue: its slots are allocated at start.
 const MAX_QUEUE: usize = 65_536;
 /// The largest body limit: a body is held whole in memory.
@@ -103,7 +107,11 @@ fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    match runtime.block_on(run(args)) {
+    let result = runtime.block_on(run(args));
+    // A prompt still being prepared (a render runs for seconds at most) is
+    // not waited for: leaving kills its renderer, which dies with us.
+    runtime.shutdown_timeout(Duration::from_millis(500));
+    match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(error) => {
             eprintln!("error: {error:#}");
@@ -150,6 +158,7 @@ async fn run(args: Args) -> Result<()> {
     // The engine thread loads the model and opens the backend itself: the
     // backend is not Send, and /health says "loading" meanwhile.
     let (loaded_tx, loaded_rx) = oneshot::channel::<Result<()>>();
+    let (prompter_tx, prompter_rx) = watch::channel(None);
     let engine = {
         let shared = shared.clone();
         let model_args = args.model.clone();
@@ -184,11 +193,16 @@ async fn run(args: Args) -> Result<()> {
                         return;
                     }
                 };
+                // Prompts are prepared on the HTTP side from here on.
+                let prompter = Prompter::new(
+                    &model,
+                    template,
+                    user_content_as_text,
+                    decoder.max_context(),
+                );
+                let _ = prompter_tx.send(Some(Arc::new(prompter)));
                 let mut loaded = Loaded {
                     model: &model,
-                    template,
-                    user_text: user_content_as_text
-                        .then(|| model.tokenizer.with_special_tokens_as_text()),
                     decoder,
                 };
                 shared.ready.store(true, Ordering::Release);
@@ -205,6 +219,7 @@ async fn run(args: Args) -> Result<()> {
     let app = router(AppState {
         shared: shared.clone(),
         queue,
+        prompter: prompter_rx,
         model_id: model_id.clone(),
         api_key: api_key.as_deref().map(ApiKey::new),
         body_limit: args.max_body_bytes,
@@ -269,8 +284,21 @@ async fn run(args: Args) -> Result<()> {
     }
     shared.cancel_all.store(true, Ordering::Relaxed);
     shared.stopped.store(true, Ordering::Relaxed);
-    tokio::task::spawn_blocking(move || engine.join())
-        .await
+    // The engine ends what it runs within a step of `cancel_all`; a step
+    // that does not come back (a wedged device) does not keep the process:
+    // leaving main ends it, and its renderer children with it.
+    let joined = tokio::time::timeout(
+        ENGINE_STOP_LIMIT,
+        tokio::task::spawn_blocking(move || engine.join()),
+    )
+    .await
+    .map_err(|_| {
+        anyhow::anyhow!(
+            "the engine did not stop within {} s of the shutdown; exiting without it",
+            ENGINE_STOP_LIMIT.as_secs()
+        )
+    })?;
+    joined
         .ok()
         .and_then(Result::ok)
         .context("the engine thread panicked")?;

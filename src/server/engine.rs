@@ -5,6 +5,7 @@
 //! the CPU backend. Between steps it checks whether each client is still
 //! there, each request's deadline, and shutdown.
 
+use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::sync::mpsc::{Receiver, RecvTimeoutError, SyncSender, TrySendError};
 use std::time::{Duration, Instant};
@@ -15,10 +16,11 @@ use kiln_core::{
     TextStream,
 };
 use tokio::sync::mpsc::UnboundedSender;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 use super::Shared;
 use super::error::ApiError;
-use super::metrics::Metrics;
+use super::prompt::Prepared;
 use super::stop::StopMatcher;
 
 pub enum Prompt {
@@ -26,7 +28,7 @@ pub enum Prompt {
     Chat(Vec<Message>),
 }
 
-/// A validated request.
+/// A parsed request, before its prompt is prepared (`super::prompt`).
 pub struct Request {
     pub prompt: Prompt,
     /// At most this many tokens; up to the context's room when `None`.
@@ -35,12 +37,16 @@ pub struct Request {
     pub stop: Vec<String>,
 }
 
-/// A request in the queue, with where its events go. The client is gone
-/// when `events` is closed.
+/// A request in the queue, its prompt tokenized and fitting the context,
+/// with where its events go. The client is gone when `events` is closed.
 pub struct Job {
-    pub request: Request,
+    pub prompt: Prepared,
+    pub sampling: SamplingParams,
+    pub stop: Vec<String>,
     pub events: UnboundedSender<Event>,
     pub deadline: Instant,
+    /// Its place in the queue, given back when the engine takes it.
+    pub place: Option<Place>,
 }
 
 #[derive(Debug)]
@@ -77,46 +83,72 @@ pub struct Finish {
     pub completion_tokens: usize,
 }
 
-/// The sending side of the bounded queue.
+/// The sending side of the bounded queue. A request takes its place
+/// ([`Queue::reserve`]) before its prompt is prepared, so that requests
+/// being prepared count against the capacity as queued ones do.
 #[derive(Clone)]
 pub struct Queue {
     sender: SyncSender<Job>,
+    places: Arc<Semaphore>,
     capacity: usize,
+}
+
+/// A place in the queue, from its reservation until the engine takes the
+/// job (or the request ends before): counted in `queue_depth` meanwhile.
+pub struct Place {
+    _permit: OwnedSemaphorePermit,
+    shared: Arc<Shared>,
+}
+
+impl Drop for Place {
+    fn drop(&mut self) {
+        self.shared.metrics.queue_depth.dec();
+    }
 }
 
 pub fn queue(capacity: usize) -> (Queue, Receiver<Job>) {
     let (sender, receiver) = std::sync::mpsc::sync_channel(capacity);
-    (Queue { sender, capacity }, receiver)
+    let places = Arc::new(Semaphore::new(capacity));
+    (
+        Queue {
+            sender,
+            places,
+            capacity,
+        },
+        receiver,
+    )
 }
 
 impl Queue {
-    /// Queues `job`, or refuses it at once when the queue is full.
-    pub fn submit(&self, job: Job, metrics: &Metrics) -> Result<(), ApiError> {
-        // Counted before sending so that the engine's decrement never runs first.
-        metrics.queue_depth.inc();
-        match self.sender.try_send(job) {
-            Ok(()) => Ok(()),
-            Err(error) => {
-                metrics.queue_depth.dec();
-                Err(match error {
-                    TrySendError::Full(_) => ApiError::queue_full(self.capacity),
-                    TrySendError::Disconnected(_) => {
-                        ApiError::unavailable("the engine has stopped; the server is shutting down")
-                    }
-                })
+    /// A place for one request, or a refusal at once when the queue is full.
+    pub fn reserve(&self, shared: &Arc<Shared>) -> Result<Place, ApiError> {
+        let permit = Arc::clone(&self.places)
+            .try_acquire_owned()
+            .map_err(|_| ApiError::queue_full(self.capacity))?;
+        shared.metrics.queue_depth.inc();
+        Ok(Place {
+            _permit: permit,
+            shared: Arc::clone(shared),
+        })
+    }
+
+    /// Queues `job` in the place it holds.
+    pub fn submit(&self, job: Job) -> Result<(), ApiError> {
+        // Never full: each queued job holds one of `capacity` places.
+        self.sender.try_send(job).map_err(|error| match error {
+            TrySendError::Full(_) => ApiError::queue_full(self.capacity),
+            TrySendError::Disconnected(_) => {
+                ApiError::unavailable("the engine has stopped; the server is shutting down")
             }
-        }
+        })
     }
 }
 
-/// What the engine serves: the model, its chat template if it has one, and
-/// the decoder. Built on the engine thread.
+/// What the engine serves: the model and its decoder. Built on the engine
+/// thread; the model's read-only part that validation needs is shared with
+/// the HTTP side as a [`super::prompt::Prompter`].
 pub struct Loaded<'m> {
     pub model: &'m Model,
-    pub template: Option<ChatTemplate>,
-    /// With `--user-content-as-text`: the model's tokenizer reading special
-    /// tokens as text, for what users wrote.
-    pub user_text: Option<kiln_core::Tokenizer>,
     pub decoder: Decoder<'m>,
 }
 
@@ -141,7 +173,7 @@ pub struct Speculative<'m> {
 }
 
 impl Decoder<'_> {
-    fn max_context(&self) -> usize {
+    pub fn max_context(&self) -> usize {
         match self {
             Decoder::Single(backend) => backend.max_context(),
             Decoder::Speculative(speculative) => speculative.backend.max_context(),
@@ -184,8 +216,9 @@ fn next_job(jobs: &Receiver<Job>, shared: &Shared, wait: bool) -> Option<Job> {
             })
         };
         match received {
-            Ok(job) => {
-                shared.metrics.queue_depth.dec();
+            Ok(mut job) => {
+                // Out of the queue: its place is free again.
+                job.place = None;
                 return Some(job);
             }
             Err(RecvTimeoutError::Timeout) if !wait || shared.stopped.load(Ordering::Relaxed) => {
@@ -234,15 +267,7 @@ fn report(
         Ok(Some(finish)) => ("complete", Some(Event::Done(finish))),
         Ok(None) => ("cancelled", None),
         Err(error) => {
-            let outcome = if error.status.is_client_error() {
-                "invalid"
-            } else if error.status == axum::http::StatusCode::GATEWAY_TIMEOUT {
-                "timeout"
-            } else if error.status == axum::http::StatusCode::SERVICE_UNAVAILABLE {
-                "shutdown"
-            } else {
-                "error"
-            };
+            let outcome = error.outcome();
             (outcome, Some(Event::Failed(error)))
         }
     };
@@ -253,114 +278,6 @@ fn report(
     if let Some(event) = event {
         let _ = events.send(event);
     }
-}
-
-/// The prompt's ids and the tokens that end the generation.
-fn tokenize(
-    loaded: &Loaded,
-    prompt: Prompt,
-) -> Result<(Vec<u32>, Vec<u32>, &'static str), ApiError> {
-    let model = loaded.model;
-    let internal = |e: kiln_core::Error| ApiError::invalid(e.to_string());
-    match prompt {
-        Prompt::Text(text) => Ok((
-            model.tokenizer.encode(&text).map_err(internal)?,
-            model.config.eos_token_ids.clone(),
-            "prompt",
-        )),
-        Prompt::Chat(messages) => {
-            let template = loaded.template.as_ref().ok_or_else(|| {
-                ApiError::invalid(format!(
-                    "the model {} has no chat template; use /v1/completions",
-                    model.name
-                ))
-            })?;
-            // In a child process: a template that crashes its renderer
-            // (a value that contains itself) must not take the server.
-            let ids = match &loaded.user_text {
-                Some(as_text) => encode_chat_keeping_user_text(model, template, as_text, messages)?,
-                None => {
-                    let rendered = template
-                        .render_isolated(&messages, true)
-                        .map_err(internal)?;
-                    model
-                        .tokenizer
-                        .encode_rendered(&rendered)
-                        .map_err(internal)?
-                }
-            };
-            Ok((
-                ids,
-                kiln_core::chat::stop_tokens(
-                    &model.tokenizer,
-                    &model.config.eos_token_ids,
-                    template,
-                ),
-                "messages",
-            ))
-        }
-    }
-}
-
-/// The prompt of `messages` with what users wrote encoded by `as_text`, so
-/// that a special token typed in a user turn stays text (a user cannot
-/// forge a system turn). Each user content is rendered as a marker that no
-/// message contains; the rendered text is split at the markers, the
-/// template's parts encoded as usual and each user's part as text. A
-/// template that changes or drops a user's content (so its marker is not
-/// found whole) is an error: the option cannot be kept with it.
-fn encode_chat_keeping_user_text(
-    model: &Model,
-    template: &ChatTemplate,
-    as_text: &kiln_core::Tokenizer,
-    mut messages: Vec<kiln_core::Message>,
-) -> Result<Vec<u32>, ApiError> {
-    let internal = |e: kiln_core::Error| ApiError::invalid(e.to_string());
-    let mut tag = 0u64;
-    let marker = loop {
-        let marker = format!("\u{E000}kiln-user-{tag}:");
-        if !messages.iter().any(|m| m.content.contains(&marker)) {
-            break marker;
-        }
-        tag += 1;
-    };
-    let mut users = Vec::new();
-    for message in messages.iter_mut().filter(|m| m.role == "user") {
-        let marked = format!("{marker}{}\u{E000}", users.len());
-        users.push(std::mem::replace(&mut message.content, marked));
-    }
-    let rendered = template
-        .render_isolated(&messages, true)
-        .map_err(internal)?;
-    let mut ids = Vec::new();
-    let mut found = vec![false; users.len()];
-    let mut rest = rendered.as_str();
-    while let Some(at) = rest.find(&marker) {
-        ids.extend(
-            model
-                .tokenizer
-                .encode_rendered(&rest[..at])
-                .map_err(internal)?,
-        );
-        let after = &rest[at + marker.len()..];
-        let index = after
-            .find('\u{E000}')
-            .and_then(|end| Some((after[..end].parse::<usize>().ok()?, end)))
-            .filter(|(index, _)| *index < users.len());
-        let Some((index, end)) = index else { break };
-        ids.extend(as_text.encode_rendered(&users[index]).map_err(internal)?);
-        found[index] = true;
-        rest = &after[end + '\u{E000}'.len_utf8()..];
-    }
-    if found.iter().any(|f| !f) || rest.contains(&marker) {
-        return Err(ApiError::invalid_param(
-            "messages",
-            "this model's chat template changes or drops what users wrote, so the server's \
-             --user-content-as-text cannot keep it as text; restart the server without it",
-        ));
-    }
-    ids.extend(model.tokenizer.encode_rendered(rest).map_err(internal)?);
-    Ok(ids)
 }
 
 fn backend_failed(e: kiln_core::Error) -> ApiError {
@@ -394,51 +311,26 @@ impl<'m> Generation<'m> {
         shared: &Shared,
     ) -> Result<(Generation<'m>, Vec<u32>), ApiError> {
         let Job {
-            request,
+            prompt,
+            sampling,
+            stop,
             events,
             deadline,
+            place: _,
         } = job;
         // A request that waited out its time in the queue is not started.
         if Instant::now() >= deadline {
             return Err(ApiError::timeout(shared.request_timeout.as_secs()));
         }
-        let (prompt_ids, stop_tokens, param) = tokenize(loaded, request.prompt)?;
-        // A model that adds no BOS encodes "" to nothing: nothing to prefill.
-        if prompt_ids.is_empty() {
-            return Err(ApiError::invalid_param(
-                param,
-                "the prompt is empty (it encodes to no tokens and this model adds no \
-                 beginning-of-sequence token); send at least one character",
-            ));
-        }
-        let context = loaded.decoder.max_context();
-        if prompt_ids.len() >= context {
-            return Err(ApiError::context_length(
-                param,
-                format!(
-                    "the prompt is {} tokens long and the model's context holds {context}; shorten it",
-                    prompt_ids.len()
-                ),
-            ));
-        }
-        let room = context - prompt_ids.len();
-        let max_tokens = match request.max_tokens {
-            Some(max) if max > room => {
-                return Err(ApiError::context_length(
-                    "max_tokens",
-                    format!(
-                        "the prompt ({} tokens) and max_tokens ({max}) need {} positions and the \
-                         model's context holds {context}; lower max_tokens or shorten the prompt",
-                        prompt_ids.len(),
-                        prompt_ids.len() + max
-                    ),
-                ));
-            }
-            Some(max) => max,
-            None => room,
-        };
+        let Prepared {
+            ids: prompt_ids,
+            stop_tokens,
+            max_tokens,
+        } = prompt;
+        // Prepared against the decoder's context, which it still is.
+        debug_assert!(prompt_ids.len() + max_tokens <= loaded.decoder.max_context());
         let sampler =
-            Sampler::new(request.sampling.clone()).map_err(|e| ApiError::invalid(e.to_string()))?;
+            Sampler::new(sampling.clone()).map_err(|e| ApiError::invalid(e.to_string()))?;
         let _ = events.send(Event::Started {
             prompt_tokens: prompt_ids.len(),
         });
@@ -450,10 +342,10 @@ impl<'m> Generation<'m> {
             prompt_tokens: prompt_ids.len(),
             max_tokens,
             stop_tokens,
-            sampling: request.sampling,
+            sampling,
             sampler,
             text: Some(TextStream::new(&model.tokenizer)),
-            stops: StopMatcher::new(request.stop),
+            stops: StopMatcher::new(stop),
             generated: 0,
             started: now,
             last: now,

@@ -144,6 +144,25 @@ impl ApiError {
         }
     }
 
+    /// How a request that ends with this error is counted in `/metrics`.
+    pub fn outcome(&self) -> &'static str {
+        match self.status {
+            StatusCode::GATEWAY_TIMEOUT => "timeout",
+            StatusCode::SERVICE_UNAVAILABLE => "shutdown",
+            status if status.is_client_error() => "invalid",
+            _ => "error",
+        }
+    }
+
+    /// The model's own chat template failed (not the conversation): the
+    /// server's fault, named so that its operator can act.
+    pub fn template_failed(message: impl Into<String>) -> ApiError {
+        ApiError {
+            code: Some("chat_template_failed"),
+            ..ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "server_error", message)
+        }
+    }
+
     pub fn internal(message: impl Into<String>) -> ApiError {
         ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "server_error", message)
     }

@@ -7,6 +7,7 @@ pub mod engine;
 pub mod error;
 pub mod listen;
 pub mod metrics;
+pub mod prompt;
 pub mod respond;
 pub mod routes;
 pub mod stop;
@@ -51,6 +52,8 @@ impl Shared {
 pub struct AppState {
     pub shared: Arc<Shared>,
     pub queue: Queue,
+    /// The loaded model's prompt preparation; `None` while it loads.
+    pub prompter: tokio::sync::watch::Receiver<Option<Arc<prompt::Prompter>>>,
     /// The one model this server serves, as `/v1/models` names it.
     pub model_id: String,
     pub api_key: Option<auth::ApiKey>,

@@ -136,22 +136,41 @@ async fn complete(state: AppState, endpoint: Endpoint, request: HttpRequest) -> 
             return error.into_response();
         }
     };
+    // A place in the queue first: requests being prepared count as queued.
+    let place = match state.queue.reserve(&state.shared) {
+        Ok(place) => place,
+        Err(error) => {
+            metrics.outcome("queue_full");
+            return error.into_response();
+        }
+    };
+    let Parsed {
+        request,
+        stream: streamed,
+        include_usage,
+        model,
+    } = parsed;
+    let prepared = match prepare(&state, request.prompt, request.max_tokens, deadline).await {
+        Ok(prepared) => prepared,
+        Err(error) => {
+            metrics.outcome(error.outcome());
+            return error.into_response();
+        }
+    };
     let (events, mut received) = mpsc::unbounded_channel();
     let job = Job {
-        request: parsed.request,
+        prompt: prepared,
+        sampling: request.sampling,
+        stop: request.stop,
         events,
         deadline,
+        place: Some(place),
     };
-    if let Err(error) = state.queue.submit(job, metrics) {
-        metrics.outcome(if error.status == StatusCode::TOO_MANY_REQUESTS {
-            "queue_full"
-        } else {
-            "shutdown"
-        });
+    if let Err(error) = state.queue.submit(job) {
+        metrics.outcome("shutdown");
         return error.into_response();
     }
-    // Errors found by the engine (a prompt too long) come before any output.
-    // A request still queued at its deadline is answered here, not when the
+    // The engine's errors come before any output. A request still queued at its deadline is answered here, not when the
     // engine reaches it; dropping `received` tells the engine, which counts
     // the timeout when it gets there.
     let first = tokio::time::timeout_at(deadline.into(), received.recv()).await;
@@ -165,12 +184,34 @@ async fn complete(state: AppState, endpoint: Endpoint, request: HttpRequest) -> 
             return ApiError::timeout(state.shared.request_timeout.as_secs()).into_response();
         }
     }
-    let ids = Ids::new(endpoint, &parsed.model);
-    if parsed.stream {
-        stream(ids, received, parsed.include_usage).into_response()
+    let ids = Ids::new(endpoint, &model);
+    if streamed {
+        stream(ids, received, include_usage).into_response()
     } else {
         whole(ids, received).await
     }
+}
+
+/// The request's prompt made ready for the engine (rendered, tokenized,
+/// checked against the context) off the engine thread, by its deadline. A
+/// request that comes while the model loads waits for it.
+async fn prepare(
+    state: &AppState,
+    prompt: super::engine::Prompt,
+    max_tokens: Option<usize>,
+    deadline: Instant,
+) -> Result<super::prompt::Prepared, ApiError> {
+    let seconds = state.shared.request_timeout.as_secs();
+    let mut loaded = state.prompter.clone();
+    let prompter =
+        match tokio::time::timeout_at(deadline.into(), loaded.wait_for(Option::is_some)).await {
+            Err(_) => return Err(ApiError::timeout(seconds)),
+            Ok(Err(_)) => return Err(ApiError::unavailable("the model could not be loaded")),
+            Ok(Ok(prompter)) => prompter.clone().expect("waited for"),
+        };
+    prompter
+        .prepare(prompt, max_tokens, deadline, seconds)
+        .await
 }
 
 async fn whole(ids: Ids, mut received: mpsc::UnboundedReceiver<Event>) -> Response {

@@ -58,10 +58,12 @@ impl<'m> Chat<'m> {
     }
 
     /// The prompt the next turn would give the model for `user`'s message.
+    /// The template came with the model file: it is rendered bounded in time
+    /// and memory (in a child process where the program allows it).
     pub fn prompt_for(&self, user: &str) -> Result<String> {
         let mut messages = self.messages.clone();
         messages.push(Message::new("user", user));
-        self.template.render(&messages, true)
+        self.template.render_bounded(&messages, true)
     }
 
     /// Adds `user`'s message, generates the reply (at most `max_tokens`, and

@@ -393,23 +393,41 @@ fn parse_rope_scaling(
         .or_else(|| value.get("type"))
         .and_then(|v| v.as_str())
         .ok_or("rope_scaling has no rope_type")?;
+    // Every number here divides positions or frequencies: zero gave NaN
+    // logits, a negative one garbage.
     let number = |name: &str| {
-        value
+        let n = value
             .get(name)
             .and_then(|v| v.as_f64())
-            .ok_or(format!("rope_scaling ({kind}) needs a number {name}"))
+            .ok_or(format!("rope_scaling ({kind}) needs a number {name}"))?;
+        if !(n.is_finite() && n > 0.0) {
+            return Err(format!(
+                "rope_scaling.{name} is {n}; it must be a positive number"
+            ));
+        }
+        Ok(n)
     };
     match kind {
         "default" => Ok(None),
         "linear" => Ok(Some(RopeScaling::Linear {
             factor: number("factor")?,
         })),
-        "llama3" => Ok(Some(RopeScaling::Llama3 {
-            factor: number("factor")?,
-            low_freq_factor: number("low_freq_factor")?,
-            high_freq_factor: number("high_freq_factor")?,
-            original_max_position_embeddings: number("original_max_position_embeddings")?,
-        })),
+        "llama3" => {
+            let (low, high) = (number("low_freq_factor")?, number("high_freq_factor")?);
+            // The smoothing between them divides by their difference.
+            if high <= low {
+                return Err(format!(
+                    "rope_scaling.high_freq_factor ({high}) must be greater than \
+                     rope_scaling.low_freq_factor ({low})"
+                ));
+            }
+            Ok(Some(RopeScaling::Llama3 {
+                factor: number("factor")?,
+                low_freq_factor: low,
+                high_freq_factor: high,
+                original_max_position_embeddings: number("original_max_position_embeddings")?,
+            }))
+        }
         other => Err(format!(
             "rope_scaling type {other:?} is not supported (kiln knows linear and llama3)"
         )),
@@ -521,6 +539,23 @@ mod tests {
             ),
             ("eos_token_id", "99", "outside the vocabulary"),
             ("attention_bias", "true", "bias"),
+            // A zero factor gave NaN logits (and, through 8-bit
+            // activations, plausible-looking tokens).
+            (
+                "rope_scaling",
+                r#"{"rope_type": "linear", "factor": 0}"#,
+                "rope_scaling.factor is 0; it must be a positive number",
+            ),
+            (
+                "rope_scaling",
+                r#"{"rope_type": "linear", "factor": -2.0}"#,
+                "rope_scaling.factor is -2",
+            ),
+            (
+                "rope_scaling",
+                r#"{"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 4.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}"#,
+                "must be greater than rope_scaling.low_freq_factor",
+            ),
         ];
         for (field, value, expected) in cases {
             let error = with(field, value).unwrap_err();

@@ -53,6 +53,11 @@ pub enum Error {
     #[error("the chat template from {origin}: {message}")]
     ChatTemplate { origin: String, message: String },
 
+    /// The template refused this conversation (`raise_exception`: roles
+    /// that do not alternate, a system turn where none is allowed).
+    #[error("the chat template from {origin} rejected the conversation: {message}")]
+    ConversationRejected { origin: String, message: String },
+
     #[error(
         "the prompt and generation need {needed} positions but the model's context holds {limit}; \
          shorten the prompt or lower --max-tokens"

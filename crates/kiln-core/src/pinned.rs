@@ -184,10 +184,26 @@ fn sha256_of(path: &Path) -> Result<String> {
     Ok(hex::encode(hasher.finalize()))
 }
 
+/// Writes `bytes` to a new file beside `path`, then renames it over `path`.
+/// The new file is created exclusively: whatever is already at its name (a
+/// leftover, or a link planted there) is removed, never written through.
 fn write_atomically(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
+    use std::io::Write;
     let partial = path.with_extension(format!("partial-{}", std::process::id()));
-    std::fs::write(&partial, bytes)?;
-    std::fs::rename(&partial, path)
+    match std::fs::remove_file(&partial) {
+        Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(e),
+        _ => {}
+    }
+    let written = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .open(&partial)
+        .and_then(|mut file| file.write_all(bytes))
+        .and_then(|()| std::fs::rename(&partial, path));
+    if written.is_err() {
+        let _ = std::fs::remove_file(&partial);
+    }
+    written
 }
 
 /// What `--model` names: an existing file or folder, else a pinned model
@@ -211,6 +227,23 @@ pub fn resolve(spec: &Path) -> Result<PathBuf> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A link planted where the stamp's new copy is written is replaced,
+    /// not followed: its target keeps its bytes. Before, `fs::write`
+    /// truncated and overwrote the target.
+    #[test]
+    fn a_planted_link_is_not_written_through() {
+        let dir = tempfile::tempdir().unwrap();
+        let victim = dir.path().join("victim");
+        std::fs::write(&victim, "precious").unwrap();
+        let stamp = dir.path().join("model.gguf.sha256");
+        let partial = stamp.with_extension(format!("partial-{}", std::process::id()));
+        std::os::unix::fs::symlink(&victim, &partial).unwrap();
+        write_atomically(&stamp, b"stamp").unwrap();
+        assert_eq!(std::fs::read_to_string(&victim).unwrap(), "precious");
+        assert_eq!(std::fs::read_to_string(&stamp).unwrap(), "stamp");
+        assert!(!partial.exists() && std::fs::symlink_metadata(&partial).is_err());
+    }
 
     #[test]
     fn the_pin_file_lists_smollm2() {

@@ -54,6 +54,7 @@ impl ByteTokenizer {
 /// The largest tokenizer.json kiln reads (large real ones are ~35 MB).
 pub const TOKENIZER_FILE_LIMIT: u64 = 256 << 20;
 
+#[derive(Clone)]
 pub enum Tokenizer {
     Bytes(ByteTokenizer),
     /// Build through [`Tokenizer::from_hugging_face`], which hardens it.
@@ -127,6 +128,19 @@ impl Tokenizer {
                 .map_err(|panic| Error::Encode(format!("the tokenizer failed: {panic}")))?
                 .map(|e| e.get_ids().to_vec())
                 .map_err(|e| Error::Encode(e.to_string())),
+        }
+    }
+
+    /// The most bytes any vocabulary entry is spelled with: at least the
+    /// bytes of text one token can stand for (byte-level and SentencePiece
+    /// vocabularies spell each byte with one to six), so a text longer than
+    /// a context's worth of it cannot fit.
+    pub fn longest_token_bytes(&self) -> usize {
+        match self {
+            Tokenizer::Bytes(_) => 1,
+            Tokenizer::HuggingFace(t) => {
+                t.get_vocab(true).keys().map(String::len).max().unwrap_or(1)
+            }
         }
     }
 

@@ -36,7 +36,14 @@ impl Q8Inputs {
         };
         for block in x.chunks_exact(BLOCK) {
             let largest = block.iter().fold(0.0f32, |a, v| a.max(v.abs()));
-            let d = largest / 127.0;
+            // `max` skips NaN and an infinity rounds every value to 0: a
+            // non-finite activation would vanish into plausible tokens. Its
+            // block's scale is NaN instead, so the product (and the logits,
+            // which every backend checks) say so.
+            let d = match block.iter().all(|v| v.is_finite()) {
+                true => largest / 127.0,
+                false => f32::NAN,
+            };
             let inverse = if largest > 0.0 { 127.0 / largest } else { 0.0 };
             let start = q.values.len();
             q.values.extend(
@@ -134,6 +141,21 @@ mod tests {
             0.5f32, 1.5, 2.5, -0.5, -1.5, 126.5, -126.5, 3.49, -3.51, 0.0, 127.0, 63.5,
         ] {
             assert_eq!(nearest_even(v), v.round_ties_even(), "{v}");
+        }
+    }
+
+    #[test]
+    fn non_finite_inputs_give_non_finite_products() {
+        for bad in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {
+            let mut x = vec![0.5f32; 2 * BLOCK];
+            x[BLOCK + 3] = bad;
+            let q = Q8Inputs::quantize(&x, 2 * BLOCK);
+            assert!(
+                q.scales[0].is_finite(),
+                "{bad}: the other block is untouched"
+            );
+            assert!(q.scales[1].is_nan() && q.sums[1].is_nan(), "{bad}");
+            assert!(q.dequantize()[BLOCK..].iter().all(|v| v.is_nan()), "{bad}");
         }
     }
 

@@ -20,7 +20,7 @@ use serde::Serialize;
 use serde_json::ser::{Formatter, PrettyFormatter, Serializer};
 
 use crate::error::{Error, Result};
-pub use isolated::{CHILD_ENV, serve_child_if_asked};
+pub use isolated::{CHILD_ENV, RENDER_MEMORY_LIMIT, RENDER_TIME_LIMIT, serve_child_if_asked};
 
 /// One turn of a conversation, as chat templates read it.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, serde::Deserialize)]
@@ -130,6 +130,7 @@ impl ChatTemplate {
         env.add_function("raise_exception", raise_exception);
         env.add_function("strftime_now", strftime_now);
         env.add_filter("tojson", tojson);
+        env.add_filter("join", join);
         env.add_template_owned(NAME, source.to_owned())
             .map_err(|e| invalid(describe(&e)))?;
         Ok(ChatTemplate {
@@ -197,7 +198,7 @@ impl ChatTemplate {
             Message::new("user", "Hello"),
             Message::new("assistant", PROBE),
         ];
-        let rendered = self.render(&exchange, false).ok()?;
+        let rendered = self.render_bounded(&exchange, false).ok()?;
         let (_, after) = rendered.rsplit_once(PROBE)?;
         (!after.is_empty()).then(|| after.to_string())
     }
@@ -249,7 +250,13 @@ impl ChatTemplate {
             Err(e) if e.kind() == ErrorKind::OutOfFuel => Err(failed(format!(
                 "rendering took more than kiln's budget ({RENDER_FUEL} steps of minijinja fuel){UNUSABLE}"
             ))),
-            Err(e) => Err(failed(describe(&e))),
+            Err(e) => match rejection(&e) {
+                Some(message) => Err(Error::ConversationRejected {
+                    origin: self.origin.clone(),
+                    message: message.to_owned(),
+                }),
+                None => Err(failed(describe(&e))),
+            },
         }
     }
 }
@@ -261,13 +268,6 @@ const CHATML: &str = "{% for message in messages %}\
 
 /// A minijinja error as one line: what went wrong, where, and what to do.
 fn describe(error: &minijinja::Error) -> String {
-    // `raise_exception`: the template's own message about the conversation.
-    if error.kind() == ErrorKind::InvalidOperation
-        && let Some(detail) = error.detail()
-        && detail.starts_with(REJECTED)
-    {
-        return detail.to_owned();
-    }
     let mut what = error.to_string();
     if let Some(line) = error.line()
         && !what.contains(NAME)
@@ -275,6 +275,14 @@ fn describe(error: &minijinja::Error) -> String {
         what.push_str(&format!(" (template line {line})"));
     }
     what + UNUSABLE
+}
+
+/// The template's own message when it rejected the conversation
+/// (`raise_exception`): the conversation's fault, not the template's.
+fn rejection(error: &minijinja::Error) -> Option<&str> {
+    let detail = error.detail()?;
+    (error.kind() == ErrorKind::InvalidOperation && detail.starts_with(REJECTED))
+        .then(|| &detail[REJECTED.len()..])
 }
 
 /// The advice for a template kiln cannot use.
@@ -359,6 +367,38 @@ fn tojson(
         .map_err(|e| minijinja::Error::new(ErrorKind::BadSerialization, format!("tojson: {e}")))?;
     let text = String::from_utf8(out.bytes).expect("serde_json writes UTF-8");
     Ok(Value::from_safe_string(text))
+}
+
+/// `join`, charged by the size of what it builds: minijinja's own charges
+/// an item at a time but lets the text grow unpaid when the separator is
+/// empty (`(['x' * 1000000] * 1000) | join('')` built a gigabyte). Here the
+/// string items are paid for by their bytes before anything is joined, and
+/// a result longer than any prompt is refused; the builtin then joins.
+fn join(
+    state: &mut minijinja::State,
+    value: &Value,
+    joiner: Option<minijinja::value::StringInput<'_>>,
+    attribute: Option<&str>,
+    kwargs: minijinja::value::Kwargs,
+) -> std::result::Result<Value, minijinja::Error> {
+    let separator = joiner.as_ref().map_or(0, |j| j.as_str().len());
+    // Sized sequences (lists, lazy repeats and concatenations) can be walked
+    // twice; a one-shot iterable has no size and is left to the builtin.
+    if value.len().is_some() {
+        let mut bytes = 0usize;
+        for item in value.try_iter()? {
+            let len = item.as_str().map_or(1, str::len) + separator;
+            bytes = bytes.saturating_add(len);
+            if bytes > MAX_RENDERED_BYTES {
+                return Err(minijinja::Error::new(
+                    ErrorKind::InvalidOperation,
+                    format!("join: a result of more than {MAX_RENDERED_BYTES} bytes"),
+                ));
+            }
+            state.consume_fuel(1 + len as u64 / 64)?;
+        }
+    }
+    minijinja::filters::join(state, value, joiner, attribute, kwargs)
 }
 
 /// Walks `value` without recursing, and refuses it when printing it would

@@ -94,6 +94,12 @@ pub fn model_config(file: &GgufFile) -> Result<ModelConfig> {
                         key("rope.scaling.factor")
                     ))
                 })?;
+            if !(factor.is_finite() && factor > 0.0) {
+                return Err(file.error(format!(
+                    "{} is {factor}; it must be a positive number",
+                    key("rope.scaling.factor")
+                )));
+            }
             Some(RopeScaling::Linear { factor })
         }
         Some(other) => {
