@@ -311,3 +311,51 @@ fn too_long(param: &str, what: &str, context: usize) -> ApiError {
         format!("the prompt is {what} and the model's context holds {context}; shorten it"),
     )
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    /// The pinned model's prompter at a context of `context` tokens.
+    fn smollm2(context: usize) -> Option<Prompter> {
+        static MODEL: std::sync::OnceLock<Option<Model>> = std::sync::OnceLock::new();
+        let model = MODEL.get_or_init(|| {
+            let path = kiln_core::testing::pulled_model("smollm2-135m-instruct")?;
+            Some(Model::load_or_embedded(Some(&path)).unwrap())
+        });
+        Some(Prompter::new(model.as_ref()?, None, false, context))
+    }
+
+    /// Text of digits, letters, spaces, punctuation and multi-byte
+    /// characters in runs: what tokenizes to many or few tokens a byte.
+    fn text() -> impl Strategy<Value = String> {
+        let run = prop_oneof![
+            "[0-9]{1,400}",
+            "[a-z ]{1,400}",
+            "[!-/:-@]{1,200}",
+            "(é|ß|日本|🙂| ){1,100}",
+        ];
+        proptest::collection::vec(run, 1..40).prop_map(|runs| runs.concat())
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(64))]
+
+        /// The refusal from a prompt's length or prefix is never wrong: a
+        /// refused prompt's whole tokenization does not fit either, and an
+        /// accepted one is tokenized exactly as a whole.
+        #[test]
+        fn refusing_early_agrees_with_tokenizing_whole(text in text(), context in 8usize..600) {
+            let Some(prompter) = smollm2(context) else { return Ok(()) };
+            let whole = prompter.tokenizer.encode(&text).unwrap();
+            match prompter.encode_bounded(&text, "prompt", |t| prompter.tokenizer.encode(t)) {
+                Ok(ids) => prop_assert_eq!(ids, whole),
+                Err(PrepareError::Api(error)) => {
+                    prop_assert!(whole.len() >= context, "{} tokens refused at {context}: {}", whole.len(), error.message);
+                }
+                Err(PrepareError::PastDeadline) => prop_assert!(false, "no deadline here"),
+            }
+        }
+    }
+}

@@ -832,6 +832,34 @@ mod tests {
         assert!(error.contains("recursion"), "{error}");
     }
 
+    /// `join` with an empty separator let its result grow unpaid: a
+    /// gigabyte from a one-line template. It is paid by its bytes now, and
+    /// refused past the longest prompt; ordinary joins are unchanged.
+    #[test]
+    fn joins_are_charged_by_what_they_build() {
+        let messages = [Message::new("user", "Hi")];
+        let huge = render(
+            "{{ (['x' * 1000000] * 1000) | join('') | length }}",
+            &messages,
+        );
+        let error = huge.unwrap_err().to_string();
+        assert!(error.contains("join: a result of more than"), "{error}");
+        let many = render(
+            "{{ (['x' * 1000] * 1000000) | join(',') | length }}",
+            &messages,
+        );
+        assert!(many.is_err());
+        let cases = [
+            ("{{ (['ab'] * 3) | join(', ') }}", "ab, ab, ab"),
+            ("{{ messages | join('|', attribute='role') }}", "user"),
+            ("{{ 'abc' | join('-') }}", "a-b-c"),
+            ("{{ [1, 2] | join }}", "12"),
+        ];
+        for (source, expected) in cases {
+            assert_eq!(render(source, &messages).unwrap(), expected, "{source}");
+        }
+    }
+
     #[test]
     fn doubling_a_string_runs_out_of_fuel_not_memory() {
         let source = "{% set ns = namespace(s='x') %}{% for i in range(64) %}\
