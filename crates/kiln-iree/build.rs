@@ -170,19 +170,35 @@ fn compile_shim(include_paths: &[PathBuf]) {
         .compile("kiln_iree_shim");
 }
 
+/// What to do when bindgen cannot run: it needs libclang.
+const NEEDS_LIBCLANG: &str = "bindgen needs libclang: `cargo xtask setup` installs it \
+    (or apt-get install -y libclang-dev), or set LIBCLANG_PATH to the folder that holds it";
+
 fn generate_bindings() -> Result<(), Vec<String>> {
     let out = PathBuf::from(std::env::var_os("OUT_DIR").expect("cargo sets OUT_DIR"));
-    bindgen::Builder::default()
+    let builder = bindgen::Builder::default()
         .header("csrc/kiln_iree.h")
         .allowlist_function("kiln_iree_.*")
         .allowlist_type("kiln_iree_.*")
-        .default_enum_style(bindgen::EnumVariation::ModuleConsts)
-        .generate()
-        .map_err(|e| {
-            vec![format!(
-                "bindgen failed on csrc/kiln_iree.h: {e} (bindgen needs libclang: apt-get install -y libclang-dev, or set LIBCLANG_PATH)"
-            )]
-        })?
+        .default_enum_style(bindgen::EnumVariation::ModuleConsts);
+    // Without libclang, bindgen panics ("Unable to find libclang") instead
+    // of returning an error: its panic becomes this script's named error.
+    let default_hook = std::panic::take_hook();
+    std::panic::set_hook(Box::new(|_| {}));
+    // The builder is dropped with the panic: nothing of it is seen again.
+    let generated =
+        std::panic::catch_unwind(std::panic::AssertUnwindSafe(move || builder.generate()));
+    std::panic::set_hook(default_hook);
+    let bindings = match generated {
+        Err(_) => return Err(vec![format!("libclang was not found; {NEEDS_LIBCLANG}")]),
+        Ok(Err(e)) => {
+            return Err(vec![format!(
+                "bindgen failed on csrc/kiln_iree.h: {e} ({NEEDS_LIBCLANG})"
+            )]);
+        }
+        Ok(Ok(bindings)) => bindings,
+    };
+    bindings
         .write_to_file(out.join("bindings.rs"))
         .map_err(|e| vec![format!("cannot write bindings.rs: {e}")])
 }

@@ -25,7 +25,7 @@ use crate::pins::{Download, repo_root};
 use crate::unpack;
 
 /// Debian/Ubuntu packages the suite needs, and why.
-const SYSTEM_PACKAGES: [(&str, &str); 14] = [
+const SYSTEM_PACKAGES: [(&str, &str); 20] = [
     (
         "build-essential",
         "C/C++ compilers for the IREE runtime and the shim",
@@ -40,6 +40,12 @@ const SYSTEM_PACKAGES: [(&str, &str); 14] = [
         "cargo xtask kernels: kiln's CUDA kernels' PTX from their source",
     ),
     ("patch", "applies nix/iree-patches to the IREE source"),
+    ("rsync", "cargo xtask nix-build: the host package set"),
+    ("patchelf", "cargo xtask nix-build: the host package set"),
+    ("jq", "cargo xtask nix-build: the host package set"),
+    ("zstd", "cargo xtask nix-build: the host package set"),
+    ("curl", "cargo xtask nix-build: the host package set"),
+    ("unzip", "cargo xtask nix-build: the host package set"),
     ("ca-certificates", "HTTPS downloads of the pinned inputs"),
     ("nix-bin", "nix-instantiate --parse for the Nix files"),
     ("python3-venv", "the workflow linters' virtual environment"),
