@@ -5,6 +5,7 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{Result, bail};
 use clap::ValueEnum;
+use kiln_core::weights::Stored;
 use kiln_core::{Backend, CpuBackend, Model};
 
 /// The model and backend options every command that runs a model takes
@@ -16,7 +17,10 @@ pub struct ModelArgs {
     /// the embedded model when left out (chat: the pinned SmolLM2).
     #[arg(long)]
     pub model: Option<PathBuf>,
-    /// The backend: cpu when left out (chat: cpu-q4).
+    /// The backend. `auto` (the default) takes the fastest one built in
+    /// that keeps the model's precision, and says which: iree-cuda where
+    /// this kiln has CUDA and a GPU answers, else cpu-q4 for a file of Q4_1
+    /// blocks, else the cpu reference.
     #[arg(long, value_enum)]
     pub backend: Option<BackendKind>,
     #[command(flatten)]
@@ -24,16 +28,75 @@ pub struct ModelArgs {
 }
 
 impl ModelArgs {
-    /// `--backend`, or `default` when it is left out.
-    pub fn backend_or(&self, default: BackendKind) -> BackendKind {
-        self.backend.unwrap_or(default)
+    /// The backend for `model`: `--backend`, or what `auto` chooses for it
+    /// (one line on stderr says what and why).
+    pub fn choose(&self, model: &Model) -> Result<BackendKind> {
+        choose(self.backend, model, &self.options)
     }
+}
 
-    /// `--backend`, or the CPU reference when it is left out (every command
-    /// but chat).
-    pub fn backend(&self) -> BackendKind {
-        self.backend_or(BackendKind::Cpu)
+/// `asked`, or, when it is `auto` or left out, the fastest backend built in
+/// that keeps `model`'s precision, said on stderr with the reason.
+pub fn choose(
+    asked: Option<BackendKind>,
+    model: &Model,
+    options: &BackendOptions,
+) -> Result<BackendKind> {
+    if let Some(kind) = asked.filter(|&k| k != BackendKind::Auto) {
+        return Ok(kind);
     }
+    let (kind, why) = auto(model, options);
+    eprintln!("kiln: backend auto: {} ({why})", kind.name());
+    Ok(kind)
+}
+
+/// What `auto` takes for `model`, and why.
+fn auto(model: &Model, options: &BackendOptions) -> (BackendKind, String) {
+    let gpu = gpu_answers();
+    if gpu.is_ok() {
+        return (
+            BackendKind::IreeCuda,
+            "this kiln has CUDA and a GPU answered".into(),
+        );
+    }
+    let no_gpu = gpu.err().unwrap_or_default();
+    match model.weights.stored {
+        // cpu-q4's layer blocks are Q4_1's: such a file's come back exactly.
+        Stored::Blocks("Q4_1") => {
+            let threads = options.threads.map_or_else(default_threads, usize::from);
+            (
+                BackendKind::CpuQ4,
+                format!(
+                    "{no_gpu}the model's matrices are Q4_1 blocks, which cpu-q4 keeps as stored; \
+                     {threads} threads"
+                ),
+            )
+        }
+        stored => (
+            BackendKind::Cpu,
+            format!(
+                "{no_gpu}the model's matrices are {stored}: kiln's threaded CPU backend would \
+                 round them to 4 bits, which only `--backend cpu-q4` asks for"
+            ),
+        ),
+    }
+}
+
+/// Whether a CUDA device answers (with a reason, ending "; ", when not).
+#[cfg(feature = "cuda")]
+fn gpu_answers() -> std::result::Result<(), String> {
+    let device = kiln_iree::Instance::new().and_then(|instance| instance.device("cuda").map(drop));
+    device.map_err(|error| format!("no GPU answered ({error}); "))
+}
+
+#[cfg(not(feature = "cuda"))]
+fn gpu_answers() -> std::result::Result<(), String> {
+    Err(String::new())
+}
+
+/// One thread per core: cpu-q4's count when `--threads` is left out.
+pub fn default_threads() -> usize {
+    std::thread::available_parallelism().map_or(1, usize::from)
 }
 
 /// The name `--model` takes for kiln's embedded model (the default of every
@@ -49,6 +112,9 @@ pub fn load_model(spec: Option<&Path>) -> Result<Model> {
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 pub enum BackendKind {
+    /// The fastest backend built in that keeps the model's precision
+    /// ([`choose`] says which; never a backend that rounds it).
+    Auto,
     /// The pure-Rust CPU reference: f32, one thread.
     Cpu,
     /// The CPU reference's forward pass over matrices in 4-bit blocks (a
@@ -65,6 +131,7 @@ impl BackendKind {
     /// The name `--backend` takes.
     pub fn name(self) -> &'static str {
         match self {
+            BackendKind::Auto => "auto",
             BackendKind::Cpu => "cpu",
             BackendKind::CpuQ4 => "cpu-q4",
             BackendKind::IreeCpu => "iree-cpu",
@@ -135,14 +202,13 @@ pub fn open<'m>(
     kind: BackendKind,
     options: &BackendOptions,
 ) -> Result<Box<dyn Backend + 'm>> {
+    let kind = choose(Some(kind), model, options)?;
     check_threads(kind, options)?;
     match kind {
+        BackendKind::Auto => unreachable!("choose resolves auto"),
         BackendKind::Cpu => Ok(Box::new(CpuBackend::new(model))),
         BackendKind::CpuQ4 => {
-            let threads = match options.threads {
-                Some(n) => usize::from(n),
-                None => std::thread::available_parallelism().map_or(1, usize::from),
-            };
+            let threads = options.threads.map_or_else(default_threads, usize::from);
             let activations = options
                 .activations
                 .map_or_else(kiln_cpu::Activations::fastest, Into::into);

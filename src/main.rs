@@ -167,7 +167,8 @@ fn generate(
     let model = load(args.model.as_ref())?;
     let prompt_ids = model.tokenizer.encode(prompt)?;
     let draft = speculation.draft_model(&model)?;
-    let mut backend = backends::open(&model, args.backend(), &args.options)?;
+    let kind = args.choose(&model)?;
+    let mut backend = backends::open(&model, kind, &args.options)?;
     let started = Instant::now();
     let mut first_token_at = None;
     let mut text = TextStream::new(&model.tokenizer);
@@ -189,9 +190,9 @@ fn generate(
             )?,
             None,
         ),
-        Some(kind) => {
+        Some(speculate) => {
             let mut proposer =
-                kiln::speculation::proposer(kind, draft.as_ref(), args.backend(), &args.options)?;
+                kiln::speculation::proposer(speculate, draft.as_ref(), kind, &args.options)?;
             let (tokens, stats) = kiln_core::generate_speculative(
                 backend.as_mut(),
                 proposer.as_mut(),
@@ -237,11 +238,7 @@ fn chat(args: &ChatArgs) -> Result<()> {
         Some(path) => kiln::chat::load(path)?,
         None => kiln::chat::default_model()?,
     };
-    let mut backend = backends::open(
-        &model,
-        args.model.backend_or(backends::BackendKind::CpuQ4),
-        &args.model.options,
-    )?;
+    let mut backend = backends::open(&model, args.model.choose(&model)?, &args.model.options)?;
     kiln::chat::run(
         &model,
         template,
@@ -254,7 +251,7 @@ fn chat(args: &ChatArgs) -> Result<()> {
 fn prefill(args: &ModelArgs, prompt: &str, top: usize) -> Result<()> {
     let model = load(args.model.as_ref())?;
     let ids = model.tokenizer.encode(prompt)?;
-    let mut backend = backends::open(&model, args.backend(), &args.options)?;
+    let mut backend = backends::open(&model, args.choose(&model)?, &args.options)?;
     let logits = backend.prefill(&ids)?;
     let mut order: Vec<usize> = (0..logits.len()).collect();
     order.sort_by(|&a, &b| logits[b].total_cmp(&logits[a]).then(a.cmp(&b)));
@@ -285,12 +282,20 @@ fn prefill(args: &ModelArgs, prompt: &str, top: usize) -> Result<()> {
 fn prepare(args: &ModelArgs, batch_slots: usize, draft_tokens: Option<usize>) -> Result<()> {
     use anyhow::Context;
     use indicatif::{ProgressBar, ProgressStyle};
-    if let kind @ (backends::BackendKind::Cpu | backends::BackendKind::CpuQ4) = args.backend() {
-        anyhow::bail!(
-            "the {} backend has nothing to prepare; pass --backend iree-cpu or iree-cuda",
-            kind.name()
-        );
-    }
+    // Modules are prepared for a target named, not for the device this
+    // machine happens to have (they are often carried to another).
+    let kind = match args.backend {
+        None | Some(backends::BackendKind::Auto) => anyhow::bail!(
+            "prepare compiles modules for an IREE target: pass --backend iree-cpu or iree-cuda"
+        ),
+        Some(kind @ (backends::BackendKind::Cpu | backends::BackendKind::CpuQ4)) => {
+            anyhow::bail!(
+                "the {} backend has nothing to prepare; pass --backend iree-cpu or iree-cuda",
+                kind.name()
+            )
+        }
+        Some(kind) => kind,
+    };
     if batch_slots > kiln_xla::MAX_SLOTS {
         anyhow::bail!(
             "--batch-slots {batch_slots}: kiln-server batches at most {} slots; lower it",
@@ -299,7 +304,7 @@ fn prepare(args: &ModelArgs, batch_slots: usize, draft_tokens: Option<usize>) ->
     }
     kiln_xla::check_steps_per_call(args.options.steps_per_call)?;
     let model = load(args.model.as_ref())?;
-    let target = backends::target(args.backend())?;
+    let target = backends::target(kind)?;
     let buckets = backends::buckets(&model, &args.options)?;
     let graph = backends::graph(target, &args.options)?;
     let compiler = kiln_xla::Compiler::from_env()?;
@@ -353,8 +358,12 @@ fn prepare(args: &ModelArgs, batch_slots: usize, draft_tokens: Option<usize>) ->
 fn prepare(args: &ModelArgs, _batch_slots: usize, _draft_tokens: Option<usize>) -> Result<()> {
     // Opening the backend reports what is not compiled in.
     let model = load(args.model.as_ref())?;
-    backends::open(&model, args.backend(), &args.options)?;
-    anyhow::bail!("the cpu backend has nothing to prepare; pass --backend iree-cpu or iree-cuda")
+    let kind = args.backend.unwrap_or(backends::BackendKind::Auto);
+    backends::open(&model, kind, &args.options)?;
+    anyhow::bail!(
+        "the {} backend has nothing to prepare; pass --backend iree-cpu or iree-cuda",
+        kind.name()
+    )
 }
 
 fn inspect(model: Option<&PathBuf>) -> Result<()> {

@@ -25,7 +25,9 @@ use serde::Serialize;
 #[command(about = "Prefill and decode tokens/s of kiln backends")]
 struct Args {
     /// Backends to measure (repeat the flag); each runs the same work.
-    #[arg(long, value_enum, default_values_t = [BackendKind::Cpu])]
+    /// `auto` (the default) is what every kiln command takes by default for
+    /// each model.
+    #[arg(long, value_enum, default_values_t = [BackendKind::Auto])]
     backend: Vec<BackendKind>,
     /// `embedded`, `random-100m`, `tinyllama-1.1b`, `smollm2-135m` or `llama-3.1-8b` (random-weight Llamas of
     /// those sizes, made on the fly), a model folder (config.json and
@@ -110,6 +112,7 @@ impl Args {
             }
         };
         match kind {
+            BackendKind::Auto => unreachable!("auto is resolved for each model first"),
             BackendKind::Cpu => return vec![self.iree(None, None)],
             BackendKind::CpuQ4 => {
                 let kinds = match self.activations.as_slice() {
@@ -388,6 +391,7 @@ fn measure(
 /// Precision and layout names of a variant, and its bits per weight.
 fn describe(kind: BackendKind, options: &BackendOptions) -> Result<(String, String, u64)> {
     match kind {
+        BackendKind::Auto => unreachable!("auto is resolved for each model first"),
         BackendKind::Cpu => return Ok(("f32".into(), "out-in".into(), 32)),
         // 4 bits a weight and an f32 scale and minimum a block of 32; the
         // activations it multiplies after `x`.
@@ -458,7 +462,10 @@ fn run() -> Result<()> {
     );
     for spec in &args.model {
         let model = kiln::bench::model(spec)?;
-        for &kind in &args.backend {
+        for &asked in &args.backend {
+            let mut base = args.iree(None, None);
+            base.threads = args.threads;
+            let kind = backends::choose(Some(asked), &model, &base)?;
             for options in args.variants(kind) {
                 for row in measure(&model, kind, &options, &args)? {
                     println!(

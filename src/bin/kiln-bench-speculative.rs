@@ -31,7 +31,8 @@ struct Args {
     /// `embedded`.
     #[arg(long, default_value = "smollm2-135m-instruct")]
     model: PathBuf,
-    #[arg(long, value_enum, default_value_t = BackendKind::Cpu)]
+    /// `auto` (the default) is what every kiln command takes by default.
+    #[arg(long, value_enum, default_value_t = BackendKind::Auto)]
     backend: BackendKind,
     #[command(flatten)]
     options: BackendOptions,
@@ -267,7 +268,8 @@ fn run() -> Result<()> {
     // Every module the run uses is loaded first (the model's and each draft
     // model's), so that no compilation or load is timed.
     let max_k = args.draft_tokens.iter().copied().max();
-    let mut backend = backends::open_loaded(&model, args.backend, &args.options, max_k)?;
+    let backend_kind = backends::choose(Some(args.backend), &model, &args.options)?;
+    let mut backend = backends::open_loaded(&model, backend_kind, &args.options, max_k)?;
     println!(
         "{:<10} {:>6} {:<14} {:>2} {:>5} {:>6} {:>8} {:>8} {:>10} {:>10} {:>7} {:>8} {:>8} {:>8}  identical",
         "prompt",
@@ -318,7 +320,7 @@ fn run() -> Result<()> {
         for (kind, draft) in &drafts {
             for &k in &args.draft_tokens {
                 let mut proposer = speculation::proposer_on(*kind, draft.as_ref(), |draft| {
-                    backends::open_loaded(draft, args.backend, &args.options, max_k)
+                    backends::open_loaded(draft, backend_kind, &args.options, max_k)
                 })?;
                 let mut stats = None;
                 let mut passes = PassTimer::new(backend.as_mut());

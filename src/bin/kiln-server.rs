@@ -226,8 +226,11 @@ async fn run(args: Args) -> Result<()> {
         body_timeout: Duration::from_secs(args.idle_timeout),
     });
     eprintln!(
-        "kiln-server: listening on http://{address} (model {model_id}, backend {:?}{})",
-        args.model.backend(),
+        "kiln-server: listening on http://{address} (model {model_id}, backend {}{})",
+        args.model
+            .backend
+            .unwrap_or(kiln::backends::BackendKind::Auto)
+            .name(),
         if api_key.is_some() {
             ", API key required"
         } else {

@@ -742,11 +742,12 @@ pub fn open_decoder<'m>(
     slots: usize,
 ) -> Result<Decoder<'m>> {
     use crate::backends::open_loaded;
+    let backend_kind = args.choose(model)?;
     if let Some(kind) = speculation.speculate {
         let draft_tokens = usize::from(speculation.draft_tokens);
-        let backend = open_loaded(model, args.backend(), &args.options, Some(draft_tokens))?;
+        let backend = open_loaded(model, backend_kind, &args.options, Some(draft_tokens))?;
         let proposer = crate::speculation::proposer_on(kind, draft, |draft| {
-            open_loaded(draft, args.backend(), &args.options, Some(draft_tokens))
+            open_loaded(draft, backend_kind, &args.options, Some(draft_tokens))
         })?;
         return Ok(Decoder::Speculative(Box::new(Speculative {
             backend,
@@ -757,11 +758,11 @@ pub fn open_decoder<'m>(
     #[cfg(feature = "xla-iree")]
     if slots > 1
         && matches!(
-            args.backend(),
+            backend_kind,
             crate::backends::BackendKind::IreeCpu | crate::backends::BackendKind::IreeCuda
         )
     {
-        let backend = crate::backends::open_iree(model, args.backend(), &args.options)?;
+        let backend = crate::backends::open_iree(model, backend_kind, &args.options)?;
         let mut decoder = kiln_xla::BatchedDecoder::new(backend, slots)?;
         decoder.prepare(|_, _| {})?;
         return Ok(Decoder::Batched(Box::new(decoder)));
@@ -772,7 +773,7 @@ pub fn open_decoder<'m>(
     let _ = slots;
     Ok(Decoder::Single(open_loaded(
         model,
-        args.backend(),
+        backend_kind,
         &args.options,
         None,
     )?))

@@ -142,6 +142,7 @@ impl Model {
             layers: self.weights.layers[..layers].to_vec(),
             final_norm: self.weights.final_norm.clone(),
             lm_head: self.weights.lm_head.clone(),
+            stored: self.weights.stored,
         };
         Ok(Model {
             name: format!("{} (first {layers} of {total} layers)", self.name),
@@ -273,6 +274,7 @@ pub fn random_weights(config: &ModelConfig, seed: u64) -> Weights {
         layers,
         final_norm: vec![1.0; h],
         lm_head,
+        stored: crate::weights::Stored::F32,
     }
 }
 

@@ -253,6 +253,7 @@ pub fn successor_model(
         layers: vec![layer],
         final_norm: vec![1.0; hidden],
         lm_head: Some(lm_head),
+        stored: crate::weights::Stored::F32,
     };
     crate::save::save_f16(dir, &config, &weights)?;
     let path = dir.join("tokenizer.json");

@@ -51,6 +51,47 @@ pub struct LayerWeights {
     pub qkv_bias: Option<Vec<f32>>,
 }
 
+/// How a model file stores its layers' weight matrices: the model's own
+/// precision, which kiln changes only when asked (`--precision`, or a
+/// backend that rounds, named by the user).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Stored {
+    F32,
+    F16,
+    BF16,
+    /// GGUF blocks of one ggml type (`Q8_0`, `Q4_0`, `Q4_1`, `Q4_K`, ...).
+    Blocks(&'static str),
+    /// Layers in several types (a GGUF Q4_K_M mixes Q4_K and Q6_K).
+    Mixed,
+}
+
+impl Stored {
+    /// The one kind every item of `kinds` is, or [`Stored::Mixed`];
+    /// [`Stored::F32`] for none (a model built in memory).
+    pub fn of_all(kinds: impl IntoIterator<Item = Stored>) -> Stored {
+        let mut kinds = kinds.into_iter();
+        let Some(first) = kinds.next() else {
+            return Stored::F32;
+        };
+        match kinds.all(|k| k == first) {
+            true => first,
+            false => Stored::Mixed,
+        }
+    }
+}
+
+impl std::fmt::Display for Stored {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Stored::F32 => f.write_str("f32"),
+            Stored::F16 => f.write_str("f16"),
+            Stored::BF16 => f.write_str("bf16"),
+            Stored::Blocks(name) => write!(f, "{name} blocks"),
+            Stored::Mixed => f.write_str("several types"),
+        }
+    }
+}
+
 #[derive(Clone, Debug)]
 pub struct Weights {
     pub embed: Matrix,
@@ -58,6 +99,8 @@ pub struct Weights {
     pub final_norm: Vec<f32>,
     /// `None` when the output projection is tied to `embed`.
     pub lm_head: Option<Matrix>,
+    /// How the file stored the layers' matrices (all of them f32 here).
+    pub stored: Stored,
 }
 
 impl Weights {
@@ -76,6 +119,10 @@ struct TensorTable<'a> {
     /// The file of each tensor name.
     index: HashMap<String, usize>,
     origin: PathBuf,
+    /// The dtype of each layer matrix taken, for [`Weights::stored`].
+    matrix_dtypes: Vec<Stored>,
+    /// The dtype of the tensor [`TensorTable::take`] read last.
+    last_dtype: Stored,
 }
 
 impl<'a> TensorTable<'a> {
@@ -84,6 +131,8 @@ impl<'a> TensorTable<'a> {
             files: Vec::with_capacity(files.len()),
             index: HashMap::new(),
             origin: origin.to_path_buf(),
+            matrix_dtypes: Vec::new(),
+            last_dtype: Stored::F32,
         };
         for &(path, bytes) in files {
             let tensors = SafeTensors::deserialize(bytes).map_err(|e| Error::Weights {
@@ -130,6 +179,11 @@ impl<'a> TensorTable<'a> {
             )));
         }
         let data = view.data();
+        self.last_dtype = match view.dtype() {
+            Dtype::F16 => Stored::F16,
+            Dtype::BF16 => Stored::BF16,
+            _ => Stored::F32,
+        };
         let values: Vec<f32> = match view.dtype() {
             Dtype::F32 => data
                 .chunks_exact(4)
@@ -154,11 +208,11 @@ impl<'a> TensorTable<'a> {
     }
 
     fn matrix(&mut self, name: &str, rows: usize, cols: usize) -> Result<Matrix> {
-        Ok(Matrix {
-            rows,
-            cols,
-            data: self.take(name, &[rows, cols])?,
-        })
+        let data = self.take(name, &[rows, cols])?;
+        if name.starts_with("model.layers.") {
+            self.matrix_dtypes.push(self.last_dtype);
+        }
+        Ok(Matrix { rows, cols, data })
     }
 
     /// Drops a tensor the model does not use, if present.
@@ -277,5 +331,6 @@ fn from_table(mut t: TensorTable, c: &ModelConfig) -> Result<Weights> {
         layers,
         final_norm,
         lm_head,
+        stored: Stored::of_all(t.matrix_dtypes),
     })
 }

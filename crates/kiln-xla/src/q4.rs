@@ -139,6 +139,7 @@ pub fn device_weights(w: &Weights, fold_norms: bool) -> Result<Weights, Q4Error>
         layers,
         final_norm: norm(&w.final_norm),
         lm_head: Some(after_norm(w.output(), &w.final_norm)?),
+        stored: w.stored,
     })
 }
 

@@ -4,12 +4,12 @@
 
 use std::path::Path;
 
-use super::{GgufFile, TensorInfo, tokenizer_from_gguf};
+use super::{GgmlType, GgufFile, TensorInfo, tokenizer_from_gguf};
 use crate::config::{Family, ModelConfig, RopeScaling};
 use crate::error::Result;
 use crate::model::Model;
 use crate::tokenizer::Tokenizer;
-use crate::weights::{LayerWeights, Matrix, Weights};
+use crate::weights::{LayerWeights, Matrix, Stored, Weights};
 
 /// Loads a GGUF Llama (or Mistral) or Qwen2 model: configuration, weights
 /// and tokenizer.
@@ -270,11 +270,33 @@ fn weights(file: &GgufFile, c: &ModelConfig) -> Result<Weights> {
         true => None,
         false => Some(matrix(file, "output.weight", v, h)?),
     };
+    // The layers' matrices' own types: what a backend that keeps the
+    // model's precision keeps.
+    let stored = Stored::of_all((0..c.num_layers).flat_map(|l| {
+        [
+            "attn_q",
+            "attn_k",
+            "attn_v",
+            "attn_output",
+            "ffn_gate",
+            "ffn_up",
+            "ffn_down",
+        ]
+        .into_iter()
+        .filter_map(move |name| file.tensor(&format!("blk.{l}.{name}.weight")))
+        .map(|info| match info.ty {
+            GgmlType::F32 => Stored::F32,
+            GgmlType::F16 => Stored::F16,
+            GgmlType::BF16 => Stored::BF16,
+            blocks => Stored::Blocks(blocks.name()),
+        })
+    }));
     Ok(Weights {
         embed,
         layers,
         final_norm,
         lm_head,
+        stored,
     })
 }
 
