@@ -151,14 +151,24 @@ fn a_terminal_gets_a_conversation_that_ctrl_d_ends() {
     assert!(screen.ends_with("> \n"), "{screen}");
 }
 
-/// chat's default backend is cpu-q4; a model whose rows are not whole
-/// 32-weight blocks is refused with what to pass instead, never run on
-/// another backend unasked.
+/// chat's default backend is `auto`, which keeps the model's precision: a
+/// model stored in f16 runs on the reference (it was rounded to 4 bits by
+/// cpu-q4 unasked), and the line saying so names the way to cpu-q4. Asked
+/// for, cpu-q4 refuses a model whose rows are not whole 32-weight blocks
+/// with what to pass instead, never running another backend unasked.
 #[test]
-fn chat_defaults_to_cpu_q4_and_names_the_way_out() {
+fn chat_keeps_the_models_precision_by_default_and_names_the_way_out() {
     let dir = tempfile::tempdir().unwrap();
     chatml_model(dir.path(), Some(SMOLLM2)).unwrap();
     let out = kiln_chat_on(&[], dir.path(), &["Hello"], None);
+    let stderr = text(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    assert!(
+        stderr.contains("kiln: backend auto: cpu (the model's matrices are f16")
+            && stderr.contains("`--backend cpu-q4`"),
+        "{stderr}"
+    );
+    let out = kiln_chat_on(&["--backend", "cpu-q4"], dir.path(), &["Hello"], None);
     assert!(!out.status.success());
     let stderr = text(&out.stderr);
     assert!(
