@@ -376,7 +376,7 @@ pub fn target(kind: BackendKind) -> Result<kiln_xla::Target> {
         ),
         BackendKind::IreeCuda => Ok(kiln_xla::Target::Cuda),
         BackendKind::IreeCpu => Ok(kiln_xla::Target::LlvmCpu),
-        BackendKind::Cpu | BackendKind::CpuQ4 => {
+        BackendKind::Auto | BackendKind::Cpu | BackendKind::CpuQ4 => {
             bail!("the {} backend is not an IREE backend", kind.name())
         }
     }
