@@ -1,5 +1,5 @@
 # `nix flake check`: each check a thin wrapper around a command that also runs
-# without Nix (see the README's table).
+# without Nix (see the table in docs/nix.md).
 { lib
 , pkgs
 , craneLib

@@ -3,7 +3,7 @@
 //! actionlint and zizmor judge a workflow by general rules; these checks hold
 //! kiln's own promises, so that a reviewed change cannot quietly drop a guard
 //! (they cannot stop a malicious pull request: it runs its own copy of this
-//! file; the repository settings in the README's "CI" section do that):
+//! file; the repository settings in docs/workflows.md do that):
 //! - no `pull_request_target` or `workflow_run` trigger;
 //! - read-only permissions at the top, and no job asking for write access;
 //! - every action pinned to a full commit SHA, its tag in a comment;
