@@ -18,6 +18,7 @@
 //! too, as llama.cpp's does.
 
 pub mod blocks;
+pub mod dense;
 pub mod inputs;
 pub mod integer;
 pub mod kernel;

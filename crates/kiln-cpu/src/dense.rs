@@ -1,0 +1,232 @@
+//! Dense products at a matrix's own precision: rows of f32, f16 or bf16,
+//! each kept in the narrowest of them that holds every value exactly (a
+//! model read from f16 or bf16 files comes back to its file's values, read
+//! at half the bytes), multiplied against f32 inputs with f32 sums.
+//!
+//! A row is converted to f32 a chunk at a time in a buffer on the stack and
+//! multiplied into a group of inputs, so the row is read once for the whole
+//! group. The loops are plain Rust that the compiler vectorizes; on x86-64
+//! they are compiled a second time for AVX2, FMA and F16C (the widest set
+//! every AVX2 CPU has) and picked at run time.
+
+use half::slice::HalfFloatSliceExt;
+use half::{bf16, f16};
+use kiln_core::weights::Matrix;
+
+/// Stored values of a [`Dense`] matrix.
+pub enum DenseData {
+    F32(Vec<f32>),
+    F16(Vec<f16>),
+    BF16(Vec<bf16>),
+}
+
+/// A `[rows, cols]` matrix at its stored precision.
+pub struct Dense {
+    pub rows: usize,
+    pub cols: usize,
+    pub data: DenseData,
+}
+
+/// Values converted (and multiplied into a group's inputs) at a time.
+const CHUNK: usize = 256;
+/// Inputs multiplied against a row at once: their sums stay in registers.
+const GROUP: usize = 4;
+
+impl Dense {
+    /// `parts` (each `[rows_i, cols]`) stacked by rows, kept in f16 if every
+    /// value is one, else bf16 if every value is one, else f32.
+    pub fn stack(parts: &[&Matrix]) -> Dense {
+        let cols = parts[0].cols;
+        debug_assert!(parts.iter().all(|m| m.cols == cols));
+        let rows = parts.iter().map(|m| m.rows).sum();
+        let values = || parts.iter().flat_map(|m| m.data.iter().copied());
+        let data = if values().all(|v| f16::from_f32(v).to_f32().to_bits() == v.to_bits()) {
+            DenseData::F16(values().map(f16::from_f32).collect())
+        } else if values().all(|v| bf16::from_f32(v).to_f32().to_bits() == v.to_bits()) {
+            DenseData::BF16(values().map(bf16::from_f32).collect())
+        } else {
+            DenseData::F32(values().collect())
+        };
+        Dense { rows, cols, data }
+    }
+
+    /// The precision the values are kept at.
+    pub fn precision(&self) -> &'static str {
+        match self.data {
+            DenseData::F32(_) => "f32",
+            DenseData::F16(_) => "f16",
+            DenseData::BF16(_) => "bf16",
+        }
+    }
+
+    /// `out[(r − first) · n + i] = Σ_c w[r][c] · x[i][c]` for the rows from
+    /// `first` that `out` (`[rows, n]`) has room for.
+    pub fn rows(&self, first: usize, x: &[f32], out: &mut [f32]) {
+        #[cfg(target_arch = "x86_64")]
+        if avx2_available() {
+            // SAFETY: the CPU has every feature `rows_avx2` is compiled for.
+            return unsafe { rows_avx2(self, first, x, out) };
+        }
+        rows_generic(self, first, x, out);
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+fn avx2_available() -> bool {
+    use std::arch::is_x86_feature_detected as has;
+    static AVAILABLE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *AVAILABLE.get_or_init(|| has!("avx2") && has!("fma") && has!("f16c"))
+}
+
+/// [`rows_generic`], compiled for AVX2, FMA and F16C.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn rows_avx2(m: &Dense, first: usize, x: &[f32], out: &mut [f32]) {
+    rows_generic(m, first, x, out);
+}
+
+#[inline(always)]
+fn rows_generic(m: &Dense, first: usize, x: &[f32], out: &mut [f32]) {
+    match &m.data {
+        DenseData::F32(w) => rows_of(m.cols, w, first, x, out, |from, to| {
+            to.copy_from_slice(from)
+        }),
+        DenseData::F16(w) => rows_of(m.cols, w, first, x, out, |from, to| {
+            from.convert_to_f32_slice(to)
+        }),
+        DenseData::BF16(w) => rows_of(m.cols, w, first, x, out, |from, to| {
+            from.convert_to_f32_slice(to)
+        }),
+    }
+}
+
+/// The product over stored values `w` (`[rows, cols]`), each chunk of a row
+/// turned into f32 by `convert` before it is multiplied.
+#[inline(always)]
+fn rows_of<T: Copy>(
+    cols: usize,
+    w: &[T],
+    first: usize,
+    x: &[f32],
+    out: &mut [f32],
+    convert: impl Fn(&[T], &mut [f32]),
+) {
+    let n = x.len() / cols;
+    let mut row = [0.0f32; CHUNK];
+    for (r, out) in (first..).zip(out.chunks_exact_mut(n)) {
+        let stored = &w[r * cols..][..cols];
+        for start in (0..n).step_by(GROUP) {
+            let inputs = start..(start + GROUP).min(n);
+            let mut sums = [[0.0f32; 8]; GROUP];
+            for c in (0..cols).step_by(CHUNK) {
+                let len = CHUNK.min(cols - c);
+                let row = &mut row[..len];
+                convert(&stored[c..c + len], row);
+                for (i, sums) in inputs.clone().zip(&mut sums) {
+                    let x = &x[i * cols + c..][..len];
+                    let (whole, tail) = (len / 8 * 8, len % 8);
+                    for (w, x) in row[..whole].chunks_exact(8).zip(x.chunks_exact(8)) {
+                        for lane in 0..8 {
+                            sums[lane] = w[lane].mul_add(x[lane], sums[lane]);
+                        }
+                    }
+                    for k in 0..tail {
+                        sums[k] = row[whole + k].mul_add(x[whole + k], sums[k]);
+                    }
+                }
+            }
+            for (i, sums) in inputs.zip(&sums) {
+                out[i] = sums.iter().sum();
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn matrix(rows: usize, cols: usize, value: impl Fn(usize) -> f32) -> Matrix {
+        Matrix {
+            rows,
+            cols,
+            data: (0..rows * cols).map(value).collect(),
+        }
+    }
+
+    /// The exact product in f64, for the bound.
+    fn reference(m: &Matrix, x: &[f32], n: usize) -> Vec<f64> {
+        let mut out = vec![0.0; m.rows * n];
+        for r in 0..m.rows {
+            for i in 0..n {
+                out[r * n + i] = (0..m.cols)
+                    .map(|c| f64::from(m.data[r * m.cols + c]) * f64::from(x[i * m.cols + c]))
+                    .sum();
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn each_matrix_is_kept_at_the_narrowest_exact_precision() {
+        let halves = matrix(3, 5, |i| f16::from_f32(i as f32 * 0.37).to_f32());
+        let brains = matrix(3, 5, |i| bf16::from_f32(1e20 * (i as f32 + 1.0)).to_f32());
+        let singles = matrix(3, 5, |i| 0.1 + i as f32 * 1e-7);
+        assert_eq!(Dense::stack(&[&halves]).precision(), "f16");
+        assert_eq!(Dense::stack(&[&brains]).precision(), "bf16");
+        assert_eq!(Dense::stack(&[&singles]).precision(), "f32");
+        // One value that is not f16 keeps the whole stack wider.
+        assert_eq!(Dense::stack(&[&halves, &singles]).precision(), "f32");
+        let stacked = Dense::stack(&[&halves, &halves]);
+        assert_eq!((stacked.rows, stacked.cols), (6, 5));
+    }
+
+    proptest! {
+        /// Every precision, width (chunk tails and lane tails) and input
+        /// count (group tails) gives the product within f32 summation
+        /// error of the exact one, from any first row.
+        #[test]
+        fn the_product_is_the_stored_matrix_times_the_inputs(
+            rows in 1usize..6,
+            cols in 1usize..600,
+            n in 1usize..7,
+            kind in 0usize..3,
+            seed in any::<u32>(),
+        ) {
+            let uniform = |i: usize| {
+                ((i as u32).wrapping_mul(2_654_435_761) ^ seed) as f32 / u32::MAX as f32 - 0.5
+            };
+            let value = |i: usize| {
+                let v = uniform(i);
+                match kind {
+                    0 => f16::from_f32(v).to_f32(),
+                    // Past f16's range: these stay bf16.
+                    1 => bf16::from_f32(v * 1e6).to_f32(),
+                    _ => v,
+                }
+            };
+            let m = matrix(rows, cols, value);
+            let x: Vec<f32> = (0..n * cols).map(|i| uniform(i + 7919) * 2.0).collect();
+            let dense = Dense::stack(&[&m]);
+            // The narrowest exact precision: the values' own, or narrower
+            // where they happen to fit (an f32 of few bits is an f16).
+            let order = ["f16", "bf16", "f32"];
+            let kept = order.iter().position(|p| *p == dense.precision()).unwrap();
+            prop_assert!(kept <= kind, "{} for kind {kind}", dense.precision());
+            if kind < 2 {
+                prop_assert_eq!(kept, kind);
+            }
+            let exact = reference(&m, &x, n);
+            for first in 0..rows {
+                let mut out = vec![f32::NAN; (rows - first) * n];
+                dense.rows(first, &x, &mut out);
+                for (k, (&got, &want)) in out.iter().zip(&exact[first * n..]).enumerate() {
+                    let scale = if kind == 1 { 1e6 } else { 1.0 };
+                    let bound = scale * (1e-5 * (cols as f64).sqrt() * 4.0 + 1e-6);
+                    prop_assert!((f64::from(got) - want).abs() <= bound, "{k}: {got} vs {want}");
+                }
+            }
+        }
+    }
+}
