@@ -20,7 +20,8 @@ pub struct ModelArgs {
     /// The backend. `auto` (the default) takes the fastest one built in
     /// that keeps the model's precision, and says which: iree-cuda where
     /// this kiln has CUDA and a GPU answers, else cpu-q4 for a file of Q4_1
-    /// blocks, else the cpu reference.
+    /// blocks, else cpu-simd (every matrix as stored). `cpu` is the f32
+    /// one-thread reference, only when asked for.
     #[arg(long, value_enum)]
     pub backend: Option<BackendKind>,
     #[command(flatten)]
@@ -72,13 +73,16 @@ fn auto(model: &Model, options: &BackendOptions) -> (BackendKind, String) {
                 ),
             )
         }
-        stored => (
-            BackendKind::Cpu,
-            format!(
-                "{no_gpu}the model's matrices are {stored}: kiln's threaded CPU backend would \
-                 round them to 4 bits, which only `--backend cpu-q4` asks for"
-            ),
-        ),
+        stored => {
+            let threads = options.threads.map_or_else(default_threads, usize::from);
+            (
+                BackendKind::CpuSimd,
+                format!(
+                    "{no_gpu}the model's matrices are {stored}, which cpu-simd keeps as stored; \
+                     {threads} threads; `--backend cpu-q4` rounds them to 4 bits"
+                ),
+            )
+        }
     }
 }
 
@@ -121,6 +125,11 @@ pub enum BackendKind {
     /// Q4_1 GGUF's as stored, others quantized on load), SIMD block
     /// products on `--threads` threads: kiln's fastest CPU decode.
     CpuQ4,
+    /// The CPU reference's forward pass over SIMD products on `--threads`
+    /// threads, every matrix at the precision its file stores it in (f16,
+    /// bf16 or f32 rows, Q8_0 blocks): the reference's numerics, up to the
+    /// order of sums, at the speed of the cores.
+    CpuSimd,
     /// IREE on the CPU (`local-task`), modules compiled for llvm-cpu.
     IreeCpu,
     /// IREE on an NVIDIA GPU (`cuda`), sm_80 PTX JIT-compiled by the driver.
@@ -134,6 +143,7 @@ impl BackendKind {
             BackendKind::Auto => "auto",
             BackendKind::Cpu => "cpu",
             BackendKind::CpuQ4 => "cpu-q4",
+            BackendKind::CpuSimd => "cpu-simd",
             BackendKind::IreeCpu => "iree-cpu",
             BackendKind::IreeCuda => "iree-cuda",
         }
@@ -214,6 +224,12 @@ pub fn open<'m>(
                 .map_or_else(kiln_cpu::Activations::fastest, Into::into);
             Ok(Box::new(kiln_cpu::backend(model, threads, activations)?))
         }
+        BackendKind::CpuSimd => {
+            let threads = options.threads.map_or_else(default_threads, usize::from);
+            Ok(Box::new(kiln_cpu::backend_at_stored_precision(
+                model, threads,
+            )?))
+        }
         BackendKind::IreeCpu | BackendKind::IreeCuda => iree(model, kind, options),
     }
 }
@@ -239,9 +255,14 @@ impl From<ActivationsKind> for kiln_cpu::Activations {
 /// `--activations` for cpu-q4, the one backend whose products take them
 /// either way; `--q4-rows` for the IREE backends.
 fn check_threads(kind: BackendKind, options: &BackendOptions) -> Result<()> {
-    if options.threads.is_some() && !matches!(kind, BackendKind::CpuQ4 | BackendKind::IreeCpu) {
+    if options.threads.is_some()
+        && !matches!(
+            kind,
+            BackendKind::CpuQ4 | BackendKind::CpuSimd | BackendKind::IreeCpu
+        )
+    {
         bail!(
-            "--threads is for the cpu-q4 and iree-cpu backends; {} does not take it",
+            "--threads is for the cpu-q4, cpu-simd and iree-cpu backends; {} does not take it",
             kind.name()
         );
     }
@@ -376,7 +397,7 @@ pub fn target(kind: BackendKind) -> Result<kiln_xla::Target> {
         ),
         BackendKind::IreeCuda => Ok(kiln_xla::Target::Cuda),
         BackendKind::IreeCpu => Ok(kiln_xla::Target::LlvmCpu),
-        BackendKind::Auto | BackendKind::Cpu | BackendKind::CpuQ4 => {
+        BackendKind::Auto | BackendKind::Cpu | BackendKind::CpuQ4 | BackendKind::CpuSimd => {
             bail!("the {} backend is not an IREE backend", kind.name())
         }
     }

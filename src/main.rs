@@ -288,7 +288,11 @@ fn prepare(args: &ModelArgs, batch_slots: usize, draft_tokens: Option<usize>) ->
         None | Some(backends::BackendKind::Auto) => anyhow::bail!(
             "prepare compiles modules for an IREE target: pass --backend iree-cpu or iree-cuda"
         ),
-        Some(kind @ (backends::BackendKind::Cpu | backends::BackendKind::CpuQ4)) => {
+        Some(
+            kind @ (backends::BackendKind::Cpu
+            | backends::BackendKind::CpuQ4
+            | backends::BackendKind::CpuSimd),
+        ) => {
             anyhow::bail!(
                 "the {} backend has nothing to prepare; pass --backend iree-cpu or iree-cuda",
                 kind.name()

@@ -152,7 +152,7 @@ fn a_terminal_gets_a_conversation_that_ctrl_d_ends() {
 }
 
 /// chat's default backend is `auto`, which keeps the model's precision: a
-/// model stored in f16 runs on the reference (it was rounded to 4 bits by
+/// model stored in f16 runs on cpu-simd at f16 (it was rounded to 4 bits by
 /// cpu-q4 unasked), and the line saying so names the way to cpu-q4. Asked
 /// for, cpu-q4 refuses a model whose rows are not whole 32-weight blocks
 /// with what to pass instead, never running another backend unasked.
@@ -164,8 +164,8 @@ fn chat_keeps_the_models_precision_by_default_and_names_the_way_out() {
     let stderr = text(&out.stderr);
     assert!(out.status.success(), "{stderr}");
     assert!(
-        stderr.contains("kiln: backend auto: cpu (the model's matrices are f16")
-            && stderr.contains("`--backend cpu-q4`"),
+        stderr.contains("kiln: backend auto: cpu-simd (the model's matrices are f16, which cpu-simd keeps as stored")
+            && stderr.contains("`--backend cpu-q4` rounds them to 4 bits"),
         "{stderr}"
     );
     let out = kiln_chat_on(&["--backend", "cpu-q4"], dir.path(), &["Hello"], None);

@@ -114,6 +114,11 @@ impl Args {
         match kind {
             BackendKind::Auto => unreachable!("auto is resolved for each model first"),
             BackendKind::Cpu => return vec![self.iree(None, None)],
+            BackendKind::CpuSimd => {
+                let mut options = self.iree(None, None);
+                options.threads = self.threads;
+                return vec![options];
+            }
             BackendKind::CpuQ4 => {
                 let kinds = match self.activations.as_slice() {
                     [] => vec![None],
@@ -344,7 +349,7 @@ fn measure(
     let v = model.config.vocab_size as u32;
     let setup = Instant::now();
     let mut backend = backends::open(model, kind, options)?;
-    let (precision, layout, bits_per_weight) = describe(kind, options)?;
+    let (precision, layout, bits_per_weight) = describe(kind, options, model)?;
     let mut rows = Vec::new();
     for &prompt_tokens in &args.prompt_tokens {
         let prompt: Vec<u32> = (0..prompt_tokens as u32)
@@ -389,10 +394,27 @@ fn measure(
 }
 
 /// Precision and layout names of a variant, and its bits per weight.
-fn describe(kind: BackendKind, options: &BackendOptions) -> Result<(String, String, u64)> {
+fn describe(
+    kind: BackendKind,
+    options: &BackendOptions,
+    model: &Model,
+) -> Result<(String, String, u64)> {
     match kind {
         BackendKind::Auto => unreachable!("auto is resolved for each model first"),
         BackendKind::Cpu => return Ok(("f32".into(), "out-in".into(), 32)),
+        // The model's own precision: its stored matrices' bits (Q8_0's
+        // 34 bytes a block of 32, 8.5 bits, rounded up; other blocks are
+        // multiplied as f32).
+        BackendKind::CpuSimd => {
+            use kiln_core::weights::Stored;
+            let stored = model.weights.stored;
+            let bits = match stored {
+                Stored::F16 | Stored::BF16 => 16,
+                Stored::Blocks("Q8_0") => 9,
+                _ => 32,
+            };
+            return Ok((stored.to_string(), "out-in".into(), bits));
+        }
         // 4 bits a weight and an f32 scale and minimum a block of 32; the
         // activations it multiplies after `x`.
         BackendKind::CpuQ4 => {

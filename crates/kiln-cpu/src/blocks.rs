@@ -151,6 +151,43 @@ impl Q8Blocks {
         Ok(q)
     }
 
+    /// `m` in 8-bit blocks that give every value back bit for bit (whose
+    /// [`Q8Blocks::dequantize`] is `m`), or `None` when it has none: the
+    /// blocks of a Q8_0 file come back with their scale rounded to f16, as
+    /// the file stores it.
+    pub fn exact(m: &Matrix) -> Option<Q8Blocks> {
+        if m.cols == 0 || !m.cols.is_multiple_of(BLOCK) {
+            return None;
+        }
+        let mut q = Q8Blocks {
+            rows: m.rows,
+            cols: m.cols,
+            values: Vec::with_capacity(m.rows * m.cols),
+            scales: Vec::with_capacity(m.rows * m.cols / BLOCK),
+        };
+        for block in m.data.chunks_exact(BLOCK) {
+            let largest = block.iter().fold(0.0f32, |a, w| a.max(w.abs()));
+            let plain = largest / 127.0;
+            let candidates = [half::f16::from_f32(plain).to_f32(), plain];
+            let found = candidates.into_iter().find_map(|scale| {
+                let values: Vec<i8> = block
+                    .iter()
+                    .map(|&w| match scale > 0.0 {
+                        true => (w / scale).round().clamp(-127.0, 127.0) as i8,
+                        false => 0,
+                    })
+                    .collect();
+                let back = values.iter().map(|&v| f32::from(v) * scale);
+                back.zip(block)
+                    .all(|(a, b)| a.to_bits() == b.to_bits())
+                    .then_some((scale, values))
+            })?;
+            q.scales.push(found.0);
+            q.values.extend(found.1);
+        }
+        Some(q)
+    }
+
     /// Blocks per row.
     pub fn blocks_per_row(&self) -> usize {
         self.cols / BLOCK

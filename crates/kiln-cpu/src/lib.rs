@@ -43,6 +43,18 @@ pub fn backend(
     Ok(CpuBackend::with_weights(model, Box::new(weights), "cpu-q4"))
 }
 
+/// The `cpu-simd` backend over `model` with `threads` threads (at least
+/// 1): every matrix at the precision its file stored it in (see
+/// [`Q4Weights::at_stored_precision`]).
+pub fn backend_at_stored_precision(model: &Model, threads: usize) -> Result<CpuBackend<'_>, Error> {
+    let weights = Q4Weights::at_stored_precision(&model.weights, threads)?;
+    Ok(CpuBackend::with_weights(
+        model,
+        Box::new(weights),
+        "cpu-simd",
+    ))
+}
+
 /// What a layer's 4-bit products multiply (the output projection takes f32
 /// activations either way: its rounding would go straight into the logits).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -9,7 +9,8 @@ use std::sync::{Arc, Mutex};
 use kiln_core::forward::{ForwardWeights, LayerView, Linear};
 use kiln_core::weights::{Matrix, Weights};
 
-use crate::blocks::{BlockError, Q4Blocks, Q8Blocks};
+use crate::blocks::{BLOCK, BlockError, Q4Blocks, Q8Blocks};
+use crate::dense::Dense;
 use crate::inputs::Q8Inputs;
 use crate::team::Team;
 use crate::{Activations, Error, integer, kernel};
@@ -25,6 +26,9 @@ enum Blocks {
     /// ...", which is also llama.cpp's answer on its Q4_1 file), and from
     /// memory its f32 kernel is as fast.
     Q8(Q8Blocks),
+    /// Rows at the matrix's own precision (`cpu-simd`), against f32
+    /// activations.
+    Dense(Dense),
 }
 
 impl Blocks {
@@ -33,14 +37,16 @@ impl Blocks {
         match self {
             Blocks::Q4(m, _) => (m.rows, m.cols),
             Blocks::Q8(m) => (m.rows, m.cols),
+            Blocks::Dense(m) => (m.rows, m.cols),
         }
     }
 
-    /// Blocks in all.
+    /// Blocks in all (a dense matrix's weights in blocks' worth).
     fn count(&self) -> usize {
         match self {
             Blocks::Q4(m, _) => m.scales.len(),
             Blocks::Q8(m) => m.scales.len(),
+            Blocks::Dense(m) => m.rows * m.cols / BLOCK,
         }
     }
 
@@ -48,7 +54,7 @@ impl Blocks {
     fn inputs<'x>(&self, x: &'x [f32]) -> Inputs<'x> {
         match self {
             Blocks::Q4(m, Activations::Q8) => Inputs::Q8(Q8Inputs::quantize(x, m.cols)),
-            Blocks::Q4(_, Activations::F32) | Blocks::Q8(_) => Inputs::F32(x),
+            Blocks::Q4(_, Activations::F32) | Blocks::Q8(_) | Blocks::Dense(_) => Inputs::F32(x),
         }
     }
 
@@ -59,7 +65,10 @@ impl Blocks {
             (Blocks::Q4(m, _), Inputs::F32(x)) => (kernel::best().q4_rows)(m, first, x, out),
             (Blocks::Q4(m, _), Inputs::Q8(x)) => (integer::best().q4_rows)(m, first, x, out),
             (Blocks::Q8(m), Inputs::F32(x)) => (kernel::best().q8_rows)(m, first, x, out),
-            (Blocks::Q8(_), Inputs::Q8(_)) => unreachable!("Blocks::inputs gives 8-bit blocks f32"),
+            (Blocks::Dense(m), Inputs::F32(x)) => m.rows(first, x, out),
+            (Blocks::Q8(_) | Blocks::Dense(_), Inputs::Q8(_)) => {
+                unreachable!("Blocks::inputs gives 8-bit blocks and dense rows f32")
+            }
         }
     }
 }
@@ -193,6 +202,56 @@ impl Q4Weights {
                 "the output projection".into(),
                 Q8Blocks::quantize(w.output()).map(Blocks::Q8),
             )?,
+        })
+    }
+}
+
+/// How [`Q4Weights::at_stored_precision`] keeps each product: as 8-bit
+/// blocks where they give the stored values back exactly (a Q8_0 file's),
+/// else as dense rows at the narrowest exact precision.
+fn as_stored(parts: &[&Matrix]) -> Blocks {
+    let joined = Matrix {
+        rows: parts.iter().map(|m| m.rows).sum(),
+        cols: parts[0].cols,
+        data: parts.iter().flat_map(|m| m.data.iter().copied()).collect(),
+    };
+    match Q8Blocks::exact(&joined) {
+        Some(q8) => Blocks::Q8(q8),
+        None => Blocks::Dense(Dense::stack(parts)),
+    }
+}
+
+impl Q4Weights {
+    /// `w`'s matrices at the precision their file stored them in (`cpu-simd`):
+    /// dense f16, bf16 or f32 rows, or 8-bit blocks where those give the
+    /// values back exactly; products on `threads` threads, against f32
+    /// activations. The reference's numerics, up to the order of sums.
+    pub fn at_stored_precision(w: &Weights, threads: usize) -> Result<Q4Weights, Error> {
+        let team = Arc::new(Team::new(threads).map_err(|e| Error::Threads {
+            threads,
+            reason: e.to_string(),
+        })?);
+        let product = |parts: &[&Matrix]| PooledProduct {
+            blocks: as_stored(parts),
+            team: Arc::clone(&team),
+        };
+        let layers = w
+            .layers
+            .iter()
+            .map(|l| Layer {
+                attn_norm: l.attn_norm.clone(),
+                qkv: product(&[&l.wq, &l.wk, &l.wv]),
+                qkv_bias: l.qkv_bias.clone(),
+                wo: product(&[&l.wo]),
+                mlp_norm: l.mlp_norm.clone(),
+                gate_up: product(&[&l.w_gate, &l.w_up]),
+                w_down: product(&[&l.w_down]),
+            })
+            .collect();
+        Ok(Q4Weights {
+            layers,
+            final_norm: w.final_norm.clone(),
+            output: product(&[w.output()]),
         })
     }
 }
