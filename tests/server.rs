@@ -1234,6 +1234,18 @@ fn is_gone(pid: u32) -> bool {
     }
 }
 
+/// Waits up to 5 s for `renderer` to be gone after `what` ended.
+async fn outlives_nothing(renderer: u32, what: &str) {
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while !is_gone(renderer) {
+        assert!(
+            Instant::now() < deadline,
+            "renderer {renderer} outlived {what}"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
 /// Sends a chat request to the doubling template in the background and
 /// returns it with the renderer child it started.
 async fn render_in_flight(
@@ -1320,14 +1332,7 @@ async fn a_template_that_never_ends_is_stopped_and_the_server_serves_on() {
         "{:?}",
         stopped.elapsed()
     );
-    let deadline = Instant::now() + Duration::from_secs(5);
-    while !is_gone(renderer) {
-        assert!(
-            Instant::now() < deadline,
-            "renderer {renderer} outlived the server"
-        );
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    outlives_nothing(renderer, "the server").await;
 
     // SIGKILL: nothing of the server runs on, yet its renderer dies too.
     let server = Server::start(&["--model", model]);
@@ -1336,14 +1341,7 @@ async fn a_template_that_never_ends_is_stopped_and_the_server_serves_on() {
     let mut server = server;
     server.child.kill().unwrap();
     server.child.wait().unwrap();
-    let deadline = Instant::now() + Duration::from_secs(5);
-    while !is_gone(renderer) {
-        assert!(
-            Instant::now() < deadline,
-            "renderer {renderer} outlived a killed server"
-        );
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    outlives_nothing(renderer, "a killed server").await;
 }
 
 /// A prompt of a megabyte of digits cannot fit the context: it is refused

@@ -8,6 +8,9 @@ use kiln_core::testing::max_abs_diff;
 use kiln_core::{Backend, CpuBackend, Model};
 use kiln_cpu::{Activations, Q4Blocks, Q8Blocks};
 
+mod common;
+use common::{layer_matrices, shared_products_model};
+
 /// The embedded model with every layer matrix replaced by its 4-bit
 /// blocks' values and the (tied) output projection by its 8-bit ones.
 fn snapped() -> Model {
@@ -21,18 +24,8 @@ fn snap(mut model: Model) -> Model {
     let snap = |m: &mut kiln_core::weights::Matrix| {
         *m = Q4Blocks::quantize(m).unwrap().dequantize();
     };
-    for l in &mut model.weights.layers {
-        for m in [
-            &mut l.wq,
-            &mut l.wk,
-            &mut l.wv,
-            &mut l.wo,
-            &mut l.w_gate,
-            &mut l.w_up,
-            &mut l.w_down,
-        ] {
-            snap(m);
-        }
+    for m in layer_matrices(&mut model) {
+        snap(m);
     }
     let embed = &mut model.weights.embed;
     *embed = Q8Blocks::quantize(embed).unwrap().dequantize();
@@ -107,17 +100,6 @@ fn agrees_with_the_reference(model: &Model, prompt: &[u32], activations: Activat
     let name = activations.name();
     eprintln!("largest |cpu-q4 ({name} activations) - cpu| logit difference: {worst:.2e}");
     assert!(worst <= bound, "logits differ by {worst:.2e} > {bound:.0e}");
-}
-
-/// A model whose products are large enough to be shared between threads
-/// (kiln-cpu shares a product only above a size): in a 16-token prefill
-/// every product, in a decode step the output projection.
-fn shared_products_model() -> Model {
-    let (mut config, seed) = kiln_core::model::preset("random-100m").unwrap();
-    (config.hidden_size, config.intermediate_size) = (512, 1024);
-    (config.num_heads, config.num_kv_heads, config.head_dim) = (8, 2, 64);
-    (config.num_layers, config.vocab_size) = (2, 9000);
-    Model::random("shared", config, seed)
 }
 
 /// Each output row is computed by the same code whichever thread takes it,

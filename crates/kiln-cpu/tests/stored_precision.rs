@@ -10,30 +10,13 @@ use kiln_core::weights::Matrix;
 use kiln_core::{Backend, CpuBackend, Model};
 use kiln_cpu::Q8Blocks;
 
-/// Large enough that every product of a 16-token prefill, and the output
-/// projection of a decode step, is shared between threads.
-fn shared_products_model() -> Model {
-    let (mut config, seed) = kiln_core::model::preset("random-100m").unwrap();
-    (config.hidden_size, config.intermediate_size) = (512, 1024);
-    (config.num_heads, config.num_kv_heads, config.head_dim) = (8, 2, 64);
-    (config.num_layers, config.vocab_size) = (2, 9000);
-    Model::random("shared", config, seed)
-}
+mod common;
+use common::{layer_matrices, shared_products_model};
 
 /// `model` with every matrix's values replaced by `snap`'s.
 fn snapped(mut model: Model, snap: impl Fn(&Matrix) -> Matrix) -> Model {
-    for l in &mut model.weights.layers {
-        for m in [
-            &mut l.wq,
-            &mut l.wk,
-            &mut l.wv,
-            &mut l.wo,
-            &mut l.w_gate,
-            &mut l.w_up,
-            &mut l.w_down,
-        ] {
-            *m = snap(m);
-        }
+    for m in layer_matrices(&mut model) {
+        *m = snap(m);
     }
     model.weights.embed = snap(&model.weights.embed);
     if let Some(head) = &mut model.weights.lm_head {
