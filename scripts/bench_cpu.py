@@ -23,11 +23,18 @@ on N IREE workers; modules compiled before timing by the untimed warm-up),
 llama.cpp on the file as
 given (`n_threads=N`). kiln-bench-decode needs `--features xla-iree` only for
 iree-cpu rows.
+
+`--busy N` runs N busy loops (one process each, `sh -c 'while :; do :; done'`)
+beside every row for the whole run, as a laptop or shared server would: the
+table's header names them. They are killed when the script exits, on an
+error or Ctrl-C too.
 """
 
 import argparse
+import atexit
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -92,6 +99,26 @@ def rows(args) -> list:
     return out
 
 
+def start_busy(count: int) -> list:
+    """`count` busy-loop processes, each killed at exit (normal, error or
+    Ctrl-C: `stop_busy` runs from the caller's `finally` and from atexit)."""
+    loops = []
+    atexit.register(stop_busy, loops)
+    for _ in range(count):
+        loops.append(subprocess.Popen(["sh", "-c", "while :; do :; done"],
+                                      stdin=subprocess.DEVNULL))
+    return loops
+
+
+def stop_busy(loops: list) -> None:
+    """Kills the busy loops still running; safe to call twice."""
+    while loops:
+        loop = loops.pop()
+        if loop.poll() is None:
+            loop.kill()
+        loop.wait()
+
+
 def span(values: list) -> str:
     low, high = min(values), max(values)
     return f"{low:.1f}" if f"{low:.1f}" == f"{high:.1f}" else f"{low:.1f}-{high:.1f}"
@@ -111,8 +138,24 @@ def main() -> None:
     parser.add_argument("--decode-tokens", type=int, default=64)
     parser.add_argument("--repeat", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--busy", type=int, default=0, metavar="N",
+                        help="busy-loop processes beside the runs, for all of them (default: none)")
     args = parser.parse_args()
+    if args.busy < 0:
+        parser.error("--busy takes a count, 0 or more")
 
+    # SIGTERM ends the script through Python's exit path too, so that the
+    # busy loops are killed as on Ctrl-C.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+    loops = start_busy(args.busy)
+    try:
+        run_table(args)
+    finally:
+        stop_busy(loops)
+
+
+def run_table(args) -> None:
+    """Runs every row `args.rounds` times and prints the table."""
     table = rows(args)
     results = [{"prefill": [], "decode": [], "load": []} for _ in table]
     for round_ in range(args.rounds):
@@ -126,9 +169,12 @@ def main() -> None:
                   f"{r['prefill_tokens_per_s']:.1f} / {r['decode_tokens_per_s']:.1f} tok/s",
                   file=sys.stderr)
 
+    load_note = (f", beside {args.busy} busy loop{'s' if args.busy != 1 else ''} "
+                 f"(one process each) on {os.cpu_count()} CPUs" if args.busy else "")
     print(f"prompt {args.prompt_tokens} tokens, {args.decode_tokens} greedy decode steps, "
-          f"{args.rounds} rounds (ranges over them)\n")
-    print("| engine | precision | threads | prefill tok/s | decode tok/s | load avg |")
+          f"{args.rounds} rounds (ranges over them){load_note}\n")
+    busy = f" ({args.busy} busy loop{'s' if args.busy != 1 else ''} beside)" if args.busy else ""
+    print(f"| engine | precision | threads | prefill tok/s | decode tok/s | load avg{busy} |")
     print("| --- | --- | --- | --- | --- | --- |")
     for (engine, precision, threads, _), r in zip(table, results):
         print(f"| {engine} | {precision} | {threads} | {span(r['prefill'])} | "
