@@ -17,7 +17,9 @@ before and after its runs. Prints a Markdown table.
 
 Rows: kiln `cpu` (the f32 reference; one thread whatever the count, so it
 runs at the first count only; `--no-reference` leaves it out), kiln `cpu-q4`
-(`--threads N`) at each `--activations` (default: q8 and f32), kiln `iree-cpu` at each `--iree-precision` (none: no row;
+(`--threads N`) at each `--activations` (default: q8 and f32; `--no-q4`
+leaves them out), kiln `cpu-simd` with `--simd` (the file's own precision:
+an F16 or Q8_0 GGUF as llama.cpp converts the pinned file), kiln `iree-cpu` at each `--iree-precision` (none: no row;
 `--threads N`: one runs every kernel on the calling thread, more run them
 on N IREE workers; modules compiled before timing by the untimed warm-up),
 llama.cpp on the file as
@@ -59,7 +61,7 @@ def kiln(args, backend: str, threads: int, precision=None, activations=None) -> 
             "--max-context", str(args.prompt_tokens + args.decode_tokens + 8),
             "--json", str(out),
         ]
-        if backend in ("cpu-q4", "iree-cpu"):
+        if backend in ("cpu-q4", "cpu-simd", "iree-cpu"):
             command += ["--threads", str(threads)]
         if backend == "iree-cpu":
             command += ["--precision", precision]
@@ -88,9 +90,12 @@ def rows(args) -> list:
     for threads in counts:
         if threads == counts[0] and not args.no_reference:
             out.append(("kiln `cpu`", "f32", 1, lambda: kiln(args, "cpu", 1)))
-        for activations in args.activations or ["q8", "f32"]:
+        for activations in [] if args.no_q4 else args.activations or ["q8", "f32"]:
             out.append(("kiln `cpu-q4`", f"q4 x {activations} activations, q8 output", threads,
                         lambda t=threads, a=activations: kiln(args, "cpu-q4", t, activations=a)))
+        if args.simd:
+            out.append(("kiln `cpu-simd`", "as the file stores it", threads,
+                        lambda t=threads: kiln(args, "cpu-simd", t)))
         for precision in args.iree_precision or []:
             out.append(("kiln `iree-cpu`", precision, threads,
                         lambda t=threads, p=precision: kiln(args, "iree-cpu", t, p)))
@@ -134,6 +139,10 @@ def main() -> None:
     parser.add_argument("--activations", action="append", choices=["q8", "f32"],
                         help="cpu-q4's (repeat for several; default: both)")
     parser.add_argument("--no-reference", action="store_true")
+    parser.add_argument("--no-q4", action="store_true",
+                        help="no cpu-q4 rows (for a file that is not 4-bit, which cpu-q4 would round)")
+    parser.add_argument("--simd", action="store_true",
+                        help="cpu-simd rows: every matrix at the file's own precision")
     parser.add_argument("--prompt-tokens", type=int, default=128)
     parser.add_argument("--decode-tokens", type=int, default=64)
     parser.add_argument("--repeat", type=int, default=2)
