@@ -26,11 +26,25 @@ fn generate_streams_text_from_the_embedded_model() {
     let text = stdout(&out);
     // 12 tokens of the byte vocabulary (no EOS under greedy for this prompt), then a newline.
     assert_eq!(text.trim_end_matches('\n').len(), 12, "{text:?}");
+    // `auto` keeps the embedded model's f32 on cpu-simd, and says so.
     assert!(
-        stderr(&out).contains("cpu: 6 prompt tokens, 12 generated"),
+        // (A CUDA build says first that no GPU answered.)
+        stderr(&out).contains("kiln: backend auto: cpu-simd (")
+            && stderr(&out).contains("the model's matrices are f32")
+            && stderr(&out).contains("[cpu-simd: 6 prompt tokens, 12 generated"),
         "{}",
         stderr(&out)
     );
+    // The reference, asked for, prints the same text.
+    let reference = kiln(&[
+        "generate",
+        "--backend",
+        "cpu",
+        "--max-tokens",
+        "12",
+        "Hello",
+    ]);
+    assert_eq!(stdout(&reference), text, "{}", stderr(&reference));
     // Deterministic: the same command prints the same text.
     assert_eq!(
         stdout(&kiln(&["generate", "--max-tokens", "12", "Hello"])),
@@ -269,7 +283,7 @@ fn iree_cpu_takes_a_thread_count_and_the_text_is_the_same() {
         assert!(!out.status.success(), "{backend} took --threads");
         let err = stderr(&out);
         assert!(
-            err.contains("--threads is for the cpu-q4 and iree-cpu backends")
+            err.contains("--threads is for the cpu-q4, cpu-simd and iree-cpu backends")
                 || (backend == "iree-cuda" && err.contains("--features cuda,xla-iree")),
             "{backend}: {err}"
         );
