@@ -2,8 +2,10 @@
 //! headers and body through the router (authentication, body limits and
 //! timeouts, JSON validation, routing, both response forms) on an
 //! in-process service. Each request is answered, within seconds, with a
-//! status other than 500: no panic, no hang. The engine is a stand-in that
-//! answers every queued job at once (the model is not what is fuzzed here).
+//! status other than 500: no panic, no hang. Prompts are prepared as the
+//! server prepares them (the embedded model's tokenizer, ChatML rendered in
+//! a child); the engine is a stand-in that answers every queued job at once
+//! (the model is not what is fuzzed here).
 //!
 //! The input: the method (one byte), the path up to a newline, header lines
 //! (`name: value`) up to an empty line, then the body.
@@ -65,7 +67,11 @@ fn fixture() -> &'static Fixture {
     })
 }
 
-fuzz_target!(|data: &[u8]| {
+fuzz_target!(init: {
+    // Chat requests render the template in a child, this executable, as
+    // kiln-server does.
+    kiln_core::chat_template::serve_child_if_asked();
+}, |data: &[u8]| {
     let Some((&method, rest)) = data.split_first() else {
         return;
     };
