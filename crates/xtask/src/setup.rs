@@ -25,7 +25,7 @@ use crate::pins::{Download, repo_root};
 use crate::unpack;
 
 /// Debian/Ubuntu packages the suite needs, and why.
-const SYSTEM_PACKAGES: [(&str, &str); 20] = [
+const SYSTEM_PACKAGES: [(&str, &str); 21] = [
     (
         "build-essential",
         "C/C++ compilers for the IREE runtime and the shim",
@@ -46,6 +46,10 @@ const SYSTEM_PACKAGES: [(&str, &str); 20] = [
     ("zstd", "cargo xtask nix-build: the host package set"),
     ("curl", "cargo xtask nix-build: the host package set"),
     ("unzip", "cargo xtask nix-build: the host package set"),
+    (
+        "python3-jinja2",
+        "cargo xtask nix-build: the tests' Jinja2, from the host's python3",
+    ),
     ("ca-certificates", "HTTPS downloads of the pinned inputs"),
     ("nix-bin", "nix-instantiate --parse for the Nix files"),
     ("python3-venv", "the workflow linters' virtual environment"),
