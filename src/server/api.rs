@@ -7,8 +7,8 @@ use kiln_core::{Message, SamplingParams};
 use serde::Deserialize;
 use serde_json::{Map, Value};
 
-use super::engine::{Prompt, Request};
 use super::error::ApiError;
+use super::prompt::{Prompt, Request};
 
 /// The body of either endpoint: chat needs `messages`, text completions
 /// `prompt`. One flat struct, so that a field of the wrong type is named in

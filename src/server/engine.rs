@@ -12,8 +12,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::Result;
 use kiln_core::{
-    Backend, ChatTemplate, Message, Model, Proposer, Sampler, SamplingParams, Speculator,
-    TextStream,
+    Backend, ChatTemplate, Model, Proposer, Sampler, SamplingParams, Speculator, TextStream,
 };
 use tokio::sync::mpsc::UnboundedSender;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
@@ -22,20 +21,6 @@ use super::Shared;
 use super::error::ApiError;
 use super::prompt::Prepared;
 use super::stop::StopMatcher;
-
-pub enum Prompt {
-    Text(String),
-    Chat(Vec<Message>),
-}
-
-/// A parsed request, before its prompt is prepared (`super::prompt`).
-pub struct Request {
-    pub prompt: Prompt,
-    /// At most this many tokens; up to the context's room when `None`.
-    pub max_tokens: Option<usize>,
-    pub sampling: SamplingParams,
-    pub stop: Vec<String>,
-}
 
 /// A request in the queue, its prompt tokenized and fitting the context,
 /// with where its events go. The client is gone when `events` is closed.

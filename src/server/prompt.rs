@@ -8,11 +8,25 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use kiln_core::{ChatTemplate, Message, Model, Tokenizer};
+use kiln_core::{ChatTemplate, Message, Model, SamplingParams, Tokenizer};
 use tokio::sync::Semaphore;
 
-use super::engine::Prompt;
 use super::error::ApiError;
+
+/// A request's prompt as the client sent it.
+pub enum Prompt {
+    Text(String),
+    Chat(Vec<Message>),
+}
+
+/// A parsed request, before its prompt is prepared.
+pub struct Request {
+    pub prompt: Prompt,
+    /// At most this many tokens; up to the context's room when `None`.
+    pub max_tokens: Option<usize>,
+    pub sampling: SamplingParams,
+    pub stop: Vec<String>,
+}
 
 /// The read-only part of the loaded model that validation needs; built by
 /// the engine thread once the model is loaded, then shared.

@@ -17,8 +17,9 @@ use tokio_stream::wrappers::ReceiverStream;
 
 use super::AppState;
 use super::api;
-use super::engine::{Event, Finish, Job, Request};
+use super::engine::{Event, Finish, Job};
 use super::error::ApiError;
+use super::prompt::{Prepared, Prompt, Request};
 use super::respond::{Endpoint, Ids, Piece};
 
 pub async fn health(State(state): State<AppState>) -> Response {
@@ -197,10 +198,10 @@ async fn complete(state: AppState, endpoint: Endpoint, request: HttpRequest) -> 
 /// request that comes while the model loads waits for it.
 async fn prepare(
     state: &AppState,
-    prompt: super::engine::Prompt,
+    prompt: Prompt,
     max_tokens: Option<usize>,
     deadline: Instant,
-) -> Result<super::prompt::Prepared, ApiError> {
+) -> Result<Prepared, ApiError> {
     let seconds = state.shared.request_timeout.as_secs();
     let mut loaded = state.prompter.clone();
     let prompter =
