@@ -1158,23 +1158,10 @@ async fn health_is_503_until_the_modules_are_ready() {
 #[tokio::test]
 async fn a_template_that_crashes_its_renderer_does_not_take_the_server() {
     let dir = tempfile::tempdir().unwrap();
-    let fixture = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/llama-gqa-untied");
-    for entry in std::fs::read_dir(&fixture).unwrap() {
-        let path = entry.unwrap().path();
-        std::fs::copy(&path, dir.path().join(path.file_name().unwrap())).unwrap();
-    }
-    std::fs::write(
-        dir.path().join("chat_template.jinja"),
+    let id = fixture_with_template(
+        dir.path(),
         "{% set ns = namespace(x=[]) %}{% set ns.x = [ns, 1] %}{{ ns.x ~ '' }}",
-    )
-    .unwrap();
-    let id = dir
-        .path()
-        .file_name()
-        .unwrap()
-        .to_str()
-        .unwrap()
-        .to_string();
+    );
     let server = Server::start(&["--model", dir.path().to_str().unwrap()]);
     server.wait_ready().await;
     let chat =

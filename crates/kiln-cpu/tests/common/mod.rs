@@ -1,7 +1,8 @@
 //! What the kiln-cpu integration tests share.
 
-use kiln_core::Model;
+use kiln_core::testing::max_abs_diff;
 use kiln_core::weights::Matrix;
+use kiln_core::{Backend, Model};
 
 /// A model whose products are large enough to be shared between threads
 /// (kiln-cpu shares a product only above a size): in a 16-token prefill
@@ -27,4 +28,26 @@ pub fn layer_matrices(model: &mut Model) -> impl Iterator<Item = &mut Matrix> {
             &mut l.w_down,
         ]
     })
+}
+
+/// Twelve greedy decode steps of `reference` and `other` from `token`
+/// (both already prefilled): asserts the same tokens, returns the largest
+/// logit difference.
+pub fn decode_alike(reference: &mut dyn Backend, other: &mut dyn Backend, mut token: u32) -> f32 {
+    let mut worst = 0.0f32;
+    for step in 0..12 {
+        let (want, got) = (
+            reference.decode(token).unwrap(),
+            other.decode(token).unwrap(),
+        );
+        worst = worst.max(max_abs_diff(&want, &got));
+        let next = kiln_core::sampling::argmax(&want) as u32;
+        assert_eq!(
+            kiln_core::sampling::argmax(&got) as u32,
+            next,
+            "step {step}"
+        );
+        token = next;
+    }
+    worst
 }
