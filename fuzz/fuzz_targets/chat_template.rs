@@ -11,6 +11,12 @@ use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(init: {
     kiln_core::chat_template::serve_child_if_asked();
+    // A fuzzer whose children cannot render would test nothing: the child
+    // must start and render a plain template under its limits.
+    let plain = ChatTemplate::new("fuzz", "{{ messages[0].content }}", "<s>", "</s>")
+        .expect("a plain template");
+    let rendered = plain.render_isolated(&[Message::new("user", "hi")], false);
+    assert_eq!(rendered.expect("the renderer child works"), "hi");
 }, |data: &[u8]| {
     let Ok(text) = std::str::from_utf8(data) else {
         return;

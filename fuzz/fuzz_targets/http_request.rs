@@ -31,7 +31,9 @@ fn fixture() -> &'static Fixture {
     static FIXTURE: OnceLock<Fixture> = OnceLock::new();
     FIXTURE.get_or_init(|| {
         let shared = Arc::new(Shared::new(Duration::from_secs(5)));
-        shared.ready.store(true, std::sync::atomic::Ordering::Release);
+        shared
+            .ready
+            .store(true, std::sync::atomic::Ordering::Release);
         let (queue, jobs) = engine::queue(4);
         // The stand-in engine: every job gets its start, one piece of text
         // and its end.
@@ -71,6 +73,11 @@ fuzz_target!(init: {
     // Chat requests render the template in a child, this executable, as
     // kiln-server does.
     kiln_core::chat_template::serve_child_if_asked();
+    // A fuzzer whose children cannot render would answer every chat
+    // request with a template failure and test nothing past it.
+    let hello = [kiln_core::chat_template::Message::new("user", "hi")];
+    let rendered = kiln_core::ChatTemplate::chatml().render_isolated(&hello, true);
+    assert!(rendered.expect("the renderer child works").contains("hi"));
 }, |data: &[u8]| {
     let Some((&method, rest)) = data.split_first() else {
         return;

@@ -12,7 +12,10 @@
 //! 2^depth items in one step. So the child is the bound that holds whatever
 //! the template does: it is killed at its time limit or the caller's
 //! deadline, whichever comes first (its reply is read on a thread of its
-//! own, so the clock runs while it writes); it runs under an address-space
+//! own, so the clock runs while it writes); it gets its request as an
+//! in-memory file, not a pipe, so a child that dies early cannot raise
+//! SIGPIPE in a caller that does not ignore it (a C `main`, a fuzzer); it
+//! runs under an address-space
 //! and a CPU-time limit; and it dies with the thread that started it
 //! (`PR_SET_PDEATHSIG`), so no renderer outlives a killed server.
 //!
@@ -21,7 +24,8 @@
 //! program that renders this way calls [`serve_child_if_asked`] first thing
 //! in `main`.
 
-use std::io::{Read, Write};
+use std::io::{Read, Seek, Write};
+use std::os::fd::FromRawFd;
 use std::os::unix::process::CommandExt;
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -173,11 +177,13 @@ impl ChatTemplate {
             add_generation_prompt,
         })
         .map_err(|e| failed(format!("cannot hand it to its renderer: {e}")))?;
+        let request = request_file(&request)
+            .map_err(|e| failed(format!("cannot hand it to its renderer: {e}")))?;
         let parent = std::process::id();
         let mut command = Command::new("/proc/self/exe");
         command
             .env(CHILD_ENV, "1")
-            .stdin(Stdio::piped())
+            .stdin(Stdio::from(request))
             .stdout(Stdio::piped())
             .stderr(Stdio::null());
         // SAFETY: `limit_child` makes only async-signal-safe system calls
@@ -186,10 +192,8 @@ impl ChatTemplate {
         let mut child = command
             .spawn()
             .map_err(|e| failed(format!("cannot start its renderer: {e}")))?;
-        // Written and read on threads of their own: the clock below runs
-        // whatever the child does with its pipes.
-        let mut stdin = child.stdin.take().expect("piped");
-        let writer = std::thread::spawn(move || stdin.write_all(&request));
+        // Read on a thread of its own: the clock below runs whatever the
+        // child does with its pipe.
         let mut stdout = child.stdout.take().expect("piped");
         let reader = std::thread::spawn(move || {
             let mut output = Vec::new();
@@ -199,8 +203,7 @@ impl ChatTemplate {
                 .map(|_| output)
         });
         let status = wait_until(&mut child, deadline);
-        // The child has exited or been killed: its pipes are closed.
-        let _ = writer.join();
+        // The child has exited or been killed: its pipe is closed.
         let output = reader.join();
         let status = match status {
             Ok(Some(status)) => status,
@@ -235,6 +238,20 @@ impl ChatTemplate {
             Err(e) => Err(failed(format!("its renderer's reply is unreadable: {e}"))),
         }
     }
+}
+
+/// `request` in an anonymous in-memory file, read from its start.
+fn request_file(request: &[u8]) -> std::io::Result<std::fs::File> {
+    // SAFETY: a NUL-terminated name and plain flags.
+    let fd = unsafe { libc::memfd_create(c"kiln-render-request".as_ptr(), libc::MFD_CLOEXEC) };
+    if fd < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: a descriptor just opened that nothing else owns.
+    let mut file = unsafe { std::fs::File::from_raw_fd(fd) };
+    file.write_all(request)?;
+    file.seek(std::io::SeekFrom::Start(0))?;
+    Ok(file)
 }
 
 /// In the child, between fork and exec: die with the thread that started
