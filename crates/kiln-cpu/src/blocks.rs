@@ -193,6 +193,19 @@ impl Q8Blocks {
         self.cols / BLOCK
     }
 
+    /// Row `r`'s weights from column `c` (a whole number of blocks, as
+    /// many as `values` holds) as f32.
+    pub fn widen(&self, r: usize, c: usize, values: &mut [f32]) {
+        let start = r * self.cols + c;
+        let quants = self.values[start..][..values.len()].chunks_exact(BLOCK);
+        let scales = &self.scales[start / BLOCK..];
+        for ((values, quants), &scale) in values.chunks_exact_mut(BLOCK).zip(quants).zip(scales) {
+            for (v, &q) in values.iter_mut().zip(quants) {
+                *v = f32::from(q) * scale;
+            }
+        }
+    }
+
     /// The f32 matrix the blocks stand for.
     pub fn dequantize(&self) -> Matrix {
         let data = self
@@ -219,6 +232,25 @@ mod tests {
             rows,
             cols,
             data: (0..rows * cols).map(f).collect(),
+        }
+    }
+
+    /// Widening any whole blocks of a row gives the dequantized values.
+    #[test]
+    fn a_widened_run_of_blocks_is_the_dequantized_row() {
+        let m = matrix(3, 4 * BLOCK, |i| (i as f32 * 0.37).sin() * 3.0);
+        let q = Q8Blocks::quantize(&m).unwrap();
+        let back = q.dequantize();
+        for r in 0..3 {
+            for (c, len) in [(0, 4 * BLOCK), (BLOCK, 2 * BLOCK), (3 * BLOCK, BLOCK)] {
+                let mut values = vec![0.0f32; len];
+                q.widen(r, c, &mut values);
+                assert_eq!(
+                    values,
+                    back.data[r * m.cols + c..][..len],
+                    "row {r} from {c}"
+                );
+            }
         }
     }
 

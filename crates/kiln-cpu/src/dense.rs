@@ -3,15 +3,16 @@
 //! model read from f16 or bf16 files comes back to its file's values, read
 //! at half the bytes), multiplied against f32 inputs with f32 sums.
 //!
-//! A row is converted to f32 a chunk at a time in a buffer on the stack and
-//! multiplied into a group of inputs, so the row is read once for the whole
-//! group. The loops are plain Rust that the compiler vectorizes; on x86-64
-//! they are compiled a second time for AVX2, FMA and F16C (the widest set
-//! every AVX2 CPU has) and picked at run time.
+//! One input (decode) streams each row once, widened eight values at a time
+//! in registers where the CPU has AVX2, FMA and F16C (picked at run time),
+//! a chunk at a time into a buffer elsewhere. Several inputs (prefill) go to
+//! [`tiles`], which widens a tile of rows once for all of them.
 
 use half::slice::HalfFloatSliceExt;
 use half::{bf16, f16};
 use kiln_core::weights::Matrix;
+
+use crate::tiles;
 
 /// Stored values of a [`Dense`] matrix.
 pub enum DenseData {
@@ -27,10 +28,8 @@ pub struct Dense {
     pub data: DenseData,
 }
 
-/// Values converted (and multiplied into a group's inputs) at a time.
+/// Values converted at a time by the portable decode product.
 const CHUNK: usize = 256;
-/// Inputs multiplied against a row at once: their sums stay in registers.
-const GROUP: usize = 4;
 
 impl Dense {
     /// `parts` (each `[rows_i, cols]`) stacked by rows, kept in f16 if every
@@ -60,8 +59,24 @@ impl Dense {
     }
 
     /// `out[(r − first) · n + i] = Σ_c w[r][c] · x[i][c]` for the rows from
-    /// `first` that `out` (`[rows, n]`) has room for.
+    /// `first` that `out` (`[rows, n]`) has room for, `x` being `[n, cols]`.
     pub fn rows(&self, first: usize, x: &[f32], out: &mut [f32]) {
+        if x.len() > self.cols {
+            // Several inputs (prefill): tiles of rows widened once.
+            out.fill(0.0);
+            let cols = self.cols;
+            return match &self.data {
+                DenseData::F32(w) => tiles::product_here(cols, first, x, out, |r, c, values| {
+                    values.copy_from_slice(&w[r * cols + c..][..values.len()])
+                }),
+                DenseData::F16(w) => tiles::product_here(cols, first, x, out, |r, c, values| {
+                    w[r * cols + c..][..values.len()].convert_to_f32_slice(values)
+                }),
+                DenseData::BF16(w) => tiles::product_here(cols, first, x, out, |r, c, values| {
+                    w[r * cols + c..][..values.len()].convert_to_f32_slice(values)
+                }),
+            };
+        }
         #[cfg(target_arch = "x86_64")]
         if avx2_available() {
             // SAFETY: the CPU has every feature `rows_avx2` is compiled for.
@@ -108,8 +123,8 @@ unsafe fn rows_avx2(m: &Dense, first: usize, x: &[f32], out: &mut [f32]) {
 }
 
 /// The product over 16-bit rows `w` (`[rows, cols]`), `widen` turning the
-/// 8 values at a pointer into f32 lanes; up to [`GROUP`] inputs per pass
-/// over a row, a tail of fewer than 8 columns in scalar code.
+/// 8 values at a pointer into f32 lanes, against one input; a tail of fewer
+/// than 8 columns in scalar code.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn avx2_rows<T: Copy + Into<f32>>(
@@ -123,62 +138,37 @@ unsafe fn avx2_rows<T: Copy + Into<f32>>(
     use std::arch::x86_64::{
         _mm256_add_ps, _mm256_fmadd_ps, _mm256_loadu_ps, _mm256_setzero_ps, _mm256_storeu_ps,
     };
-    let n = x.len() / cols;
     let whole = cols / 8 * 8;
-    for (r, out) in (first..).zip(out.chunks_exact_mut(n)) {
+    for (r, out) in (first..).zip(out.iter_mut()) {
         let row = &w[r * cols..][..cols];
-        if n == 1 {
-            // Decode: one input, so four sums in flight instead of one,
-            // which would wait out each multiply-add's latency.
-            let mut sums = [_mm256_setzero_ps(); 4];
-            let mut c = 0;
-            while c + 32 <= whole {
-                for (u, sum) in sums.iter_mut().enumerate() {
-                    let at = c + 8 * u;
-                    // SAFETY: `x` holds `cols` inputs, past `at + 8`.
-                    let inputs = unsafe { _mm256_loadu_ps(x[at..at + 8].as_ptr()) };
-                    *sum = _mm256_fmadd_ps(widen(row[at..at + 8].as_ptr()), inputs, *sum);
-                }
-                c += 32;
+        // Four sums in flight instead of one, which would wait out each
+        // multiply-add's latency.
+        let mut sums = [_mm256_setzero_ps(); 4];
+        let mut c = 0;
+        while c + 32 <= whole {
+            for (u, sum) in sums.iter_mut().enumerate() {
+                let at = c + 8 * u;
+                // SAFETY: `x` holds `cols` inputs, past `at + 8`.
+                let inputs = unsafe { _mm256_loadu_ps(x[at..at + 8].as_ptr()) };
+                *sum = _mm256_fmadd_ps(widen(row[at..at + 8].as_ptr()), inputs, *sum);
             }
-            while c < whole {
-                // SAFETY: as above.
-                let inputs = unsafe { _mm256_loadu_ps(x[c..c + 8].as_ptr()) };
-                sums[0] = _mm256_fmadd_ps(widen(row[c..c + 8].as_ptr()), inputs, sums[0]);
-                c += 8;
-            }
-            let sum = _mm256_add_ps(
-                _mm256_add_ps(sums[0], sums[1]),
-                _mm256_add_ps(sums[2], sums[3]),
-            );
-            let mut lanes = [0.0f32; 8];
-            // SAFETY: `lanes` holds 8 f32.
-            unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), sum) };
-            let tail: f32 = (whole..cols).map(|c| row[c].into() * x[c]).sum();
-            out[0] = lanes.iter().sum::<f32>() + tail;
-            continue;
+            c += 32;
         }
-        for start in (0..n).step_by(GROUP) {
-            let count = GROUP.min(n - start);
-            let mut sums = [_mm256_setzero_ps(); GROUP];
-            for c in (0..whole).step_by(8) {
-                let weights = widen(row[c..c + 8].as_ptr());
-                for (k, sum) in sums.iter_mut().enumerate().take(count) {
-                    let inputs = &x[(start + k) * cols + c..][..8];
-                    // SAFETY: `inputs` holds the 8 values loaded.
-                    let inputs = unsafe { _mm256_loadu_ps(inputs.as_ptr()) };
-                    *sum = _mm256_fmadd_ps(weights, inputs, *sum);
-                }
-            }
-            for (k, sum) in sums.iter().enumerate().take(count) {
-                let mut lanes = [0.0f32; 8];
-                // SAFETY: `lanes` holds 8 f32.
-                unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), *sum) };
-                let inputs = &x[(start + k) * cols..][..cols];
-                let tail: f32 = (whole..cols).map(|c| row[c].into() * inputs[c]).sum();
-                out[start + k] = lanes.iter().sum::<f32>() + tail;
-            }
+        while c < whole {
+            // SAFETY: as above.
+            let inputs = unsafe { _mm256_loadu_ps(x[c..c + 8].as_ptr()) };
+            sums[0] = _mm256_fmadd_ps(widen(row[c..c + 8].as_ptr()), inputs, sums[0]);
+            c += 8;
         }
+        let sum = _mm256_add_ps(
+            _mm256_add_ps(sums[0], sums[1]),
+            _mm256_add_ps(sums[2], sums[3]),
+        );
+        let mut lanes = [0.0f32; 8];
+        // SAFETY: `lanes` holds 8 f32.
+        unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), sum) };
+        let tail: f32 = (whole..cols).map(|c| row[c].into() * x[c]).sum();
+        *out = lanes.iter().sum::<f32>() + tail;
     }
 }
 
@@ -197,8 +187,8 @@ fn rows_generic(m: &Dense, first: usize, x: &[f32], out: &mut [f32]) {
     }
 }
 
-/// The product over stored values `w` (`[rows, cols]`), each chunk of a row
-/// turned into f32 by `convert` before it is multiplied.
+/// The product over stored values `w` (`[rows, cols]`) against one input,
+/// each chunk of a row turned into f32 by `convert` before it is multiplied.
 #[inline(always)]
 fn rows_of<T: Copy>(
     cols: usize,
@@ -208,34 +198,26 @@ fn rows_of<T: Copy>(
     out: &mut [f32],
     convert: impl Fn(&[T], &mut [f32]),
 ) {
-    let n = x.len() / cols;
     let mut row = [0.0f32; CHUNK];
-    for (r, out) in (first..).zip(out.chunks_exact_mut(n)) {
+    for (r, out) in (first..).zip(out.iter_mut()) {
         let stored = &w[r * cols..][..cols];
-        for start in (0..n).step_by(GROUP) {
-            let inputs = start..(start + GROUP).min(n);
-            let mut sums = [[0.0f32; 8]; GROUP];
-            for c in (0..cols).step_by(CHUNK) {
-                let len = CHUNK.min(cols - c);
-                let row = &mut row[..len];
-                convert(&stored[c..c + len], row);
-                for (i, sums) in inputs.clone().zip(&mut sums) {
-                    let x = &x[i * cols + c..][..len];
-                    let (whole, tail) = (len / 8 * 8, len % 8);
-                    for (w, x) in row[..whole].chunks_exact(8).zip(x.chunks_exact(8)) {
-                        for lane in 0..8 {
-                            sums[lane] = w[lane].mul_add(x[lane], sums[lane]);
-                        }
-                    }
-                    for k in 0..tail {
-                        sums[k] = row[whole + k].mul_add(x[whole + k], sums[k]);
-                    }
+        let mut sums = [0.0f32; 8];
+        for c in (0..cols).step_by(CHUNK) {
+            let len = CHUNK.min(cols - c);
+            let row = &mut row[..len];
+            convert(&stored[c..c + len], row);
+            let x = &x[c..c + len];
+            let (whole, tail) = (len / 8 * 8, len % 8);
+            for (w, x) in row[..whole].chunks_exact(8).zip(x.chunks_exact(8)) {
+                for lane in 0..8 {
+                    sums[lane] = w[lane].mul_add(x[lane], sums[lane]);
                 }
             }
-            for (i, sums) in inputs.zip(&sums) {
-                out[i] = sums.iter().sum();
+            for k in 0..tail {
+                sums[k] = row[whole + k].mul_add(x[whole + k], sums[k]);
             }
         }
+        *out = sums.iter().sum();
     }
 }
 

@@ -25,6 +25,7 @@ pub mod kernel;
 pub mod team;
 #[cfg(test)]
 mod test_products;
+pub mod tiles;
 mod weights;
 
 pub use blocks::{BLOCK, BlockError, Q4Blocks, Q8Blocks};

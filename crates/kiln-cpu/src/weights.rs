@@ -13,7 +13,7 @@ use crate::blocks::{BLOCK, BlockError, Q4Blocks, Q8Blocks};
 use crate::dense::Dense;
 use crate::inputs::Q8Inputs;
 use crate::team::{MAX_CHUNKS, Team};
-use crate::{Activations, Error, integer, kernel};
+use crate::{Activations, Error, integer, kernel, tiles};
 
 /// The blocks of one product.
 enum Blocks {
@@ -64,6 +64,11 @@ impl Blocks {
         match (self, x) {
             (Blocks::Q4(m, _), Inputs::F32(x)) => (kernel::best().q4_rows)(m, first, x, out),
             (Blocks::Q4(m, _), Inputs::Q8(x)) => (integer::best().q4_rows)(m, first, x, out),
+            (Blocks::Q8(m), Inputs::F32(x)) if x.len() > m.cols => {
+                // Several inputs (prefill): tiles of rows widened once.
+                out.fill(0.0);
+                tiles::product_here(m.cols, first, x, out, |r, c, values| m.widen(r, c, values))
+            }
             (Blocks::Q8(m), Inputs::F32(x)) => (kernel::best().q8_rows)(m, first, x, out),
             (Blocks::Dense(m), Inputs::F32(x)) => m.rows(first, x, out),
             (Blocks::Q8(_) | Blocks::Dense(_), Inputs::Q8(_)) => {
