@@ -123,13 +123,16 @@ print(json.load(open(sys.argv[1]))["models"]["smollm2-135m-instruct"]["member_sh
             "$bench" -m "$model" -ngl 99 -p 128 -n 128 -r 3 -o json >"$json" 2>"${json%.json}.log" ||
                 { tail -20 "${json%.json}.log"; fail "llama-bench on $model"; continue; }
             python3 - "$json" <<'EOF' || fail "reading llama-bench's output"
-import json, sys
+import json, statistics, sys
+# The median too: the first timed prompt run is 30-50 % slower than the rest
+# (H100, 2026-12-06), which pulls the mean of 3 down.
 for r in json.load(open(sys.argv[1])):
     test = "pp%d" % r["n_prompt"] if r["n_prompt"] else "tg%d" % r["n_gen"]
-    print("llama.cpp %s on %s: %s (%s) %s %.1f ± %.1f tok/s (flash_attn %s, ngl %s, %d runs)" % (
+    print("llama.cpp %s on %s: %s (%s) %s median %.1f tok/s, mean %.1f ± %.1f"
+          " (flash_attn %s, ngl %s, %d runs)" % (
         r["build_commit"], r["gpu_info"], r["model_filename"].split("/")[-1], r["model_type"],
-        test, r["avg_ts"], r["stddev_ts"], r["flash_attn"], r["n_gpu_layers"],
-        len(r["samples_ts"])))
+        test, statistics.median(r["samples_ts"]), r["avg_ts"], r["stddev_ts"], r["flash_attn"],
+        r["n_gpu_layers"], len(r["samples_ts"])))
 EOF
         done
         ;;
