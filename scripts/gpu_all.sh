@@ -13,6 +13,14 @@
 #           at 1 and 32 (scripts/server_concurrency.sh)
 #   8b      batch-1 decode of Llama-3.1-8B's shape at f16 and q4 beside
 #           transformers (400 s, most of it writing the 16 GB folder)
+#   llamacpp  llama.cpp's CUDA build (scripts/llama_cpp_cuda.sh, built or
+#           reused) runs `llama-bench -ngl 99 -p 128 -n 128 -r 3` on the
+#           pinned SmolLM2 (Q4_1, $KILN_CACHE_DIR/models) and on an 8B-shaped
+#           random Q4_0 file (scripts/write_q4_0_gguf.py; $Q4_0_GGUF, default
+#           /tmp/kiln-llama-8b-q4_0.gguf, written when missing): prefill (pp)
+#           and decode (tg) tok/s. Needs LLAMA_CPP_SRC, the pinned
+#           llama-cpp-python sdist or what `llama_cpp_cuda.sh pack` made of it;
+#           a default part when that is set. No BIN needed.
 #
 #   BIN=dir KILN_CACHE_DIR=carried-cache PARTS="tests decode server" scripts/gpu_all.sh
 #
@@ -30,7 +38,9 @@
 # (8b). A part whose command fails is reported and the next one runs; the
 # exit status is the worst.
 set -uo pipefail
-: "${BIN:?set BIN}" "${KILN_CACHE_DIR:?set KILN_CACHE_DIR}"
+: "${KILN_CACHE_DIR:?set KILN_CACHE_DIR}"
+parts=${PARTS:-tests decode server 8b${LLAMA_CPP_SRC:+ llamacpp}}
+for p in $parts; do [ "$p" = llamacpp ] || : "${BIN:?set BIN}"; done
 export KILN_CACHE_DIR PYTHONUNBUFFERED=1 KILN_REQUIRE_GPU=1
 unset KILN_IREE_COMPILE
 here=$(cd "$(dirname "$0")" && pwd)
@@ -39,7 +49,7 @@ part() { echo; echo "== $1 ($(date -u +%H:%M:%S))"; }
 fail() { echo "!! $1 failed"; status=1; }
 
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm,clocks.max.mem --format=csv
-for p in ${PARTS:-tests decode server 8b}; do
+for p in $parts; do
     case $p in
     tests)
         part "GPU tests"
@@ -90,6 +100,41 @@ for p in ${PARTS:-tests decode server 8b}; do
         python3 "$here/bench_gpu.py" --kiln-bench "$BIN/kiln-bench-decode" --preset llama-3.1-8b \
             --precision f16 q4 --q4-rows configured kernel --hf-dtype float16 --prompt 128 \
             --decode 64 --repeat 2 || fail 8b
+        ;;
+    llamacpp)
+        part "llama.cpp's CUDA build: llama-bench, SmolLM2 Q4_1 and Llama-3.1-8B's shape Q4_0"
+        log=/tmp/llama-cpp-cuda-build.log
+        "$here/llama_cpp_cuda.sh" build "${LLAMA_CPP_SRC:?set LLAMA_CPP_SRC}" >"$log" 2>&1
+        rc=$?
+        cat "$log"
+        [ "$rc" = 0 ] || { fail "llama.cpp build"; continue; }
+        bench=$(tail -1 "$log")
+        smol="$KILN_CACHE_DIR/models/smollm2-135m-instruct.gguf"
+        want=$(python3 -c 'import json, sys
+print(json.load(open(sys.argv[1]))["models"]["smollm2-135m-instruct"]["member_sha256"])' \
+            "$here/../nix/pins.json")
+        [ "$(sha256sum "$smol" 2>/dev/null | cut -d' ' -f1)" = "$want" ] ||
+            { fail "$smol is missing or not the pinned file"; smol=; }
+        q4_0=${Q4_0_GGUF:-/tmp/kiln-llama-8b-q4_0.gguf}
+        [ -f "$q4_0" ] || python3 "$here/write_q4_0_gguf.py" "$q4_0" ||
+            { fail "writing $q4_0"; q4_0=; }
+        for model in $smol $q4_0; do
+            json=/tmp/llama-bench-$(basename "$model" .gguf).json
+            "$bench" -m "$model" -ngl 99 -p 128 -n 128 -r 3 -o json >"$json" 2>"${json%.json}.log" ||
+                { tail -20 "${json%.json}.log"; fail "llama-bench on $model"; continue; }
+            python3 - "$json" <<'EOF' || fail "reading llama-bench's output"
+import json, statistics, sys
+# The median too: the first timed prompt run is 30-50 % slower than the rest
+# (H100, 2026-12-06), which pulls the mean of 3 down.
+for r in json.load(open(sys.argv[1])):
+    test = "pp%d" % r["n_prompt"] if r["n_prompt"] else "tg%d" % r["n_gen"]
+    print("llama.cpp %s on %s: %s (%s) %s median %.1f tok/s, mean %.1f ± %.1f"
+          " (flash_attn %s, ngl %s, %d runs)" % (
+        r["build_commit"], r["gpu_info"], r["model_filename"].split("/")[-1], r["model_type"],
+        test, statistics.median(r["samples_ts"]), r["avg_ts"], r["stddev_ts"], r["flash_attn"],
+        r["n_gpu_layers"], len(r["samples_ts"])))
+EOF
+        done
         ;;
     *) echo "unknown part: $p"; exit 2 ;;
     esac
