@@ -51,4 +51,5 @@ in
 {
   packages = kiln.packages.${system};
   checks = kiln.checks.${system};
+  devShells = kiln.devShells.${system};
 }

@@ -19,8 +19,9 @@
 #     the store (`cargo xtask setup` builds the pinned nixpkgs-fmt and
 #     deadnix).
 #   - callPackage, runCommand, writeText, makeSetupHook, symlinkJoin,
-#     makeWrapper, rustPlatform.buildRustPackage (crane builds its own
-#     helper with it): written here, as small as the flake and crane need.
+#     makeWrapper, mkShell, rustPlatform.buildRustPackage (crane builds its
+#     own helper with it): written here, as small as the flake and crane
+#     need.
 # Everything else is a missing attribute.
 { lib
 , host
@@ -384,6 +385,34 @@ let
           mkdir -p $out/bin
           ln -s "$python" $out/bin/python3
         '';
+      # nixpkgs' mkShell, as `nix-shell` enters it (`cargo xtask nix-build
+      # --shell`): nix-shell sources $stdenv/setup, here setup.sh told to set
+      # up PATH and the inputs' hooks without building; then shellHook.
+      # Built, the shell is a file naming its inputs.
+      mkShell =
+        { packages ? [ ]
+        , inputsFrom ? [ ]
+        , ...
+        }@args:
+        mkDerivation (
+          builtins.removeAttrs args [
+            "packages"
+            "inputsFrom"
+          ]
+          // {
+            name = args.name or "kiln-shell";
+            nativeBuildInputs = packages ++ lib.concatMap (d: d.nativeBuildInputs or [ ]) inputsFrom;
+            # In `env`: mkDerivation drops a `stdenv` attribute (crane
+            # passes its stdenv as one).
+            env = (args.env or { }) // {
+              stdenv = runCommand "kiln-shell-setup" { } ''
+                mkdir $out
+                { echo kilnSetupOnly=1; cat ${setupScript}; } > $out/setup
+              '';
+            };
+            buildCommand = ''echo "$nativeBuildInputs" > "$out"'';
+          }
+        );
       cargo-nextest = storedBinary "cargo-nextest" host.cargoNextest;
       nixpkgs-fmt = storedBinary "nixpkgs-fmt" host.nixpkgsFmt;
       deadnix = storedBinary "deadnix" host.deadnix;

@@ -165,6 +165,13 @@ enum Task {
         /// visible read-only, no network but for fixed-output downloads).
         #[arg(long)]
         sandbox: bool,
+        /// Enter the contributor's shell (devShells.default) with
+        /// nix-shell, after building its inputs, and run this command in it
+        /// from the checkout (e.g. "cargo build --release --features
+        /// cuda,xla-iree && cargo xtask test --quick"); the shell is pure:
+        /// only what it provides is on PATH.
+        #[arg(long, value_name = "COMMAND", conflicts_with_all = ["attributes", "sandbox"])]
+        shell: Option<String>,
         /// Outputs to build, e.g. checks.link (default: every package and
         /// check).
         attributes: Vec<String>,
@@ -311,12 +318,14 @@ fn run(cli: Cli) -> Result<()> {
         Task::NixBuild {
             inputs,
             sandbox,
+            shell,
             attributes,
         } => nix_build::run(
             &Cache::open()?,
             nix_build::Options {
                 inputs: inputs.as_deref(),
                 sandbox,
+                shell,
                 attributes,
             },
         )?,

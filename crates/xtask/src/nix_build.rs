@@ -51,6 +51,8 @@ const SANDBOX_PATHS: [&str; 8] = [
 pub struct Options<'a> {
     pub inputs: Option<&'a Path>,
     pub sandbox: bool,
+    /// A command to run in the entered dev shell instead of building.
+    pub shell: Option<String>,
     pub attributes: Vec<String>,
 }
 
@@ -262,6 +264,9 @@ pub fn run(cache: &Cache, options: Options) -> Result<()> {
     let checkout = work.path().join("kiln");
     crate::tree::copy_checkout(&repo_root(), &checkout)?;
     let base = driver_args(&checkout, &inputs, &host, &system)?;
+    if let Some(command) = options.shell {
+        return enter_shell(&base, &command, &host.bash, work.path());
+    }
     let attributes = if options.attributes.is_empty() {
         ALL.iter().map(|a| a.to_string()).collect()
     } else {
@@ -307,6 +312,42 @@ pub fn run(cache: &Cache, options: Options) -> Result<()> {
         Ok(())
     } else {
         Err(anyhow!("nix-build failed: {}", failed.join(", ")))
+    }
+}
+
+/// Enters `devShells.default` as a contributor would (`nix-shell` on its
+/// derivation: Debian's Nix 2.8 has no `nix develop` for a flake it cannot
+/// fetch), pure, and runs `command` in it from the checkout.
+fn enter_shell(base: &[String], command: &str, bash: &Path, scratch: &Path) -> Result<()> {
+    eprintln!(
+        "nix-shell devShells.default (pure), in {}: {command}",
+        repo_root().display()
+    );
+    // nix-shell puts its shell's folder first on PATH: the host's bash, in a
+    // folder of its own (without it nix-shell looks for <nixpkgs>, fails,
+    // takes `bash` from PATH and puts `.` first).
+    let shell_bin = scratch.join("shell-bin");
+    std::fs::create_dir_all(&shell_bin)?;
+    std::os::unix::fs::symlink(bash, shell_bin.join("bash"))?;
+    let started = Instant::now();
+    let status = Command::new("nix-shell")
+        .env("NIX_BUILD_SHELL", shell_bin.join("bash"))
+        .args(base)
+        .args(["-A", "devShells.default", "--pure"])
+        // HOME for cargo's registry cache; TERM for its progress bars.
+        .args(["--keep", "HOME", "--keep", "TERM"])
+        .args(nix_options(false))
+        .args(["--run", command])
+        .current_dir(repo_root())
+        .status()
+        .context("cannot run nix-shell")?;
+    let seconds = started.elapsed().as_secs_f64();
+    match status.success() {
+        true => {
+            eprintln!("nix-shell: the command passed in the dev shell in {seconds:.1} s");
+            Ok(())
+        }
+        false => Err(anyhow!("in the dev shell, `{command}` failed ({status})")),
     }
 }
 
