@@ -112,6 +112,20 @@ pub trait ForwardWeights {
     fn final_norm(&self) -> &[f32];
     /// The output projection, `[vocab, hidden]`.
     fn output(&self) -> &dyn Linear;
+
+    /// `work(c, chunk)` for each chunk of `out` (`chunk_len` values, the
+    /// last maybe fewer), on this backend's threads where it has them (a
+    /// prefill's attention rows); here, one after another.
+    fn for_each_chunk(
+        &self,
+        out: &mut [f32],
+        chunk_len: usize,
+        work: &(dyn Fn(usize, &mut [f32]) + Sync),
+    ) {
+        for (c, chunk) in out.chunks_mut(chunk_len).enumerate() {
+            work(c, chunk);
+        }
+    }
 }
 
 impl ForwardWeights for Weights {
@@ -156,6 +170,15 @@ impl<T: ForwardWeights + ?Sized> ForwardWeights for &T {
 
     fn output(&self) -> &dyn Linear {
         (**self).output()
+    }
+
+    fn for_each_chunk(
+        &self,
+        out: &mut [f32],
+        chunk_len: usize,
+        work: &(dyn Fn(usize, &mut [f32]) + Sync),
+    ) {
+        (**self).for_each_chunk(out, chunk_len, work)
     }
 }
 
@@ -300,6 +323,9 @@ pub fn forward(
     )
 }
 
+/// Rows of a prefill's attention between two questions to `keep_going`.
+const ATTENTION_BLOCK: usize = 32;
+
 /// Whose logits [`forward_until`] computes: the output projection is a
 /// large product (SmolLM2's: 28 M weights, 13 % of a 128-token prefill on
 /// `cpu-q4`) that a prefill needs for its last row only.
@@ -310,7 +336,7 @@ pub enum Logits {
 }
 
 /// [`forward`] with the logits of the rows `logits` says, asking
-/// `keep_going` before each row of each layer and
+/// `keep_going` before each block of [`ATTENTION_BLOCK`] rows of each layer and
 /// returning [`Error::Interrupted`](crate::Error::Interrupted) (the cache
 /// then half-extended: the caller discards it) when it says no. A long
 /// prompt on the single-threaded reference takes minutes.
@@ -363,17 +389,16 @@ pub fn forward_until(
             queries.extend_from_slice(&q);
         }
         let mut attended = vec![0.0f32; n * q_width];
-        let mut scores = Vec::with_capacity(start + n);
-        for (r, out) in attended.chunks_exact_mut(q_width).enumerate() {
-            if !keep_going() {
-                return Err(crate::Error::Interrupted);
-            }
+        let (keys, values) = (&cache.keys[l], &cache.values[l]);
+        // Row `r`'s heads, into `out`.
+        let attend_row = |r: usize, out: &mut [f32]| {
             let visible = start + r + 1;
+            let mut scores = Vec::with_capacity(visible);
             for head in 0..config.num_heads {
                 let kv_head = head / group;
                 let head_cache = HeadCache {
-                    keys: &cache.keys[l][..visible * kv_width],
-                    values: &cache.values[l][..visible * kv_width],
+                    keys: &keys[..visible * kv_width],
+                    values: &values[..visible * kv_width],
                     stride: kv_width,
                     offset: kv_head * d,
                 };
@@ -385,6 +410,20 @@ pub fn forward_until(
                     &mut scores,
                     &mut out[head * d..][..d],
                 );
+            }
+        };
+        // Rows in blocks, `keep_going` asked before each; a block's rows
+        // shared out over the backend's threads (a lone row, decode's, on
+        // this one: handing it over would cost more than it takes).
+        for (b, block) in attended.chunks_mut(ATTENTION_BLOCK * q_width).enumerate() {
+            if !keep_going() {
+                return Err(crate::Error::Interrupted);
+            }
+            let first = b * ATTENTION_BLOCK;
+            if n == 1 {
+                attend_row(first, block);
+            } else {
+                weights.for_each_chunk(block, q_width, &|i, out| attend_row(first + i, out));
             }
         }
         for (xi, p) in xs.iter_mut().zip(layer.wo.apply(&attended, n)) {

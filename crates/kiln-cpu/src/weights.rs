@@ -310,4 +310,13 @@ impl ForwardWeights for Q4Weights {
     fn output(&self) -> &dyn Linear {
         &self.output
     }
+
+    fn for_each_chunk(
+        &self,
+        out: &mut [f32],
+        chunk_len: usize,
+        work: &(dyn Fn(usize, &mut [f32]) + Sync),
+    ) {
+        self.output.team.for_each_chunk_mut(out, chunk_len, work);
+    }
 }
