@@ -69,10 +69,11 @@ struct Host {
 
 /// The host's programs that nix-build runs or that the host package set
 /// (nix/build/host-nixpkgs.nix) links from `/usr/bin`: all checked up front.
-pub const HOST_PROGRAMS: [&str; 14] = [
+pub const HOST_PROGRAMS: [&str; 15] = [
     "nix-build",
     "nix-instantiate",
     "nix-store",
+    "nix-shell",
     "cc",
     "c++",
     "jq",

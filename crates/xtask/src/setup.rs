@@ -132,6 +132,7 @@ pub const SYSTEM_PACKAGES: [SystemPackage; 23] = [
             "nix-build",
             "nix-store",
             "nix-hash",
+            "nix-shell",
             "nix",
         ],
         "lint-nix, eval-nix and nix-build: Debian's Nix",
