@@ -69,13 +69,16 @@ fn build() -> Result<(), Vec<String>> {
         )]
     })?;
     let prefix_target = pkg_config::get_variable(pc_arg, "target").map_err(|e| {
-        vec![
-            format!(
-                "{} names no `target` (the triple its archives were built for): {e}",
-                pc_file.display()
-            ),
-            "It predates kiln's cross builds; rebuild it with `cargo xtask iree --cuda`.".into(),
-        ]
+        pkg_config_missing(&e).unwrap_or_else(|| {
+            vec![
+                format!(
+                    "{} names no `target` (the triple its archives were built for): {e}",
+                    pc_file.display()
+                ),
+                "It predates kiln's cross builds; rebuild it with `cargo xtask iree --cuda`."
+                    .into(),
+            ]
+        })
     })?;
     let target = std::env::var("TARGET").expect("cargo sets TARGET");
     if prefix_target != target {
@@ -89,7 +92,7 @@ fn build() -> Result<(), Vec<String>> {
             ),
         ]);
     }
-    if std::env::var("HOST").ok().as_deref() != Some(target.as_str()) {
+    if !target_is_host(&target) {
         // pkg-config refuses cross builds unless told otherwise, for fear of
         // the host's packages; this one reads a prefix given by path, and its
         // target was just checked.
@@ -102,17 +105,21 @@ fn build() -> Result<(), Vec<String>> {
         .env_metadata(false)
         .probe(pc_arg)
         .map_err(|e| {
-            vec![format!(
-                "pkg-config could not read {}: {e}",
-                pc_file.display()
-            )]
+            pkg_config_missing(&e).unwrap_or_else(|| {
+                vec![format!(
+                    "pkg-config could not read {}: {e}",
+                    pc_file.display()
+                )]
+            })
         })?;
     let variable = |name: &str| {
         pkg_config::get_variable(pc_arg, name).map_err(|e| {
-            vec![format!(
-                "{} has no `{name}` variable: {e}",
-                pc_file.display()
-            )]
+            pkg_config_missing(&e).unwrap_or_else(|| {
+                vec![format!(
+                    "{} has no `{name}` variable: {e}",
+                    pc_file.display()
+                )]
+            })
         })
     };
     let drivers = variable("hal_drivers")?;
@@ -132,7 +139,7 @@ fn build() -> Result<(), Vec<String>> {
     println!("cargo::rustc-env=KILN_IREE_HAL_DRIVERS={drivers}");
     println!("cargo::rustc-env=KILN_IREE_PREFIX_TARGET={prefix_target}");
 
-    compile_shim(&library.include_paths);
+    compile_shim(&library.include_paths, &target)?;
     generate_bindings()?;
     emit_link_directives(&library);
     Ok(())
@@ -149,9 +156,39 @@ fn iree_prefix() -> Result<PathBuf, Vec<String>> {
     }
 }
 
+// What installs a missing program: `cargo xtask setup`, whose table
+// (crates/xtask/src/setup.rs) has every package named here; a test of xtask
+// holds this file to it.
+const NEEDS_PKG_CONFIG: &str = "pkg-config is needed (or set PKG_CONFIG to one): \
+    `cargo xtask setup` installs it (Debian/Ubuntu package pkg-config: \
+    apt-get install -y pkg-config)";
+const NEEDS_CC: &str = "a C compiler is needed: `cargo xtask setup` installs it \
+    (Debian/Ubuntu package build-essential: apt-get install -y build-essential)";
+const NEEDS_CROSS_CC: &str = "the aarch64 cross C compiler is needed: `cargo xtask setup` \
+    installs it (Debian/Ubuntu package gcc-aarch64-linux-gnu: \
+    apt-get install -y gcc-aarch64-linux-gnu)";
+
+/// The error lines for a pkg-config that could not be run at all, rather
+/// than pkg-config's verdict on the prefix's file.
+fn pkg_config_missing(e: &pkg_config::Error) -> Option<Vec<String>> {
+    match e {
+        pkg_config::Error::Command { command, cause }
+            if cause.kind() == std::io::ErrorKind::NotFound =>
+        {
+            Some(vec![
+                format!(
+                    "kiln-iree's build script reads the IREE prefix's link recipe with pkg-config, and `{command}` could not start: {cause}."
+                ),
+                NEEDS_PKG_CONFIG.into(),
+            ])
+        }
+        _ => None,
+    }
+}
+
 /// The shim is the only C that includes IREE headers. cc emits its link
 /// directive first, so the shim precedes the IREE archives on the link line.
-fn compile_shim(include_paths: &[PathBuf]) {
+fn compile_shim(include_paths: &[PathBuf], target: &str) -> Result<(), Vec<String>> {
     let mut build = cc::Build::new();
     for dir in include_paths {
         // IREE's headers as system headers: their warnings are not ours.
@@ -166,13 +203,35 @@ fn compile_shim(include_paths: &[PathBuf]) {
         // allocator implementation, else `iree_allocator_system` is undefined
         // at link time.
         .define("IREE_ALLOCATOR_SYSTEM_CTL", "iree_allocator_libc_ctl")
-        .warnings(true)
-        .compile("kiln_iree_shim");
+        .warnings(true);
+    // `compile` panics when no C compiler is found: this says which package
+    // has one (a compiler that runs and fails has said why itself).
+    build.try_compile("kiln_iree_shim").map_err(|e| {
+        let mut lines = vec![format!(
+            "cannot compile the C shim csrc/kiln_iree.c for {target}: {e}"
+        )];
+        let runs = build.try_get_compiler().is_ok_and(|compiler| {
+            std::process::Command::new(compiler.path())
+                .arg("--version")
+                .output()
+                .is_ok()
+        });
+        if !runs {
+            let cross = target.starts_with("aarch64-") && !target_is_host(target);
+            lines.push(if cross { NEEDS_CROSS_CC } else { NEEDS_CC }.into());
+        }
+        lines
+    })
+}
+
+fn target_is_host(target: &str) -> bool {
+    std::env::var("HOST").ok().as_deref() == Some(target)
 }
 
 /// What to do when bindgen cannot run: it needs libclang.
 const NEEDS_LIBCLANG: &str = "bindgen needs libclang: `cargo xtask setup` installs it \
-    (or apt-get install -y libclang-dev), or set LIBCLANG_PATH to the folder that holds it";
+    (Debian/Ubuntu package libclang-dev: apt-get install -y libclang-dev), or set LIBCLANG_PATH \
+    to the folder that holds it";
 
 fn generate_bindings() -> Result<(), Vec<String>> {
     let out = PathBuf::from(std::env::var_os("OUT_DIR").expect("cargo sets OUT_DIR"));

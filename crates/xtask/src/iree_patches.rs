@@ -53,6 +53,9 @@ pub fn patched_source(cache: &Cache, pins: &Pins) -> Result<PathBuf> {
         .path("src")
         .join(format!("{}-patched-{}", &pin.sha256[..16], &key[..16]));
     let dir = cache.publish(&dir, |staging| {
+        if !patches.is_empty() {
+            crate::tools::require_host_program("patch", "applies nix/iree-patches")?;
+        }
         let tarball = fetch(cache, pin)?;
         eprintln!("unpacking {}", pin.name);
         unpack::tar_gz(&tarball, staging)?;
@@ -88,7 +91,12 @@ fn apply(root: &Path, patch: &Path) -> Result<()> {
         .arg("--input")
         .arg(patch)
         .output()
-        .context("cannot run `patch` (GNU patch; Debian: apt-get install patch)")?;
+        .with_context(|| {
+            format!(
+                "cannot run `patch` (GNU patch); {}",
+                crate::tools::install_hint("patch")
+            )
+        })?;
     if !output.status.success() {
         return Err(anyhow!(
             "{} does not apply to the pinned IREE source; refresh it against that source:\n{}{}",

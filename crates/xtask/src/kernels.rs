@@ -14,7 +14,7 @@ use anyhow::{Context, Result, anyhow};
 use crate::pins::repo_root;
 
 /// Debian 12's clang, whose output the committed PTX is.
-const CLANG: &str = "clang-14";
+pub const CLANG: &str = "clang-14";
 
 /// The folder of the kernels' sources and PTX.
 pub fn folder() -> PathBuf {
@@ -50,9 +50,7 @@ fn compile(source: &Path) -> Result<Vec<u8>> {
         ])
         .arg(source)
         .output()
-        .with_context(|| {
-            format!("cannot run {CLANG} (Debian/Ubuntu: apt-get install -y {CLANG})")
-        })?;
+        .with_context(|| format!("cannot run {CLANG}; {}", crate::tools::install_hint(CLANG)))?;
     if !output.status.success() {
         return Err(anyhow!(
             "{CLANG} failed on {}:\n{}",
@@ -66,6 +64,7 @@ fn compile(source: &Path) -> Result<Vec<u8>> {
 /// Writes each kernel's PTX, or with `check` fails where a committed one
 /// differs from it.
 pub fn run(check: bool) -> Result<()> {
+    crate::tools::require_host_program(CLANG, "compiles kiln's CUDA kernels to PTX")?;
     let mut stale = Vec::new();
     for source in sources(&folder())? {
         let ptx_path = source.with_extension("ptx");

@@ -22,11 +22,7 @@ pub fn run(tools: &Toolbox) -> Result<()> {
     if files.is_empty() {
         return Err(anyhow!("no .nix files in {}", root.display()));
     }
-    require_host_program(
-        "nix-instantiate",
-        "parses the Nix files",
-        "`cargo xtask setup`, or Debian/Ubuntu: apt-get install -y nix-bin",
-    )?;
+    require_host_program("nix-instantiate", "parses the Nix files")?;
     let nixpkgs_fmt = tools.find("nixpkgs-fmt", "the flake's formatter")?;
     let deadnix = tools.find("deadnix", "finds dead Nix code")?;
     let mut failures = Vec::new();

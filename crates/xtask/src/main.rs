@@ -86,8 +86,9 @@ enum Task {
     /// chat templates the tests hold kiln to); print their folder, for
     /// `KILN_REFERENCE_FILES`.
     ReferenceFiles,
-    /// Install what the suite needs: the system packages (apt, as root or
-    /// with sudo), nixpkgs-fmt and deadnix, the hash-pinned workflow linters.
+    /// Install what the suite and nix-build need: the system packages (apt,
+    /// as root or with sudo), nixpkgs-fmt and deadnix (cargo-nextest where
+    /// none is on PATH), the hash-pinned workflow linters.
     Setup,
     /// A bounded load test of a running kiln-server: streamed greedy
     /// completions, each checked complete and equal to its prompt alone, or 429.
@@ -268,7 +269,7 @@ fn run(cli: Cli) -> Result<()> {
             println!("{}", folder.display());
         }
         Task::Setup => {
-            setup::run(&Cache::open()?)?;
+            setup::run(&Cache::open()?, setup::Scope::Everything)?;
         }
         Task::Load(args) => load::run(&args)?,
         Task::Test {

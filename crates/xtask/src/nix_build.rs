@@ -67,30 +67,29 @@ struct Host {
     libclang: PathBuf,
 }
 
+/// The host's programs that nix-build runs or that the host package set
+/// (nix/build/host-nixpkgs.nix) links from `/usr/bin`: all checked up front.
+pub const HOST_PROGRAMS: [&str; 15] = [
+    "nix-build",
+    "nix-instantiate",
+    "nix-store",
+    "nix-shell",
+    "cc",
+    "c++",
+    "jq",
+    "zstd",
+    "rsync",
+    "unzip",
+    "patchelf",
+    "pkg-config",
+    "curl",
+    "git",
+    "python3",
+];
+
 fn find_host(cache: &Cache) -> Result<Host> {
     // Every missing program named at once, so that one install fixes it.
-    let missing: Vec<(&str, &str)> = [
-        ("nix-build", "nix-bin"),
-        ("jq", "jq"),
-        ("zstd", "zstd"),
-        ("rsync", "rsync"),
-        ("unzip", "unzip"),
-        ("patchelf", "patchelf"),
-        ("pkg-config", "pkg-config"),
-        ("curl", "curl"),
-    ]
-    .into_iter()
-    .filter(|(program, _)| which(program).is_err())
-    .collect();
-    if !missing.is_empty() {
-        let programs: Vec<&str> = missing.iter().map(|(program, _)| *program).collect();
-        let packages: Vec<&str> = missing.iter().map(|(_, package)| *package).collect();
-        return Err(anyhow!(
-            "the Nix build's host package set needs {}: apt-get install -y {}",
-            programs.join(", "),
-            packages.join(" ")
-        ));
-    }
+    crate::tools::require_host_programs(&HOST_PROGRAMS, "the Nix build's host package set")?;
     let sysroot = output(Command::new("rustc").args(["--print", "sysroot"]))?;
     let version_line = output(Command::new("rustc").arg("--version"))?;
     let rust_version = version_line
@@ -106,7 +105,12 @@ fn find_host(cache: &Cache) -> Result<Host> {
     .iter()
     .map(PathBuf::from)
     .find(|d| d.join("libclang.so").exists() || d.join("libclang-14.so.1").exists())
-    .ok_or_else(|| anyhow!("no libclang found (apt-get install -y libclang-dev)"))?;
+    .ok_or_else(|| {
+        anyhow!(
+            "no libclang found; {}",
+            crate::tools::package_hint("libclang-dev")
+        )
+    })?;
     let toolbox = Toolbox::installed(cache)?;
     Ok(Host {
         bash: std::fs::canonicalize("/bin/bash")?,
@@ -115,7 +119,9 @@ fn find_host(cache: &Cache) -> Result<Host> {
         rust_toolchain: std::fs::canonicalize(&sysroot)
             .with_context(|| format!("rustc's sysroot {sysroot} does not exist"))?,
         rust_version,
-        cargo_nextest: which("cargo-nextest")?,
+        cargo_nextest: std::fs::canonicalize(
+            toolbox.find("cargo-nextest", "the tests checks' test runner")?,
+        )?,
         nixpkgs_fmt: toolbox.find("nixpkgs-fmt", "the nix-lint check")?,
         deadnix: toolbox.find("deadnix", "the nix-lint check")?,
         libclang,
@@ -133,12 +139,6 @@ fn output(command: &mut Command) -> Result<String> {
         ));
     }
     Ok(String::from_utf8_lossy(&out.stdout).trim().to_string())
-}
-
-fn which(program: &str) -> Result<PathBuf> {
-    let found = output(Command::new("sh").args(["-c", &format!("command -v {program}")]))
-        .map_err(|_| anyhow!("{program} is not on PATH (the Nix build copies the host's)"))?;
-    Ok(std::fs::canonicalize(found)?)
 }
 
 fn path_text(path: &Path) -> Result<&str> {

@@ -1,9 +1,13 @@
 //! `cargo xtask setup` (and the first step of `cargo xtask test`): everything
-//! the suite needs that a fresh Debian/Ubuntu machine with only rustup lacks.
-//! - the system packages, through apt when this user is root or has
-//!   password-less sudo; otherwise the exact apt command, and a stop;
-//! - nixpkgs-fmt and deadnix, built with `cargo install --locked` from their
-//!   crates, pinned here by version and sha256;
+//! the suite (and, for `setup`, `cargo xtask nix-build`) needs that a fresh
+//! Debian/Ubuntu machine with only rustup lacks.
+//! - the system packages of [`SYSTEM_PACKAGES`], through apt when this user
+//!   is root or has password-less sudo; otherwise the exact apt command, and
+//!   a stop. The same table names the package in every check's message for a
+//!   missing program ([`crate::tools::require_host_program`]);
+//! - nixpkgs-fmt and deadnix (and for `setup`, cargo-nextest where none is on
+//!   PATH), built with `cargo install --locked` from their crates, pinned here
+//!   by version and sha256;
 //! - the workflow linters (`.ci/requirements-lint.txt`, hash-pinned) in a
 //!   virtual environment of their own;
 //! - the official OpenAI Python client (`.ci/requirements-openai.txt`,
@@ -24,51 +28,155 @@ use crate::fetch::{fetch, sha256_file};
 use crate::pins::{Download, repo_root};
 use crate::unpack;
 
-/// Debian/Ubuntu packages the suite needs, and why.
-const SYSTEM_PACKAGES: [(&str, &str); 21] = [
-    (
+/// A Debian/Ubuntu package that kiln's build scripts and steps need.
+pub struct SystemPackage {
+    pub name: &'static str,
+    /// The programs of it that the steps run: each is checked before use
+    /// ([`crate::tools::require_host_program`]), and a missing one is named
+    /// with this package and `cargo xtask setup`.
+    pub programs: &'static [&'static str],
+    pub purpose: &'static str,
+}
+
+const fn package(
+    name: &'static str,
+    programs: &'static [&'static str],
+    purpose: &'static str,
+) -> SystemPackage {
+    SystemPackage {
+        name,
+        programs,
+        purpose,
+    }
+}
+
+/// Every system package that a build script or step needs, and the programs
+/// it provides: the one table that `setup` installs from and that the
+/// checks' messages name packages from, so that the two cannot drift.
+pub const SYSTEM_PACKAGES: [SystemPackage; 23] = [
+    package(
         "build-essential",
+        &["cc", "c++"],
         "C/C++ compilers for the IREE runtime and the shim",
     ),
-    (
+    package(
         "pkg-config",
+        &["pkg-config"],
         "kiln-iree's build script reads the prefix's link recipe",
     ),
-    ("libclang-dev", "bindgen"),
-    (
+    package(
+        "libclang-dev",
+        &[],
+        "bindgen in kiln-iree's build script; cargo xtask nix-build's libclang",
+    ),
+    package(
         "clang-14",
+        &["clang-14"],
         "cargo xtask kernels: kiln's CUDA kernels' PTX from their source",
     ),
-    ("patch", "applies nix/iree-patches to the IREE source"),
-    ("rsync", "cargo xtask nix-build: the host package set"),
-    ("patchelf", "cargo xtask nix-build: the host package set"),
-    ("jq", "cargo xtask nix-build: the host package set"),
-    ("zstd", "cargo xtask nix-build: the host package set"),
-    ("curl", "cargo xtask nix-build: the host package set"),
-    ("unzip", "cargo xtask nix-build: the host package set"),
-    (
+    package(
+        "patch",
+        &["patch"],
+        "applies nix/iree-patches to the IREE source",
+    ),
+    package(
+        "git",
+        &["git"],
+        "the checkout's files (git ls-files); cargo xtask nix-build: the host package set",
+    ),
+    package(
+        "python3",
+        &["python3"],
+        "the linters' and clients' virtual environments; cargo xtask nix-build's Jinja2",
+    ),
+    package(
+        "rsync",
+        &["rsync"],
+        "cargo xtask nix-build: the host package set",
+    ),
+    package(
+        "patchelf",
+        &["patchelf"],
+        "cargo xtask nix-build: the host package set",
+    ),
+    package("jq", &["jq"], "cargo xtask nix-build: the host package set"),
+    package(
+        "zstd",
+        &["zstd"],
+        "cargo xtask nix-build: the host package set",
+    ),
+    package(
+        "curl",
+        &["curl"],
+        "cargo xtask nix-build: the host package set",
+    ),
+    package(
+        "unzip",
+        &["unzip"],
+        "cargo xtask nix-build: the host package set",
+    ),
+    package(
         "python3-jinja2",
+        &[],
         "cargo xtask nix-build: the tests' Jinja2, from the host's python3",
     ),
-    ("ca-certificates", "HTTPS downloads of the pinned inputs"),
-    ("nix-bin", "nix-instantiate --parse for the Nix files"),
-    ("python3-venv", "the workflow linters' virtual environment"),
-    ("shellcheck", "actionlint's check of every `run:` script"),
-    (
+    package(
+        "ca-certificates",
+        &[],
+        "HTTPS downloads of the pinned inputs",
+    ),
+    package(
+        "nix-bin",
+        &[
+            "nix-instantiate",
+            "nix-build",
+            "nix-store",
+            "nix-hash",
+            "nix-shell",
+            "nix",
+        ],
+        "lint-nix, eval-nix and nix-build: Debian's Nix",
+    ),
+    package(
+        "python3-venv",
+        &[],
+        "the workflow linters' virtual environment",
+    ),
+    package(
+        "shellcheck",
+        &["shellcheck"],
+        "actionlint's check of every `run:` script",
+    ),
+    package(
         "valgrind",
+        &["valgrind"],
         ".ci/hardening: an iree-cpu decode under memcheck",
     ),
-    (
+    package(
         "gcc-aarch64-linux-gnu",
+        &["aarch64-linux-gnu-gcc"],
         "the aarch64 (GB10) IREE prefix and link, cross-compiled",
     ),
-    (
+    package(
         "g++-aarch64-linux-gnu",
+        &["aarch64-linux-gnu-g++"],
         "the aarch64 IREE prefix's C++ (CMake)",
     ),
-    ("libc6-dev-arm64-cross", "the aarch64 sysroot"),
-    ("qemu-user", "the aarch64 tests, under qemu-aarch64"),
+    package("libc6-dev-arm64-cross", &[], "the aarch64 sysroot"),
+    package(
+        "qemu-user",
+        &["qemu-aarch64"],
+        "the aarch64 tests, under qemu-aarch64",
+    ),
 ];
+
+/// The package in [`SYSTEM_PACKAGES`] that provides `program`.
+pub fn package_of(program: &str) -> Option<&'static str> {
+    SYSTEM_PACKAGES
+        .iter()
+        .find(|p| p.programs.contains(&program))
+        .map(|p| p.name)
+}
 
 /// A crates.io binary crate, pinned by version and the sha256 of its `.crate`
 /// (the `cksum` in the crates.io index).
@@ -76,20 +184,42 @@ struct CargoTool {
     name: &'static str,
     version: &'static str,
     sha256: &'static str,
+    /// Needed by `cargo xtask nix-build` alone, which takes the one on PATH
+    /// when there is one (these machines come with cargo-nextest): built by
+    /// `cargo xtask setup` only where none is, never by `cargo xtask test`.
+    nix_build_only: bool,
 }
 
-const CARGO_TOOLS: [CargoTool; 2] = [
+const CARGO_TOOLS: [CargoTool; 3] = [
     CargoTool {
         name: "nixpkgs-fmt",
         version: "1.3.0",
         sha256: "1f1bdfcb88bb9dc3ae8a6ef55cda89eb33d7c69a98411b4cdb845adf391a7587",
+        nix_build_only: false,
     },
     CargoTool {
         name: "deadnix",
         version: "1.2.1",
         sha256: "35d39f9234cf8779f4734f62782e5312a85aa40b7dd0ef05a525f785113aa536",
+        nix_build_only: false,
+    },
+    CargoTool {
+        name: "cargo-nextest",
+        version: "0.9.143",
+        sha256: "82c78e1bf2be79fd08f8665d9760dd9f954e4c62ae5d8d08f70a1741347a295b",
+        nix_build_only: true,
     },
 ];
+
+/// What `run` installs.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub enum Scope {
+    /// What `cargo xtask test` runs.
+    Suite,
+    /// That, and what `cargo xtask nix-build` needs besides (`cargo xtask
+    /// setup`).
+    Everything,
+}
 
 /// A hash-pinned virtual environment: its folder's name and requirements.
 struct Venv {
@@ -175,19 +305,24 @@ impl Toolbox {
                     .clone()
                     .or_else(|| std::env::var_os("PATH"));
                 which::which_in(program, path, repo_root()).map_err(|_| {
-                    anyhow!(
-                        "`{program}` ({purpose}) is not installed; `cargo xtask setup` installs it (or put it on PATH)"
-                    )
+                    let how = match package_of(program) {
+                        Some(_) => crate::tools::install_hint(program),
+                        None => "`cargo xtask setup` installs it".to_string(),
+                    };
+                    anyhow!("`{program}` ({purpose}) is not installed; {how} (or put it on PATH)")
                 })
             })
     }
 }
 
-/// Installs everything; returns where the tools are.
-pub fn run(cache: &Cache) -> Result<Toolbox> {
+/// Installs what `scope` needs; returns where the tools are.
+pub fn run(cache: &Cache, scope: Scope) -> Result<Toolbox> {
     system_packages()?;
     rust_targets()?;
     for tool in &CARGO_TOOLS {
+        if tool.nix_build_only && (scope == Scope::Suite || which::which(tool.name).is_ok()) {
+            continue;
+        }
         install_cargo_tool(cache, tool)?;
     }
     install_venv(cache, &LINT_VENV)?;
@@ -218,7 +353,7 @@ fn rust_targets() -> Result<()> {
 
 /// Installs the missing system packages, or says how to.
 fn system_packages() -> Result<()> {
-    let names: Vec<&str> = SYSTEM_PACKAGES.iter().map(|(name, _)| *name).collect();
+    let names: Vec<&str> = SYSTEM_PACKAGES.iter().map(|p| p.name).collect();
     if which::which("dpkg-query").is_err() {
         eprintln!(
             "setup: not a Debian/Ubuntu system (no dpkg-query); install the equivalents of: {}",
@@ -240,8 +375,8 @@ fn system_packages() -> Result<()> {
     );
     let why: Vec<String> = SYSTEM_PACKAGES
         .iter()
-        .filter(|(name, _)| missing.contains(name))
-        .map(|(name, purpose)| format!("  {name}: {purpose}"))
+        .filter(|p| missing.contains(&p.name))
+        .map(|p| format!("  {}: {}", p.name, p.purpose))
         .collect();
     let sudo = match privilege() {
         Privilege::Root => None,

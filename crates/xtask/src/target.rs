@@ -27,10 +27,6 @@ const KNOWN: [(&str, &str, &str); 2] = [
 /// The GB10's target.
 pub const AARCH64: &str = "aarch64-unknown-linux-gnu";
 
-/// The Debian packages of a cross build and its emulated runs.
-pub const CROSS_PACKAGES: &str =
-    "gcc-aarch64-linux-gnu g++-aarch64-linux-gnu libc6-dev-arm64-cross qemu-user";
-
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Target {
     /// The Rust triple (`aarch64-unknown-linux-gnu`).
@@ -105,10 +101,9 @@ impl Target {
         if !self.cross {
             return host_c_toolchain();
         }
-        let hint = format!("Debian/Ubuntu: apt-get install -y {CROSS_PACKAGES}");
         Ok(vec![
-            require_host_program(&self.cc(), "the cross C compiler", &hint)?,
-            require_host_program(&self.cxx(), "the cross C++ compiler", &hint)?,
+            require_host_program(&self.cc(), "the cross C compiler")?,
+            require_host_program(&self.cxx(), "the cross C++ compiler")?,
         ])
     }
 
@@ -156,8 +151,7 @@ impl Target {
             return Ok(Command::new(program.into()));
         }
         let qemu = format!("qemu-{}", self.arch());
-        let hint = format!("Debian/Ubuntu: apt-get install -y {CROSS_PACKAGES}");
-        require_host_program(&qemu, "user-mode emulation of the target", &hint)?;
+        require_host_program(&qemu, "user-mode emulation of the target")?;
         let mut command = Command::new(qemu);
         command.arg("-L").arg(self.sysroot()).arg(program.into());
         Ok(command)

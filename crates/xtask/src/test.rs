@@ -43,12 +43,11 @@ pub fn run(cache: &Cache, pins: &Pins, plan: &Plan) -> Result<()> {
     disk::warn_if_short();
     let mut steps = Runner::new(cache, plan.budget)?;
     let toolbox = steps.run("setup: system packages and pinned tools", || {
-        crate::setup::run(cache)
+        crate::setup::run(cache, crate::setup::Scope::Suite)
     })?;
     tools::require_host_program(
         "pkg-config",
         "kiln-iree's build script reads the prefix's link description with it",
-        "Debian/Ubuntu: apt-get install -y pkg-config",
     )?;
     let host = Target::host()?;
     let prefix = |steps: &mut Runner, name: &str, variant: Variant, target: &Target| {

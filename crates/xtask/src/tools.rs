@@ -10,6 +10,7 @@ use anyhow::{Context, Result, anyhow};
 use crate::cache::Cache;
 use crate::fetch::fetch;
 use crate::pins::{Tool, for_system};
+use crate::setup::package_of;
 use crate::unpack;
 
 /// Fetches and unpacks a pinned tool wheel; returns the program's path.
@@ -30,33 +31,344 @@ pub fn pinned_tool(cache: &Cache, tool: &Tool, what: &str, system: &str) -> Resu
     Ok(program)
 }
 
+/// How to get `program`: `cargo xtask setup`, the one command that installs
+/// every system package the steps need, and the Debian/Ubuntu package of it
+/// ([`crate::setup::SYSTEM_PACKAGES`]).
+pub fn install_hint(program: &str) -> String {
+    match package_of(program) {
+        Some(package) => package_hint(package),
+        // Every program the steps check for is in the table (a test holds
+        // them to it); this is for one that slipped through.
+        None => "install it and put it on PATH (`cargo xtask setup` installs the system \
+                 packages kiln's steps need)"
+            .to_string(),
+    }
+}
+
+/// How to get the system package `package`: `cargo xtask setup`, or apt.
+pub fn package_hint(package: &str) -> String {
+    format!(
+        "`cargo xtask setup` installs it (Debian/Ubuntu package {package}: \
+         apt-get install -y {package})"
+    )
+}
+
 /// Runs `program --version` and returns its first line, or an error that says
-/// what the program is for and how to install it.
-pub fn require_host_program(program: &str, purpose: &str, install: &str) -> Result<String> {
+/// what the program is for, which package provides it and that `cargo xtask
+/// setup` installs it.
+pub fn require_host_program(program: &str, purpose: &str) -> Result<String> {
     let output = Command::new(program)
         .arg("--version")
         .output()
-        .map_err(|e| not_found(program, purpose, install, e))?;
+        .map_err(|e| {
+            let why = match e.kind() {
+                std::io::ErrorKind::NotFound => "was not found on PATH".to_string(),
+                _ => format!("could not be run ({e})"),
+            };
+            anyhow!("`{program}` ({purpose}) {why}; {}", install_hint(program))
+        })?;
     if !output.status.success() {
         return Err(anyhow!(
-            "`{program} --version` failed ({}); {purpose} is needed: {install}",
-            output.status
+            "`{program}` ({purpose}) did not run: `{program} --version` failed ({}); {}",
+            output.status,
+            install_hint(program)
         ));
     }
     let text = String::from_utf8_lossy(&output.stdout);
     Ok(text.lines().next().unwrap_or_default().to_string())
 }
 
-fn not_found(program: &str, purpose: &str, install: &str, e: std::io::Error) -> anyhow::Error {
-    anyhow!("`{program}` ({purpose}) was not found on PATH ({e}); install it: {install}")
+/// Fails unless every one of `programs` is on PATH, naming all the missing
+/// ones at once with their packages, so that one install fixes it.
+pub fn require_host_programs(programs: &[&str], purpose: &str) -> Result<()> {
+    let missing: Vec<&str> = programs
+        .iter()
+        .copied()
+        .filter(|program| which::which(program).is_err())
+        .collect();
+    if missing.is_empty() {
+        return Ok(());
+    }
+    let mut packages: Vec<&str> = Vec::new();
+    for package in missing.iter().filter_map(|p| package_of(p)) {
+        if !packages.contains(&package) {
+            packages.push(package);
+        }
+    }
+    Err(anyhow!(
+        "{purpose} needs {}, not found on PATH: `cargo xtask setup` installs them \
+         (Debian/Ubuntu: apt-get install -y {})",
+        missing.join(", "),
+        packages.join(" ")
+    ))
 }
 
 /// The host C and C++ compilers that build IREE, with their identities (part
 /// of the prefix's cache key: another compiler makes another prefix).
 pub fn host_c_toolchain() -> Result<Vec<String>> {
-    const HINT: &str = "Debian/Ubuntu: apt-get install -y build-essential";
     Ok(vec![
-        require_host_program("cc", "the C compiler that builds IREE's runtime", HINT)?,
-        require_host_program("c++", "the C++ compiler CMake requires for IREE", HINT)?,
+        require_host_program("cc", "the C compiler that builds IREE's runtime")?,
+        require_host_program("c++", "the C++ compiler CMake requires for IREE")?,
     ])
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::pins::repo_root;
+    use crate::setup::SYSTEM_PACKAGES;
+    use crate::target::{AARCH64, Target};
+
+    /// The string literals passed as first argument to `function(` in `text`.
+    fn literal_arguments<'a>(text: &'a str, function: &str) -> Vec<&'a str> {
+        text.match_indices(&format!("{function}("))
+            .filter_map(|(at, call)| {
+                let rest = text[at + call.len()..].trim_start().strip_prefix('"')?;
+                rest.split_once('"').map(|(literal, _)| literal)
+            })
+            .collect()
+    }
+
+    /// xtask's source files, each without its tests (which call the checks
+    /// with programs that are not meant to exist).
+    fn xtask_sources() -> Vec<(String, String)> {
+        walkdir::WalkDir::new(repo_root().join("crates/xtask/src"))
+            .into_iter()
+            .map(|entry| entry.unwrap().into_path())
+            .filter(|path| path.extension().is_some_and(|e| e == "rs"))
+            .map(|path| {
+                let text = std::fs::read_to_string(&path).unwrap();
+                let code = text.split("#[cfg(test)]\nmod tests").next().unwrap();
+                (path.display().to_string(), code.to_string())
+            })
+            .collect()
+    }
+
+    /// Every program a step checks for (or names in a hint) is in a package
+    /// of setup's table, and so is every package a hint names: a check
+    /// added without its package fails here, not on a fresh machine.
+    #[test]
+    fn every_program_the_steps_check_for_is_in_a_package_setup_installs() {
+        let aarch64 = Target::parse(Some(AARCH64)).unwrap();
+        let mut programs: Vec<String> = [
+            crate::kernels::CLANG,
+            "cc",
+            "c++",
+            &aarch64.cc(),
+            &aarch64.cxx(),
+            &format!("qemu-{}", aarch64.arch()),
+        ]
+        .iter()
+        .chain(&crate::nix_build::HOST_PROGRAMS)
+        .chain(&crate::eval_nix::PROGRAMS)
+        .map(|p| p.to_string())
+        .collect();
+        let mut packages: Vec<String> = Vec::new();
+        for (file, text) in xtask_sources() {
+            for function in ["require_host_program", "install_hint"] {
+                for program in literal_arguments(&text, function) {
+                    assert!(!program.is_empty(), "an empty program name in {file}");
+                    programs.push(program.to_string());
+                }
+            }
+            packages.extend(
+                literal_arguments(&text, "package_hint")
+                    .into_iter()
+                    .map(String::from),
+            );
+        }
+        // The scan found the literal calls (pkg-config's, git's, nix's, ...).
+        assert!(programs.iter().any(|p| p == "pkg-config"), "{programs:?}");
+        assert!(packages.iter().any(|p| p == "libclang-dev"), "{packages:?}");
+        let unknown: Vec<&String> = programs
+            .iter()
+            .filter(|p| package_of(p).is_none())
+            .collect();
+        assert!(
+            unknown.is_empty(),
+            "checked for, but in no package of setup::SYSTEM_PACKAGES: {unknown:?}"
+        );
+        let names: Vec<&str> = SYSTEM_PACKAGES.iter().map(|p| p.name).collect();
+        let not_installed: Vec<&String> = packages
+            .iter()
+            .filter(|p| !names.contains(&p.as_str()))
+            .collect();
+        assert!(
+            not_installed.is_empty(),
+            "named in a hint, but not installed by setup: {not_installed:?}"
+        );
+    }
+
+    /// The packages after each `apt-get install` in `text` (options skipped;
+    /// a placeholder such as `{package}` or `$program` ends the list).
+    fn apt_packages(text: &str) -> Vec<String> {
+        let mut packages = Vec::new();
+        for (at, needle) in text.match_indices("apt-get install") {
+            let line = text[at + needle.len()..].lines().next().unwrap_or_default();
+            for word in line.split_whitespace() {
+                if word.starts_with('-') {
+                    continue;
+                }
+                let name = word.trim_end_matches([')', ',', '`', '"', ';', '.', '\'', '\\']);
+                let valid = !name.is_empty()
+                    && name
+                        .chars()
+                        .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || "+-.".contains(c));
+                if !valid {
+                    break;
+                }
+                packages.push(name.to_string());
+                if name.len() != word.len() {
+                    break;
+                }
+            }
+        }
+        packages
+    }
+
+    #[test]
+    fn apt_packages_are_read_from_hints() {
+        assert_eq!(
+            apt_packages("(Debian/Ubuntu: apt-get install -y nix-bin jq), or else"),
+            ["nix-bin", "jq"]
+        );
+        assert_eq!(
+            apt_packages("`apt-get install -y libclang-dev`, or set"),
+            ["libclang-dev"]
+        );
+        assert!(apt_packages("apt-get install -y {package}").is_empty());
+        assert!(apt_packages("apt-get install $program").is_empty());
+    }
+
+    /// Every package that a message, build script, CI script or page tells
+    /// the reader to install with apt is one `cargo xtask setup` installs.
+    #[test]
+    fn every_package_a_message_or_page_names_is_one_setup_installs() {
+        let root = repo_root();
+        let mut files: Vec<(String, String)> = xtask_sources();
+        let mut others: Vec<std::path::PathBuf> = [
+            "crates/kiln-iree/build.rs",
+            "build.rs",
+            ".ci/run",
+            ".ci/hardening",
+            "README.md",
+        ]
+        .iter()
+        .map(|f| root.join(f))
+        .collect();
+        // The Nix build's test source has no docs or CI scripts.
+        if let Ok(docs) = std::fs::read_dir(root.join("docs")) {
+            others.extend(docs.map(|e| e.unwrap().path()));
+        }
+        for path in others.iter().filter(|p| p.is_file()) {
+            files.push((
+                path.display().to_string(),
+                std::fs::read_to_string(path).unwrap(),
+            ));
+        }
+        // kiln-iree's build script cannot call xtask: it names its packages,
+        // and the scan must see them.
+        let build_script = std::fs::read_to_string(root.join("crates/kiln-iree/build.rs")).unwrap();
+        let named = apt_packages(&build_script);
+        for package in ["libclang-dev", "pkg-config", "build-essential"] {
+            assert!(named.iter().any(|p| p == package), "{named:?}");
+        }
+        let names: Vec<&str> = SYSTEM_PACKAGES.iter().map(|p| p.name).collect();
+        let mut problems = Vec::new();
+        for (file, text) in &files {
+            for package in apt_packages(text) {
+                if !names.contains(&package.as_str()) {
+                    problems.push(format!("{file}: {package}"));
+                }
+            }
+        }
+        assert!(
+            problems.is_empty(),
+            "apt packages named but not installed by `cargo xtask setup`: {problems:?}"
+        );
+    }
+
+    #[test]
+    fn the_hint_names_the_package_and_setup() {
+        let hint = install_hint("patchelf");
+        assert!(hint.contains("cargo xtask setup"), "{hint}");
+        assert!(hint.contains("apt-get install -y patchelf"), "{hint}");
+        let hint = install_hint("aarch64-linux-gnu-gcc");
+        assert!(hint.contains("gcc-aarch64-linux-gnu"), "{hint}");
+        // A program in no package still points at setup.
+        assert!(install_hint("kiln-no-such-program").contains("cargo xtask setup"));
+    }
+
+    #[test]
+    fn a_program_that_is_not_there_is_named_with_setup() {
+        let error = require_host_program("kiln-no-such-program", "a test")
+            .unwrap_err()
+            .to_string();
+        assert!(error.contains("`kiln-no-such-program` (a test)"), "{error}");
+        assert!(error.contains("cargo xtask setup"), "{error}");
+        let error = require_host_programs(&["kiln-no-such-program", "sh"], "a test")
+            .unwrap_err()
+            .to_string();
+        assert!(error.contains("needs kiln-no-such-program,"), "{error}");
+        assert!(!error.contains("sh,"), "{error}");
+        assert!(require_host_programs(&["sh"], "a test").is_ok());
+    }
+
+    /// The environment variable that marks the re-run child of the test below.
+    const EMPTY_PATH_CHILD: &str = "KILN_XTASK_TEST_EMPTY_PATH";
+
+    /// With no PATH to find them on, the programs of the table are reported
+    /// missing with their package and `cargo xtask setup`: the test runs
+    /// itself again in a child whose PATH holds nothing.
+    #[test]
+    fn a_program_of_the_table_missing_from_path_is_named_with_its_package() {
+        let name =
+            "tools::tests::a_program_of_the_table_missing_from_path_is_named_with_its_package";
+        if std::env::var_os(EMPTY_PATH_CHILD).is_none() {
+            let empty = tempfile::tempdir().unwrap();
+            let output = std::process::Command::new(std::env::current_exe().unwrap())
+                .args(["--exact", name, "--nocapture", "--test-threads=1"])
+                .env(EMPTY_PATH_CHILD, "1")
+                .env("PATH", empty.path())
+                .output()
+                .unwrap();
+            let text = String::from_utf8_lossy(&output.stdout).into_owned()
+                + &String::from_utf8_lossy(&output.stderr);
+            assert!(
+                output.status.success() && text.contains("1 passed"),
+                "{text}"
+            );
+            eprintln!("{text}");
+            return;
+        }
+        for (program, package) in [
+            ("pkg-config", "pkg-config"),
+            ("clang-14", "clang-14"),
+            ("nix-instantiate", "nix-bin"),
+            ("qemu-aarch64", "qemu-user"),
+        ] {
+            let error = require_host_program(program, "a test")
+                .unwrap_err()
+                .to_string();
+            eprintln!("{error}");
+            assert!(
+                error.contains(&format!("`{program}` (a test) was not found")),
+                "{error}"
+            );
+            assert!(error.contains("`cargo xtask setup` installs it"), "{error}");
+            assert!(
+                error.contains(&format!("apt-get install -y {package}")),
+                "{error}"
+            );
+        }
+        let error = require_host_programs(&crate::nix_build::HOST_PROGRAMS, "the Nix build")
+            .unwrap_err()
+            .to_string();
+        eprintln!("{error}");
+        assert!(error.contains("rsync"), "{error}");
+        assert!(
+            error.contains("apt-get install -y nix-bin build-essential jq zstd rsync unzip patchelf pkg-config curl git python3"),
+            "{error}"
+        );
+    }
 }

@@ -26,9 +26,18 @@ pub fn source_files(root: &Path) -> Result<Vec<PathBuf>> {
             ])
             .current_dir(root)
             .output()
-            .context("cannot run git ls-files in the checkout")?;
+            .with_context(|| {
+                format!(
+                    "cannot run git ls-files in the checkout; {}",
+                    crate::tools::install_hint("git")
+                )
+            })?;
         if !listing.status.success() {
-            return Err(anyhow!("git ls-files failed in {}", root.display()));
+            return Err(anyhow!(
+                "git ls-files failed in {}: {}",
+                root.display(),
+                String::from_utf8_lossy(&listing.stderr).trim()
+            ));
         }
         return Ok(listing
             .stdout

@@ -72,7 +72,12 @@ fn nix_hash(args: &[&std::ffi::OsStr]) -> Result<String> {
     let output = Command::new("nix-hash")
         .args(args)
         .output()
-        .context("cannot run nix-hash (Debian/Ubuntu: apt-get install -y nix-bin)")?;
+        .with_context(|| {
+            format!(
+                "cannot run nix-hash; {}",
+                crate::tools::install_hint("nix-hash")
+            )
+        })?;
     if !output.status.success() {
         return Err(anyhow!(
             "nix-hash failed: {}",

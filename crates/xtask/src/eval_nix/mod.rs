@@ -47,6 +47,8 @@ const NOT_REBUILT_BY_RUST_EDITS: [&str; 3] = [
 /// An edit to the installer the IREE derivations run.
 const XTASK_EDIT: &str = "crates/xtask/src/prefix.rs";
 const TRACE: &str = "trace: kiln-eval-read: ";
+/// Debian's Nix programs the evaluation runs, checked before it starts.
+pub const PROGRAMS: [&str; 3] = ["nix-instantiate", "nix", "nix-hash"];
 
 /// The outputs whose `.drv` changes when a comment is appended to `file`.
 fn edited_outputs(
@@ -66,11 +68,7 @@ fn edited_outputs(
 
 /// Evaluates, summarises, runs the negative controls, writes the summary.
 pub fn run(cache: &Cache, inputs_dir: Option<&Path>) -> Result<()> {
-    crate::tools::require_host_program(
-        "nix-instantiate",
-        "evaluates the flake",
-        "Debian/Ubuntu: apt-get install -y nix-bin",
-    )?;
+    crate::tools::require_host_programs(&PROGRAMS, "cargo xtask eval-nix")?;
     let started = Instant::now();
     let inputs = match inputs_dir {
         Some(dir) => inputs::from_folder(dir)?,
@@ -127,7 +125,7 @@ pub fn run(cache: &Cache, inputs_dir: Option<&Path>) -> Result<()> {
     let summary = json!({
         "_comment": "Written by `cargo xtask eval-nix`; do not edit. `read` holds the sha256 of every repository file the evaluation read; `cargo xtask eval-nix --check` (a step of `cargo xtask test`) fails when one differs.",
         "command": "cargo xtask eval-nix --inputs DIR   (DIR: nixpkgs-lib/, crane/, rust-overlay/; or no --inputs where GitHub is reachable)",
-        "nix": crate::tools::require_host_program("nix-instantiate", "evaluates the flake", "apt-get install -y nix-bin")?,
+        "nix": crate::tools::require_host_program("nix-instantiate", "evaluates the flake")?,
         "inputs": inputs.provenance,
         "read": read,
         "rust_edit": {
@@ -357,7 +355,12 @@ fn show_derivations<'a>(paths: impl Iterator<Item = &'a str>) -> Result<BTreeMap
         ])
         .args(paths)
         .output()
-        .context("cannot run `nix show-derivation`")?;
+        .with_context(|| {
+            format!(
+                "cannot run `nix show-derivation`; {}",
+                crate::tools::install_hint("nix")
+            )
+        })?;
     if !output.status.success() {
         return Err(anyhow!(
             "nix show-derivation failed: {}",
