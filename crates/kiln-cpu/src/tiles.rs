@@ -10,11 +10,14 @@
 //! weight again for every group. The sums of a chunk are added to the
 //! output, which holds whole rows' sums when the last chunk is done.
 //!
-//! The kernel is plain Rust over arrays of [`LANES`] f32 that the compiler
-//! keeps in vector registers; the caller compiles it for its instruction
-//! set (with AVX-512's 32 registers a larger tile fits than with AVX2's 16).
+//! The kernels keep their sums in vector registers: AVX2 or AVX-512 (8
+//! lanes; 16 or 32 registers, so a larger tile with AVX-512) or NEON (4
+//! lanes), picked at run time; plain Rust elsewhere. On SmolLM2's F16 file
+//! one thread prefilled 94 tok/s with a row against groups of 4 inputs and
+//! 286 with 4 × 4 tiles of 1,024 columns (256 columns: 228; 2,048: 278).
 
-/// Columns widened at a time: a 4-row tile's buffer is 4 KiB.
+/// Columns widened at a time: a 4-row tile's buffer is 16 KiB, half of a
+/// typical L1, beside the 16 KiB of a group of 4 inputs.
 pub const CHUNK: usize = 1024;
 
 /// [`product`] with this CPU's kernel and the largest tile its registers

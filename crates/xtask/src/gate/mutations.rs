@@ -147,8 +147,8 @@ pub const MUTATIONS: &[Mutation] = &[
         models: "the shim's static library compiled but not linked",
         edits: &[Edit::Tree {
             file: BUILD_RS,
-            from: ".compile(\"kiln_iree_shim\")",
-            to: ".cargo_metadata(false).compile(\"kiln_iree_shim\")",
+            from: ".try_compile(\"kiln_iree_shim\")",
+            to: ".cargo_metadata(false).try_compile(\"kiln_iree_shim\")",
         }],
         expect: "kiln_iree_",
         only_arch: None,
@@ -204,8 +204,8 @@ pub const MUTATIONS: &[Mutation] = &[
             },
             Edit::Tree {
                 file: BUILD_RS,
-                from: ".compile(\"kiln_iree_shim\");",
-                to: ".cargo_metadata(false).compile(\"kiln_iree_shim\");\n    println!(\"cargo::rustc-link-arg={}/libkiln_iree_shim.a\", std::env::var(\"OUT_DIR\").unwrap());",
+                from: "    build.try_compile(\"kiln_iree_shim\")",
+                to: "    println!(\"cargo::rustc-link-arg={}/libkiln_iree_shim.a\", std::env::var(\"OUT_DIR\").unwrap());\n    build.cargo_metadata(false).try_compile(\"kiln_iree_shim\")",
             },
             Edit::Tree {
                 file: BUILD_RS,
@@ -222,6 +222,26 @@ pub const MUTATIONS: &[Mutation] = &[
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Each edit's text is in its file as committed, once: an edit that no
+    /// longer applies is BROKEN at gate time, after the long link check.
+    #[test]
+    fn every_edit_applies_to_the_committed_file() {
+        let root = crate::pins::repo_root();
+        for mutation in MUTATIONS {
+            for edit in mutation.edits {
+                if let Edit::Tree { file, from, .. } = edit {
+                    let text = std::fs::read_to_string(root.join(file)).unwrap();
+                    assert_eq!(
+                        text.matches(from).count(),
+                        1,
+                        "{}: {file} should hold {from:?} exactly once",
+                        mutation.name
+                    );
+                }
+            }
+        }
+    }
 
     /// A mutant is linked for its targets only, so an edit outside the
     /// package they link would go unlinked and survive for the wrong reason.
