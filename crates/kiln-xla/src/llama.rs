@@ -1776,6 +1776,21 @@ mod tests {
             assert_eq!(calls("buffer.load"), 0, "{kind:?} reads a value back");
             // The dispatches recorded once, executed with this call's buffers.
             assert_eq!(calls("device.queue.execute.indirect"), 1, "{kind:?}");
+            // Recorded once means when the module loads: the command buffer
+            // executed is the memoized one, not one the call records anew
+            // (what extern dispatches whose bindings were not `Indirect` made
+            // IREE do: every q4 kernel step then paid for a new CUDA graph).
+            let execute = program
+                .lines()
+                .find(|line| {
+                    line.contains("vm.call")
+                        && line.contains(" @hal.device.queue.execute.indirect(")
+                })
+                .unwrap();
+            assert!(
+                execute.contains("_memoize_result_"),
+                "{kind:?} records its command buffer on every call: {execute}"
+            );
         }
     }
 }

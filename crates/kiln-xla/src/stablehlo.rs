@@ -735,15 +735,21 @@ impl Function {
             operands.push(format!("{p}c{i}"));
             types.push("i32".to_string());
         }
-        let mut bindings = vec!["#hal.pipeline.binding<storage_buffer, ReadOnly>"; inputs.len()];
-        bindings.push("#hal.pipeline.binding<storage_buffer>");
+        // `Indirect`: the bindings may come from the call's binding table, so
+        // that a module's command buffer is recorded once (memoized) and run
+        // with each call's buffers. Without it IREE binds an extern
+        // dispatch's buffers directly and records the step's command buffer
+        // anew on every call.
+        let mut bindings =
+            vec![r#"#hal.pipeline.binding<storage_buffer, "ReadOnly|Indirect">"#; inputs.len()];
+        bindings.push("#hal.pipeline.binding<storage_buffer, Indirect>");
         let rhs = format!(
             "hal.dispatch.extern \"{entry}\"[{p}w]({operands}) : ({types}) -> {result}\n\
              \x20     count({p}d: !hal.device, {p}n: index) -> (index, index, index) {{\n\
              \x20       {p}one = arith.constant 1 : index\n\
              \x20       hal.return {p}n, {p}one, {p}one : index, index, index\n\
              \x20     }}\n\
-             \x20     layout(#hal.pipeline.layout<constants = {constants}, bindings = [{bindings}]>)\n\
+             \x20     layout(#hal.pipeline.layout<constants = {constants}, bindings = [{bindings}], flags = Indirect>)\n\
              \x20     objects({{#hal.executable.target<\"cuda\", \"cuda-nvptx-fb\"> ordinal(0) = \
              [#hal.executable.object<{{data = {object}}}>]}})\n\
              \x20     attributes {{workgroup_size = [{size} : index, 1 : index, 1 : index]}}",
