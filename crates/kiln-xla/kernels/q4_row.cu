@@ -20,15 +20,31 @@
 // memory's.
 //
 // Layout: a workgroup is WARPS warps; a warp takes ROWS consecutive outputs,
-// its lanes the blocks lane, lane + 32, ... of each. A lane rounds its block
-// of x once and uses the levels for all ROWS rows, whose 16-byte blocks of
-// values it loads side by side (a warp's loads of one row are 512
-// consecutive bytes). Bindings: quants (bytes), scales, offsets (f16), x
-// (f32), y (f32); constants: outputs, blocks a row, rows a warp.
+// its lanes the blocks lane, lane + 32, ... of each. The workgroup first
+// rounds the whole row of x into shared memory, one block a thread, while
+// each lane's first blocks of values are already on their way from memory;
+// the lanes then read the levels from there and fetch their next blocks of
+// values before working on the current ones, so that a lane has loads in
+// flight while it computes. Rows of more than SHARED_BLOCKS blocks (wider
+// than any model kiln ships a shape for) round per lane instead, each lane
+// its own blocks once for all the warp's ROWS rows. A warp's loads of one
+// row are 512 consecutive bytes. Bindings: quants (bytes), scales, offsets
+// (f16), x (f32), y (f32); constants: outputs, blocks a row, rows a warp.
 
 typedef unsigned int u32;
 typedef unsigned short u16;
 #define WARPS 8
+// Blocks of x the workgroup rounds into shared memory: Llama-3.1-8B's down
+// product (14,336 inputs) is the widest kiln's presets have. 80 bytes a
+// block, 35,840 in all (static shared memory stops at 48 KiB).
+#define SHARED_BLOCKS 448
+// Words between two blocks' levels in shared memory: 17, not 16, so that
+// the 32 lanes reading word j of blocks lane, lane + 32, ... hit 32
+// different banks.
+#define LEVEL_STRIDE 17
+// 16-byte loads of values a lane has in flight in the shared-row path: ROWS
+// rows times IN_FLIGHT / ROWS blocks, while it works on as many before them.
+#define IN_FLIGHT 4
 
 #ifndef KILN_HOST_CHECK
 // Without CUDA's headers, what they would define.
@@ -40,6 +56,11 @@ struct __attribute__((aligned(16))) float4 {
     float x, y, z, w;
 };
 #define GLOBAL extern "C" __global__ __attribute__((launch_bounds(WARPS * 32)))
+#define SHARED __attribute__((shared))
+
+static __device__ __forceinline__ void workgroup_barrier() {
+    asm volatile("bar.sync 0;" ::: "memory");
+}
 
 static __device__ __forceinline__ u32 dp2a_lo(u32 levels, u32 bytes, u32 acc) {
     u32 d;
@@ -94,45 +115,67 @@ struct Block {
     int level_sum;  // Σ level, for the values' bias of 8 (below)
 };
 
-static __device__ __forceinline__ void round_block(const float *x, Block &block) {
-    float v[32];
+// A quarter of a block of x, elements 8g..8g+7 of it: the workgroup rounds
+// a block with four threads, each a quarter.
+struct Quarter {
+    float v[8];
+    float largest;  // of the magnitudes
+    float sum;
+};
+
+static __device__ __forceinline__ void load_quarter(const float *x, Quarter &q) {
     const float4 *x4 = (const float4 *)x;
+    float4 a = x4[0], b = x4[1];
+    float v[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+    q.largest = 0.0f;
+    q.sum = 0.0f;
 #pragma unroll
     for (int i = 0; i < 8; i++) {
-        float4 f = x4[i];
-        v[4 * i] = f.x;
-        v[4 * i + 1] = f.y;
-        v[4 * i + 2] = f.z;
-        v[4 * i + 3] = f.w;
+        q.v[i] = v[i];
+        q.largest = __builtin_fmaxf(q.largest, __builtin_fabsf(v[i]));
+        q.sum += v[i];
     }
-    float largest = 0.0f, sum = 0.0f;
+}
+
+// A block of zeros: any finite factor gives levels of zero.
+static __device__ __forceinline__ float level_factor(float largest) {
+    return LEVELS / __builtin_fmaxf(largest, 1e-30f);
+}
+
+// A quarter's four words of levels (Block::levels[4g..4g+3]) and their Σ.
+static __device__ __forceinline__ int quarter_levels(const Quarter &q, float factor,
+                                                     u32 levels[4]) {
+    u32 e[8];
 #pragma unroll
-    for (int i = 0; i < 32; i++) {
-        largest = __builtin_fmaxf(largest, __builtin_fabsf(v[i]));
-        sum += v[i];
-    }
-    // A block of zeros: any finite factor gives levels of zero.
-    float factor = LEVELS / __builtin_fmaxf(largest, 1e-30f);
-    u32 bits[32];
-#pragma unroll
-    for (int i = 0; i < 32; i++) {
-        float t = v[i] * factor;
-        bits[i] = __builtin_bit_cast(u32, t + ROUNDING_MAGIC);
-    }
+    for (int i = 0; i < 8; i++)
+        e[i] = __builtin_bit_cast(u32, q.v[i] * factor + ROUNDING_MAGIC);
+    levels[0] = pack_low_halves(e[0], e[2]);
+    levels[1] = pack_low_halves(e[4], e[6]);
+    levels[2] = pack_low_halves(e[1], e[3]);
+    levels[3] = pack_low_halves(e[5], e[7]);
     int level_sum = 0;
 #pragma unroll
-    for (int j = 0; j < 4; j++) {
-        const u32 *e = bits + 8 * j;
-        block.levels[4 * j] = pack_low_halves(e[0], e[2]);
-        block.levels[4 * j + 1] = pack_low_halves(e[4], e[6]);
-        block.levels[4 * j + 2] = pack_low_halves(e[1], e[3]);
-        block.levels[4 * j + 3] = pack_low_halves(e[5], e[7]);
+    for (int k = 0; k < 4; k++)
+        level_sum = (int)dp2a_lo(levels[k], 0x0101u, (u32)level_sum);
+    return level_sum;
+}
+
+// One block rounded by one thread, its quarters combined in the order the
+// workgroup's shuffles combine them.
+static __device__ __forceinline__ void round_block(const float *x, Block &block) {
+    Quarter q[4];
 #pragma unroll
-        for (int k = 0; k < 4; k++)
-            level_sum = (int)dp2a_lo(block.levels[4 * j + k], 0x0101u, (u32)level_sum);
-    }
+    for (int g = 0; g < 4; g++)
+        load_quarter(x + 8 * g, q[g]);
+    float largest = __builtin_fmaxf(__builtin_fmaxf(q[0].largest, q[1].largest),
+                                    __builtin_fmaxf(q[2].largest, q[3].largest));
+    float factor = level_factor(largest);
+    int level_sum = 0;
+#pragma unroll
+    for (int g = 0; g < 4; g++)
+        level_sum += quarter_levels(q[g], factor, block.levels + 4 * g);
     block.step = largest * (1.0f / LEVELS);
-    block.sum = sum;
+    block.sum = (q[0].sum + q[1].sum) + (q[2].sum + q[3].sum);
     block.level_sum = level_sum;
 }
 
@@ -154,7 +197,154 @@ static __device__ __forceinline__ int block_dot(const u32 w[4], const Block &blo
     return (int)acc - 8 * block.level_sum;
 }
 
-// Lane `lane`'s share of the ROWS outputs from `first`: its blocks' sums.
+// One block of values of each of a warp's ROWS rows, with its scales and
+// offsets. A row past the end reads the last one's and is not written.
+template <int ROWS>
+struct Values {
+    u32 w[ROWS][4];
+    float scale[ROWS], offset[ROWS];
+};
+
+template <int ROWS>
+static __device__ __forceinline__ void load_block(const u32 *quants, const u16 *scales,
+                                                  const u16 *offsets, u32 outputs, u32 blocks,
+                                                  u32 first, u32 b, Values<ROWS> &v) {
+#pragma unroll
+    for (int r = 0; r < ROWS; r++) {
+        u32 row = first + r < outputs ? first + r : outputs - 1;
+        size_t at = (size_t)row * blocks + b;
+        load_values(quants + 4 * at, v.w[r]);
+        v.scale[r] = half_to_float(scales[at]);
+        v.offset[r] = half_to_float(offsets[at]);
+    }
+}
+
+// The values of blocks b, b + 32, ... (IN_FLIGHT / ROWS of them, those
+// before `blocks`) of each row.
+template <int ROWS>
+static __device__ __forceinline__ void load_group(const u32 *quants, const u16 *scales,
+                                                  const u16 *offsets, u32 outputs, u32 blocks,
+                                                  u32 first, u32 b, Values<ROWS> group[]) {
+#pragma unroll
+    for (u32 k = 0; k < IN_FLIGHT / ROWS; k++)
+        if (b + 32 * k < blocks)
+            load_block<ROWS>(quants, scales, offsets, outputs, blocks, first, b + 32 * k,
+                             group[k]);
+}
+
+template <int ROWS>
+static __device__ __forceinline__ void add_block(const Values<ROWS> &v, const Block &block,
+                                                 float acc[ROWS]) {
+#pragma unroll
+    for (int r = 0; r < ROWS; r++) {
+        float dot = (float)block_dot(v.w[r], block);
+        acc[r] += (dot * block.step) * v.scale[r] + v.offset[r] * block.sum;
+    }
+}
+
+// The row of x as levels, rounded once by the workgroup.
+struct SharedRow {
+    u32 levels[SHARED_BLOCKS * LEVEL_STRIDE];
+    float step[SHARED_BLOCKS];
+    float sum[SHARED_BLOCKS];
+    int level_sum[SHARED_BLOCKS];
+};
+
+#ifndef KILN_HOST_CHECK
+// Thread `thread` of `threads`' share of rounding the row: four threads a
+// block, each a quarter, their largest magnitudes and sums combined with
+// shuffles, so that a block takes a quarter of one thread's time.
+static __device__ __forceinline__ void round_row(const float *x, u32 blocks, u32 thread,
+                                                 u32 threads, SharedRow &row) {
+    // Every thread runs every pass: the shuffles need the whole warp.
+    for (u32 base = 0; base < 4 * blocks; base += threads) {
+        u32 i = base + thread, b = i / 4, g = i % 4;
+        bool active = i < 4 * blocks;
+        Quarter q = {};
+        if (active)
+            load_quarter(x + 32 * b + 8 * g, q);
+        float largest = q.largest, sum = q.sum;
+        largest = __builtin_fmaxf(largest, __nvvm_shfl_sync_bfly_f32(0xffffffffu, largest, 1, 31));
+        largest = __builtin_fmaxf(largest, __nvvm_shfl_sync_bfly_f32(0xffffffffu, largest, 2, 31));
+        sum += __nvvm_shfl_sync_bfly_f32(0xffffffffu, sum, 1, 31);
+        sum += __nvvm_shfl_sync_bfly_f32(0xffffffffu, sum, 2, 31);
+        u32 levels[4];
+        int level_sum = quarter_levels(q, level_factor(largest), levels);
+        level_sum += __nvvm_shfl_sync_bfly_i32(0xffffffffu, level_sum, 1, 31);
+        level_sum += __nvvm_shfl_sync_bfly_i32(0xffffffffu, level_sum, 2, 31);
+        if (active) {
+#pragma unroll
+            for (int k = 0; k < 4; k++)
+                row.levels[b * LEVEL_STRIDE + 4 * g + k] = levels[k];
+            if (g == 0) {
+                row.step[b] = largest * (1.0f / LEVELS);
+                row.sum[b] = sum;
+                row.level_sum[b] = level_sum;
+            }
+        }
+    }
+}
+#else
+// The host rounds block by block: the same arithmetic in the same order.
+static void round_row(const float *x, u32 blocks, u32 thread, u32 threads, SharedRow &row) {
+    for (u32 b = thread; b < blocks; b += threads) {
+        Block block;
+        round_block(x + 32 * b, block);
+        for (int j = 0; j < 16; j++)
+            row.levels[b * LEVEL_STRIDE + j] = block.levels[j];
+        row.step[b] = block.step;
+        row.sum[b] = block.sum;
+        row.level_sum[b] = block.level_sum;
+    }
+}
+#endif
+
+// One for the whole kernel, whichever ROWS the dispatch takes.
+static SHARED SharedRow shared_row;
+
+static __device__ __forceinline__ void shared_block(const SharedRow &row, u32 b, Block &block) {
+#pragma unroll
+    for (int j = 0; j < 16; j++)
+        block.levels[j] = row.levels[b * LEVEL_STRIDE + j];
+    block.step = row.step[b];
+    block.sum = row.sum[b];
+    block.level_sum = row.level_sum[b];
+}
+
+// Lane `lane`'s share of the ROWS outputs from `first` with the row in
+// shared memory, GROUP blocks at a time (blocks b, b + 32, ...): IN_FLIGHT
+// 16-byte loads a lane. `group` holds its first group's values (from block
+// `lane`), loaded before the row was rounded; each group's loads go out
+// before the group before it is worked on.
+template <int ROWS>
+static __device__ __forceinline__ void lane_sums_shared(const u32 *quants, const u16 *scales,
+                                                        const u16 *offsets, const SharedRow &row,
+                                                        u32 outputs, u32 blocks, u32 first,
+                                                        u32 lane, Values<ROWS> group[],
+                                                        float acc[ROWS]) {
+    const u32 GROUP = IN_FLIGHT / ROWS;
+#pragma unroll
+    for (int r = 0; r < ROWS; r++)
+        acc[r] = 0.0f;
+    for (u32 b = lane; b < blocks; b += 32 * GROUP) {
+        Values<ROWS> next[IN_FLIGHT / ROWS];
+        load_group<ROWS>(quants, scales, offsets, outputs, blocks, first, b + 32 * GROUP, next);
+#pragma unroll
+        for (u32 k = 0; k < GROUP; k++) {
+            if (b + 32 * k < blocks) {
+                Block block;
+                shared_block(row, b + 32 * k, block);
+                add_block<ROWS>(group[k], block, acc);
+            }
+        }
+#pragma unroll
+        for (u32 k = 0; k < GROUP; k++)
+            group[k] = next[k];
+    }
+}
+
+// Lane `lane`'s share of the ROWS outputs from `first`, rounding its own
+// blocks of x (rows of more than SHARED_BLOCKS blocks).
 template <int ROWS>
 static __device__ __forceinline__ void lane_sums(const u32 *quants, const u16 *scales,
                                                  const u16 *offsets, const float *x,
@@ -164,25 +354,12 @@ static __device__ __forceinline__ void lane_sums(const u32 *quants, const u16 *s
     for (int r = 0; r < ROWS; r++)
         acc[r] = 0.0f;
     for (u32 b = lane; b < blocks; b += 32) {
-        u32 w[ROWS][4];
-        float scale[ROWS], offset[ROWS];
-        // Every row's loads first, so that they are in flight together. A
-        // row past the end reads the last one's and is not written.
-#pragma unroll
-        for (int r = 0; r < ROWS; r++) {
-            u32 row = first + r < outputs ? first + r : outputs - 1;
-            size_t at = (size_t)row * blocks + b;
-            load_values(quants + 4 * at, w[r]);
-            scale[r] = half_to_float(scales[at]);
-            offset[r] = half_to_float(offsets[at]);
-        }
+        // Every row's loads first, so that they are in flight together.
+        Values<ROWS> values;
+        load_block<ROWS>(quants, scales, offsets, outputs, blocks, first, b, values);
         Block block;
         round_block(x + 32 * b, block);
-#pragma unroll
-        for (int r = 0; r < ROWS; r++) {
-            float dot = (float)block_dot(w[r], block);
-            acc[r] += (dot * block.step) * scale[r] + offset[r] * block.sum;
-        }
+        add_block<ROWS>(values, block, acc);
     }
 }
 
@@ -191,11 +368,21 @@ template <int ROWS>
 static __device__ __forceinline__ void q4_row(const u32 *quants, const u16 *scales,
                                               const u16 *offsets, const float *x, float *y,
                                               u32 outputs, u32 blocks) {
-    u32 lane = __nvvm_read_ptx_sreg_tid_x() & 31;
-    u32 warp = __nvvm_read_ptx_sreg_tid_x() >> 5;
+    u32 thread = __nvvm_read_ptx_sreg_tid_x();
+    u32 lane = thread & 31;
+    u32 warp = thread >> 5;
     u32 first = (__nvvm_read_ptx_sreg_ctaid_x() * WARPS + warp) * ROWS;
     float acc[ROWS];
-    lane_sums<ROWS>(quants, scales, offsets, x, outputs, blocks, first, lane, acc);
+    if (blocks <= SHARED_BLOCKS) {
+        Values<ROWS> group[IN_FLIGHT / ROWS];
+        load_group<ROWS>(quants, scales, offsets, outputs, blocks, first, lane, group);
+        round_row(x, blocks, thread, WARPS * 32, shared_row);
+        workgroup_barrier();
+        lane_sums_shared<ROWS>(quants, scales, offsets, shared_row, outputs, blocks, first, lane,
+                               group, acc);
+    } else {
+        lane_sums<ROWS>(quants, scales, offsets, x, outputs, blocks, first, lane, acc);
+    }
 #pragma unroll
     for (int r = 0; r < ROWS; r++) {
 #pragma unroll

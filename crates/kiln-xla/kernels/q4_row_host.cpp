@@ -17,13 +17,26 @@ static void grid(const std::vector<u32> &quants, const std::vector<u16> &scales,
                  u32 blocks) {
     u32 workgroups = (outputs + ROWS * WARPS - 1) / (ROWS * WARPS);
     for (u32 workgroup = 0; workgroup < workgroups; workgroup++) {
+        // The workgroup's threads round the row first, as on the GPU.
+        bool shared = blocks <= SHARED_BLOCKS;
+        if (shared)
+            for (u32 thread = 0; thread < WARPS * 32; thread++)
+                round_row(x, blocks, thread, WARPS * 32, shared_row);
         for (u32 warp = 0; warp < WARPS; warp++) {
             u32 first = (workgroup * WARPS + warp) * ROWS;
             float sums[ROWS] = {};
             for (u32 lane = 0; lane < 32; lane++) {
                 float acc[ROWS];
-                lane_sums<ROWS>(quants.data(), scales.data(), offsets.data(), x, outputs,
-                                blocks, first, lane, acc);
+                if (shared) {
+                    Values<ROWS> group[IN_FLIGHT / ROWS] = {};
+                    load_group<ROWS>(quants.data(), scales.data(), offsets.data(), outputs,
+                                     blocks, first, lane, group);
+                    lane_sums_shared<ROWS>(quants.data(), scales.data(), offsets.data(),
+                                           shared_row, outputs, blocks, first, lane, group, acc);
+                } else {
+                    lane_sums<ROWS>(quants.data(), scales.data(), offsets.data(), x, outputs,
+                                    blocks, first, lane, acc);
+                }
                 for (int r = 0; r < ROWS; r++)
                     sums[r] += acc[r];
             }

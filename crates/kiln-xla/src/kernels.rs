@@ -115,8 +115,15 @@ mod tests {
             .status()
             .unwrap_or_else(|e| panic!("cannot run the C++ compiler {compiler}: {e}"));
         assert!(status.success(), "{compiler} failed on {source}");
-        for (rows_per_warp, outputs, blocks) in [(1, 37, 3), (2, 300, 40), (4, 300, 40), (4, 70, 1)]
-        {
+        for (rows_per_warp, outputs, blocks) in [
+            (1, 37, 3),
+            (2, 300, 40),
+            (4, 300, 40),
+            (4, 70, 1),
+            (2, 20, 448),
+            (1, 9, 449),
+            (1, 10, 300),
+        ] {
             let (q, x) = crate::q4::row_check::case(outputs, blocks);
             let mut input = Vec::new();
             for v in [rows_per_warp, outputs as u32, blocks as u32] {
