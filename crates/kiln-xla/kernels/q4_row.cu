@@ -311,45 +311,24 @@ static __device__ __forceinline__ void shared_block(const SharedRow &row, u32 b,
     block.level_sum = row.level_sum[b];
 }
 
-// The first of warp `warp`'s ROWS outputs in tile `tile` (a tile is a
-// workgroup's WARPS · ROWS outputs).
+// Lane `lane`'s share of the ROWS outputs from `first` with the row in
+// shared memory, GROUP blocks at a time (blocks b, b + 32, ...): IN_FLIGHT
+// 16-byte loads a lane. `group` holds its first group's values (from block
+// `lane`), loaded before the row was rounded; each group's loads go out
+// before the group before it is worked on.
 template <int ROWS>
-static __device__ __forceinline__ u32 first_output(u32 tile, u32 warp) {
-    return (tile * WARPS + warp) * ROWS;
-}
-
-// Lane `lane`'s share of warp `warp`'s outputs in tiles tile, tile +
-// stride, ... before `tiles`, with the row in shared memory: GROUP blocks at
-// a time (blocks b, b + 32, ...), IN_FLIGHT 16-byte loads a lane. `group`
-// holds the first tile's first group of values (from block `lane`), loaded
-// before the row was rounded; each next group's loads, the next tile's
-// included, go out before the group before it is worked on. `finish(first,
-// acc)` takes the lane's sums of each tile's ROWS outputs from `first`.
-template <int ROWS, typename Finish>
-static __device__ __forceinline__ void lane_tiles(const u32 *quants, const u16 *scales,
-                                                  const u16 *offsets, const SharedRow &row,
-                                                  u32 outputs, u32 blocks, u32 tile, u32 tiles,
-                                                  u32 stride, u32 warp, u32 lane,
-                                                  Values<ROWS> group[], const Finish &finish) {
+static __device__ __forceinline__ void lane_sums_shared(const u32 *quants, const u16 *scales,
+                                                        const u16 *offsets, const SharedRow &row,
+                                                        u32 outputs, u32 blocks, u32 first,
+                                                        u32 lane, Values<ROWS> group[],
+                                                        float acc[ROWS]) {
     const u32 GROUP = IN_FLIGHT / ROWS;
-    // The same for every lane, so a warp's lanes finish a tile together.
-    const u32 steps = (blocks + 32 * GROUP - 1) / (32 * GROUP);
-    float acc[ROWS];
 #pragma unroll
     for (int r = 0; r < ROWS; r++)
         acc[r] = 0.0f;
-    for (u32 step = 0;;) {
-        u32 next_tile = tile, next_step = step + 1;
-        if (next_step == steps) {
-            next_step = 0;
-            next_tile = tile + stride;
-        }
+    for (u32 b = lane; b < blocks; b += 32 * GROUP) {
         Values<ROWS> next[IN_FLIGHT / ROWS];
-        if (next_tile < tiles)
-            load_group<ROWS>(quants, scales, offsets, outputs, blocks,
-                             first_output<ROWS>(next_tile, warp), lane + 32 * GROUP * next_step,
-                             next);
-        u32 b = lane + 32 * GROUP * step;
+        load_group<ROWS>(quants, scales, offsets, outputs, blocks, first, b + 32 * GROUP, next);
 #pragma unroll
         for (u32 k = 0; k < GROUP; k++) {
             if (b + 32 * k < blocks) {
@@ -358,16 +337,6 @@ static __device__ __forceinline__ void lane_tiles(const u32 *quants, const u16 *
                 add_block<ROWS>(group[k], block, acc);
             }
         }
-        if (next_step == 0) {
-            finish(first_output<ROWS>(tile, warp), acc);
-#pragma unroll
-            for (int r = 0; r < ROWS; r++)
-                acc[r] = 0.0f;
-        }
-        if (next_tile >= tiles)
-            break;
-        tile = next_tile;
-        step = next_step;
 #pragma unroll
         for (u32 k = 0; k < GROUP; k++)
             group[k] = next[k];
@@ -395,27 +364,6 @@ static __device__ __forceinline__ void lane_sums(const u32 *quants, const u16 *s
 }
 
 #ifndef KILN_HOST_CHECK
-// A warp's sums of ROWS outputs from `first`, added over its lanes and
-// written by lane 0.
-template <int ROWS>
-struct StoreOutputs {
-    float *y;
-    u32 outputs, lane;
-    __device__ __forceinline__ void operator()(u32 first, float acc[ROWS]) const {
-#pragma unroll
-        for (int r = 0; r < ROWS; r++) {
-            float sum = acc[r];
-#pragma unroll
-            for (int m = 16; m > 0; m >>= 1)
-                sum += __nvvm_shfl_sync_bfly_f32(0xffffffffu, sum, m, 31);
-            if (lane == 0 && first + r < outputs)
-                y[first + r] = sum;
-        }
-    }
-};
-
-// The workgroups take tiles ctaid, ctaid + nctaid, ...: a grid of fewer
-// workgroups than tiles rounds the row once for several tiles.
 template <int ROWS>
 static __device__ __forceinline__ void q4_row(const u32 *quants, const u16 *scales,
                                               const u16 *offsets, const float *x, float *y,
@@ -423,26 +371,25 @@ static __device__ __forceinline__ void q4_row(const u32 *quants, const u16 *scal
     u32 thread = __nvvm_read_ptx_sreg_tid_x();
     u32 lane = thread & 31;
     u32 warp = thread >> 5;
-    u32 tile = __nvvm_read_ptx_sreg_ctaid_x(), stride = __nvvm_read_ptx_sreg_nctaid_x();
-    u32 tiles = (outputs + WARPS * ROWS - 1) / (WARPS * ROWS);
-    StoreOutputs<ROWS> store = {y, outputs, lane};
-    if (tile >= tiles)
-        return;
+    u32 first = (__nvvm_read_ptx_sreg_ctaid_x() * WARPS + warp) * ROWS;
+    float acc[ROWS];
     if (blocks <= SHARED_BLOCKS) {
         Values<ROWS> group[IN_FLIGHT / ROWS];
-        load_group<ROWS>(quants, scales, offsets, outputs, blocks, first_output<ROWS>(tile, warp),
-                         lane, group);
+        load_group<ROWS>(quants, scales, offsets, outputs, blocks, first, lane, group);
         round_row(x, blocks, thread, WARPS * 32, shared_row);
         workgroup_barrier();
-        lane_tiles<ROWS>(quants, scales, offsets, shared_row, outputs, blocks, tile, tiles, stride,
-                         warp, lane, group, store);
+        lane_sums_shared<ROWS>(quants, scales, offsets, shared_row, outputs, blocks, first, lane,
+                               group, acc);
     } else {
-        for (; tile < tiles; tile += stride) {
-            float acc[ROWS];
-            lane_sums<ROWS>(quants, scales, offsets, x, outputs, blocks,
-                            first_output<ROWS>(tile, warp), lane, acc);
-            store(first_output<ROWS>(tile, warp), acc);
-        }
+        lane_sums<ROWS>(quants, scales, offsets, x, outputs, blocks, first, lane, acc);
+    }
+#pragma unroll
+    for (int r = 0; r < ROWS; r++) {
+#pragma unroll
+        for (int m = 16; m > 0; m >>= 1)
+            acc[r] += __nvvm_shfl_sync_bfly_f32(0xffffffffu, acc[r], m, 31);
+        if (lane == 0 && first + r < outputs)
+            y[first + r] = acc[r];
     }
 }
 
