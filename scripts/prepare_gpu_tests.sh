@@ -32,10 +32,13 @@ for steps in 3 4; do
 done
 # 4-bit: the embedded model, and random-100m (the device's argmax over a
 # 32,000-token vocabulary, the q4 kernel configuration) at every precision.
-prepare --precision q4
+# q4's products as IREE's configured code (--q4-rows configured), then
+# through kiln's own CUDA kernel (the default), on both models.
+prepare --precision q4 --q4-rows configured
 "$bin/kiln-bench-decode" --prepare --backend iree-cuda --model random-100m --max-context 64 \
-    --precision f32 --precision f16 --precision q4 > /dev/null
-# q4 through kiln's own CUDA kernel (--q4-rows kernel), on both models.
+    --precision f32 --precision f16 > /dev/null
+"$bin/kiln-bench-decode" --prepare --backend iree-cuda --model random-100m --max-context 64 \
+    --precision q4 --q4-rows configured > /dev/null
 prepare --precision q4 --q4-rows kernel
 "$bin/kiln-bench-decode" --prepare --backend iree-cuda --model random-100m --max-context 64 \
     --precision q4 --q4-rows kernel > /dev/null

@@ -678,14 +678,14 @@ mod cuda {
     /// and o products take IREE's own form. Within [`Q4_BOUND`] of the
     /// reference on the dequantized weights, 8 greedy steps. Modules:
     /// `kiln-bench-decode --prepare --model random-100m --max-context 64
-    /// --precision q4`.
+    /// --precision q4 --q4-rows configured`.
     #[test]
     fn q4_kernel_configuration_on_the_gpu_matches_the_reference() {
-        q4_on_the_gpu(&wide_vocabulary_model(), 8, None);
+        q4_on_the_gpu(&wide_vocabulary_model(), 8, Some(Q4Rows::Configured));
     }
 
-    /// q4 through kiln's own CUDA kernel (`kernels/q4_row.cu`,
-    /// `--q4-rows kernel`) at every rows-per-warp choice: random-100m's
+    /// q4 through kiln's own CUDA kernel (`kernels/q4_row.cu`, CUDA's
+    /// default, `--q4-rows kernel`) at every rows-per-warp choice: random-100m's
     /// qkv, o and down products take one row a warp, its gate-up two, its
     /// head four; the embedded model's narrow products one. Within
     /// [`Q4_BOUND`] of the reference on the dequantized weights. Modules:

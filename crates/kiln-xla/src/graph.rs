@@ -233,15 +233,16 @@ impl std::fmt::Display for Q4Rows {
 /// may not be reassociated) and unpacks i4 values one at a time, where
 /// integer sums vectorize and the bytes are unpacked with shifts (SmolLM2
 /// at q4 then decoded at 1.9x f16 on one thread, where it ran at
-/// 0.22-0.24x; docs/models.md). On CUDA, the configured product, measured
-/// on the H200 (q4 decode at 0.97x f16). kiln's own kernel
-/// ([`Q4Rows::Kernel`]) gave NaN logits on its first GPU run beyond the
-/// embedded model (docs/perf-notes.md): it is chosen only with
-/// `--q4-rows kernel`.
+/// 0.22-0.24x; docs/models.md). On CUDA, kiln's own kernel
+/// ([`Q4Rows::Kernel`]), the fastest measured (an H100, 2026-12-06,
+/// docs/perf-notes.md): TinyLlama's shape 703.0 tok/s against 676.1 for
+/// IREE's configured product and 644.0 at f16 in one call, Llama-3.1-8B's
+/// 265.1 against 187.2 configured and 148.7-149.8 at f16;
+/// `--q4-rows configured` keeps IREE's code generation.
 pub fn q4_rows_for(target: Target) -> Q4Rows {
     match target {
         Target::LlvmCpu => Q4Rows::Integer,
-        Target::Cuda => Q4Rows::Configured,
+        Target::Cuda => Q4Rows::Kernel,
     }
 }
 

@@ -1632,7 +1632,13 @@ mod tests {
     /// unconfigured.
     #[test]
     fn cuda_q4_rows_carry_their_kernel_configuration() {
-        let q4 = |target| GraphOptions::for_target(target, Some(Precision::Q4), None);
+        let q4 = |target| GraphOptions {
+            q4_rows: match target {
+                Target::Cuda => Q4Rows::Configured,
+                Target::LlvmCpu => Q4Rows::Integer,
+            },
+            ..GraphOptions::for_target(target, Some(Precision::Q4), None)
+        };
         let configured = "attrs = {compilation_info = #iree_codegen.compilation_info";
         // Every product with at least 512 workgroups: qkv 1536 rows, o and
         // gate-up 1024, down 1024 of 512 inputs (2 rows a workgroup), the
@@ -1661,6 +1667,15 @@ mod tests {
             }
             Err(e) => println!("skipped compiling for CUDA: {e}"),
         }
+    }
+
+    /// CUDA's default for one-row q4 products is kiln's own kernel (the
+    /// fastest measured, `graph::q4_rows_for`), the CPU's the integer form.
+    #[test]
+    fn cuda_defaults_to_kilns_q4_kernel() {
+        let q4 = |target| GraphOptions::for_target(target, Some(Precision::Q4), None);
+        assert_eq!(q4(Target::Cuda).q4_rows, Q4Rows::Kernel);
+        assert_eq!(q4(Target::LlvmCpu).q4_rows, Q4Rows::Integer);
     }
 
     /// With [`Q4Rows::Kernel`] every one-row q4 product on CUDA is a
