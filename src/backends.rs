@@ -181,12 +181,12 @@ pub struct BackendOptions {
     /// for iree-cpu).
     #[arg(long)]
     pub weight_layout: Option<String>,
-    /// How iree-cuda's one-row q4 products (decode) are computed:
-    /// `configured` (default: IREE's code generation with kiln's kernel
-    /// configuration, measured on the H200), `kernel` (kiln's own CUDA
-    /// kernel, kernels/q4_row.cu: right, but decoding TinyLlama's shape
-    /// 2.6x slower than `configured` on an H100), or `integer` (the CPU's
-    /// form). For --precision q4 only.
+    /// How iree-cuda's one-row q4 products (decode) are computed: `kernel`
+    /// (default: kiln's own CUDA kernel, kernels/q4_row.cu, the fastest
+    /// measured: 1.04-1.12x `configured` on TinyLlama's shape and 1.4x on
+    /// Llama-3.1-8B's, on an H100), `configured` (IREE's code generation
+    /// with kiln's kernel configuration), or `integer` (the CPU's form).
+    /// For --precision q4 only.
     #[arg(long, value_name = "FORM")]
     pub q4_rows: Option<String>,
     /// An IREE runtime flag for the device's driver, as IREE's own tools
