@@ -28,14 +28,14 @@
 # kiln-server and xtask, release builds with `--features cuda,xla-iree`.
 # The modules: scripts/prepare_gpu_tests.sh (tests), `kiln-bench-decode
 # --prepare --backend iree-cuda --model tinyllama-1.1b --max-context 640
-# --precision f16 --precision q4` (decode; for q4, the same with
-# `--precision q4 --q4-rows kernel` too), `kiln prepare --backend
+# --precision f16 --precision q4` (decode; q4's default is kiln's kernel,
+# and the same with `--precision q4 --q4-rows configured` too), `kiln prepare --backend
 # iree-cuda --model DIR --max-context 256` with `--batch-slots` 8, 32 and
 # without (server, DIR the folder `kiln-bench-decode --model
 # tinyllama-1.1b --write-model DIR` writes), and `kiln-bench-decode --prepare
 # --backend iree-cuda --model llama-3.1-8b --precision f16 --precision q4
-# --prompt-tokens 128 --max-context 640`, and its q4 with `--q4-rows kernel`
-# (8b). A part whose command fails is reported and the next one runs; the
+# --prompt-tokens 128 --max-context 640`, and its q4 with `--q4-rows
+# configured` (8b). A part whose command fails is reported and the next one runs; the
 # exit status is the worst.
 set -uo pipefail
 : "${KILN_CACHE_DIR:?set KILN_CACHE_DIR}"
