@@ -18,9 +18,14 @@
 #           pinned SmolLM2 (Q4_1, $KILN_CACHE_DIR/models) and on an 8B-shaped
 #           random Q4_0 file (scripts/write_q4_0_gguf.py; $Q4_0_GGUF, default
 #           /tmp/kiln-llama-8b-q4_0.gguf, written when missing): prefill (pp)
-#           and decode (tg) tok/s. Needs LLAMA_CPP_SRC, the pinned
-#           llama-cpp-python sdist or what `llama_cpp_cuda.sh pack` made of it;
-#           a default part when that is set. No BIN needed.
+#           and decode (tg) tok/s; then, where BIN is set, kiln on the same
+#           files (`kiln-bench-decode --precision q4`, prompt 128, 128 decoded
+#           tokens; modules: `kiln-bench-decode --prepare --backend iree-cuda
+#           --model FILE --precision q4 --prompt-tokens 128 --max-context 640`
+#           for each file, the 8B file's being the `llama-3.1-8b` preset's).
+#           Needs LLAMA_CPP_SRC, the pinned llama-cpp-python sdist or what
+#           `llama_cpp_cuda.sh pack` made of it; a default part when that is
+#           set.
 #
 #   BIN=dir KILN_CACHE_DIR=carried-cache PARTS="tests decode server" scripts/gpu_all.sh
 #
@@ -134,6 +139,11 @@ for r in json.load(open(sys.argv[1])):
         test, statistics.median(r["samples_ts"]), r["avg_ts"], r["stddev_ts"], r["flash_attn"],
         r["n_gpu_layers"], len(r["samples_ts"])))
 EOF
+            # kiln on the very same file, in the same call.
+            [ -n "${BIN:-}" ] || continue
+            timeout 300 "$BIN/kiln-bench-decode" --backend iree-cuda --model "$model" \
+                --max-context 640 --prompt-tokens 128 --decode-tokens 128 --precision q4 |
+                grep -v '^[][{} ]' || fail "kiln on $model"
         done
         ;;
     *) echo "unknown part: $p"; exit 2 ;;
