@@ -259,6 +259,164 @@ mod tests {
         assert_eq!(q.quants[7], 0x76);
     }
 
+    /// What q4 makes of a GGUF file's 4-bit blocks: the device takes
+    /// kiln's own blocks, quantized again from the file's dequantized
+    /// weights, each block's grid spanning its smallest to its largest
+    /// weight. Weights drawn from a normal distribution, written as Q4_0
+    /// and Q4_1 the way llama.cpp's reference quantizer writes them (Q4_0:
+    /// d = the weight of largest magnitude / −8; Q4_1: the block's range
+    /// over 15) and as Q4_K, whose 32-weight sub-blocks are kiln's blocks,
+    /// each sub-block's scale and min taken from its range (llama.cpp
+    /// searches for them). Every weight comes back within half a step of
+    /// kiln's grid, which is never coarser than the file's; a block comes
+    /// back exactly (to the f16 rounding of kiln's scale and offset) where
+    /// it used its lowest and highest level, which a Q4_0 block does only
+    /// when its weights happen to reach +7 d. The printed fractions and
+    /// errors (in units of the file's step) are docs/perf-notes.md's.
+    #[test]
+    fn gguf_4_bit_blocks_come_back_within_half_a_step() {
+        use kiln_core::gguf::{GgmlType, dequantize};
+        // A deterministic normal sample (Box-Muller on a 64-bit LCG).
+        let mut state = 0x2545_f491_4f6c_dd1du64;
+        let mut uniform = move || {
+            state = state
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            ((state >> 11) as f64 + 0.5) / (1u64 << 53) as f64
+        };
+        let mut normal = move || {
+            let (a, b) = (uniform(), uniform());
+            ((-2.0 * a.ln()).sqrt() * (std::f64::consts::TAU * b).cos()) as f32
+        };
+        let blocks = 4096;
+        let weights: Vec<f32> = (0..blocks * BLOCK).map(|_| normal() * 0.02).collect();
+        // Each type's blocks of `weights` and each block's step in the file.
+        let pack = |levels: &[u8]| -> Vec<u8> {
+            (0..16).map(|j| levels[j] | (levels[j + 16] << 4)).collect()
+        };
+        let (mut q4_0, mut q4_1, mut q4_k) = (Vec::new(), Vec::new(), Vec::new());
+        let (mut steps_0, mut steps_1, mut steps_k) = (Vec::new(), Vec::new(), Vec::new());
+        for block in weights.chunks_exact(BLOCK) {
+            // Q4_0: d = the weight of largest magnitude / −8.
+            let far = block
+                .iter()
+                .fold(0.0f32, |a, &w| if w.abs() > a.abs() { w } else { a });
+            let d = f16::from_f32(far / -8.0);
+            let inv = if far == 0.0 { 0.0 } else { -8.0 / far };
+            let levels: Vec<u8> = block
+                .iter()
+                .map(|w| (w * inv + 8.5).clamp(0.0, 15.0) as u8)
+                .collect();
+            q4_0.extend(d.to_le_bytes());
+            q4_0.extend(pack(&levels));
+            steps_0.push(d.to_f32().abs());
+            // Q4_1: d = (max − min) / 15, m = min.
+            let (lo, hi) = block
+                .iter()
+                .fold((f32::MAX, f32::MIN), |(l, h), &w| (l.min(w), h.max(w)));
+            let (d, m) = (f16::from_f32((hi - lo) / 15.0), f16::from_f32(lo));
+            let levels: Vec<u8> = block
+                .iter()
+                .map(|w| ((w - m.to_f32()) / d.to_f32() + 0.5).clamp(0.0, 15.0) as u8)
+                .collect();
+            q4_1.extend(d.to_le_bytes());
+            q4_1.extend(m.to_le_bytes());
+            q4_1.extend(pack(&levels));
+            steps_1.push(d.to_f32());
+        }
+        // Q4_K: 256-weight super-blocks, an f16 d and dmin, each 32-weight
+        // sub-block a 6-bit scale and min, w = d·sc·q − dmin·m, q in 0..16.
+        for sup in weights.chunks_exact(256) {
+            let ranges: Vec<(f32, f32)> = sup
+                .chunks_exact(BLOCK)
+                .map(|b| {
+                    b.iter()
+                        .fold((0.0f32, 0.0f32), |(l, h), &w| (l.min(w), h.max(w)))
+                })
+                .collect();
+            let largest_step = ranges
+                .iter()
+                .map(|(l, h)| (h - l) / 15.0)
+                .fold(0.0, f32::max);
+            let largest_min = ranges.iter().map(|(l, _)| -l).fold(0.0, f32::max);
+            let (d, dmin) = (
+                f16::from_f32(largest_step / 63.0),
+                f16::from_f32(largest_min / 63.0),
+            );
+            let (df, dminf) = (d.to_f32(), dmin.to_f32());
+            let sc: Vec<u8> = ranges
+                .iter()
+                .map(|(l, h)| (((h - l) / 15.0 / df).round() as u8).clamp(1, 63))
+                .collect();
+            let mn: Vec<u8> = ranges
+                .iter()
+                .map(|(l, _)| ((-l / dminf).round() as u8).min(63))
+                .collect();
+            let mut scales = [0u8; 12];
+            for j in 0..4 {
+                scales[j] = sc[j] | ((sc[j + 4] >> 4) << 6);
+                scales[j + 4] = mn[j] | ((mn[j + 4] >> 4) << 6);
+                scales[j + 8] = (sc[j + 4] & 15) | ((mn[j + 4] & 15) << 4);
+            }
+            let mut qs = [0u8; 128];
+            for (j, b) in sup.chunks_exact(BLOCK).enumerate() {
+                let (step, min) = (df * sc[j] as f32, dminf * mn[j] as f32);
+                for (i, w) in b.iter().enumerate() {
+                    let q = ((w + min) / step + 0.5).clamp(0.0, 15.0) as u8;
+                    // Pairs of sub-blocks share 32 bytes: low nibbles the first.
+                    qs[32 * (j / 2) + i] |= q << (4 * (j % 2));
+                }
+                steps_k.push(step);
+            }
+            q4_k.extend(d.to_le_bytes());
+            q4_k.extend(dmin.to_le_bytes());
+            q4_k.extend(scales);
+            q4_k.extend(qs);
+        }
+        for (ty, data, steps) in [
+            (GgmlType::Q4_0, q4_0, steps_0),
+            (GgmlType::Q4_1, q4_1, steps_1),
+            (GgmlType::Q4K, q4_k, steps_k),
+        ] {
+            let file = dequantize(ty, &data, weights.len()).unwrap();
+            let m = matrix(blocks, BLOCK, |i| file[i]);
+            let q = Q4Matrix::quantize(&m).unwrap();
+            let back = q.dequantize();
+            let (mut exact, mut worst) = (0, 0.0f32);
+            for (b, (orig, deq)) in m
+                .data
+                .chunks_exact(BLOCK)
+                .zip(back.data.chunks_exact(BLOCK))
+                .enumerate()
+            {
+                let kiln_step = q.scales[b].to_f32();
+                assert!(
+                    kiln_step <= steps[b] * 1.001 + 1e-9,
+                    "block {b}: {kiln_step} > {}",
+                    steps[b]
+                );
+                let error = orig
+                    .iter()
+                    .zip(deq)
+                    .map(|(a, b)| (a - b).abs())
+                    .fold(0.0, f32::max);
+                assert!(
+                    error <= 0.51 * kiln_step + 1e-3 * steps[b],
+                    "block {b}: {error}"
+                );
+                // Exact to the f16 rounding of kiln's scale and offset
+                // (2^-11 of them, over 15 levels: 0.0073 of a step).
+                exact += usize::from(error <= 1e-2 * steps[b]);
+                worst = worst.max(error / steps[b]);
+            }
+            println!(
+                "{}: {:.1} % of blocks exact, worst error {worst:.3} of the file's step",
+                ty.name(),
+                100.0 * exact as f64 / blocks as f64
+            );
+        }
+    }
+
     #[test]
     fn constant_blocks_and_bad_shapes() {
         let m = matrix(1, 32, |_| 0.25);

@@ -16,7 +16,7 @@ use std::path::{Path, PathBuf};
 
 use crate::error::{Error, Result};
 
-pub use dequant::GgmlType;
+pub use dequant::{GgmlType, dequantize};
 pub use llama::{load_model, model_config};
 pub use tokenizer::tokenizer_from_gguf;
 
