@@ -230,11 +230,13 @@ mod avx2 {
         });
     }
 
-    /// One row of 8-bit blocks against up to [`GROUP`] inputs.
+    /// One row of 8-bit blocks against up to [`GROUP`] inputs, one input
+    /// at a time (a decode step has one; several go through
+    /// `crate::tiles`), the blocks summed into two accumulators, even and
+    /// odd, so that one block's multiply-add does not wait for the last's.
     #[target_feature(enable = "avx2,fma")]
     fn q8_group(values: &[i8], scales: &[f32], cols: usize, x: &[f32], out: &mut [f32]) {
-        let mut acc = [_mm256_setzero_ps(); GROUP];
-        for (b, &scale) in scales.iter().enumerate() {
+        let block = |b: usize, x: &[f32], acc: __m256| {
             let block = &values[b * BLOCK..][..BLOCK];
             // SAFETY: `block` holds the 32 bytes the two loads read.
             let (first, second) = unsafe {
@@ -247,14 +249,20 @@ mod avx2 {
                 _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(second)),
                 _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128::<8>(second))),
             ];
-            let scale = _mm256_set1_ps(scale);
-            for (i, acc) in acc.iter_mut().enumerate().take(out.len()) {
-                let t = dot32(&q, &x[i * cols + b * BLOCK..][..BLOCK]);
-                *acc = _mm256_fmadd_ps(scale, t, *acc);
+            let t = dot32(&q, &x[b * BLOCK..][..BLOCK]);
+            _mm256_fmadd_ps(_mm256_set1_ps(scales[b]), t, acc)
+        };
+        for (i, out) in out.iter_mut().enumerate() {
+            let x = &x[i * cols..][..cols];
+            let (mut even, mut odd) = (_mm256_setzero_ps(), _mm256_setzero_ps());
+            for pair in 0..scales.len() / 2 {
+                even = block(2 * pair, x, even);
+                odd = block(2 * pair + 1, x, odd);
             }
-        }
-        for (out, acc) in out.iter_mut().zip(acc) {
-            *out = horizontal_sum(acc);
+            if scales.len() % 2 == 1 {
+                even = block(scales.len() - 1, x, even);
+            }
+            *out = horizontal_sum(_mm256_add_ps(even, odd));
         }
     }
 
@@ -421,11 +429,11 @@ mod avx512 {
         });
     }
 
-    /// One row of 8-bit blocks against up to [`GROUP`] inputs.
+    /// One row of 8-bit blocks against up to [`GROUP`] inputs, as the
+    /// AVX2 set's `q8_group` does it.
     #[target_feature(enable = "avx512f")]
     fn q8_group(values: &[i8], scales: &[f32], cols: usize, x: &[f32], out: &mut [f32]) {
-        let mut acc = [_mm512_setzero_ps(); GROUP];
-        for (b, &scale) in scales.iter().enumerate() {
+        let block = |b: usize, x: &[f32], acc: __m512| {
             let block = &values[b * BLOCK..][..BLOCK];
             // SAFETY: `block` holds the 32 bytes the two loads read.
             let (first, second) = unsafe {
@@ -436,14 +444,20 @@ mod avx512 {
                 _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(first)),
                 _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(second)),
             ];
-            let scale = _mm512_set1_ps(scale);
-            for (i, acc) in acc.iter_mut().enumerate().take(out.len()) {
-                let t = dot32(&q, &x[i * cols + b * BLOCK..][..BLOCK]);
-                *acc = _mm512_fmadd_ps(scale, t, *acc);
+            let t = dot32(&q, &x[b * BLOCK..][..BLOCK]);
+            _mm512_fmadd_ps(_mm512_set1_ps(scales[b]), t, acc)
+        };
+        for (i, out) in out.iter_mut().enumerate() {
+            let x = &x[i * cols..][..cols];
+            let (mut even, mut odd) = (_mm512_setzero_ps(), _mm512_setzero_ps());
+            for pair in 0..scales.len() / 2 {
+                even = block(2 * pair, x, even);
+                odd = block(2 * pair + 1, x, odd);
             }
-        }
-        for (out, acc) in out.iter_mut().zip(acc) {
-            *out = _mm512_reduce_add_ps(acc);
+            if scales.len() % 2 == 1 {
+                even = block(scales.len() - 1, x, even);
+            }
+            *out = _mm512_reduce_add_ps(_mm512_add_ps(even, odd));
         }
     }
 
