@@ -2,10 +2,11 @@
 //! matrix against `n` f32 input rows. A 4-bit block is unpacked and
 //! dequantized in registers once (`scale · level + min`, fused) and then
 //! multiplied into a group of input rows: per block and input row, two
-//! vector multiply-adds on AVX-512, four on AVX2. An 8-bit block's product
-//! is summed per block and scaled (`scale · Σ q·x`). The weights are read
-//! once for all `n` rows; the rows go in tiles so that a group's inputs
-//! stay in L1.
+//! vector multiply-adds on AVX-512, four on AVX2; the weights are read once
+//! for all `n` rows, and the rows go in tiles so that a group's inputs stay
+//! in L1. An 8-bit block's product is summed per block and scaled (`scale ·
+//! Σ q·x`), one input at a time: the decode step has one, and several go
+//! through `crate::tiles`.
 //!
 //! Each set of [`Kernels`] computes the same products: AVX-512 (16 lanes),
 //! AVX2+FMA (8 lanes), and portable loops the compiler vectorizes for any

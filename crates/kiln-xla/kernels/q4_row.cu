@@ -21,7 +21,7 @@
 //
 // Layout: a workgroup is WARPS warps; a warp takes ROWS consecutive outputs,
 // its lanes the blocks lane, lane + 32, ... of each. The workgroup first
-// rounds the whole row of x into shared memory, one block a thread, while
+// rounds the whole row of x into shared memory, four threads a block, while
 // each lane's first blocks of values are already on their way from memory;
 // the lanes then read the levels from there and fetch their next blocks of
 // values before working on the current ones, so that a lane has loads in

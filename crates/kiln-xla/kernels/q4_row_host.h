@@ -8,7 +8,6 @@
 #define __device__
 #define __forceinline__ inline
 #define SHARED
-static inline void workgroup_barrier() {}
 struct alignas(16) float4 {
     float x, y, z, w;
 };

@@ -225,18 +225,25 @@ mod tests {
         }
     }
 
+    /// Each block of `m` beside what `q`, its quantization, gives back.
+    fn round_trip_blocks(m: &Matrix, q: &Q4Matrix) -> Vec<(usize, Vec<f32>, Vec<f32>)> {
+        let back = q.dequantize();
+        let blocks = m
+            .data
+            .chunks_exact(BLOCK)
+            .zip(back.data.chunks_exact(BLOCK));
+        blocks
+            .enumerate()
+            .map(|(b, (orig, deq))| (b, orig.to_vec(), deq.to_vec()))
+            .collect()
+    }
+
     #[test]
     fn each_weight_is_within_half_a_step_of_its_block() {
         let m = matrix(3, 64, |i| ((i * 7919) % 1000) as f32 / 250.0 - 2.0);
         let q = Q4Matrix::quantize(&m).unwrap();
         assert_eq!((q.quants.len(), q.scales.len()), (96, 6));
-        let back = q.dequantize();
-        for (b, (orig, deq)) in m
-            .data
-            .chunks_exact(BLOCK)
-            .zip(back.data.chunks_exact(BLOCK))
-            .enumerate()
-        {
+        for (b, orig, deq) in round_trip_blocks(&m, &q) {
             let step = q.scales[b].to_f32();
             for (w, d) in orig.iter().zip(deq) {
                 assert!(
@@ -381,14 +388,8 @@ mod tests {
             let file = dequantize(ty, &data, weights.len()).unwrap();
             let m = matrix(blocks, BLOCK, |i| file[i]);
             let q = Q4Matrix::quantize(&m).unwrap();
-            let back = q.dequantize();
             let (mut exact, mut worst) = (0, 0.0f32);
-            for (b, (orig, deq)) in m
-                .data
-                .chunks_exact(BLOCK)
-                .zip(back.data.chunks_exact(BLOCK))
-                .enumerate()
-            {
+            for (b, orig, deq) in round_trip_blocks(&m, &q) {
                 let kiln_step = q.scales[b].to_f32();
                 assert!(
                     kiln_step <= steps[b] * 1.001 + 1e-9,
