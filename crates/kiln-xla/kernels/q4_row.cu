@@ -33,18 +33,21 @@
 
 typedef unsigned int u32;
 typedef unsigned short u16;
+// WARPS, IN_FLIGHT and MIN_WORKGROUPS_AN_SM may be set from the command line
+// to build variants for scripts/q4_kernel_bench.cu; kernels.rs launches the
+// defaults.
+#ifndef WARPS
 #define WARPS 8
+#endif
 // Blocks of x the workgroup rounds into shared memory: Llama-3.1-8B's down
 // product (14,336 inputs) is the widest kiln's presets have. 80 bytes a
 // block, 35,840 in all (static shared memory stops at 48 KiB).
 #define SHARED_BLOCKS 448
-// Words between two blocks' levels in shared memory: 17, not 16, so that
-// the 32 lanes reading word j of blocks lane, lane + 32, ... hit 32
-// different banks.
-#define LEVEL_STRIDE 17
 // 16-byte loads of values a lane has in flight in the shared-row path: ROWS
 // rows times IN_FLIGHT / ROWS blocks, while it works on as many before them.
+#ifndef IN_FLIGHT
 #define IN_FLIGHT 4
+#endif
 
 #ifndef KILN_HOST_CHECK
 // Without CUDA's headers, what they would define.
@@ -55,7 +58,12 @@ typedef unsigned long size_t;
 struct __attribute__((aligned(16))) float4 {
     float x, y, z, w;
 };
+#ifdef MIN_WORKGROUPS_AN_SM
+#define GLOBAL \
+    extern "C" __global__ __attribute__((launch_bounds(WARPS * 32, MIN_WORKGROUPS_AN_SM)))
+#else
 #define GLOBAL extern "C" __global__ __attribute__((launch_bounds(WARPS * 32)))
+#endif
 #define SHARED __attribute__((shared))
 
 static __device__ __forceinline__ void workgroup_barrier() {
@@ -198,11 +206,14 @@ static __device__ __forceinline__ int block_dot(const u32 w[4], const Block &blo
 }
 
 // One block of values of each of a warp's ROWS rows, with its scales and
-// offsets. A row past the end reads the last one's and is not written.
+// offsets as loaded (f16): they are widened where they are used, so that a
+// load's first use is the block's product and the loads of the next blocks
+// stay in flight while a lane works on these. A row past the end reads the
+// last one's and is not written.
 template <int ROWS>
 struct Values {
     u32 w[ROWS][4];
-    float scale[ROWS], offset[ROWS];
+    u16 scale[ROWS], offset[ROWS];
 };
 
 template <int ROWS>
@@ -214,8 +225,8 @@ static __device__ __forceinline__ void load_block(const u32 *quants, const u16 *
         u32 row = first + r < outputs ? first + r : outputs - 1;
         size_t at = (size_t)row * blocks + b;
         load_values(quants + 4 * at, v.w[r]);
-        v.scale[r] = half_to_float(scales[at]);
-        v.offset[r] = half_to_float(offsets[at]);
+        v.scale[r] = scales[at];
+        v.offset[r] = offsets[at];
     }
 }
 
@@ -238,17 +249,33 @@ static __device__ __forceinline__ void add_block(const Values<ROWS> &v, const Bl
 #pragma unroll
     for (int r = 0; r < ROWS; r++) {
         float dot = (float)block_dot(v.w[r], block);
-        acc[r] += (dot * block.step) * v.scale[r] + v.offset[r] * block.sum;
+        acc[r] += (dot * block.step) * half_to_float(v.scale[r]) +
+                  half_to_float(v.offset[r]) * block.sum;
     }
 }
 
+// Four words, read or written with one 16-byte access.
+struct __attribute__((aligned(16))) Words {
+    u32 w[4];
+};
+
+// One block of x in shared memory, 80 bytes: its levels as Block has them,
+// then step, Σ x and Σ level. A lane reads it with five 16-byte loads; 80
+// bytes apart, the eight lanes of a quarter-warp that one load serves hit
+// eight different quads of banks (80 · k mod 128 = 16 · (5k mod 8)).
+struct SharedBlock {
+    Words words[5];
+};
+
 // The row of x as levels, rounded once by the workgroup.
 struct SharedRow {
-    u32 levels[SHARED_BLOCKS * LEVEL_STRIDE];
-    float step[SHARED_BLOCKS];
-    float sum[SHARED_BLOCKS];
-    int level_sum[SHARED_BLOCKS];
+    SharedBlock blocks[SHARED_BLOCKS];
 };
+
+static __device__ __forceinline__ Words block_tail(float step, float sum, int level_sum) {
+    Words t = {{__builtin_bit_cast(u32, step), __builtin_bit_cast(u32, sum), (u32)level_sum, 0}};
+    return t;
+}
 
 #ifndef KILN_HOST_CHECK
 // Thread `thread` of `threads`' share of rounding the row: four threads a
@@ -268,19 +295,14 @@ static __device__ __forceinline__ void round_row(const float *x, u32 blocks, u32
         largest = __builtin_fmaxf(largest, __nvvm_shfl_sync_bfly_f32(0xffffffffu, largest, 2, 31));
         sum += __nvvm_shfl_sync_bfly_f32(0xffffffffu, sum, 1, 31);
         sum += __nvvm_shfl_sync_bfly_f32(0xffffffffu, sum, 2, 31);
-        u32 levels[4];
-        int level_sum = quarter_levels(q, level_factor(largest), levels);
+        Words levels;
+        int level_sum = quarter_levels(q, level_factor(largest), levels.w);
         level_sum += __nvvm_shfl_sync_bfly_i32(0xffffffffu, level_sum, 1, 31);
         level_sum += __nvvm_shfl_sync_bfly_i32(0xffffffffu, level_sum, 2, 31);
         if (active) {
-#pragma unroll
-            for (int k = 0; k < 4; k++)
-                row.levels[b * LEVEL_STRIDE + 4 * g + k] = levels[k];
-            if (g == 0) {
-                row.step[b] = largest * (1.0f / LEVELS);
-                row.sum[b] = sum;
-                row.level_sum[b] = level_sum;
-            }
+            row.blocks[b].words[g] = levels;
+            if (g == 0)
+                row.blocks[b].words[4] = block_tail(largest * (1.0f / LEVELS), sum, level_sum);
         }
     }
 }
@@ -291,10 +313,8 @@ static void round_row(const float *x, u32 blocks, u32 thread, u32 threads, Share
         Block block;
         round_block(x + 32 * b, block);
         for (int j = 0; j < 16; j++)
-            row.levels[b * LEVEL_STRIDE + j] = block.levels[j];
-        row.step[b] = block.step;
-        row.sum[b] = block.sum;
-        row.level_sum[b] = block.level_sum;
+            row.blocks[b].words[j / 4].w[j % 4] = block.levels[j];
+        row.blocks[b].words[4] = block_tail(block.step, block.sum, block.level_sum);
     }
 }
 #endif
@@ -304,11 +324,16 @@ static SHARED SharedRow shared_row;
 
 static __device__ __forceinline__ void shared_block(const SharedRow &row, u32 b, Block &block) {
 #pragma unroll
-    for (int j = 0; j < 16; j++)
-        block.levels[j] = row.levels[b * LEVEL_STRIDE + j];
-    block.step = row.step[b];
-    block.sum = row.sum[b];
-    block.level_sum = row.level_sum[b];
+    for (int k = 0; k < 4; k++) {
+        Words words = row.blocks[b].words[k];
+#pragma unroll
+        for (int j = 0; j < 4; j++)
+            block.levels[4 * k + j] = words.w[j];
+    }
+    Words tail = row.blocks[b].words[4];
+    block.step = __builtin_bit_cast(float, tail.w[0]);
+    block.sum = __builtin_bit_cast(float, tail.w[1]);
+    block.level_sum = (int)tail.w[2];
 }
 
 // Lane `lane`'s share of the ROWS outputs from `first` with the row in
