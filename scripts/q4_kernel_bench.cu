@@ -258,14 +258,15 @@ int main(int argc, char** argv) {
     }
     for (size_t bi = 0; bi < builds.size(); bi++) {
       Build& b = builds[bi];
-      unsigned out = s.out, nblocks = blocks, rows = rows_per_warp(b, s.out);
+      // eps_bits 0: no norm (a build from before the kernel took it ignores it).
+      unsigned out = s.out, nblocks = blocks, rows = rows_per_warp(b, s.out), eps_bits = 0;
       unsigned workgroups = (s.out + rows * b.warps - 1) / (rows * b.warps);
       std::vector<std::vector<unsigned long long>> pointers(copies);
       std::vector<std::vector<void*>> params(copies);
       for (size_t c = 0; c < copies; c++) {
         pointers[c] = {all[c].quants, all[c].scales, all[c].offsets, x, y};
         params[c] = {&pointers[c][0], &pointers[c][1], &pointers[c][2], &pointers[c][3],
-                     &pointers[c][4], &out, &nblocks, &rows};
+                     &pointers[c][4], &out, &nblocks, &rows, &eps_bits};
       }
       auto launch = [&](size_t c) {
         check(cuLaunchKernel(b.function, workgroups, 1, 1, b.warps * 32, 1, 1, 0, stream,

@@ -29,7 +29,10 @@
 // than any model kiln ships a shape for) round per lane instead, each lane
 // its own blocks once for all the warp's ROWS rows. A warp's loads of one
 // row are 512 consecutive bytes. Bindings: quants (bytes), scales, offsets
-// (f16), x (f32), y (f32); constants: outputs, blocks a row, rows a warp.
+// (f16), x (f32), y (f32); constants: outputs, blocks a row, rows a warp,
+// and an RMSNorm's eps (f32 bits; 0 for none): with it, the outputs are
+// those of the normalised row, scaled by 1 / sqrt(mean(x²) + eps) from the
+// squares the rounding sums anyway (the norm's weight is in the matrix).
 
 typedef unsigned int u32;
 typedef unsigned short u16;
@@ -121,6 +124,7 @@ struct Block {
     float step;     // the f32 value of one level
     float sum;      // Σ x
     int level_sum;  // Σ level, for the values' bias of 8 (below)
+    float squares;  // Σ x², for the RMSNorm the product may apply
 };
 
 // A quarter of a block of x, elements 8g..8g+7 of it: the workgroup rounds
@@ -129,20 +133,34 @@ struct Quarter {
     float v[8];
     float largest;  // of the magnitudes
     float sum;
+    float squares;
 };
 
-static __device__ __forceinline__ void load_quarter(const float *x, Quarter &q) {
+// Eight consecutive values of x, as loaded.
+static __device__ __forceinline__ void load_eight(const float *x, float v[8]) {
     const float4 *x4 = (const float4 *)x;
     float4 a = x4[0], b = x4[1];
-    float v[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+    v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w;
+    v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
+}
+
+static __device__ __forceinline__ void summarize_quarter(const float v[8], Quarter &q) {
     q.largest = 0.0f;
     q.sum = 0.0f;
+    q.squares = 0.0f;
 #pragma unroll
     for (int i = 0; i < 8; i++) {
         q.v[i] = v[i];
         q.largest = __builtin_fmaxf(q.largest, __builtin_fabsf(v[i]));
         q.sum += v[i];
+        q.squares += v[i] * v[i];
     }
+}
+
+static __device__ __forceinline__ void load_quarter(const float *x, Quarter &q) {
+    float v[8];
+    load_eight(x, v);
+    summarize_quarter(v, q);
 }
 
 // A block of zeros: any finite factor gives levels of zero.
@@ -184,6 +202,7 @@ static __device__ __forceinline__ void round_block(const float *x, Block &block)
         level_sum += quarter_levels(q[g], factor, block.levels + 4 * g);
     block.step = largest * (1.0f / LEVELS);
     block.sum = (q[0].sum + q[1].sum) + (q[2].sum + q[3].sum);
+    block.squares = (q[0].squares + q[1].squares) + (q[2].squares + q[3].squares);
     block.level_sum = level_sum;
 }
 
@@ -223,8 +242,10 @@ static __device__ __forceinline__ void load_block(const u32 *quants, const u16 *
 #pragma unroll
     for (int r = 0; r < ROWS; r++) {
         u32 row = first + r < outputs ? first + r : outputs - 1;
-        size_t at = (size_t)row * blocks + b;
-        load_values(quants + 4 * at, v.w[r]);
+        // In 32 bits (a matrix has fewer than 2^32 blocks: kernels.rs
+        // asserts it), so that an address is one multiply-add from it.
+        u32 at = row * blocks + b;
+        load_values(quants + 4 * (size_t)at, v.w[r]);
         v.scale[r] = scales[at];
         v.offset[r] = offsets[at];
     }
@@ -260,7 +281,7 @@ struct __attribute__((aligned(16))) Words {
 };
 
 // One block of x in shared memory, 80 bytes: its levels as Block has them,
-// then step, Σ x and Σ level. A lane reads it with five 16-byte loads; 80
+// then step, Σ x, Σ level and Σ x². A lane reads it with five 16-byte loads; 80
 // bytes apart, the eight lanes of a quarter-warp that one load serves hit
 // eight different quads of banks (80 · k mod 128 = 16 · (5k mod 8)).
 struct SharedBlock {
@@ -272,8 +293,10 @@ struct SharedRow {
     SharedBlock blocks[SHARED_BLOCKS];
 };
 
-static __device__ __forceinline__ Words block_tail(float step, float sum, int level_sum) {
-    Words t = {{__builtin_bit_cast(u32, step), __builtin_bit_cast(u32, sum), (u32)level_sum, 0}};
+static __device__ __forceinline__ Words block_tail(float step, float sum, int level_sum,
+                                                   float squares) {
+    Words t = {{__builtin_bit_cast(u32, step), __builtin_bit_cast(u32, sum), (u32)level_sum,
+                __builtin_bit_cast(u32, squares)}};
     return t;
 }
 
@@ -283,18 +306,33 @@ static __device__ __forceinline__ Words block_tail(float step, float sum, int le
 // shuffles, so that a block takes a quarter of one thread's time.
 static __device__ __forceinline__ void round_row(const float *x, u32 blocks, u32 thread,
                                                  u32 threads, SharedRow &row) {
+    // Quarter i is x[8i..8i+8]. Each pass loads the next pass's quarter
+    // before it works on its own, so that a wide row's passes do not each
+    // wait for a load from L2.
+    u32 quarters = 4 * blocks;
+    float ahead[8] = {};
+    if (thread < quarters)
+        load_eight(x + 8 * thread, ahead);
     // Every thread runs every pass: the shuffles need the whole warp.
-    for (u32 base = 0; base < 4 * blocks; base += threads) {
+    for (u32 base = 0; base < quarters; base += threads) {
         u32 i = base + thread, b = i / 4, g = i % 4;
-        bool active = i < 4 * blocks;
+        bool active = i < quarters;
+        float v[8];
+#pragma unroll
+        for (int k = 0; k < 8; k++)
+            v[k] = ahead[k];
+        if (i + threads < quarters)
+            load_eight(x + 8 * (i + threads), ahead);
         Quarter q = {};
         if (active)
-            load_quarter(x + 32 * b + 8 * g, q);
-        float largest = q.largest, sum = q.sum;
+            summarize_quarter(v, q);
+        float largest = q.largest, sum = q.sum, squares = q.squares;
         largest = __builtin_fmaxf(largest, __nvvm_shfl_sync_bfly_f32(0xffffffffu, largest, 1, 31));
         largest = __builtin_fmaxf(largest, __nvvm_shfl_sync_bfly_f32(0xffffffffu, largest, 2, 31));
         sum += __nvvm_shfl_sync_bfly_f32(0xffffffffu, sum, 1, 31);
         sum += __nvvm_shfl_sync_bfly_f32(0xffffffffu, sum, 2, 31);
+        squares += __nvvm_shfl_sync_bfly_f32(0xffffffffu, squares, 1, 31);
+        squares += __nvvm_shfl_sync_bfly_f32(0xffffffffu, squares, 2, 31);
         Words levels;
         int level_sum = quarter_levels(q, level_factor(largest), levels.w);
         level_sum += __nvvm_shfl_sync_bfly_i32(0xffffffffu, level_sum, 1, 31);
@@ -302,7 +340,8 @@ static __device__ __forceinline__ void round_row(const float *x, u32 blocks, u32
         if (active) {
             row.blocks[b].words[g] = levels;
             if (g == 0)
-                row.blocks[b].words[4] = block_tail(largest * (1.0f / LEVELS), sum, level_sum);
+                row.blocks[b].words[4] =
+                    block_tail(largest * (1.0f / LEVELS), sum, level_sum, squares);
         }
     }
 }
@@ -314,7 +353,8 @@ static void round_row(const float *x, u32 blocks, u32 thread, u32 threads, Share
         round_block(x + 32 * b, block);
         for (int j = 0; j < 16; j++)
             row.blocks[b].words[j / 4].w[j % 4] = block.levels[j];
-        row.blocks[b].words[4] = block_tail(block.step, block.sum, block.level_sum);
+        row.blocks[b].words[4] =
+            block_tail(block.step, block.sum, block.level_sum, block.squares);
     }
 }
 #endif
@@ -334,6 +374,7 @@ static __device__ __forceinline__ void shared_block(const SharedRow &row, u32 b,
     block.step = __builtin_bit_cast(float, tail.w[0]);
     block.sum = __builtin_bit_cast(float, tail.w[1]);
     block.level_sum = (int)tail.w[2];
+    block.squares = __builtin_bit_cast(float, tail.w[3]);
 }
 
 // Lane `lane`'s share of the ROWS outputs from `first` with the row in
@@ -346,11 +387,12 @@ static __device__ __forceinline__ void lane_sums_shared(const u32 *quants, const
                                                         const u16 *offsets, const SharedRow &row,
                                                         u32 outputs, u32 blocks, u32 first,
                                                         u32 lane, Values<ROWS> group[],
-                                                        float acc[ROWS]) {
+                                                        float acc[ROWS], float &squares) {
     const u32 GROUP = IN_FLIGHT / ROWS;
 #pragma unroll
     for (int r = 0; r < ROWS; r++)
         acc[r] = 0.0f;
+    squares = 0.0f;
     for (u32 b = lane; b < blocks; b += 32 * GROUP) {
         Values<ROWS> next[IN_FLIGHT / ROWS];
         load_group<ROWS>(quants, scales, offsets, outputs, blocks, first, b + 32 * GROUP, next);
@@ -360,6 +402,7 @@ static __device__ __forceinline__ void lane_sums_shared(const u32 *quants, const
                 Block block;
                 shared_block(row, b + 32 * k, block);
                 add_block<ROWS>(group[k], block, acc);
+                squares += block.squares;
             }
         }
 #pragma unroll
@@ -374,10 +417,11 @@ template <int ROWS>
 static __device__ __forceinline__ void lane_sums(const u32 *quants, const u16 *scales,
                                                  const u16 *offsets, const float *x,
                                                  u32 outputs, u32 blocks, u32 first, u32 lane,
-                                                 float acc[ROWS]) {
+                                                 float acc[ROWS], float &squares) {
 #pragma unroll
     for (int r = 0; r < ROWS; r++)
         acc[r] = 0.0f;
+    squares = 0.0f;
     for (u32 b = lane; b < blocks; b += 32) {
         // Every row's loads first, so that they are in flight together.
         Values<ROWS> values;
@@ -385,36 +429,52 @@ static __device__ __forceinline__ void lane_sums(const u32 *quants, const u16 *s
         Block block;
         round_block(x + 32 * b, block);
         add_block<ROWS>(values, block, acc);
+        squares += block.squares;
     }
+}
+
+// The factor the outputs are multiplied by: 1 / rms(x) where the product
+// applies an RMSNorm (eps, as f32 bits, not 0; the norm's weight is folded
+// into the matrix), else 1. `squares` is Σ x² over the whole row.
+static __device__ __forceinline__ float output_factor(float squares, u32 blocks, u32 eps_bits) {
+    if (eps_bits == 0)
+        return 1.0f;
+    float mean = squares * (1.0f / (float)(32 * blocks));
+    return 1.0f / __builtin_sqrtf(mean + __builtin_bit_cast(float, eps_bits));
 }
 
 #ifndef KILN_HOST_CHECK
 template <int ROWS>
 static __device__ __forceinline__ void q4_row(const u32 *quants, const u16 *scales,
                                               const u16 *offsets, const float *x, float *y,
-                                              u32 outputs, u32 blocks) {
+                                              u32 outputs, u32 blocks, u32 eps_bits) {
     u32 thread = __nvvm_read_ptx_sreg_tid_x();
     u32 lane = thread & 31;
     u32 warp = thread >> 5;
     u32 first = (__nvvm_read_ptx_sreg_ctaid_x() * WARPS + warp) * ROWS;
-    float acc[ROWS];
+    float acc[ROWS], squares;
     if (blocks <= SHARED_BLOCKS) {
         Values<ROWS> group[IN_FLIGHT / ROWS];
         load_group<ROWS>(quants, scales, offsets, outputs, blocks, first, lane, group);
         round_row(x, blocks, thread, WARPS * 32, shared_row);
         workgroup_barrier();
         lane_sums_shared<ROWS>(quants, scales, offsets, shared_row, outputs, blocks, first, lane,
-                               group, acc);
+                               group, acc, squares);
     } else {
-        lane_sums<ROWS>(quants, scales, offsets, x, outputs, blocks, first, lane, acc);
+        lane_sums<ROWS>(quants, scales, offsets, x, outputs, blocks, first, lane, acc, squares);
     }
+    // The warp's lanes hold every block between them: Σ x² of the row.
+#pragma unroll
+    for (int m = 16; m > 0; m >>= 1)
+        squares += __nvvm_shfl_sync_bfly_f32(0xffffffffu, squares, m, 31);
+    float factor = output_factor(squares, blocks, eps_bits);
 #pragma unroll
     for (int r = 0; r < ROWS; r++) {
 #pragma unroll
         for (int m = 16; m > 0; m >>= 1)
             acc[r] += __nvvm_shfl_sync_bfly_f32(0xffffffffu, acc[r], m, 31);
         if (lane == 0 && first + r < outputs)
-            y[first + r] = acc[r];
+            y[first + r] = acc[r] * factor;
     }
 }
 
@@ -423,11 +483,12 @@ static __device__ __forceinline__ void q4_row(const u32 *quants, const u16 *scal
 // first dispatch's entry, so entries per row count ran the one-row code
 // over a grid made for more rows and left outputs unwritten.
 GLOBAL void kiln_q4_row(const u32 *quants, const u16 *scales, const u16 *offsets,
-                        const float *x, float *y, u32 outputs, u32 blocks, u32 rows) {
+                        const float *x, float *y, u32 outputs, u32 blocks, u32 rows,
+                        u32 eps_bits) {
     switch (rows) {
-    case 4: q4_row<4>(quants, scales, offsets, x, y, outputs, blocks); break;
-    case 2: q4_row<2>(quants, scales, offsets, x, y, outputs, blocks); break;
-    default: q4_row<1>(quants, scales, offsets, x, y, outputs, blocks); break;
+    case 4: q4_row<4>(quants, scales, offsets, x, y, outputs, blocks, eps_bits); break;
+    case 2: q4_row<2>(quants, scales, offsets, x, y, outputs, blocks, eps_bits); break;
+    default: q4_row<1>(quants, scales, offsets, x, y, outputs, blocks, eps_bits); break;
     }
 }
 #endif

@@ -2,7 +2,8 @@
 // (`kernels::tests`): every lane of every warp of the grid the decode
 // modules launch, run one after another, each warp's lanes summed as the
 // kernel's shuffles sum them (in another order). Reads from stdin, as
-// little-endian u32s, rows a warp, outputs and blocks a row, then the
+// little-endian u32s, rows a warp, outputs, blocks a row and the RMSNorm's
+// eps (f32 bits; 0 for none), then the
 // values (16 bytes a block), scales and offsets (f16 bits) and x (f32);
 // writes the outputs (f32) to stdout.
 #define KILN_HOST_CHECK
@@ -14,7 +15,7 @@
 template <int ROWS>
 static void grid(const std::vector<u32> &quants, const std::vector<u16> &scales,
                  const std::vector<u16> &offsets, const float *x, float *y, u32 outputs,
-                 u32 blocks) {
+                 u32 blocks, u32 eps_bits) {
     u32 workgroups = (outputs + ROWS * WARPS - 1) / (ROWS * WARPS);
     for (u32 workgroup = 0; workgroup < workgroups; workgroup++) {
         // The workgroup's threads round the row first, as on the GPU.
@@ -24,25 +25,28 @@ static void grid(const std::vector<u32> &quants, const std::vector<u16> &scales,
                 round_row(x, blocks, thread, WARPS * 32, shared_row);
         for (u32 warp = 0; warp < WARPS; warp++) {
             u32 first = (workgroup * WARPS + warp) * ROWS;
-            float sums[ROWS] = {};
+            float sums[ROWS] = {}, squares = 0.0f;
             for (u32 lane = 0; lane < 32; lane++) {
-                float acc[ROWS];
+                float acc[ROWS], lane_squares;
                 if (shared) {
                     Values<ROWS> group[IN_FLIGHT / ROWS] = {};
                     load_group<ROWS>(quants.data(), scales.data(), offsets.data(), outputs,
                                      blocks, first, lane, group);
                     lane_sums_shared<ROWS>(quants.data(), scales.data(), offsets.data(),
-                                           shared_row, outputs, blocks, first, lane, group, acc);
+                                           shared_row, outputs, blocks, first, lane, group, acc,
+                                           lane_squares);
                 } else {
                     lane_sums<ROWS>(quants.data(), scales.data(), offsets.data(), x, outputs,
-                                    blocks, first, lane, acc);
+                                    blocks, first, lane, acc, lane_squares);
                 }
                 for (int r = 0; r < ROWS; r++)
                     sums[r] += acc[r];
+                squares += lane_squares;
             }
+            float factor = output_factor(squares, blocks, eps_bits);
             for (int r = 0; r < ROWS; r++)
                 if (first + r < outputs)
-                    y[first + r] = sums[r];
+                    y[first + r] = sums[r] * factor;
         }
     }
 }
@@ -54,10 +58,10 @@ static bool read(std::vector<T> &v, size_t n) {
 }
 
 int main() {
-    u32 header[3];
-    if (std::fread(header, 4, 3, stdin) != 3)
+    u32 header[4];
+    if (std::fread(header, 4, 4, stdin) != 4)
         return 2;
-    u32 rows = header[0], outputs = header[1], blocks = header[2];
+    u32 rows = header[0], outputs = header[1], blocks = header[2], eps_bits = header[3];
     size_t n = (size_t)outputs * blocks;
     std::vector<u32> quants;
     std::vector<u16> scales, offsets;
@@ -69,9 +73,9 @@ int main() {
     std::vector<float> y(outputs);
     const float *row = (const float *)x.data();
     switch (rows) {
-    case 1: grid<1>(quants, scales, offsets, row, y.data(), outputs, blocks); break;
-    case 2: grid<2>(quants, scales, offsets, row, y.data(), outputs, blocks); break;
-    case 4: grid<4>(quants, scales, offsets, row, y.data(), outputs, blocks); break;
+    case 1: grid<1>(quants, scales, offsets, row, y.data(), outputs, blocks, eps_bits); break;
+    case 2: grid<2>(quants, scales, offsets, row, y.data(), outputs, blocks, eps_bits); break;
+    case 4: grid<4>(quants, scales, offsets, row, y.data(), outputs, blocks, eps_bits); break;
     default: return 2;
     }
     return std::fwrite(y.data(), 4, outputs, stdout) == outputs ? 0 : 1;

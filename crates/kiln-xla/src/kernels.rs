@@ -48,11 +48,29 @@ pub fn q4_rows_per_warp(out: usize) -> usize {
 /// One f32 row `x` `[in]` times q4 weights (`quants` `[out, in / BLOCK,
 /// BLOCK]` i4, `scales` and `offsets` `[out, in / BLOCK]` f16) with
 /// [`Q4_ROW`]: `[out]` f32. The kernel rounds each block of the row to
-/// 16-bit levels, as the CPU graph's integer product does.
-pub fn q4_row(f: &mut Function, quants: &Val, scales: &Val, offsets: &Val, x: &Val) -> Val {
+/// 16-bit levels, as the CPU graph's integer product does. With
+/// `norm_eps`, the product is that of the RMSNorm'd row (the norm's weight
+/// folded into the matrix): the kernel reads the whole row anyway, so it
+/// sums its squares and scales its outputs by `1 / sqrt(mean(x²) + eps)`,
+/// which spares the step the norm's reduction and scaling kernels.
+pub fn q4_row(
+    f: &mut Function,
+    quants: &Val,
+    scales: &Val,
+    offsets: &Val,
+    x: &Val,
+    norm_eps: Option<f32>,
+) -> Val {
     let (out, blocks) = (quants.shape[0], quants.shape[1]);
     assert_eq!(quants.shape[2], BLOCK, "q4_row: block width");
     assert_eq!(x.shape, [blocks * BLOCK], "q4_row: row shape");
+    // The kernel indexes blocks in 32 bits.
+    assert!(out * blocks < 1 << 32, "q4_row: {out}x{blocks} blocks");
+    // 0 says "no norm"; an RMSNorm's eps is positive.
+    let eps_bits = norm_eps.map_or(0, |eps| {
+        assert!(eps > 0.0, "q4_row: eps {eps}");
+        eps.to_bits()
+    });
     let rows = q4_rows_per_warp(out);
     let bytes = f.i4_as_bytes(quants);
     f.dispatch_extern(
@@ -62,7 +80,7 @@ pub fn q4_row(f: &mut Function, quants: &Val, scales: &Val, offsets: &Val, x: &V
             entry: Q4_ROW_ENTRY,
             workgroups: out.div_ceil(rows * Q4_ROW_WARPS),
             workgroup_size: Q4_ROW_WARPS * 32,
-            constants: &[out as u32, blocks as u32, rows as u32],
+            constants: &[out as u32, blocks as u32, rows as u32, eps_bits],
         },
         &[&bytes, scales, offsets, x],
         &[out],
@@ -125,33 +143,47 @@ mod tests {
             (1, 10, 300),
         ] {
             let (q, x) = crate::q4::row_check::case(outputs, blocks);
-            let mut input = Vec::new();
-            for v in [rows_per_warp, outputs as u32, blocks as u32] {
-                input.extend(v.to_le_bytes());
+            // Without the norm, then with it (both paths: the shared row's
+            // and the per-lane one's 449 blocks).
+            for eps in [None, Some(1e-5f32)] {
+                let mut input = Vec::new();
+                let eps_bits = eps.map_or(0, f32::to_bits);
+                for v in [rows_per_warp, outputs as u32, blocks as u32, eps_bits] {
+                    input.extend(v.to_le_bytes());
+                }
+                input.extend(&q.quants);
+                for v in q.scales.iter().chain(&q.offsets) {
+                    input.extend(v.to_bits().to_le_bytes());
+                }
+                for v in &x {
+                    input.extend(v.to_le_bytes());
+                }
+                let mut child = Command::new(&exe)
+                    .stdin(Stdio::piped())
+                    .stdout(Stdio::piped())
+                    .spawn()
+                    .unwrap();
+                child.stdin.take().unwrap().write_all(&input).unwrap();
+                let out = child.wait_with_output().unwrap();
+                assert!(out.status.success(), "{:?}", out.status);
+                let got: Vec<f32> = out
+                    .stdout
+                    .chunks_exact(4)
+                    .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
+                    .collect();
+                // With the norm, the outputs over the exact 1/rms must be the
+                // product: a missing or wrong factor is far beyond the rounding.
+                let inv_rms = eps.map_or(1.0, |eps| {
+                    let mean = x.iter().map(|&v| v as f64 * v as f64).sum::<f64>() / x.len() as f64;
+                    1.0 / (mean + eps as f64).sqrt()
+                });
+                let unscaled: Vec<f32> = got.iter().map(|&y| (y as f64 / inv_rms) as f32).collect();
+                // LEVELS in the source.
+                let worst = crate::q4::row_check::worst_error(&q, &x, &unscaled, 32767.0);
+                println!(
+                    "{rows_per_warp} rows a warp, {outputs}x{blocks} blocks, eps {eps:?}: worst {worst:e}"
+                );
             }
-            input.extend(&q.quants);
-            for v in q.scales.iter().chain(&q.offsets) {
-                input.extend(v.to_bits().to_le_bytes());
-            }
-            for v in &x {
-                input.extend(v.to_le_bytes());
-            }
-            let mut child = Command::new(&exe)
-                .stdin(Stdio::piped())
-                .stdout(Stdio::piped())
-                .spawn()
-                .unwrap();
-            child.stdin.take().unwrap().write_all(&input).unwrap();
-            let out = child.wait_with_output().unwrap();
-            assert!(out.status.success(), "{:?}", out.status);
-            let got: Vec<f32> = out
-                .stdout
-                .chunks_exact(4)
-                .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
-                .collect();
-            // LEVELS in the source.
-            let worst = crate::q4::row_check::worst_error(&q, &x, &got, 32767.0);
-            println!("{rows_per_warp} rows a warp, {outputs}x{blocks} blocks: worst {worst:e}");
         }
     }
 

@@ -271,8 +271,9 @@ enum Normed {
     Rows(Val),
     /// The raw rows and their 1/rms (`[n]`): the norm's weight is folded
     /// into the next matrix ([`GraphOptions::fold_norms`]) and the scale
-    /// applied to the product's output.
-    Folded { x: Val, inv_rms: Val },
+    /// applied to the product's output (by kiln's q4 kernel itself, from
+    /// `eps`, where it makes the product).
+    Folded { x: Val, inv_rms: Val, eps: f32 },
 }
 
 impl Normed {
@@ -290,13 +291,14 @@ fn rms_norm(f: &mut Function, dm: &Dims, x: &Val, weight: &Val, eps: f32) -> Nor
     let sum = f.reduce("add", &squares, &[1], 0.0);
     let inv_h = f.constant(1.0 / h as f64, &[n], Ty::F32);
     let mean = f.binary("multiply", &sum, &inv_h);
-    let eps = f.constant(eps.into(), &[n], Ty::F32);
-    let shifted = f.binary("add", &mean, &eps);
+    let eps_constant = f.constant(eps.into(), &[n], Ty::F32);
+    let shifted = f.binary("add", &mean, &eps_constant);
     let scale = f.unary("rsqrt", &shifted);
     if dm.fold_norms {
         return Normed::Folded {
             x: x.clone(),
             inv_rms: scale,
+            eps,
         };
     }
     let scale = f.broadcast(&scale, &[n, h], &[0]);
@@ -311,12 +313,17 @@ fn rms_norm(f: &mut Function, dm: &Dims, x: &Val, weight: &Val, eps: f32) -> Nor
 /// into the matrix-vector kernel, where rounding the row to f16 first would
 /// be a kernel of its own.
 fn linear_normed(f: &mut Function, dm: &Dims, normed: &Normed, w: &Weight) -> Val {
-    let (x, inv_rms) = match normed {
+    let (x, inv_rms, eps) = match normed {
         Normed::Rows(x) => return linear(f, dm, x, w),
-        Normed::Folded { x, inv_rms } => (x, inv_rms),
+        Normed::Folded { x, inv_rms, eps } => (x, inv_rms, *eps),
     };
     if dm.rows_in_f32 && dm.layout == WeightLayout::OutIn {
         let out = match w {
+            // The kernel normalises: the graph's sum of squares and 1/rms
+            // go unused, and IREE drops them.
+            Weight::Q4 { .. } if x.shape[0] == 1 && dm.q4_rows == Q4Rows::Kernel => {
+                return q4_kernel_row_product(f, x, w, Some(eps));
+            }
             Weight::Q4 { .. } if x.shape[0] == 1 => q4_row_product(f, dm, x, w),
             _ => {
                 let wide = dense_weight(f, dm, w);
@@ -387,11 +394,7 @@ fn q4_row_product(f: &mut Function, dm: &Dims, x: &Val, w: &Weight) -> Val {
     let (out, groups) = (quants.shape[0], quants.shape[1]);
     match dm.q4_rows {
         Q4Rows::Integer => q4_integer_row_product(f, x, w),
-        Q4Rows::Kernel => {
-            let row = f.reshape(x, &[x.shape[1]]);
-            let product = kernels::q4_row(f, quants, scales, offsets, &row);
-            f.reshape(&product, &[1, out])
-        }
+        Q4Rows::Kernel => q4_kernel_row_product(f, x, w, None),
         // The row rounded to f16: half the bytes each lane reads beside
         // its weights.
         Q4Rows::Configured => match q4_row_kernel(out, groups) {
@@ -404,6 +407,15 @@ fn q4_row_product(f: &mut Function, dm: &Dims, x: &Val, w: &Weight) -> Val {
             None => q4_row_product_untuned(f, x, w),
         },
     }
+}
+
+/// One f32 row `x` `[1, in]` times q4 `w` with kiln's kernel
+/// ([`kernels::q4_row`]; with `norm_eps`, of the RMSNorm'd row): `[1, out]`.
+fn q4_kernel_row_product(f: &mut Function, x: &Val, w: &Weight, norm_eps: Option<f32>) -> Val {
+    let (quants, scales, offsets) = w.q4_parts("q4_kernel_row_product");
+    let row = f.reshape(x, &[x.shape[1]]);
+    let product = kernels::q4_row(f, quants, scales, offsets, &row, norm_eps);
+    f.reshape(&product, &[1, quants.shape[0]])
 }
 
 /// The largest 16-bit level of a row's block in [`q4_integer_row_product`].
