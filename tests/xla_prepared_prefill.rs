@@ -444,7 +444,7 @@ fn q4_weights_agree_with_the_reference_on_their_dequantized_weights() {
     let model = rounded_to_f16(&Model::embedded());
     for target in [Target::LlvmCpu, Target::Cuda] {
         let graph = GraphOptions::for_target(target, Some(Precision::Q4), None);
-        let reference = q4_reference(&model, graph.fold_norms);
+        let reference = q4_reference(&model, graph.folds_norm_weights());
         let prompt = [3, 1, 4, 1, 5];
         let moved = max_abs_diff(
             &CpuBackend::new(&model).prefill(&prompt).unwrap(),
@@ -478,7 +478,7 @@ fn qwen2_at_q4_matches_the_reference_on_its_dequantized_weights() {
     assert!(model.weights.layers[0].qkv_bias.is_some());
     for target in [Target::LlvmCpu, Target::Cuda] {
         let graph = GraphOptions::for_target(target, Some(Precision::Q4), None);
-        let reference = q4_reference(&model, graph.fold_norms);
+        let reference = q4_reference(&model, graph.folds_norm_weights());
         let on_cpu = GraphOptions {
             q4_rows: Q4Rows::Integer,
             ..graph
@@ -658,7 +658,7 @@ mod cuda {
         if let Some(rows) = rows {
             graph.q4_rows = rows;
         }
-        let reference = q4_reference(&model, graph.fold_norms);
+        let reference = q4_reference(&model, graph.folds_norm_weights());
         match open(&model, "cuda", Target::Cuda, graph, default_cache()) {
             Ok(mut xla) => {
                 let worst = agrees(&reference, &mut xla, Q4_BOUND, steps);

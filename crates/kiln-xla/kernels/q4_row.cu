@@ -29,10 +29,12 @@
 // than any model kiln ships a shape for) round per lane instead, each lane
 // its own blocks once for all the warp's ROWS rows. A warp's loads of one
 // row are 512 consecutive bytes. Bindings: quants (bytes), scales, offsets
-// (f16), x (f32), y (f32); constants: outputs, blocks a row, rows a warp,
-// and an RMSNorm's eps (f32 bits; 0 for none): with it, the outputs are
-// those of the normalised row, scaled by 1 / sqrt(mean(x²) + eps) from the
-// squares the rounding sums anyway (the norm's weight is in the matrix).
+// (f16), x (f32), the norm's weight (f16), y (f32); constants: outputs,
+// blocks a row, rows a warp, and an RMSNorm's eps (f32 bits; 0 for none,
+// and the norm's weight is then not read): with it, the product is that of
+// the normalised row, x times the norm's weight as it is rounded and the
+// outputs scaled by 1 / sqrt(mean(x²) + eps) from the squares the rounding
+// sums anyway, so that the matrix keeps the blocks it was given.
 
 typedef unsigned int u32;
 typedef unsigned short u16;
@@ -110,6 +112,11 @@ static __device__ __forceinline__ void load_values(const u32 *p, u32 v[4]) {
 #include "q4_row_host.h"
 #endif
 
+// Four words, read or written with one 16-byte access.
+struct __attribute__((aligned(16))) Words {
+    u32 w[4];
+};
+
 // Adding 1.5 · 2^23 to |t| ≤ 2^22 leaves round-to-nearest-even(t) in the
 // low bits, in two's complement: its low 16 bits are the level as an i16.
 #define ROUNDING_MAGIC 12582912.0f
@@ -144,23 +151,34 @@ static __device__ __forceinline__ void load_eight(const float *x, float v[8]) {
     v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
 }
 
-static __device__ __forceinline__ void summarize_quarter(const float v[8], Quarter &q) {
+// A quarter of x as the product takes it: its squares summed as they are
+// (for the norm), its values times the norm's eight weights `weight`
+// (f16) where there is a norm.
+static __device__ __forceinline__ void summarize_quarter(const float x[8], const Words *weight,
+                                                         Quarter &q) {
     q.largest = 0.0f;
     q.sum = 0.0f;
     q.squares = 0.0f;
 #pragma unroll
     for (int i = 0; i < 8; i++) {
-        q.v[i] = v[i];
-        q.largest = __builtin_fmaxf(q.largest, __builtin_fabsf(v[i]));
-        q.sum += v[i];
-        q.squares += v[i] * v[i];
+        q.squares += x[i] * x[i];
+        float v = x[i];
+        if (weight)
+            v *= half_to_float((u16)(weight->w[i / 2] >> (16 * (i % 2))));
+        q.v[i] = v;
+        q.largest = __builtin_fmaxf(q.largest, __builtin_fabsf(v));
+        q.sum += v;
     }
 }
 
-static __device__ __forceinline__ void load_quarter(const float *x, Quarter &q) {
+static __device__ __forceinline__ void load_quarter(const float *x, const u16 *weight,
+                                                    Quarter &q) {
     float v[8];
     load_eight(x, v);
-    summarize_quarter(v, q);
+    Words w;
+    if (weight)
+        w = *(const Words *)weight;
+    summarize_quarter(v, weight ? &w : nullptr, q);
 }
 
 // A block of zeros: any finite factor gives levels of zero.
@@ -188,11 +206,12 @@ static __device__ __forceinline__ int quarter_levels(const Quarter &q, float fac
 
 // One block rounded by one thread, its quarters combined in the order the
 // workgroup's shuffles combine them.
-static __device__ __forceinline__ void round_block(const float *x, Block &block) {
+static __device__ __forceinline__ void round_block(const float *x, const u16 *weight,
+                                                   Block &block) {
     Quarter q[4];
 #pragma unroll
     for (int g = 0; g < 4; g++)
-        load_quarter(x + 8 * g, q[g]);
+        load_quarter(x + 8 * g, weight ? weight + 8 * g : nullptr, q[g]);
     float largest = __builtin_fmaxf(__builtin_fmaxf(q[0].largest, q[1].largest),
                                     __builtin_fmaxf(q[2].largest, q[3].largest));
     float factor = level_factor(largest);
@@ -275,11 +294,6 @@ static __device__ __forceinline__ void add_block(const Values<ROWS> &v, const Bl
     }
 }
 
-// Four words, read or written with one 16-byte access.
-struct __attribute__((aligned(16))) Words {
-    u32 w[4];
-};
-
 // One block of x in shared memory, 80 bytes: its levels as Block has them,
 // then step, Σ x, Σ level and Σ x². A lane reads it with five 16-byte loads; 80
 // bytes apart, the eight lanes of a quarter-warp that one load serves hit
@@ -304,15 +318,19 @@ static __device__ __forceinline__ Words block_tail(float step, float sum, int le
 // Thread `thread` of `threads`' share of rounding the row: four threads a
 // block, each a quarter, their largest magnitudes and sums combined with
 // shuffles, so that a block takes a quarter of one thread's time.
-static __device__ __forceinline__ void round_row(const float *x, u32 blocks, u32 thread,
-                                                 u32 threads, SharedRow &row) {
+static __device__ __forceinline__ void round_row(const float *x, const u16 *weight, u32 blocks,
+                                                 u32 thread, u32 threads, SharedRow &row) {
     // Quarter i is x[8i..8i+8]. Each pass loads the next pass's quarter
-    // before it works on its own, so that a wide row's passes do not each
-    // wait for a load from L2.
+    // (and its weights) before it works on its own, so that a wide row's
+    // passes do not each wait for a load from L2.
     u32 quarters = 4 * blocks;
     float ahead[8] = {};
-    if (thread < quarters)
+    Words ahead_weight = {};
+    if (thread < quarters) {
         load_eight(x + 8 * thread, ahead);
+        if (weight)
+            ahead_weight = *(const Words *)(weight + 8 * thread);
+    }
     // Every thread runs every pass: the shuffles need the whole warp.
     for (u32 base = 0; base < quarters; base += threads) {
         u32 i = base + thread, b = i / 4, g = i % 4;
@@ -321,11 +339,15 @@ static __device__ __forceinline__ void round_row(const float *x, u32 blocks, u32
 #pragma unroll
         for (int k = 0; k < 8; k++)
             v[k] = ahead[k];
-        if (i + threads < quarters)
+        Words w = ahead_weight;
+        if (i + threads < quarters) {
             load_eight(x + 8 * (i + threads), ahead);
+            if (weight)
+                ahead_weight = *(const Words *)(weight + 8 * (i + threads));
+        }
         Quarter q = {};
         if (active)
-            summarize_quarter(v, q);
+            summarize_quarter(v, weight ? &w : nullptr, q);
         float largest = q.largest, sum = q.sum, squares = q.squares;
         largest = __builtin_fmaxf(largest, __nvvm_shfl_sync_bfly_f32(0xffffffffu, largest, 1, 31));
         largest = __builtin_fmaxf(largest, __nvvm_shfl_sync_bfly_f32(0xffffffffu, largest, 2, 31));
@@ -347,10 +369,11 @@ static __device__ __forceinline__ void round_row(const float *x, u32 blocks, u32
 }
 #else
 // The host rounds block by block: the same arithmetic in the same order.
-static void round_row(const float *x, u32 blocks, u32 thread, u32 threads, SharedRow &row) {
+static void round_row(const float *x, const u16 *weight, u32 blocks, u32 thread, u32 threads,
+                      SharedRow &row) {
     for (u32 b = thread; b < blocks; b += threads) {
         Block block;
-        round_block(x + 32 * b, block);
+        round_block(x + 32 * b, weight ? weight + 32 * b : nullptr, block);
         for (int j = 0; j < 16; j++)
             row.blocks[b].words[j / 4].w[j % 4] = block.levels[j];
         row.blocks[b].words[4] =
@@ -416,6 +439,7 @@ static __device__ __forceinline__ void lane_sums_shared(const u32 *quants, const
 template <int ROWS>
 static __device__ __forceinline__ void lane_sums(const u32 *quants, const u16 *scales,
                                                  const u16 *offsets, const float *x,
+                                                 const u16 *weight,
                                                  u32 outputs, u32 blocks, u32 first, u32 lane,
                                                  float acc[ROWS], float &squares) {
 #pragma unroll
@@ -427,15 +451,15 @@ static __device__ __forceinline__ void lane_sums(const u32 *quants, const u16 *s
         Values<ROWS> values;
         load_block<ROWS>(quants, scales, offsets, outputs, blocks, first, b, values);
         Block block;
-        round_block(x + 32 * b, block);
+        round_block(x + 32 * b, weight ? weight + 32 * b : nullptr, block);
         add_block<ROWS>(values, block, acc);
         squares += block.squares;
     }
 }
 
 // The factor the outputs are multiplied by: 1 / rms(x) where the product
-// applies an RMSNorm (eps, as f32 bits, not 0; the norm's weight is folded
-// into the matrix), else 1. `squares` is Σ x² over the whole row.
+// applies an RMSNorm (eps, as f32 bits, not 0; the norm's weight multiplies
+// x as it is rounded), else 1. `squares` is Σ x² over the whole row.
 static __device__ __forceinline__ float output_factor(float squares, u32 blocks, u32 eps_bits) {
     if (eps_bits == 0)
         return 1.0f;
@@ -446,8 +470,11 @@ static __device__ __forceinline__ float output_factor(float squares, u32 blocks,
 #ifndef KILN_HOST_CHECK
 template <int ROWS>
 static __device__ __forceinline__ void q4_row(const u32 *quants, const u16 *scales,
-                                              const u16 *offsets, const float *x, float *y,
-                                              u32 outputs, u32 blocks, u32 eps_bits) {
+                                              const u16 *offsets, const float *x,
+                                              const u16 *norm_weight, float *y, u32 outputs,
+                                              u32 blocks, u32 eps_bits) {
+    // The norm's weight is bound only where there is a norm.
+    const u16 *weight = eps_bits ? norm_weight : nullptr;
     u32 thread = __nvvm_read_ptx_sreg_tid_x();
     u32 lane = thread & 31;
     u32 warp = thread >> 5;
@@ -456,12 +483,13 @@ static __device__ __forceinline__ void q4_row(const u32 *quants, const u16 *scal
     if (blocks <= SHARED_BLOCKS) {
         Values<ROWS> group[IN_FLIGHT / ROWS];
         load_group<ROWS>(quants, scales, offsets, outputs, blocks, first, lane, group);
-        round_row(x, blocks, thread, WARPS * 32, shared_row);
+        round_row(x, weight, blocks, thread, WARPS * 32, shared_row);
         workgroup_barrier();
         lane_sums_shared<ROWS>(quants, scales, offsets, shared_row, outputs, blocks, first, lane,
                                group, acc, squares);
     } else {
-        lane_sums<ROWS>(quants, scales, offsets, x, outputs, blocks, first, lane, acc, squares);
+        lane_sums<ROWS>(quants, scales, offsets, x, weight, outputs, blocks, first, lane, acc,
+                        squares);
     }
     // The warp's lanes hold every block between them: Σ x² of the row.
 #pragma unroll
@@ -483,12 +511,12 @@ static __device__ __forceinline__ void q4_row(const u32 *quants, const u16 *scal
 // first dispatch's entry, so entries per row count ran the one-row code
 // over a grid made for more rows and left outputs unwritten.
 GLOBAL void kiln_q4_row(const u32 *quants, const u16 *scales, const u16 *offsets,
-                        const float *x, float *y, u32 outputs, u32 blocks, u32 rows,
-                        u32 eps_bits) {
+                        const float *x, const u16 *norm_weight, float *y, u32 outputs,
+                        u32 blocks, u32 rows, u32 eps_bits) {
     switch (rows) {
-    case 4: q4_row<4>(quants, scales, offsets, x, y, outputs, blocks, eps_bits); break;
-    case 2: q4_row<2>(quants, scales, offsets, x, y, outputs, blocks, eps_bits); break;
-    default: q4_row<1>(quants, scales, offsets, x, y, outputs, blocks, eps_bits); break;
+    case 4: q4_row<4>(quants, scales, offsets, x, norm_weight, y, outputs, blocks, eps_bits); break;
+    case 2: q4_row<2>(quants, scales, offsets, x, norm_weight, y, outputs, blocks, eps_bits); break;
+    default: q4_row<1>(quants, scales, offsets, x, norm_weight, y, outputs, blocks, eps_bits); break;
     }
 }
 #endif

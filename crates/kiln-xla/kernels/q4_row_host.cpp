@@ -4,8 +4,8 @@
 // kernel's shuffles sum them (in another order). Reads from stdin, as
 // little-endian u32s, rows a warp, outputs, blocks a row and the RMSNorm's
 // eps (f32 bits; 0 for none), then the
-// values (16 bytes a block), scales and offsets (f16 bits) and x (f32);
-// writes the outputs (f32) to stdout.
+// values (16 bytes a block), scales and offsets (f16 bits), x (f32) and,
+// with an eps, the norm's weight (f16 bits, one an input); writes the outputs (f32) to stdout.
 #define KILN_HOST_CHECK
 #include "q4_row.cu"
 
@@ -14,15 +14,15 @@
 
 template <int ROWS>
 static void grid(const std::vector<u32> &quants, const std::vector<u16> &scales,
-                 const std::vector<u16> &offsets, const float *x, float *y, u32 outputs,
-                 u32 blocks, u32 eps_bits) {
+                 const std::vector<u16> &offsets, const float *x, const u16 *weight, float *y,
+                 u32 outputs, u32 blocks, u32 eps_bits) {
     u32 workgroups = (outputs + ROWS * WARPS - 1) / (ROWS * WARPS);
     for (u32 workgroup = 0; workgroup < workgroups; workgroup++) {
         // The workgroup's threads round the row first, as on the GPU.
         bool shared = blocks <= SHARED_BLOCKS;
         if (shared)
             for (u32 thread = 0; thread < WARPS * 32; thread++)
-                round_row(x, blocks, thread, WARPS * 32, shared_row);
+                round_row(x, weight, blocks, thread, WARPS * 32, shared_row);
         for (u32 warp = 0; warp < WARPS; warp++) {
             u32 first = (workgroup * WARPS + warp) * ROWS;
             float sums[ROWS] = {}, squares = 0.0f;
@@ -36,8 +36,8 @@ static void grid(const std::vector<u32> &quants, const std::vector<u16> &scales,
                                            shared_row, outputs, blocks, first, lane, group, acc,
                                            lane_squares);
                 } else {
-                    lane_sums<ROWS>(quants.data(), scales.data(), offsets.data(), x, outputs,
-                                    blocks, first, lane, acc, lane_squares);
+                    lane_sums<ROWS>(quants.data(), scales.data(), offsets.data(), x, weight,
+                                    outputs, blocks, first, lane, acc, lane_squares);
                 }
                 for (int r = 0; r < ROWS; r++)
                     sums[r] += acc[r];
@@ -70,12 +70,21 @@ int main() {
     if (!read(quants, 4 * n) || !read(scales, n) || !read(offsets, n) || !read(xs, 32 * blocks))
         return 2;
     std::memcpy(x.data(), xs.data(), xs.size() * 4);
+    // 16-byte aligned, as the kernel reads it.
+    std::vector<Words> weights(blocks * 4);
+    std::vector<u16> ws;
+    if (eps_bits) {
+        if (!read(ws, 32 * blocks))
+            return 2;
+        std::memcpy(weights.data(), ws.data(), ws.size() * 2);
+    }
+    const u16 *weight = eps_bits ? (const u16 *)weights.data() : nullptr;
     std::vector<float> y(outputs);
     const float *row = (const float *)x.data();
     switch (rows) {
-    case 1: grid<1>(quants, scales, offsets, row, y.data(), outputs, blocks, eps_bits); break;
-    case 2: grid<2>(quants, scales, offsets, row, y.data(), outputs, blocks, eps_bits); break;
-    case 4: grid<4>(quants, scales, offsets, row, y.data(), outputs, blocks, eps_bits); break;
+    case 1: grid<1>(quants, scales, offsets, row, weight, y.data(), outputs, blocks, eps_bits); break;
+    case 2: grid<2>(quants, scales, offsets, row, weight, y.data(), outputs, blocks, eps_bits); break;
+    case 4: grid<4>(quants, scales, offsets, row, weight, y.data(), outputs, blocks, eps_bits); break;
     default: return 2;
     }
     return std::fwrite(y.data(), 4, outputs, stdout) == outputs ? 0 : 1;

@@ -128,9 +128,9 @@ fn weight_arguments<'w>(w: &'w Weights, graph: &GraphOptions) -> Vec<Cow<'w, [f3
     };
     let matrix = |m: &'w Matrix| layout(Cow::Borrowed(m));
     // A matrix after an RMSNorm, with the norm's weight folded into its
-    // input columns when the graph folds norms.
+    // input columns when the graph folds norm weights.
     let after_norm = |m: Cow<'w, Matrix>, norm: &[f32]| {
-        layout(if graph.fold_norms {
+        layout(if graph.folds_norm_weights() {
             Cow::Owned(scale_columns(m.into_owned(), norm))
         } else {
             m

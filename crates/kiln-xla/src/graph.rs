@@ -273,6 +273,16 @@ pub fn attention_rows_for(target: Target) -> usize {
 }
 
 impl GraphOptions {
+    /// Whether a folded norm's weight is folded into the matrix after it
+    /// (`fold_norms`). Not at q4: a matrix keeps the 4-bit blocks it was
+    /// given (a GGUF file's Q4_0 blocks exactly, [`crate::q4`]), where
+    /// scaling its columns would round every block again; the norm's
+    /// weight multiplies the row instead, inside kiln's q4 kernel for one
+    /// row.
+    pub fn folds_norm_weights(&self) -> bool {
+        self.fold_norms && self.precision != Precision::Q4
+    }
+
     /// The given choices, each defaulting to `target`'s (the layout to
     /// out-in at q4, which needs it).
     pub fn for_target(

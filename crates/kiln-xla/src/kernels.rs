@@ -45,32 +45,46 @@ pub fn q4_rows_per_warp(out: usize) -> usize {
         .unwrap_or(1)
 }
 
+/// The RMSNorm a [`q4_row`] product applies to its row.
+pub struct RowNorm<'a> {
+    pub eps: f32,
+    /// `[in]` f16.
+    pub weight: &'a Val,
+}
+
 /// One f32 row `x` `[in]` times q4 weights (`quants` `[out, in / BLOCK,
 /// BLOCK]` i4, `scales` and `offsets` `[out, in / BLOCK]` f16) with
 /// [`Q4_ROW`]: `[out]` f32. The kernel rounds each block of the row to
-/// 16-bit levels, as the CPU graph's integer product does. With
-/// `norm_eps`, the product is that of the RMSNorm'd row (the norm's weight
-/// folded into the matrix): the kernel reads the whole row anyway, so it
-/// sums its squares and scales its outputs by `1 / sqrt(mean(x²) + eps)`,
-/// which spares the step the norm's reduction and scaling kernels.
+/// 16-bit levels, as the CPU graph's integer product does. With `norm`,
+/// the product is that of the RMSNorm'd row: the kernel reads the whole
+/// row anyway, so it multiplies it by the norm's weight as it rounds it,
+/// sums its squares and scales its outputs by `1 / sqrt(mean(x²) + eps)`.
+/// That spares the step the norm's reduction and scaling kernels, and the
+/// matrix keeps its blocks as given (no norm weight folded into them).
 pub fn q4_row(
     f: &mut Function,
     quants: &Val,
     scales: &Val,
     offsets: &Val,
     x: &Val,
-    norm_eps: Option<f32>,
+    norm: Option<RowNorm>,
 ) -> Val {
     let (out, blocks) = (quants.shape[0], quants.shape[1]);
     assert_eq!(quants.shape[2], BLOCK, "q4_row: block width");
     assert_eq!(x.shape, [blocks * BLOCK], "q4_row: row shape");
     // The kernel indexes blocks in 32 bits.
     assert!(out * blocks < 1 << 32, "q4_row: {out}x{blocks} blocks");
-    // 0 says "no norm"; an RMSNorm's eps is positive.
-    let eps_bits = norm_eps.map_or(0, |eps| {
-        assert!(eps > 0.0, "q4_row: eps {eps}");
-        eps.to_bits()
-    });
+    // eps 0 says "no norm", and the weight binding is then not read: the
+    // scales stand in for it. An RMSNorm's eps is positive.
+    let (eps_bits, weight) = match &norm {
+        Some(RowNorm { eps, weight }) => {
+            assert!(*eps > 0.0, "q4_row: eps {eps}");
+            assert_eq!(weight.shape, [blocks * BLOCK], "q4_row: norm weight shape");
+            assert_eq!(weight.ty, Ty::F16, "q4_row: norm weight type");
+            (eps.to_bits(), *weight)
+        }
+        None => (0, scales),
+    };
     let rows = q4_rows_per_warp(out);
     let bytes = f.i4_as_bytes(quants);
     f.dispatch_extern(
@@ -82,7 +96,7 @@ pub fn q4_row(
             workgroup_size: Q4_ROW_WARPS * 32,
             constants: &[out as u32, blocks as u32, rows as u32, eps_bits],
         },
-        &[&bytes, scales, offsets, x],
+        &[&bytes, scales, offsets, x, weight],
         &[out],
         Ty::F32,
     )
@@ -145,6 +159,10 @@ mod tests {
             let (q, x) = crate::q4::row_check::case(outputs, blocks);
             // Without the norm, then with it (both paths: the shared row's
             // and the per-lane one's 449 blocks).
+            // The norm's weights: f16 values from 0.25 to 1.75.
+            let weight: Vec<half::f16> = (0..x.len())
+                .map(|i| half::f16::from_f32(0.25 + (i % 7) as f32 * 0.25))
+                .collect();
             for eps in [None, Some(1e-5f32)] {
                 let mut input = Vec::new();
                 let eps_bits = eps.map_or(0, f32::to_bits);
@@ -157,6 +175,11 @@ mod tests {
                 }
                 for v in &x {
                     input.extend(v.to_le_bytes());
+                }
+                if eps.is_some() {
+                    for w in &weight {
+                        input.extend(w.to_bits().to_le_bytes());
+                    }
                 }
                 let mut child = Command::new(&exe)
                     .stdin(Stdio::piped())
@@ -178,8 +201,17 @@ mod tests {
                     1.0 / (mean + eps as f64).sqrt()
                 });
                 let unscaled: Vec<f32> = got.iter().map(|&y| (y as f64 / inv_rms) as f32).collect();
+                // The row the product is of: x times the norm's weight.
+                let weighted: Vec<f32> = match eps {
+                    Some(_) => x
+                        .iter()
+                        .zip(&weight)
+                        .map(|(&v, w)| v * w.to_f32())
+                        .collect(),
+                    None => x.clone(),
+                };
                 // LEVELS in the source.
-                let worst = crate::q4::row_check::worst_error(&q, &x, &unscaled, 32767.0);
+                let worst = crate::q4::row_check::worst_error(&q, &weighted, &unscaled, 32767.0);
                 println!(
                     "{rows_per_warp} rows a warp, {outputs}x{blocks} blocks, eps {eps:?}: worst {worst:e}"
                 );

@@ -238,6 +238,9 @@ struct Dims {
     layout: WeightLayout,
     attention_rows: usize,
     fold_norms: bool,
+    /// See [`GraphOptions::folds_norm_weights`]: where false, a folded
+    /// norm's weight multiplies the rows instead.
+    norm_weights_in_matrices: bool,
     /// Folded norms: the rows go into the products in f32, not rounded to
     /// the storage precision. True for the step functions, whose few rows
     /// must all see the same arithmetic (a speculative step's rows must
@@ -259,6 +262,7 @@ fn dims(c: &ModelConfig, g: &GraphOptions) -> Dims {
         layout: g.layout,
         attention_rows: g.attention_rows,
         fold_norms: g.fold_norms,
+        norm_weights_in_matrices: g.folds_norm_weights(),
         rows_in_f32: true,
         q4_rows: g.q4_rows,
     }
@@ -269,11 +273,17 @@ fn dims(c: &ModelConfig, g: &GraphOptions) -> Dims {
 enum Normed {
     /// The normalised rows.
     Rows(Val),
-    /// The raw rows and their 1/rms (`[n]`): the norm's weight is folded
-    /// into the next matrix ([`GraphOptions::fold_norms`]) and the scale
-    /// applied to the product's output (by kiln's q4 kernel itself, from
-    /// `eps`, where it makes the product).
-    Folded { x: Val, inv_rms: Val, eps: f32 },
+    /// The raw rows and their 1/rms (`[n]`), the scale applied to the
+    /// product's output ([`GraphOptions::fold_norms`]); the norm's weight
+    /// is folded into the next matrix, or where the matrices keep their
+    /// blocks (q4), it is `weight` and multiplies the rows. kiln's q4
+    /// kernel does all of it itself, from `eps` and `weight`.
+    Folded {
+        x: Val,
+        inv_rms: Val,
+        eps: f32,
+        weight: Option<Val>,
+    },
 }
 
 impl Normed {
@@ -299,6 +309,7 @@ fn rms_norm(f: &mut Function, dm: &Dims, x: &Val, weight: &Val, eps: f32) -> Nor
             x: x.clone(),
             inv_rms: scale,
             eps,
+            weight: (!dm.norm_weights_in_matrices).then(|| weight.clone()),
         };
     }
     let scale = f.broadcast(&scale, &[n, h], &[0]);
@@ -313,17 +324,38 @@ fn rms_norm(f: &mut Function, dm: &Dims, x: &Val, weight: &Val, eps: f32) -> Nor
 /// into the matrix-vector kernel, where rounding the row to f16 first would
 /// be a kernel of its own.
 fn linear_normed(f: &mut Function, dm: &Dims, normed: &Normed, w: &Weight) -> Val {
-    let (x, inv_rms, eps) = match normed {
+    let (x, inv_rms, eps, weight) = match normed {
         Normed::Rows(x) => return linear(f, dm, x, w),
-        Normed::Folded { x, inv_rms, eps } => (x, inv_rms, *eps),
+        Normed::Folded {
+            x,
+            inv_rms,
+            eps,
+            weight,
+        } => (x, inv_rms, *eps, weight.as_ref()),
+    };
+    // The kernel normalises: the graph's sum of squares and 1/rms go
+    // unused, and IREE drops them.
+    if let (Weight::Q4 { .. }, Some(weight)) = (w, weight)
+        && x.shape[0] == 1
+        && dm.rows_in_f32
+        && dm.q4_rows == Q4Rows::Kernel
+    {
+        let norm = kernels::RowNorm { eps, weight };
+        return q4_kernel_row_product(f, x, w, Some(norm));
+    }
+    // The norm's weight, where the matrix does not hold it, on the rows.
+    let weighted;
+    let x = match weight {
+        Some(weight) => {
+            let weight = f.convert(weight, Ty::F32);
+            let weight = f.broadcast(&weight, &x.shape, &[1]);
+            weighted = f.binary("multiply", x, &weight);
+            &weighted
+        }
+        None => x,
     };
     if dm.rows_in_f32 && dm.layout == WeightLayout::OutIn {
         let out = match w {
-            // The kernel normalises: the graph's sum of squares and 1/rms
-            // go unused, and IREE drops them.
-            Weight::Q4 { .. } if x.shape[0] == 1 && dm.q4_rows == Q4Rows::Kernel => {
-                return q4_kernel_row_product(f, x, w, Some(eps));
-            }
             Weight::Q4 { .. } if x.shape[0] == 1 => q4_row_product(f, dm, x, w),
             _ => {
                 let wide = dense_weight(f, dm, w);
@@ -410,11 +442,16 @@ fn q4_row_product(f: &mut Function, dm: &Dims, x: &Val, w: &Weight) -> Val {
 }
 
 /// One f32 row `x` `[1, in]` times q4 `w` with kiln's kernel
-/// ([`kernels::q4_row`]; with `norm_eps`, of the RMSNorm'd row): `[1, out]`.
-fn q4_kernel_row_product(f: &mut Function, x: &Val, w: &Weight, norm_eps: Option<f32>) -> Val {
+/// ([`kernels::q4_row`]; with `norm`, of the RMSNorm'd row): `[1, out]`.
+fn q4_kernel_row_product(
+    f: &mut Function,
+    x: &Val,
+    w: &Weight,
+    norm: Option<kernels::RowNorm>,
+) -> Val {
     let (quants, scales, offsets) = w.q4_parts("q4_kernel_row_product");
     let row = f.reshape(x, &[x.shape[1]]);
-    let product = kernels::q4_row(f, quants, scales, offsets, &row, norm_eps);
+    let product = kernels::q4_row(f, quants, scales, offsets, &row, norm);
     f.reshape(&product, &[1, quants.shape[0]])
 }
 

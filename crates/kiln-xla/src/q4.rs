@@ -40,10 +40,13 @@ pub enum Q4Error {
 }
 
 impl Q4Matrix {
-    /// Quantizes `m` block by block: each block's smallest and largest
-    /// weight are its ends, so the rounding error of a weight is at most half
-    /// its block's step `(max − min) / 15` (plus the f16 rounding of the
-    /// scale and offset).
+    /// Quantizes `m` block by block. A block whose weights are already
+    /// `scale · q`, an f16 scale and `q` in −8..=7 (a GGUF Q4_0 block,
+    /// dequantized), is stored as exactly that: the file's own blocks, no
+    /// rounding. Any other block's smallest and largest weight are its
+    /// ends, so the rounding error of a weight is at most half its block's
+    /// step `(max − min) / 15` (plus the f16 rounding of the scale and
+    /// offset).
     pub fn quantize(m: &Matrix) -> Result<Q4Matrix, Q4Error> {
         if !m.cols.is_multiple_of(BLOCK) {
             return Err(Q4Error::Width { cols: m.cols });
@@ -57,6 +60,17 @@ impl Q4Matrix {
             offsets: Vec::with_capacity(blocks),
         };
         for block in m.data.chunks_exact(BLOCK) {
+            if let Some((scale, levels)) = symmetric_levels(block) {
+                let nibble = |q: i8| (q as u8) & 0x0f;
+                q.quants.extend(
+                    levels
+                        .chunks_exact(2)
+                        .map(|pair| nibble(pair[0]) | (nibble(pair[1]) << 4)),
+                );
+                q.scales.push(scale);
+                q.offsets.push(f16::ZERO);
+                continue;
+            }
             let (min, max) = block
                 .iter()
                 .fold((f32::INFINITY, f32::NEG_INFINITY), |(lo, hi), &w| {
@@ -104,10 +118,41 @@ impl Q4Matrix {
     }
 }
 
+/// `block` as `scale · q` with an f16 `scale` and `q` in −8..=7, if its
+/// weights are exactly that in f32 (as a Q4_0 block dequantized is: an f16
+/// times a small integer is exact): the weight of largest magnitude is
+/// `±k · scale` for some k in 1..=8, so the candidates are its magnitude
+/// over ±k, each checked against every weight. The scale may be negative:
+/// Q4_0's d is, where the block's far weight is positive (it is −8 d).
+fn symmetric_levels(block: &[f32]) -> Option<(f16, [i8; BLOCK])> {
+    let largest = block.iter().fold(0.0f32, |a, w| a.max(w.abs()));
+    if !largest.is_finite() || largest == 0.0 {
+        return None;
+    }
+    let candidates = (1..=8).flat_map(|k| [largest / k as f32, -largest / k as f32]);
+    'candidates: for step in candidates {
+        let scale = f16::from_f32(step);
+        if scale.to_f32() != step {
+            continue;
+        }
+        let mut levels = [0i8; BLOCK];
+        for (level, &w) in levels.iter_mut().zip(block) {
+            let q = (w / step).round();
+            if !(-8.0..=7.0).contains(&q) || q * step != w {
+                continue 'candidates;
+            }
+            *level = q as i8;
+        }
+        return Some((scale, levels));
+    }
+    None
+}
+
 /// The weights a q4 graph computes with, as f32 weights for the CPU
 /// reference: every matrix but the embedding quantized and dequantized,
 /// after the RMSNorm weights were folded into the matrices that follow
-/// them where the graph folds norms (`fold_norms`; the norms are then
+/// them where the graph folds them there (`fold_norms`, which q4's graphs
+/// do not: [`crate::GraphOptions::folds_norm_weights`]; the norms are then
 /// ones). The embedding and norms are left as they are (the graph rounds
 /// them to f16).
 pub fn device_weights(w: &Weights, fold_norms: bool) -> Result<Weights, Q4Error> {
@@ -266,20 +311,20 @@ mod tests {
         assert_eq!(q.quants[7], 0x76);
     }
 
-    /// What q4 makes of a GGUF file's 4-bit blocks: the device takes
-    /// kiln's own blocks, quantized again from the file's dequantized
-    /// weights, each block's grid spanning its smallest to its largest
-    /// weight. Weights drawn from a normal distribution, written as Q4_0
-    /// and Q4_1 the way llama.cpp's reference quantizer writes them (Q4_0:
-    /// d = the weight of largest magnitude / −8; Q4_1: the block's range
-    /// over 15) and as Q4_K, whose 32-weight sub-blocks are kiln's blocks,
-    /// each sub-block's scale and min taken from its range (llama.cpp
-    /// searches for them). Every weight comes back within half a step of
-    /// kiln's grid, which is never coarser than the file's; a block comes
-    /// back exactly (to the f16 rounding of kiln's scale and offset) where
-    /// it used its lowest and highest level, which a Q4_0 block does only
-    /// when its weights happen to reach +7 d. The printed fractions and
-    /// errors (in units of the file's step) are docs/perf-notes.md's.
+    /// What q4 makes of a GGUF file's 4-bit blocks, from the file's
+    /// dequantized weights. Weights drawn from a normal distribution,
+    /// written as Q4_0 and Q4_1 the way llama.cpp's reference quantizer
+    /// writes them (Q4_0: d = the weight of largest magnitude / −8; Q4_1:
+    /// the block's range over 15) and as Q4_K, whose 32-weight sub-blocks
+    /// are kiln's blocks, each sub-block's scale and min taken from its
+    /// range (llama.cpp searches for them). Q4_0's blocks are taken as they
+    /// are: every weight comes back bit for bit. Q4_1's and Q4_K's are
+    /// quantized again, each block's grid spanning its smallest to its
+    /// largest weight: every weight within half a step of kiln's grid,
+    /// which is never coarser than the file's, and a block exactly (to the
+    /// f16 rounding of kiln's scale and offset) where it used its lowest
+    /// and highest level. The printed fractions and errors (in units of
+    /// the file's step) are docs/perf-notes.md's.
     #[test]
     fn gguf_4_bit_blocks_come_back_within_half_a_step() {
         use kiln_core::gguf::{GgmlType, dequantize};
@@ -388,9 +433,10 @@ mod tests {
             let file = dequantize(ty, &data, weights.len()).unwrap();
             let m = matrix(blocks, BLOCK, |i| file[i]);
             let q = Q4Matrix::quantize(&m).unwrap();
-            let (mut exact, mut worst) = (0, 0.0f32);
+            let (mut exact, mut identical, mut worst) = (0, 0, 0.0f32);
             for (b, orig, deq) in round_trip_blocks(&m, &q) {
-                let kiln_step = q.scales[b].to_f32();
+                // A Q4_0 block's scale is negative where its d is.
+                let kiln_step = q.scales[b].to_f32().abs();
                 assert!(
                     kiln_step <= steps[b] * 1.001 + 1e-9,
                     "block {b}: {kiln_step} > {}",
@@ -408,13 +454,19 @@ mod tests {
                 // Exact to the f16 rounding of kiln's scale and offset
                 // (2^-11 of them, over 15 levels: 0.0073 of a step).
                 exact += usize::from(error <= 1e-2 * steps[b]);
+                identical += usize::from(error == 0.0);
                 worst = worst.max(error / steps[b]);
             }
             println!(
-                "{}: {:.1} % of blocks exact, worst error {worst:.3} of the file's step",
+                "{}: {:.1} % of blocks exact, {:.1} % bit for bit, worst error {worst:.3} of \
+                 the file's step",
                 ty.name(),
-                100.0 * exact as f64 / blocks as f64
+                100.0 * exact as f64 / blocks as f64,
+                100.0 * identical as f64 / blocks as f64
             );
+            if ty == GgmlType::Q4_0 {
+                assert_eq!(identical, blocks, "Q4_0's blocks are taken as they are");
+            }
         }
     }
 
