@@ -411,6 +411,7 @@ static __device__ __forceinline__ void lane_sums_shared(const u32 *quants, const
                                                         u32 outputs, u32 blocks, u32 first,
                                                         u32 lane, Values<ROWS> group[],
                                                         float acc[ROWS], float &squares) {
+    static_assert(IN_FLIGHT >= ROWS && IN_FLIGHT % ROWS == 0, "whole blocks of every row");
     const u32 GROUP = IN_FLIGHT / ROWS;
 #pragma unroll
     for (int r = 0; r < ROWS; r++)
