@@ -11,8 +11,9 @@ use std::time::{Duration, Instant};
 use kiln_core::Tokenizer;
 use kiln_xla::{Admission, BatchedDecoder, Choice, SlotOutput};
 
-use super::super::Shared;
-use super::super::error::ApiError;
+use crate::server::Shared;
+use crate::server::error::ApiError;
+
 use super::generation::{Generation, backend_failed};
 use super::queue::{Counted, Job, admissible, next_job, report, taken};
 

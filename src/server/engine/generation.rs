@@ -12,10 +12,11 @@ use std::time::Instant;
 use kiln_core::{Sampler, SamplingParams, TextStream, Tokenizer};
 use tokio::sync::mpsc::UnboundedSender;
 
-use super::super::Shared;
-use super::super::error::ApiError;
-use super::super::prompt::Prepared;
-use super::super::stop::{Matched, StopMatcher};
+use crate::server::Shared;
+use crate::server::error::ApiError;
+use crate::server::prompt::Prepared;
+use crate::server::stop::{Matched, StopMatcher};
+
 use super::queue::{Event, Finish, FinishReason, Job};
 
 /// One request being generated.

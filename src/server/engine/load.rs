@@ -12,10 +12,11 @@ use std::sync::Arc;
 use anyhow::Result;
 use kiln_core::{ChatTemplate, Model};
 
-use super::super::prompt::Prompter;
-use super::{Decoder, Speculative};
 use crate::backends::ModelArgs;
+use crate::server::prompt::Prompter;
 use crate::speculation::SpeculationArgs;
+
+use super::{Decoder, Speculative};
 
 /// The model as loaded: read, never changed, while the server runs.
 pub struct Loaded {

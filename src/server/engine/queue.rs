@@ -16,9 +16,9 @@ use kiln_core::SamplingParams;
 use tokio::sync::mpsc::UnboundedSender;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
-use super::super::Shared;
-use super::super::error::ApiError;
-use super::super::prompt::Prepared;
+use crate::server::Shared;
+use crate::server::error::ApiError;
+use crate::server::prompt::Prepared;
 
 /// A request in the queue, its prompt tokenized and fitting the context,
 /// with where its events go. The client is gone when `events` is closed.

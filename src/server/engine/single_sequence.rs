@@ -10,8 +10,9 @@ use std::sync::mpsc::Receiver;
 
 use kiln_core::{Backend, Sampler, Speculator, Tokenizer};
 
-use super::super::Shared;
-use super::super::error::ApiError;
+use crate::server::Shared;
+use crate::server::error::ApiError;
+
 use super::Speculative;
 use super::generation::{Generation, backend_failed};
 use super::queue::{Counted, Finish, Job, admissible, next_job, report};
