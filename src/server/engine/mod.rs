@@ -7,10 +7,11 @@
 //! steps it checks whether each client is still there, each request's
 //! deadline, and shutdown.
 //!
-//! Inside, one file a concern, each using only those above it:
-//! `queue` (the bounded queue, jobs in and events out), `generation` (one
-//! request's state, token by token), `single_sequence` and `batched` (the
-//! two loops, each owning its decoder), `load` (the model and its decoder).
+//! Inside, a file a concern; each uses this file's types and only the files
+//! listed before it: `queue` (the bounded queue: jobs in, events out),
+//! `generation` (one request's state, token by token), `single_sequence`
+//! and `batched` (the two loops, each owning its decoder), `load` (the
+//! model as loaded, and the decoder opened on it).
 
 #[cfg(feature = "xla-iree")]
 mod batched;
