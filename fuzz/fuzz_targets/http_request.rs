@@ -50,7 +50,8 @@ fn fixture() -> &'static Fixture {
             }
         });
         let model = kiln::backends::load_model(None).expect("the embedded model");
-        let prompter = Prompter::new(&model, Some(kiln_core::ChatTemplate::chatml()), false, 256);
+        let chatml = Arc::new(kiln_core::ChatTemplate::chatml());
+        let prompter = Prompter::new(&model, Some(chatml), false, 256);
         let (_, prompter) = tokio::sync::watch::channel(Some(Arc::new(prompter)));
         let app = router(AppState {
             shared,

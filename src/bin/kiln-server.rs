@@ -14,7 +14,6 @@ use tokio::sync::{oneshot, watch};
 
 use kiln::backends::ModelArgs;
 use kiln::server::engine::{self, Loaded};
-use kiln::server::prompt::Prompter;
 use kiln::server::{AppState, Shared, auth::ApiKey, router};
 use kiln::speculation::SpeculationArgs;
 
@@ -167,26 +166,14 @@ async fn run(args: Args) -> Result<()> {
         std::thread::Builder::new()
             .name("kiln-engine".into())
             .spawn(move || {
-                let models = engine::load_model(model_args.model.as_deref()).and_then(
-                    |(model, template)| {
-                        let draft = speculation.draft_model(&model)?;
-                        Ok((model, template, draft))
-                    },
-                );
-                let (model, template, draft) = match models {
-                    Ok(models) => models,
+                let loaded = match Loaded::load(&model_args, &speculation, user_content_as_text) {
+                    Ok(loaded) => loaded,
                     Err(error) => {
                         let _ = loaded_tx.send(Err(error));
                         return;
                     }
                 };
-                let decoder = match engine::open_decoder(
-                    &model,
-                    draft.as_ref(),
-                    &model_args,
-                    &speculation,
-                    batch_slots,
-                ) {
+                let decoder = match loaded.open_decoder(&model_args, &speculation, batch_slots) {
                     Ok(decoder) => decoder,
                     Err(error) => {
                         let _ = loaded_tx.send(Err(error));
@@ -194,20 +181,11 @@ async fn run(args: Args) -> Result<()> {
                     }
                 };
                 // Prompts are prepared on the HTTP side from here on.
-                let prompter = Prompter::new(
-                    &model,
-                    template,
-                    user_content_as_text,
-                    decoder.max_context(),
-                );
+                let prompter = loaded.prompter(decoder.max_context());
                 let _ = prompter_tx.send(Some(Arc::new(prompter)));
-                let mut loaded = Loaded {
-                    model: &model,
-                    decoder,
-                };
                 shared.ready.store(true, Ordering::Release);
                 let _ = loaded_tx.send(Ok(()));
-                engine::run(&mut loaded, jobs, &shared);
+                engine::run(&loaded, decoder, jobs, &shared);
             })
             .context("cannot start the engine thread")?
     };

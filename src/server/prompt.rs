@@ -36,7 +36,8 @@ pub struct Prompter {
     /// With `--user-content-as-text`: the tokenizer reading special tokens
     /// as text, for what users wrote.
     user_text: Option<Tokenizer>,
-    template: Option<ChatTemplate>,
+    /// The model's chat template, if it has one (shared: it is read only).
+    template: Option<Arc<ChatTemplate>>,
     /// The model's end-of-sequence ids: a text completion's stop tokens.
     eos_ids: Vec<u32>,
     /// A chat's stop tokens (computed once: it renders the template).
@@ -60,12 +61,12 @@ pub struct Prepared {
 impl Prompter {
     pub fn new(
         model: &Model,
-        template: Option<ChatTemplate>,
+        template: Option<Arc<ChatTemplate>>,
         user_content_as_text: bool,
         max_context: usize,
     ) -> Prompter {
         let chat_stops = template
-            .as_ref()
+            .as_deref()
             .map(|t| kiln_core::chat::stop_tokens(&model.tokenizer, &model.config.eos_token_ids, t))
             .unwrap_or_default();
         let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
@@ -121,7 +122,7 @@ impl Prompter {
                 "prompt",
             ),
             Prompt::Chat(messages) => {
-                let template = self.template.as_ref().ok_or_else(|| {
+                let template = self.template.as_deref().ok_or_else(|| {
                     ApiError::invalid(format!(
                         "the model {} has no chat template; use /v1/completions",
                         self.model_name
