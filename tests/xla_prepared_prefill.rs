@@ -427,8 +427,8 @@ fn half_precisions_stay_within_their_bounds_on_the_cpu() {
 
 /// The model with the weights a q4 graph computes with on `model`'s
 /// (`kiln_xla::q4::device_weights`): the reference q4 is measured against.
-fn q4_reference(model: &Model, fold_norms: bool) -> Model {
-    let weights = kiln_xla::q4::device_weights(&model.weights, fold_norms).unwrap();
+fn q4_reference(model: &Model) -> Model {
+    let weights = kiln_xla::q4::device_weights(&model.weights).unwrap();
     with_weights(model, "q4 weights", weights)
 }
 
@@ -444,7 +444,12 @@ fn q4_weights_agree_with_the_reference_on_their_dequantized_weights() {
     let model = rounded_to_f16(&Model::embedded());
     for target in [Target::LlvmCpu, Target::Cuda] {
         let graph = GraphOptions::for_target(target, Some(Precision::Q4), None);
-        let reference = q4_reference(&model, graph.folds_norm_weights());
+        // The reference's weights keep the norms apart, as every q4 graph does.
+        assert!(
+            !graph.folds_norm_weights(),
+            "{target:?}'s q4 graph folds norm weights"
+        );
+        let reference = q4_reference(&model);
         let prompt = [3, 1, 4, 1, 5];
         let moved = max_abs_diff(
             &CpuBackend::new(&model).prefill(&prompt).unwrap(),
@@ -478,7 +483,7 @@ fn qwen2_at_q4_matches_the_reference_on_its_dequantized_weights() {
     assert!(model.weights.layers[0].qkv_bias.is_some());
     for target in [Target::LlvmCpu, Target::Cuda] {
         let graph = GraphOptions::for_target(target, Some(Precision::Q4), None);
-        let reference = q4_reference(&model, graph.folds_norm_weights());
+        let reference = q4_reference(&model);
         let on_cpu = GraphOptions {
             q4_rows: Q4Rows::Integer,
             ..graph
@@ -658,7 +663,7 @@ mod cuda {
         if let Some(rows) = rows {
             graph.q4_rows = rows;
         }
-        let reference = q4_reference(&model, graph.folds_norm_weights());
+        let reference = q4_reference(&model);
         match open(&model, "cuda", Target::Cuda, graph, default_cache()) {
             Ok(mut xla) => {
                 let worst = agrees(&reference, &mut xla, Q4_BOUND, steps);

@@ -158,7 +158,7 @@ fn weight_arguments<'w>(w: &'w Weights, graph: &GraphOptions) -> Vec<Cow<'w, [f3
 
 /// `[out, in]` `m` with input column i multiplied by `scale[i]`: `m ·
 /// diag(scale)`, an RMSNorm weight folded into the product after it.
-pub(crate) fn scale_columns(mut m: Matrix, scale: &[f32]) -> Matrix {
+fn scale_columns(mut m: Matrix, scale: &[f32]) -> Matrix {
     debug_assert_eq!(m.cols, scale.len());
     for row in m.data.chunks_exact_mut(m.cols) {
         for (w, s) in row.iter_mut().zip(scale) {

@@ -149,41 +149,33 @@ fn symmetric_levels(block: &[f32]) -> Option<(f16, [i8; BLOCK])> {
 }
 
 /// The weights a q4 graph computes with, as f32 weights for the CPU
-/// reference: every matrix but the embedding quantized and dequantized,
-/// after the RMSNorm weights were folded into the matrices that follow
-/// them where the graph folds them there (`fold_norms`, which q4's graphs
-/// do not: [`crate::GraphOptions::folds_norm_weights`]; the norms are then
-/// ones). The embedding and norms are left as they are (the graph rounds
-/// them to f16).
-pub fn device_weights(w: &Weights, fold_norms: bool) -> Result<Weights, Q4Error> {
+/// reference: every matrix but the embedding quantized and dequantized.
+/// The embedding and norms are left as they are (the graph rounds them to
+/// f16), since no q4 graph folds a norm's weight into its matrices
+/// ([`crate::GraphOptions::folds_norm_weights`]).
+pub fn device_weights(w: &Weights) -> Result<Weights, Q4Error> {
     let round_trip = |m: &Matrix| Q4Matrix::quantize(m).map(|q| q.dequantize());
-    let after_norm = |m: &Matrix, norm: &[f32]| match fold_norms {
-        true => round_trip(&crate::backend::scale_columns(m.clone(), norm)),
-        false => round_trip(m),
-    };
-    let norm = |n: &[f32]| match fold_norms {
-        true => vec![1.0; n.len()],
-        false => n.to_vec(),
-    };
     let mut layers = Vec::with_capacity(w.layers.len());
     for l in &w.layers {
         let mut layer = l.clone();
-        layer.attn_norm = norm(&l.attn_norm);
-        layer.wq = after_norm(&l.wq, &l.attn_norm)?;
-        layer.wk = after_norm(&l.wk, &l.attn_norm)?;
-        layer.wv = after_norm(&l.wv, &l.attn_norm)?;
-        layer.wo = round_trip(&l.wo)?;
-        layer.mlp_norm = norm(&l.mlp_norm);
-        layer.w_gate = after_norm(&l.w_gate, &l.mlp_norm)?;
-        layer.w_up = after_norm(&l.w_up, &l.mlp_norm)?;
-        layer.w_down = round_trip(&l.w_down)?;
+        for m in [
+            &mut layer.wq,
+            &mut layer.wk,
+            &mut layer.wv,
+            &mut layer.wo,
+            &mut layer.w_gate,
+            &mut layer.w_up,
+            &mut layer.w_down,
+        ] {
+            *m = round_trip(m)?;
+        }
         layers.push(layer);
     }
     Ok(Weights {
         embed: w.embed.clone(),
         layers,
-        final_norm: norm(&w.final_norm),
-        lm_head: Some(after_norm(w.output(), &w.final_norm)?),
+        final_norm: w.final_norm.clone(),
+        lm_head: Some(round_trip(w.output())?),
         stored: w.stored,
     })
 }
