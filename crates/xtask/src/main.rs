@@ -17,7 +17,6 @@ mod iree_patches;
 mod kernels;
 mod lint_nix;
 mod lint_workflows;
-mod load;
 mod nix_build;
 mod pins;
 mod prefix;
@@ -90,9 +89,6 @@ enum Task {
     /// as root or with sudo), nixpkgs-fmt and deadnix (cargo-nextest where
     /// none is on PATH), the hash-pinned workflow linters.
     Setup,
-    /// A bounded load test of a running kiln-server: streamed greedy
-    /// completions, each checked complete and equal to its prompt alone, or 429.
-    Load(load::LoadArgs),
     /// Set up (as `setup`), then run the whole test suite: lint, both IREE
     /// variants, the tests, the gate.
     Test {
@@ -271,7 +267,6 @@ fn run(cli: Cli) -> Result<()> {
         Task::Setup => {
             setup::run(&Cache::open()?, setup::Scope::Everything)?;
         }
-        Task::Load(args) => load::run(&args)?,
         Task::Test {
             skip_aarch64,
             quick,
