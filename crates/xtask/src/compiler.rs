@@ -6,7 +6,8 @@ use std::process::Command;
 
 use anyhow::{Context, Result, anyhow};
 
-use crate::cache::{Cache, content_key};
+use crate::cache::Cache;
+use crate::digest::content_key;
 use crate::fetch::fetch;
 use crate::pins::{Download, Pins, for_system, host_system};
 use crate::unpack;

@@ -10,7 +10,8 @@ use std::process::Command;
 use anyhow::{Context, Result, anyhow};
 use serde_json::json;
 
-use crate::cache::{Cache, content_key};
+use crate::cache::Cache;
+use crate::digest::content_key;
 use crate::fetch::fetch;
 use crate::pins::{Pins, repo_root};
 use crate::unpack;

@@ -4,6 +4,7 @@
 
 mod cache;
 mod compiler;
+mod digest;
 mod disk;
 mod emulated;
 mod env;

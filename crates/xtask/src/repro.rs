@@ -8,7 +8,7 @@ use std::process::Command;
 use anyhow::{Context, Result, anyhow};
 use object::{Object, ObjectSection};
 
-use crate::fetch::sha256_file;
+use crate::digest::sha256_file;
 use crate::pins::repo_root;
 use crate::tree::copy_checkout;
 

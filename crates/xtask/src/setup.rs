@@ -1,7 +1,7 @@
 //! `cargo xtask setup` (and the first step of `cargo xtask test`): everything
 //! the suite (and, for `setup`, `cargo xtask nix-build`) needs that a fresh
 //! Debian/Ubuntu machine with only rustup lacks.
-//! - the system packages of [`SYSTEM_PACKAGES`], through apt when this user
+//! - the system packages of [`SYSTEM_PACKAGES`] (tools.rs), through apt when this user
 //!   is root or has password-less sudo; otherwise the exact apt command, and
 //!   a stop. The same table names the package in every check's message for a
 //!   missing program ([`crate::tools::require_host_program`]);
@@ -23,160 +23,12 @@ use std::process::Command;
 
 use anyhow::{Context, Result, anyhow};
 
-use crate::cache::{Cache, content_key};
-use crate::fetch::{fetch, sha256_file};
+use crate::cache::Cache;
+use crate::digest::{content_key, sha256_file};
+use crate::fetch::fetch;
 use crate::pins::{Download, repo_root};
+use crate::tools::{SYSTEM_PACKAGES, package_of};
 use crate::unpack;
-
-/// A Debian/Ubuntu package that kiln's build scripts and steps need.
-pub struct SystemPackage {
-    pub name: &'static str,
-    /// The programs of it that the steps run: each is checked before use
-    /// ([`crate::tools::require_host_program`]), and a missing one is named
-    /// with this package and `cargo xtask setup`.
-    pub programs: &'static [&'static str],
-    pub purpose: &'static str,
-}
-
-const fn package(
-    name: &'static str,
-    programs: &'static [&'static str],
-    purpose: &'static str,
-) -> SystemPackage {
-    SystemPackage {
-        name,
-        programs,
-        purpose,
-    }
-}
-
-/// Every system package that a build script or step needs, and the programs
-/// it provides: the one table that `setup` installs from and that the
-/// checks' messages name packages from, so that the two cannot drift.
-pub const SYSTEM_PACKAGES: [SystemPackage; 23] = [
-    package(
-        "build-essential",
-        &["cc", "c++"],
-        "C/C++ compilers for the IREE runtime and the shim",
-    ),
-    package(
-        "pkg-config",
-        &["pkg-config"],
-        "kiln-iree's build script reads the prefix's link recipe",
-    ),
-    package(
-        "libclang-dev",
-        &[],
-        "bindgen in kiln-iree's build script; cargo xtask nix-build's libclang",
-    ),
-    package(
-        "clang-14",
-        &["clang-14"],
-        "cargo xtask kernels: kiln's CUDA kernels' PTX from their source",
-    ),
-    package(
-        "patch",
-        &["patch"],
-        "applies nix/iree-patches to the IREE source",
-    ),
-    package(
-        "git",
-        &["git"],
-        "the checkout's files (git ls-files); cargo xtask nix-build: the host package set",
-    ),
-    package(
-        "python3",
-        &["python3"],
-        "the linters' and clients' virtual environments; cargo xtask nix-build's Jinja2",
-    ),
-    package(
-        "rsync",
-        &["rsync"],
-        "cargo xtask nix-build: the host package set",
-    ),
-    package(
-        "patchelf",
-        &["patchelf"],
-        "cargo xtask nix-build: the host package set",
-    ),
-    package("jq", &["jq"], "cargo xtask nix-build: the host package set"),
-    package(
-        "zstd",
-        &["zstd"],
-        "cargo xtask nix-build: the host package set",
-    ),
-    package(
-        "curl",
-        &["curl"],
-        "cargo xtask nix-build: the host package set",
-    ),
-    package(
-        "unzip",
-        &["unzip"],
-        "cargo xtask nix-build: the host package set",
-    ),
-    package(
-        "python3-jinja2",
-        &[],
-        "cargo xtask nix-build: the tests' Jinja2, from the host's python3",
-    ),
-    package(
-        "ca-certificates",
-        &[],
-        "HTTPS downloads of the pinned inputs",
-    ),
-    package(
-        "nix-bin",
-        &[
-            "nix-instantiate",
-            "nix-build",
-            "nix-store",
-            "nix-hash",
-            "nix-shell",
-            "nix",
-        ],
-        "lint-nix, eval-nix and nix-build: Debian's Nix",
-    ),
-    package(
-        "python3-venv",
-        &[],
-        "the workflow linters' virtual environment",
-    ),
-    package(
-        "shellcheck",
-        &["shellcheck"],
-        "actionlint's check of every `run:` script",
-    ),
-    package(
-        "valgrind",
-        &["valgrind"],
-        ".ci/hardening: an iree-cpu decode under memcheck",
-    ),
-    package(
-        "gcc-aarch64-linux-gnu",
-        &["aarch64-linux-gnu-gcc"],
-        "the aarch64 (GB10) IREE prefix and link, cross-compiled",
-    ),
-    package(
-        "g++-aarch64-linux-gnu",
-        &["aarch64-linux-gnu-g++"],
-        "the aarch64 IREE prefix's C++ (CMake)",
-    ),
-    package("libc6-dev-arm64-cross", &[], "the aarch64 sysroot"),
-    package(
-        "qemu-user",
-        &["qemu-aarch64"],
-        "the aarch64 tests, under qemu-aarch64",
-    ),
-];
-
-/// The package in [`SYSTEM_PACKAGES`] that provides `program`.
-pub fn package_of(program: &str) -> Option<&'static str> {
-    SYSTEM_PACKAGES
-        .iter()
-        .find(|p| p.programs.contains(&program))
-        .map(|p| p.name)
-}
 
 /// A crates.io binary crate, pinned by version and the sha256 of its `.crate`
 /// (the `cksum` in the crates.io index).

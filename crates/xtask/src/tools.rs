@@ -1,5 +1,7 @@
 //! The programs a build needs: pinned ones unpacked from wheels, and the
-//! host's C toolchain, checked up front so a missing one is named clearly.
+//! host's, checked up front so a missing one is named clearly with the
+//! system package that provides it ([`SYSTEM_PACKAGES`], which `cargo xtask
+//! setup` installs).
 
 use std::os::unix::fs::PermissionsExt;
 use std::path::PathBuf;
@@ -10,8 +12,157 @@ use anyhow::{Context, Result, anyhow};
 use crate::cache::Cache;
 use crate::fetch::fetch;
 use crate::pins::{Tool, for_system};
-use crate::setup::package_of;
 use crate::unpack;
+
+/// A Debian/Ubuntu package that kiln's build scripts and steps need.
+pub struct SystemPackage {
+    pub name: &'static str,
+    /// The programs of it that the steps run: each is checked before use
+    /// ([`crate::tools::require_host_program`]), and a missing one is named
+    /// with this package and `cargo xtask setup`.
+    pub programs: &'static [&'static str],
+    pub purpose: &'static str,
+}
+
+const fn package(
+    name: &'static str,
+    programs: &'static [&'static str],
+    purpose: &'static str,
+) -> SystemPackage {
+    SystemPackage {
+        name,
+        programs,
+        purpose,
+    }
+}
+
+/// Every system package that a build script or step needs, and the programs
+/// it provides: the one table that `setup` installs from and that the
+/// checks' messages name packages from, so that the two cannot drift.
+pub const SYSTEM_PACKAGES: [SystemPackage; 23] = [
+    package(
+        "build-essential",
+        &["cc", "c++"],
+        "C/C++ compilers for the IREE runtime and the shim",
+    ),
+    package(
+        "pkg-config",
+        &["pkg-config"],
+        "kiln-iree's build script reads the prefix's link recipe",
+    ),
+    package(
+        "libclang-dev",
+        &[],
+        "bindgen in kiln-iree's build script; cargo xtask nix-build's libclang",
+    ),
+    package(
+        "clang-14",
+        &["clang-14"],
+        "cargo xtask kernels: kiln's CUDA kernels' PTX from their source",
+    ),
+    package(
+        "patch",
+        &["patch"],
+        "applies nix/iree-patches to the IREE source",
+    ),
+    package(
+        "git",
+        &["git"],
+        "the checkout's files (git ls-files); cargo xtask nix-build: the host package set",
+    ),
+    package(
+        "python3",
+        &["python3"],
+        "the linters' and clients' virtual environments; cargo xtask nix-build's Jinja2",
+    ),
+    package(
+        "rsync",
+        &["rsync"],
+        "cargo xtask nix-build: the host package set",
+    ),
+    package(
+        "patchelf",
+        &["patchelf"],
+        "cargo xtask nix-build: the host package set",
+    ),
+    package("jq", &["jq"], "cargo xtask nix-build: the host package set"),
+    package(
+        "zstd",
+        &["zstd"],
+        "cargo xtask nix-build: the host package set",
+    ),
+    package(
+        "curl",
+        &["curl"],
+        "cargo xtask nix-build: the host package set",
+    ),
+    package(
+        "unzip",
+        &["unzip"],
+        "cargo xtask nix-build: the host package set",
+    ),
+    package(
+        "python3-jinja2",
+        &[],
+        "cargo xtask nix-build: the tests' Jinja2, from the host's python3",
+    ),
+    package(
+        "ca-certificates",
+        &[],
+        "HTTPS downloads of the pinned inputs",
+    ),
+    package(
+        "nix-bin",
+        &[
+            "nix-instantiate",
+            "nix-build",
+            "nix-store",
+            "nix-hash",
+            "nix-shell",
+            "nix",
+        ],
+        "lint-nix, eval-nix and nix-build: Debian's Nix",
+    ),
+    package(
+        "python3-venv",
+        &[],
+        "the workflow linters' virtual environment",
+    ),
+    package(
+        "shellcheck",
+        &["shellcheck"],
+        "actionlint's check of every `run:` script",
+    ),
+    package(
+        "valgrind",
+        &["valgrind"],
+        ".ci/hardening: an iree-cpu decode under memcheck",
+    ),
+    package(
+        "gcc-aarch64-linux-gnu",
+        &["aarch64-linux-gnu-gcc"],
+        "the aarch64 (GB10) IREE prefix and link, cross-compiled",
+    ),
+    package(
+        "g++-aarch64-linux-gnu",
+        &["aarch64-linux-gnu-g++"],
+        "the aarch64 IREE prefix's C++ (CMake)",
+    ),
+    package("libc6-dev-arm64-cross", &[], "the aarch64 sysroot"),
+    package(
+        "qemu-user",
+        &["qemu-aarch64"],
+        "the aarch64 tests, under qemu-aarch64",
+    ),
+];
+
+/// The package in [`SYSTEM_PACKAGES`] that provides `program`.
+pub fn package_of(program: &str) -> Option<&'static str> {
+    SYSTEM_PACKAGES
+        .iter()
+        .find(|p| p.programs.contains(&program))
+        .map(|p| p.name)
+}
 
 /// Fetches and unpacks a pinned tool wheel; returns the program's path.
 pub fn pinned_tool(cache: &Cache, tool: &Tool, what: &str, system: &str) -> Result<PathBuf> {
@@ -33,7 +184,7 @@ pub fn pinned_tool(cache: &Cache, tool: &Tool, what: &str, system: &str) -> Resu
 
 /// How to get `program`: `cargo xtask setup`, the one command that installs
 /// every system package the steps need, and the Debian/Ubuntu package of it
-/// ([`crate::setup::SYSTEM_PACKAGES`]).
+/// ([`SYSTEM_PACKAGES`]).
 pub fn install_hint(program: &str) -> String {
     match package_of(program) {
         Some(package) => package_hint(package),
@@ -116,7 +267,6 @@ pub fn host_c_toolchain() -> Result<Vec<String>> {
 mod tests {
     use super::*;
     use crate::pins::repo_root;
-    use crate::setup::SYSTEM_PACKAGES;
     use crate::target::{AARCH64, Target};
 
     /// The string literals passed as first argument to `function(` in `text`.
@@ -186,7 +336,7 @@ mod tests {
             .collect();
         assert!(
             unknown.is_empty(),
-            "checked for, but in no package of setup::SYSTEM_PACKAGES: {unknown:?}"
+            "checked for, but in no package of tools::SYSTEM_PACKAGES: {unknown:?}"
         );
         let names: Vec<&str> = SYSTEM_PACKAGES.iter().map(|p| p.name).collect();
         let not_installed: Vec<&String> = packages

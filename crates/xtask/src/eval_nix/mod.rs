@@ -20,7 +20,7 @@ use anyhow::{Context, Result, anyhow};
 use serde_json::{Value, json};
 
 use crate::cache::Cache;
-use crate::fetch::sha256_file;
+use crate::digest::sha256_file;
 use crate::pins::repo_root;
 use crate::tree::copy_checkout;
 use inputs::Inputs;
