@@ -195,7 +195,7 @@ fn rust_targets() -> Result<()> {
         // Nix's toolchain comes with the file's targets.
         return Ok(());
     }
-    run_checked(
+    crate::process::run(
         Command::new("rustup")
             .args(["target", "add", crate::target::AARCH64])
             .current_dir(repo_root()),
@@ -429,27 +429,17 @@ fn install_venv(cache: &Cache, venv: &Venv) -> Result<()> {
 
 fn build_venv(dir: &Path, requirements: &str) -> Result<()> {
     eprintln!("setup: {requirements} into {}", dir.display());
-    run_checked(
+    crate::process::run(
         Command::new("python3").arg("-m").arg("venv").arg(dir),
         "python3 -m venv (Debian/Ubuntu: apt-get install -y python3-venv)",
     )?;
-    run_checked(
+    crate::process::run(
         Command::new(dir.join("bin/pip"))
             .args(["install", "--quiet", "--require-hashes", "--no-deps", "-r"])
             .arg(repo_root().join(requirements)),
         &format!("pip install --require-hashes -r {requirements}"),
     )?;
     std::fs::write(dir.join(VENV_COMPLETE), b"")?;
-    Ok(())
-}
-
-fn run_checked(command: &mut Command, what: &str) -> Result<()> {
-    let status = command
-        .status()
-        .with_context(|| format!("cannot run {what}"))?;
-    if !status.success() {
-        return Err(anyhow!("{what} failed ({status})"));
-    }
     Ok(())
 }
 

@@ -117,7 +117,7 @@ pub fn run(cache: &Cache, pins: &Pins, plan: &Plan) -> Result<()> {
         )?;
         steps.run(
             "Nix evaluation summary matches the Nix files",
-            crate::eval_nix::check,
+            crate::nix::eval_check,
         )?;
         steps.keyed(
             lint(

@@ -309,8 +309,8 @@ mod tests {
             &format!("qemu-{}", aarch64.arch()),
         ]
         .iter()
-        .chain(&crate::nix_build::HOST_PROGRAMS)
-        .chain(&crate::eval_nix::PROGRAMS)
+        .chain(&nix_harness::build::HOST_PROGRAMS)
+        .chain(&nix_harness::eval::PROGRAMS)
         .map(|p| p.to_string())
         .collect();
         let mut packages: Vec<String> = Vec::new();
@@ -511,7 +511,7 @@ mod tests {
                 "{error}"
             );
         }
-        let error = require_host_programs(&crate::nix_build::HOST_PROGRAMS, "the Nix build")
+        let error = require_host_programs(&nix_harness::build::HOST_PROGRAMS, "the Nix build")
             .unwrap_err()
             .to_string();
         eprintln!("{error}");
