@@ -5,7 +5,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Instant;
 
-use anyhow::{Context, Result, anyhow};
+use anyhow::{Context, Result};
 use serde_json::json;
 
 use crate::cache::Cache;
@@ -231,17 +231,8 @@ fn cuda_deps_dir(cache: &Cache, pins: &Pins, system: &str) -> Result<PathBuf> {
 /// becomes a prefix.
 fn smoke_test_probe(build_dir: &Path, target: &Target) -> Result<()> {
     let probe = build_dir.join("kiln_iree_link_probe");
-    let output = target
-        .runner(&probe)?
-        .arg("local-sync")
-        .output()
-        .with_context(|| format!("cannot run {}", probe.display()))?;
-    if !output.status.success() {
-        return Err(anyhow!(
-            "the IREE link probe built but failed to run on local-sync:\n{}",
-            String::from_utf8_lossy(&output.stderr)
-        ));
-    }
+    crate::process::read(target.runner(&probe)?.arg("local-sync"))
+        .context("the IREE link probe built but failed to run on local-sync")?;
     Ok(())
 }
 

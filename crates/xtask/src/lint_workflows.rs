@@ -139,279 +139,82 @@ mod tests {
 
     const CI: &str = ".github/workflows/ci.yml";
     const GPU: &str = ".github/workflows/gpu.yml";
-    const DEPENDABOT: &str = ".github/dependabot.yml";
+    const BOT: &str = ".github/dependabot.yml";
     const CHECKOUT: &str = "actions/checkout@3d3c42e5aac5ba805825da76410c181273ba90b1";
     const CACHE_WRITE_IF: &str =
         "if: github.event_name == 'push' && github.ref == 'refs/heads/main'";
     const GPU_IF: &str = "if: vars.KILN_GPU_RUNNER == 'true' && github.ref == 'refs/heads/main'";
 
-    /// A guard deleted from a workflow: the file, its edits (from, to), the
-    /// check that must catch it.
-    type Deletion = (&'static str, Vec<(String, String)>, Catcher);
+    /// A guard deleted: the file, its edits (from, to), the check that must
+    /// catch it.
+    type Deletion = (
+        &'static str,
+        &'static [(&'static str, &'static str)],
+        Catcher,
+    );
 
-    fn edit(from: impl Into<String>, to: impl Into<String>) -> (String, String) {
-        (from.into(), to.into())
-    }
+    /// Every guard of `.github/` deleted, one at a time: the file, its edits
+    /// (from, to; `{CHECKOUT}`, `{CACHE_WRITE_IF}` and `{GPU_IF}` stand for
+    /// those texts), and the check that must catch it.
+    #[rustfmt::skip]
+    const DELETIONS: &[Deletion] = &[
+        // Triggers that run with secrets on what a pull request controls.
+        (CI, &[("  pull_request:\n", "  pull_request:\n  pull_request_target:\n")], Zizmor("dangerous-triggers")),
+        (CI, &[("  pull_request:\n", "  pull_request:\n  workflow_run:\n")], Zizmor("dangerous-triggers")),
+        (CI, &[("  pull_request:\n", ""), ("  push:\n    branches: [main]\n", ""), ("on:\n", "on: [push, workflow_run]\n")], Zizmor("dangerous-triggers")),
+        // Read-only permissions, at the top and in every job.
+        (CI, &[("permissions:\n  contents: read\n", "")], Zizmor("excessive-permissions")),
+        (CI, &[("  contents: read\n", "  contents: write\n")], Zizmor("excessive-permissions")),
+        (GPU, &[("permissions:\n  contents: read\n", "permissions: write-all\n")], Zizmor("excessive-permissions")),
+        (CI, &[("    needs: nix-flake-check\n", "    needs: nix-flake-check\n    permissions:\n      id-token: write\n")], Zizmor("undocumented-permissions")),
+        (GPU, &[("    timeout-minutes: 60\n", "    timeout-minutes: 60\n    permissions: write-all\n")], Zizmor("excessive-permissions")),
+        // Actions at a full SHA with its tag; images at a digest.
+        (GPU, &[("{CHECKOUT}", "actions/checkout@v7.0.1")], Zizmor("unpinned-uses")),
+        (GPU, &[("{CHECKOUT}", "actions/checkout@3d3c42e")], Zizmor("unpinned-uses")),
+        (GPU, &[(" # v7.0.1\n", "\n")], Rust(Rule::ActionTag)),
+        (GPU, &[("- uses: {CHECKOUT} # v7.0.1\n        with:\n          persist-credentials: false\n", "- uses: docker://alpine:3\n")], Zizmor("unpinned-images")),
+        // No token left in .git/config.
+        (GPU, &[("        with:\n          persist-credentials: false\n", "")], Zizmor("artipacked")),
+        (GPU, &[("persist-credentials: false", "persist-credentials: true")], Zizmor("artipacked")),
+        // Values reach scripts through env:, never spliced into them.
+        (CI, &[("\".#devShells.$SYSTEM.default\"", "\".#devShells.${{ matrix.system }}.default\"")], Zizmor("template-injection")),
+        (GPU, &[("          nix develop --command cargo run", "          echo \"${{ github.event.head_commit.message }}\"\n          nix develop --command cargo run")], Zizmor("template-injection")),
+        // A stale Cargo.lock fails instead of being rewritten.
+        (GPU, &[("cargo test --locked --release", "cargo test --release")], Rust(Rule::CargoUnlocked)),
+        (GPU, &[("cargo run --locked --release", "cargo run --release")], Rust(Rule::CargoUnlocked)),
+        // The self-hosted runner: pushes to main and manual runs on main
+        // only. A pull_request trigger on the GPU workflow: its `if:` no
+        // longer protects anything, since the pull request brings its own copy.
+        (GPU, &[("on:\n", "on:\n  pull_request:\n")], Rust(Rule::SelfHostedRunner)),
+        (GPU, &[("{GPU_IF}", "if: vars.KILN_GPU_RUNNER == 'true'")], Rust(Rule::SelfHostedRunner)),
+        (GPU, &[("    {GPU_IF}\n", "")], Rust(Rule::SelfHostedRunner)),
+        (GPU, &[("github.ref == 'refs/heads/main'", "github.ref == 'refs/heads/main' || github.event_name == 'push'")], Rust(Rule::SelfHostedRunner)),
+        // A self-hosted runner in a workflow that pull requests trigger.
+        (CI, &[("runner: ubuntu-24.04-arm", "runner: self-hosted")], Rust(Rule::SelfHostedRunner)),
+        (CI, &[("    runs-on: ubuntu-24.04\n", "    runs-on: [self-hosted, linux, gpu]\n")], Rust(Rule::SelfHostedRunner)),
+        // Secrets and the write environment: pushes to main only.
+        (CI, &[("    {CACHE_WRITE_IF}\n", "")], Rust(Rule::SecretOffMain)),
+        (CI, &[("{CACHE_WRITE_IF}", "if: github.ref == 'refs/heads/main'")], Rust(Rule::SecretOffMain)),
+        (CI, &[("{CACHE_WRITE_IF}", "if: github.event_name == 'push'")], Rust(Rule::SecretOffMain)),
+        // The token moved into a job that pull requests run, or to the top.
+        (CI, &[("          skipPush: true\n", "          authToken: ${{ secrets.CACHIX_AUTH_TOKEN }}\n")], Rust(Rule::SecretOffMain)),
+        (CI, &[("concurrency:\n", "env:\n  TOKEN: ${{ secrets.CACHIX_AUTH_TOKEN }}\nconcurrency:\n")], Rust(Rule::SecretOffMain)),
+        // Every other way to read the secrets context.
+        (CI, &[("      - name: .ci/run\n", "      - name: .ci/run\n        env:\n          T: ${{ secrets['CACHIX_AUTH_TOKEN'] }}\n")], Rust(Rule::SecretOffMain)),
+        (CI, &[("      - name: .ci/run\n", "      - name: .ci/run\n        env:\n          T: ${{ toJSON(secrets) }}\n")], Rust(Rule::SecretOffMain)),
+        (CI, &[("    timeout-minutes: 90\n", "    timeout-minutes: 90\n    environment: cachix-write\n")], Rust(Rule::SecretOffMain)),
+        (CI, &[("          cachixBin: ${{ runner.temp }}/cachix/bin/cachix\n", "")], Rust(Rule::CachixCli)),
+        // Dependabot keeps the SHAs current, a week behind.
+        (BOT, &[("    cooldown:\n      default-days: 7\n", "")], Zizmor("dependabot-cooldown")),
+        (BOT, &[("default-days: 7", "default-days: 2")], Zizmor("dependabot-cooldown")),
+        (BOT, &[("package-ecosystem: github-actions", "package-ecosystem: cargo")], Rust(Rule::Dependabot)),
+    ];
 
-    /// Every guard of `.github/` deleted, one at a time.
-    fn deletions() -> Vec<Deletion> {
-        let trigger = |event: &str| {
-            vec![edit(
-                "  pull_request:\n",
-                format!("  pull_request:\n  {event}:\n"),
-            )]
-        };
-        let secret_in_step = |expression: &str| {
-            vec![edit(
-                "      - name: .ci/run\n",
-                format!(
-                    "      - name: .ci/run\n        env:\n          T: ${{{{ {expression} }}}}\n"
-                ),
-            )]
-        };
-        vec![
-            // Triggers that run with secrets on what a pull request controls.
-            (
-                CI,
-                trigger("pull_request_target"),
-                Zizmor("dangerous-triggers"),
-            ),
-            (CI, trigger("workflow_run"), Zizmor("dangerous-triggers")),
-            (
-                CI,
-                vec![
-                    edit("  pull_request:\n", ""),
-                    edit("  push:\n    branches: [main]\n", ""),
-                    edit("on:\n", "on: [push, workflow_run]\n"),
-                ],
-                Zizmor("dangerous-triggers"),
-            ),
-            // Read-only permissions, at the top and in every job.
-            (
-                CI,
-                vec![edit("permissions:\n  contents: read\n", "")],
-                Zizmor("excessive-permissions"),
-            ),
-            (
-                CI,
-                vec![edit("  contents: read\n", "  contents: write\n")],
-                Zizmor("excessive-permissions"),
-            ),
-            (
-                GPU,
-                vec![edit(
-                    "permissions:\n  contents: read\n",
-                    "permissions: write-all\n",
-                )],
-                Zizmor("excessive-permissions"),
-            ),
-            (
-                CI,
-                vec![edit(
-                    "    needs: nix-flake-check\n",
-                    "    needs: nix-flake-check\n    permissions:\n      id-token: write\n",
-                )],
-                Zizmor("undocumented-permissions"),
-            ),
-            (
-                GPU,
-                vec![edit(
-                    "    timeout-minutes: 60\n",
-                    "    timeout-minutes: 60\n    permissions: write-all\n",
-                )],
-                Zizmor("excessive-permissions"),
-            ),
-            // Actions at a full SHA with its tag; images at a digest.
-            (
-                GPU,
-                vec![edit(CHECKOUT, "actions/checkout@v7.0.1")],
-                Zizmor("unpinned-uses"),
-            ),
-            (
-                GPU,
-                vec![edit(CHECKOUT, "actions/checkout@3d3c42e")],
-                Zizmor("unpinned-uses"),
-            ),
-            (GPU, vec![edit(" # v7.0.1\n", "\n")], Rust(Rule::ActionTag)),
-            (
-                GPU,
-                vec![edit(
-                    format!(
-                        "- uses: {CHECKOUT} # v7.0.1\n        with:\n          persist-credentials: false\n"
-                    ),
-                    "- uses: docker://alpine:3\n",
-                )],
-                Zizmor("unpinned-images"),
-            ),
-            // No token left in .git/config.
-            (
-                GPU,
-                vec![edit(
-                    "        with:\n          persist-credentials: false\n",
-                    "",
-                )],
-                Zizmor("artipacked"),
-            ),
-            (
-                GPU,
-                vec![edit(
-                    "persist-credentials: false",
-                    "persist-credentials: true",
-                )],
-                Zizmor("artipacked"),
-            ),
-            // Values reach scripts through env:, never spliced into them.
-            (
-                CI,
-                vec![edit(
-                    "\".#devShells.$SYSTEM.default\"",
-                    "\".#devShells.${{ matrix.system }}.default\"",
-                )],
-                Zizmor("template-injection"),
-            ),
-            (
-                GPU,
-                vec![edit(
-                    "          nix develop --command cargo run",
-                    "          echo \"${{ github.event.head_commit.message }}\"\n          nix develop --command cargo run",
-                )],
-                Zizmor("template-injection"),
-            ),
-            // A stale Cargo.lock fails instead of being rewritten.
-            (
-                GPU,
-                vec![edit(
-                    "cargo test --locked --release",
-                    "cargo test --release",
-                )],
-                Rust(Rule::CargoUnlocked),
-            ),
-            (
-                GPU,
-                vec![edit("cargo run --locked --release", "cargo run --release")],
-                Rust(Rule::CargoUnlocked),
-            ),
-            // The self-hosted runner: pushes to main and manual runs on main
-            // only. A pull_request trigger on the GPU workflow: its `if:` no
-            // longer protects anything, since the pull request brings its
-            // own copy.
-            (
-                GPU,
-                vec![edit("on:\n", "on:\n  pull_request:\n")],
-                Rust(Rule::SelfHostedRunner),
-            ),
-            (
-                GPU,
-                vec![edit(GPU_IF, "if: vars.KILN_GPU_RUNNER == 'true'")],
-                Rust(Rule::SelfHostedRunner),
-            ),
-            (
-                GPU,
-                vec![edit(format!("    {GPU_IF}\n"), "")],
-                Rust(Rule::SelfHostedRunner),
-            ),
-            (
-                GPU,
-                vec![edit(
-                    "github.ref == 'refs/heads/main'",
-                    "github.ref == 'refs/heads/main' || github.event_name == 'push'",
-                )],
-                Rust(Rule::SelfHostedRunner),
-            ),
-            // A self-hosted runner in a workflow that pull requests trigger.
-            (
-                CI,
-                vec![edit("runner: ubuntu-24.04-arm", "runner: self-hosted")],
-                Rust(Rule::SelfHostedRunner),
-            ),
-            (
-                CI,
-                vec![edit(
-                    "    runs-on: ubuntu-24.04\n",
-                    "    runs-on: [self-hosted, linux, gpu]\n",
-                )],
-                Rust(Rule::SelfHostedRunner),
-            ),
-            // Secrets and the write environment: pushes to main only.
-            (
-                CI,
-                vec![edit(format!("    {CACHE_WRITE_IF}\n"), "")],
-                Rust(Rule::SecretOffMain),
-            ),
-            (
-                CI,
-                vec![edit(CACHE_WRITE_IF, "if: github.ref == 'refs/heads/main'")],
-                Rust(Rule::SecretOffMain),
-            ),
-            (
-                CI,
-                vec![edit(CACHE_WRITE_IF, "if: github.event_name == 'push'")],
-                Rust(Rule::SecretOffMain),
-            ),
-            // The token moved into a job that pull requests run.
-            (
-                CI,
-                vec![edit(
-                    "          skipPush: true\n",
-                    "          authToken: ${{ secrets.CACHIX_AUTH_TOKEN }}\n",
-                )],
-                Rust(Rule::SecretOffMain),
-            ),
-            (
-                CI,
-                vec![edit(
-                    "concurrency:\n",
-                    "env:\n  TOKEN: ${{ secrets.CACHIX_AUTH_TOKEN }}\nconcurrency:\n",
-                )],
-                Rust(Rule::SecretOffMain),
-            ),
-            // Every other way to read the secrets context.
-            (
-                CI,
-                secret_in_step("secrets['CACHIX_AUTH_TOKEN']"),
-                Rust(Rule::SecretOffMain),
-            ),
-            (
-                CI,
-                secret_in_step("toJSON(secrets)"),
-                Rust(Rule::SecretOffMain),
-            ),
-            (
-                CI,
-                vec![edit(
-                    "    timeout-minutes: 90\n",
-                    "    timeout-minutes: 90\n    environment: cachix-write\n",
-                )],
-                Rust(Rule::SecretOffMain),
-            ),
-            (
-                CI,
-                vec![edit(
-                    "          cachixBin: ${{ runner.temp }}/cachix/bin/cachix\n",
-                    "",
-                )],
-                Rust(Rule::CachixCli),
-            ),
-            // Dependabot keeps the SHAs current, a week behind.
-            (
-                DEPENDABOT,
-                vec![edit("    cooldown:\n      default-days: 7\n", "")],
-                Zizmor("dependabot-cooldown"),
-            ),
-            (
-                DEPENDABOT,
-                vec![edit("default-days: 7", "default-days: 2")],
-                Zizmor("dependabot-cooldown"),
-            ),
-            (
-                DEPENDABOT,
-                vec![edit(
-                    "package-ecosystem: github-actions",
-                    "package-ecosystem: cargo",
-                )],
-                Rust(Rule::Dependabot),
-            ),
-        ]
+    /// An edit's text with the table's placeholders filled in.
+    fn expand(text: &str) -> String {
+        text.replace("{CHECKOUT}", CHECKOUT)
+            .replace("{CACHE_WRITE_IF}", CACHE_WRITE_IF)
+            .replace("{GPU_IF}", GPU_IF)
     }
 
     /// zizmor where `cargo xtask setup` installed it (as `cargo xtask test`
@@ -469,16 +272,14 @@ mod tests {
                 .unwrap()
                 .is_empty()
         );
-        for (file, edits, catcher) in deletions() {
+        for (file, edits, catcher) in DELETIONS {
             let original = std::fs::read_to_string(repo_root().join(file)).unwrap();
             let mut text = original.clone();
-            for (from, to) in &edits {
+            for (from, to) in *edits {
+                let from = expand(from);
                 // An edit that no longer applies must not pass as caught.
-                assert!(
-                    text.contains(from.as_str()),
-                    "{file} no longer contains {from:?}"
-                );
-                text = text.replacen(from.as_str(), to, 1);
+                assert!(text.contains(&from), "{file} no longer contains {from:?}");
+                text = text.replacen(&from, &expand(to), 1);
             }
             std::fs::write(root.join(file), &text).unwrap();
             let (wanted, found) = match catcher {
@@ -488,8 +289,8 @@ mod tests {
                     (rule.name(), found)
                 }
                 Zizmor(audit) => match &zizmor {
-                    Some(zizmor) => (audit, zizmor_audits(zizmor, root)),
-                    None => (audit, vec![audit.to_string()]),
+                    Some(zizmor) => (*audit, zizmor_audits(zizmor, root)),
+                    None => (*audit, vec![audit.to_string()]),
                 },
             };
             assert!(

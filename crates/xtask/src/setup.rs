@@ -250,18 +250,11 @@ fn system_packages() -> Result<()> {
             }
             None => Command::new("apt-get"),
         };
-        let status = command
-            .args(args)
-            .env("DEBIAN_FRONTEND", "noninteractive")
-            .status()
-            .context("cannot run apt-get")?;
-        if !status.success() {
-            return Err(anyhow!(
-                "`apt-get {}` failed ({status}); install by hand: {install}",
-                args.join(" ")
-            ));
-        }
-        Ok(())
+        crate::process::run(
+            command.args(args).env("DEBIAN_FRONTEND", "noninteractive"),
+            &format!("`apt-get {}`", args.join(" ")),
+        )
+        .with_context(|| format!("install by hand: {install}"))
     };
     apt(&["update", "-qq"])?;
     let mut args = vec!["install", "-y", "-qq", "--no-install-recommends"];
@@ -335,25 +328,20 @@ fn install_cargo_tool(cache: &Cache, tool: &CargoTool) -> Result<()> {
     cache.publish(&dest, |staging| {
         eprintln!("setup: cargo install --locked {crate_name}");
         let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
-        let status = Command::new(cargo)
-            .args(["install", "--locked", "--quiet", "--path"])
-            .arg(&source)
-            .arg("--root")
-            .arg(staging)
-            .arg("--target-dir")
-            .arg(build.path().join("target"))
-            .current_dir(build.path())
-            // Someone else's crate: its warnings are not ours to see, and a
-            // `-D warnings` in the caller's RUSTFLAGS must not fail its build.
-            .env("RUSTFLAGS", "--cap-lints=allow")
-            .status()
-            .context("cannot run cargo install")?;
-        if !status.success() {
-            return Err(anyhow!(
-                "`cargo install --locked {crate_name}` failed ({status})"
-            ));
-        }
-        Ok(())
+        crate::process::run(
+            Command::new(cargo)
+                .args(["install", "--locked", "--quiet", "--path"])
+                .arg(&source)
+                .arg("--root")
+                .arg(staging)
+                .arg("--target-dir")
+                .arg(build.path().join("target"))
+                .current_dir(build.path())
+                // Someone else's crate: its warnings are not ours to see, and a
+                // `-D warnings` in the caller's RUSTFLAGS must not fail its build.
+                .env("RUSTFLAGS", "--cap-lints=allow"),
+            &format!("`cargo install --locked {crate_name}`"),
+        )
     })?;
     Ok(())
 }

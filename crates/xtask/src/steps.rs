@@ -284,15 +284,10 @@ fn result_env() -> Vec<(String, String)> {
 fn toolchain_identity() -> Result<String> {
     let mut identity = String::new();
     for (program, arg) in [("rustc", "-vV"), ("cargo", "-V")] {
-        let output = Command::new(program)
-            .arg(arg)
-            .current_dir(repo_root())
-            .output()
-            .with_context(|| format!("cannot run {program} {arg}"))?;
-        if !output.status.success() {
-            return Err(anyhow!("{program} {arg} failed"));
-        }
-        identity.push_str(&String::from_utf8_lossy(&output.stdout));
+        let version =
+            crate::process::read(Command::new(program).arg(arg).current_dir(repo_root()))?;
+        identity.push_str(&version);
+        identity.push('\n');
     }
     Ok(identity)
 }

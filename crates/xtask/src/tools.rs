@@ -39,121 +39,31 @@ const fn package(
 /// Every system package that a build script or step needs, and the programs
 /// it provides: the one table that `setup` installs from and that the
 /// checks' messages name packages from, so that the two cannot drift.
+#[rustfmt::skip]
 pub const SYSTEM_PACKAGES: [SystemPackage; 23] = [
-    package(
-        "build-essential",
-        &["cc", "c++"],
-        "C/C++ compilers for the IREE runtime and the shim",
-    ),
-    package(
-        "pkg-config",
-        &["pkg-config"],
-        "kiln-iree's build script reads the prefix's link recipe",
-    ),
-    package(
-        "libclang-dev",
-        &[],
-        "bindgen in kiln-iree's build script; cargo xtask nix-build's libclang",
-    ),
-    package(
-        "clang-14",
-        &["clang-14"],
-        "cargo xtask kernels: kiln's CUDA kernels' PTX from their source",
-    ),
-    package(
-        "patch",
-        &["patch"],
-        "applies nix/iree-patches to the IREE source",
-    ),
-    package(
-        "git",
-        &["git"],
-        "the checkout's files (git ls-files); cargo xtask nix-build: the host package set",
-    ),
-    package(
-        "python3",
-        &["python3"],
-        "the linters' and clients' virtual environments; cargo xtask nix-build's Jinja2",
-    ),
-    package(
-        "rsync",
-        &["rsync"],
-        "cargo xtask nix-build: the host package set",
-    ),
-    package(
-        "patchelf",
-        &["patchelf"],
-        "cargo xtask nix-build: the host package set",
-    ),
+    package("build-essential", &["cc", "c++"], "C/C++ compilers for the IREE runtime and the shim"),
+    package("pkg-config", &["pkg-config"], "kiln-iree's build script reads the prefix's link recipe"),
+    package("libclang-dev", &[], "bindgen in kiln-iree's build script; cargo xtask nix-build's libclang"),
+    package("clang-14", &["clang-14"], "cargo xtask kernels: kiln's CUDA kernels' PTX from their source"),
+    package("patch", &["patch"], "applies nix/iree-patches to the IREE source"),
+    package("git", &["git"], "the checkout's files (git ls-files); cargo xtask nix-build: the host package set"),
+    package("python3", &["python3"], "the linters' and clients' virtual environments; cargo xtask nix-build's Jinja2"),
+    package("rsync", &["rsync"], "cargo xtask nix-build: the host package set"),
+    package("patchelf", &["patchelf"], "cargo xtask nix-build: the host package set"),
     package("jq", &["jq"], "cargo xtask nix-build: the host package set"),
-    package(
-        "zstd",
-        &["zstd"],
-        "cargo xtask nix-build: the host package set",
-    ),
-    package(
-        "curl",
-        &["curl"],
-        "cargo xtask nix-build: the host package set",
-    ),
-    package(
-        "unzip",
-        &["unzip"],
-        "cargo xtask nix-build: the host package set",
-    ),
-    package(
-        "python3-jinja2",
-        &[],
-        "cargo xtask nix-build: the tests' Jinja2, from the host's python3",
-    ),
-    package(
-        "ca-certificates",
-        &[],
-        "HTTPS downloads of the pinned inputs",
-    ),
-    package(
-        "nix-bin",
-        &[
-            "nix-instantiate",
-            "nix-build",
-            "nix-store",
-            "nix-hash",
-            "nix-shell",
-            "nix",
-        ],
-        "lint-nix, eval-nix and nix-build: Debian's Nix",
-    ),
-    package(
-        "python3-venv",
-        &[],
-        "the workflow linters' virtual environment",
-    ),
-    package(
-        "shellcheck",
-        &["shellcheck"],
-        "actionlint's check of every `run:` script",
-    ),
-    package(
-        "valgrind",
-        &["valgrind"],
-        ".ci/hardening: an iree-cpu decode under memcheck",
-    ),
-    package(
-        "gcc-aarch64-linux-gnu",
-        &["aarch64-linux-gnu-gcc"],
-        "the aarch64 (GB10) IREE prefix and link, cross-compiled",
-    ),
-    package(
-        "g++-aarch64-linux-gnu",
-        &["aarch64-linux-gnu-g++"],
-        "the aarch64 IREE prefix's C++ (CMake)",
-    ),
+    package("zstd", &["zstd"], "cargo xtask nix-build: the host package set"),
+    package("curl", &["curl"], "cargo xtask nix-build: the host package set"),
+    package("unzip", &["unzip"], "cargo xtask nix-build: the host package set"),
+    package("python3-jinja2", &[], "cargo xtask nix-build: the tests' Jinja2, from the host's python3"),
+    package("ca-certificates", &[], "HTTPS downloads of the pinned inputs"),
+    package("nix-bin", &["nix-instantiate", "nix-build", "nix-store", "nix-hash", "nix-shell", "nix"], "lint-nix, eval-nix and nix-build: Debian's Nix"),
+    package("python3-venv", &[], "the workflow linters' virtual environment"),
+    package("shellcheck", &["shellcheck"], "actionlint's check of every `run:` script"),
+    package("valgrind", &["valgrind"], ".ci/hardening: an iree-cpu decode under memcheck"),
+    package("gcc-aarch64-linux-gnu", &["aarch64-linux-gnu-gcc"], "the aarch64 (GB10) IREE prefix and link, cross-compiled"),
+    package("g++-aarch64-linux-gnu", &["aarch64-linux-gnu-g++"], "the aarch64 IREE prefix's C++ (CMake)"),
     package("libc6-dev-arm64-cross", &[], "the aarch64 sysroot"),
-    package(
-        "qemu-user",
-        &["qemu-aarch64"],
-        "the aarch64 tests, under qemu-aarch64",
-    ),
+    package("qemu-user", &["qemu-aarch64"], "the aarch64 tests, under qemu-aarch64"),
 ];
 
 /// The package in [`SYSTEM_PACKAGES`] that provides `program`.
