@@ -23,6 +23,8 @@ mod ptxas;
 mod reference_files;
 mod repro;
 mod setup;
+#[cfg(test)]
+mod setup_coverage;
 mod steps;
 mod target;
 mod test;
