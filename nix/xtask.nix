@@ -1,17 +1,18 @@
 # xtask alone (it needs no IREE): the IREE derivations run its prefix
 # installer, the same code `cargo xtask iree` runs. Its source is crane's
 # dummy workspace (every crate stubbed; it depends on the Cargo files only)
-# with the real crates/xtask copied in, so that an edit to kiln's other Rust
-# sources rebuilds neither xtask nor IREE (`cargo xtask eval-nix` checks it).
+# with the real crates/xtask and the crate it links, crates/nix-harness,
+# copied in, so that an edit to kiln's other Rust sources rebuilds neither
+# xtask nor IREE (`cargo xtask eval-nix` checks it).
 { lib
 , craneLib
 , src
 ,
 }:
 let
-  xtaskSources = lib.fileset.toSource {
-    root = ../crates/xtask;
-    fileset = ../crates/xtask;
+  crateSources = crate: lib.fileset.toSource {
+    root = ../crates + "/${crate}";
+    fileset = ../crates + "/${crate}";
   };
   common = {
     pname = "kiln-xtask";
@@ -27,8 +28,9 @@ craneLib.buildPackage (
     src = craneLib.mkDummySrc {
       inherit src;
       extraDummyScript = ''
-        rm -rf $out/crates/xtask
-        cp -r --no-preserve=mode ${xtaskSources} $out/crates/xtask
+        rm -rf $out/crates/xtask $out/crates/nix-harness
+        cp -r --no-preserve=mode ${crateSources "xtask"} $out/crates/xtask
+        cp -r --no-preserve=mode ${crateSources "nix-harness"} $out/crates/nix-harness
       '';
     };
     cargoArtifacts = craneLib.buildDepsOnly (common // { inherit src; });

@@ -30,7 +30,7 @@
 #   BIN=dir KILN_CACHE_DIR=carried-cache PARTS="tests decode server" scripts/gpu_all.sh
 #
 # BIN holds xla_prepared_prefill (the test binary), kiln-bench-decode,
-# kiln-server and xtask, release builds with `--features cuda,xla-iree`.
+# kiln-server and kiln-load, release builds with `--features cuda,xla-iree`.
 # The modules: scripts/prepare_gpu_tests.sh (tests), `kiln-bench-decode
 # --prepare --backend iree-cuda --model tinyllama-1.1b --max-context 640
 # --precision f16 --precision q4` (decode; q4's default is kiln's kernel,
@@ -92,7 +92,7 @@ for p in $parts; do
         [ -f "$model/config.json" ] ||
             "$BIN/kiln-bench-decode" --model tinyllama-1.1b --write-model "$model"
         python3 "$here/word_tokenizer.py" "$model"
-        common=(SERVER="$BIN/kiln-server" LOAD="$BIN/xtask" MODEL_ID=kiln-tinyllama-1.1b
+        common=(SERVER="$BIN/kiln-server" LOAD="$BIN/kiln-load" MODEL_ID=kiln-tinyllama-1.1b
             LOAD_ARGS=--allow-divergence
             SERVER_ARGS="--backend iree-cuda --model $model --max-context 256")
         env "${common[@]}" SLOTS="1 8 32" CONCURRENCY="1 8 32" "$here/server_concurrency.sh" ||

@@ -10,7 +10,7 @@
 # (--allow-divergence) instead of failing: batched and batch-1 steps round
 # differently on the GPU. LOAD_ARGS= (empty) makes it strict again.
 #
-# BIN holds kiln-server, kiln-bench-decode and xtask (release builds with
+# BIN holds kiln-server, kiln-bench-decode and kiln-load (release builds with
 # `--features cuda,xla-iree`); the cache holds the modules `kiln prepare
 # --backend iree-cuda --model DIR --max-context 256 --batch-slots N` wrote for N = 8 and 32
 # (docs/server.md says how). The machine needs no compiler and no network.
@@ -26,7 +26,7 @@ fi
 # Random weights need a tokenizer that names every id: one word per id.
 python3 "$here/word_tokenizer.py" "$model"
 nvidia-smi --query-gpu=name,driver_version --format=csv
-SERVER="$BIN/kiln-server" LOAD="$BIN/xtask" MODEL_ID=$(basename "$model") \
+SERVER="$BIN/kiln-server" LOAD="$BIN/kiln-load" MODEL_ID=$(basename "$model") \
     LOAD_ARGS="${LOAD_ARGS---allow-divergence}" \
     SERVER_ARGS="--backend iree-cuda --model $model --max-context 256" \
     SLOTS="${SLOTS:-1 8 32}" CONCURRENCY="1 8 32" "$here/server_concurrency.sh"

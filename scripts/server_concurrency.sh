@@ -1,18 +1,18 @@
 #!/usr/bin/env bash
 # Aggregate decode throughput of kiln-server at several concurrencies, for
 # batch-1 serving (--batch-slots 1) and continuous batching, side by side in
-# one run: for each slot count a server is started, `xtask load` runs
+# one run: for each slot count a server is started, `kiln-load` runs
 # REQUESTS_PER_CLIENT x C streamed greedy requests of MAX_TOKENS tokens at
 # each concurrency C, and the server is stopped.
 #
-#   SERVER=target/release/kiln-server LOAD=target/release/xtask \
+#   SERVER=target/release/kiln-server LOAD=target/release/kiln-load \
 #       SERVER_ARGS="--backend iree-cpu --max-context 256" SLOTS="1 8 32" \
 #       CONCURRENCY="1 8 32" scripts/server_concurrency.sh
 #
-# LOAD is the xtask binary (its `load` command), LOAD_ARGS extra options for it
+# LOAD is the kiln-load binary, LOAD_ARGS extra options for it
 # (e.g. --allow-divergence); the table is printed last.
 set -euo pipefail
-: "${SERVER:?set SERVER to a kiln-server binary}" "${LOAD:?set LOAD to an xtask binary}"
+: "${SERVER:?set SERVER to a kiln-server binary}" "${LOAD:?set LOAD to a kiln-load binary}"
 slots_list=${SLOTS:-1 8 32}
 concurrency_list=${CONCURRENCY:-1 8 32}
 per_client=${REQUESTS_PER_CLIENT:-4}
@@ -37,7 +37,7 @@ for slots in $slots_list; do
     done
     for c in $concurrency_list; do
         # shellcheck disable=SC2086
-        out=$("$LOAD" load ${LOAD_ARGS:-} --url "http://127.0.0.1:$port" --model "$model_id" \
+        out=$("$LOAD" ${LOAD_ARGS:-} --url "http://127.0.0.1:$port" --model "$model_id" \
             --requests $((per_client * c)) --concurrency "$c" --max-tokens "$max_tokens")
         echo "== slots $slots, concurrency $c"
         echo "$out"

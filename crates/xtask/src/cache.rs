@@ -10,7 +10,8 @@
 use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result, anyhow};
-use sha2::{Digest, Sha256};
+
+use crate::digest::tree_digest;
 
 pub struct Cache {
     root: PathBuf,
@@ -128,32 +129,6 @@ fn digest_path(dest: &Path) -> PathBuf {
     dest.with_file_name(name)
 }
 
-/// sha256 over a folder: every entry's path relative to it, its kind, and a
-/// file's content or a link's target, in path order. Permission bits are
-/// left out (tools set executable bits on unpacked wheels after publishing).
-pub fn tree_digest(dir: &Path) -> Result<String> {
-    let mut hash = Sha256::new();
-    for entry in walkdir::WalkDir::new(dir).sort_by_file_name() {
-        let entry = entry.with_context(|| format!("cannot walk {}", dir.display()))?;
-        let relative = entry.path().strip_prefix(dir).unwrap_or(entry.path());
-        let kind = entry.file_type();
-        if kind.is_symlink() {
-            let target = std::fs::read_link(entry.path())?;
-            hash.update(format!(
-                "link {} {}\n",
-                relative.display(),
-                target.display()
-            ));
-        } else if kind.is_dir() {
-            hash.update(format!("dir {}\n", relative.display()));
-        } else {
-            let file = crate::fetch::sha256_file(entry.path())?;
-            hash.update(format!("file {} {file}\n", relative.display()));
-        }
-    }
-    Ok(hex::encode(hash.finalize()))
-}
-
 /// Writes `text` to `path` whole: a temporary file in the same folder,
 /// renamed.
 pub fn write_atomically(path: &Path, text: &str) -> Result<()> {
@@ -164,11 +139,6 @@ pub fn write_atomically(path: &Path, text: &str) -> Result<()> {
     file.persist(path)
         .with_context(|| format!("cannot write {}", path.display()))?;
     Ok(())
-}
-
-/// sha256 of a JSON value in canonical form (serde_json sorts object keys).
-pub fn content_key(inputs: &serde_json::Value) -> String {
-    hex::encode(Sha256::digest(inputs.to_string().as_bytes()))
 }
 
 #[cfg(test)]
@@ -234,26 +204,5 @@ mod tests {
         publish_one(&cache, &dest, &fills);
         assert_eq!(fills.get(), 1);
         assert!(!dest.join("cmake").exists());
-    }
-
-    #[test]
-    fn the_digest_covers_names_contents_and_links_but_not_modes() {
-        use std::os::unix::fs::PermissionsExt;
-        let dir = tempfile::tempdir().unwrap();
-        let d = dir.path();
-        std::fs::write(d.join("a"), b"one").unwrap();
-        std::os::unix::fs::symlink("a", d.join("link")).unwrap();
-        let first = tree_digest(d).unwrap();
-        std::fs::set_permissions(d.join("a"), std::fs::Permissions::from_mode(0o755)).unwrap();
-        assert_eq!(tree_digest(d).unwrap(), first, "modes are left out");
-        std::fs::write(d.join("a"), b"two").unwrap();
-        let content = tree_digest(d).unwrap();
-        assert_ne!(content, first);
-        std::fs::remove_file(d.join("link")).unwrap();
-        std::os::unix::fs::symlink("b", d.join("link")).unwrap();
-        let link = tree_digest(d).unwrap();
-        assert_ne!(link, content);
-        std::fs::rename(d.join("a"), d.join("c")).unwrap();
-        assert_ne!(tree_digest(d).unwrap(), link);
     }
 }

@@ -4,9 +4,10 @@
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use anyhow::{Context, Result, anyhow};
+use anyhow::{Result, anyhow};
 
-use crate::cache::{Cache, content_key};
+use crate::cache::Cache;
+use crate::digest::content_key;
 use crate::fetch::fetch;
 use crate::pins::{Download, Pins, for_system, host_system};
 use crate::unpack;
@@ -71,10 +72,7 @@ fn unpack_files(archive: &Path, dest: &Path, pins: &Pins) -> Result<()> {
 /// the pinned one (a compiler from another revision builds modules the
 /// runtime may reject, or worse, misread), then the whole version line.
 fn check_revision(binary: &Path, pins: &Pins) -> Result<String> {
-    let output = Command::new(binary)
-        .arg("--version")
-        .output()
-        .with_context(|| format!("cannot run {}", binary.display()))?;
+    let output = crate::process::output(Command::new(binary).arg("--version"))?;
     let text = String::from_utf8_lossy(&output.stdout).into_owned()
         + &String::from_utf8_lossy(&output.stderr);
     if !output.status.success() {

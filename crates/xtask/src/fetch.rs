@@ -1,14 +1,13 @@
 //! Downloads, each checked against its pinned sha256 before anything uses it.
 
-use std::fs::File;
-use std::io::{BufReader, Read, Write};
+use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result, anyhow};
 use indicatif::{ProgressBar, ProgressStyle};
-use sha2::{Digest, Sha256};
 
 use crate::cache::Cache;
+use crate::digest::{Digest, Sha256, sha256_file};
 use crate::pins::Download;
 
 /// Returns the local path of a pinned download, fetching it if needed. A file
@@ -106,14 +105,5 @@ fn stream_to_temp(url: &str, label: &str, dir: &Path) -> Result<(tempfile::Named
         bar.inc(n as u64);
     }
     bar.finish_and_clear();
-    Ok((tmp, hex::encode(hasher.finalize())))
-}
-
-/// Hex sha256 of a file's bytes.
-pub fn sha256_file(path: &Path) -> Result<String> {
-    let file = File::open(path).with_context(|| format!("cannot open {}", path.display()))?;
-    let mut reader = BufReader::new(file);
-    let mut hasher = Sha256::new();
-    std::io::copy(&mut reader, &mut hasher)?;
-    Ok(hex::encode(hasher.finalize()))
+    Ok((tmp, crate::digest::hex(hasher)))
 }

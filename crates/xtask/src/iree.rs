@@ -1,17 +1,15 @@
 //! `cargo xtask iree [--cuda]`: the IREE runtime built from the pinned source
 //! into a prefix in the cache, keyed by everything that went into it.
 
-use std::collections::VecDeque;
-use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Instant;
 
-use anyhow::{Context, Result, anyhow};
-use indicatif::{ProgressBar, ProgressStyle};
+use anyhow::{Context, Result};
 use serde_json::json;
 
-use crate::cache::{Cache, content_key};
+use crate::cache::Cache;
+use crate::digest::content_key;
 use crate::fetch::fetch;
 use crate::pins::{Pins, for_system, host_system, repo_root};
 use crate::prefix::{self, Identity};
@@ -157,7 +155,7 @@ pub fn build(cache: &Cache, pins: &Pins, variant: Variant, target: &Target) -> R
     if let Some(deps) = &cuda_deps {
         configure.env("IREE_CUDA_DEPS_DIR", deps);
     }
-    run_logged(
+    crate::process::logged(
         configure,
         &build_dir.join("kiln-configure.log"),
         "configuring IREE",
@@ -173,7 +171,7 @@ pub fn build(cache: &Cache, pins: &Pins, variant: Variant, target: &Target) -> R
     if !target.cross {
         ninja_cmd.args(prefix::HOST_TOOLS);
     }
-    run_logged(
+    crate::process::logged(
         ninja_cmd,
         &build_dir.join("kiln-build.log"),
         "building the IREE runtime",
@@ -233,17 +231,8 @@ fn cuda_deps_dir(cache: &Cache, pins: &Pins, system: &str) -> Result<PathBuf> {
 /// becomes a prefix.
 fn smoke_test_probe(build_dir: &Path, target: &Target) -> Result<()> {
     let probe = build_dir.join("kiln_iree_link_probe");
-    let output = target
-        .runner(&probe)?
-        .arg("local-sync")
-        .output()
-        .with_context(|| format!("cannot run {}", probe.display()))?;
-    if !output.status.success() {
-        return Err(anyhow!(
-            "the IREE link probe built but failed to run on local-sync:\n{}",
-            String::from_utf8_lossy(&output.stderr)
-        ));
-    }
+    crate::process::read(target.runner(&probe)?.arg("local-sync"))
+        .context("the IREE link probe built but failed to run on local-sync")?;
     Ok(())
 }
 
@@ -253,61 +242,6 @@ fn parse_ninja_status(line: &str) -> Option<(u64, u64)> {
     let (done, rest) = rest.split_once('/')?;
     let (total, _) = rest.split_once(']')?;
     Some((done.parse().ok()?, total.parse().ok()?))
-}
-
-/// Reads `(done, total)` from a line of a tool's output, if it has one.
-type ProgressParser = fn(&str) -> Option<(u64, u64)>;
-
-/// Runs a long command with a spinner or progress bar, its output going to
-/// `log`; on failure prints the output's tail and names the log.
-fn run_logged(
-    mut command: Command,
-    log: &Path,
-    what: &str,
-    progress: Option<ProgressParser>,
-) -> Result<()> {
-    let bar = ProgressBar::new_spinner().with_style(
-        ProgressStyle::with_template("{spinner} {msg} {wide_bar} {pos}/{len} [{elapsed}]")
-            .expect("valid template"),
-    );
-    bar.set_message(what.to_string());
-    bar.enable_steady_tick(std::time::Duration::from_millis(200));
-    // stdout and stderr share one pipe so the log keeps their interleaving.
-    let (reader, writer) = std::io::pipe()?;
-    command.stdout(writer.try_clone()?).stderr(writer);
-    let mut child = command
-        .spawn()
-        .with_context(|| format!("{what}: cannot start {:?}", command.get_program()))?;
-    // The Command holds the pipe's write ends; drop it so the read sees EOF.
-    drop(command);
-    let mut log_text = String::new();
-    let mut tail: VecDeque<String> = VecDeque::new();
-    for line in BufReader::new(reader).lines() {
-        let line = line?;
-        if let Some((done, total)) = progress.and_then(|parse| parse(&line)) {
-            bar.set_length(total);
-            bar.set_position(done);
-        }
-        log_text.push_str(&line);
-        log_text.push('\n');
-        tail.push_back(line);
-        if tail.len() > 40 {
-            tail.pop_front();
-        }
-    }
-    let status = child.wait()?;
-    bar.finish_and_clear();
-    std::fs::write(log, &log_text)?;
-    if !status.success() {
-        let tail: Vec<String> = tail.into();
-        return Err(anyhow!(
-            "{what} failed ({status}); last lines:\n{}\nfull log: {}",
-            tail.join("\n"),
-            log.display()
-        ));
-    }
-    eprintln!("{what}: done");
-    Ok(())
 }
 
 #[cfg(test)]

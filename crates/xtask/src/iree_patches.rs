@@ -10,7 +10,8 @@ use std::process::Command;
 use anyhow::{Context, Result, anyhow};
 use serde_json::json;
 
-use crate::cache::{Cache, content_key};
+use crate::cache::Cache;
+use crate::digest::content_key;
 use crate::fetch::fetch;
 use crate::pins::{Pins, repo_root};
 use crate::unpack;
@@ -78,25 +79,21 @@ pub fn patched_source(cache: &Cache, pins: &Pins) -> Result<PathBuf> {
 /// Applies one patch in `root`; a patch that does not apply cleanly (fuzz
 /// or a rejected hunk) is an error naming it.
 fn apply(root: &Path, patch: &Path) -> Result<()> {
-    let output = Command::new("patch")
-        .args([
-            "-p1",
-            "--batch",
-            "--forward",
-            "--fuzz=0",
-            "--no-backup-if-mismatch",
-        ])
-        .arg("--directory")
-        .arg(root)
-        .arg("--input")
-        .arg(patch)
-        .output()
-        .with_context(|| {
-            format!(
-                "cannot run `patch` (GNU patch); {}",
-                crate::tools::install_hint("patch")
-            )
-        })?;
+    let output = crate::process::output(
+        Command::new("patch")
+            .args([
+                "-p1",
+                "--batch",
+                "--forward",
+                "--fuzz=0",
+                "--no-backup-if-mismatch",
+            ])
+            .arg("--directory")
+            .arg(root)
+            .arg("--input")
+            .arg(patch),
+    )
+    .with_context(|| format!("GNU patch; {}", crate::tools::install_hint("patch")))?;
     if !output.status.success() {
         return Err(anyhow!(
             "{} does not apply to the pinned IREE source; refresh it against that source:\n{}{}",

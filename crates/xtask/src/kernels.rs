@@ -36,21 +36,22 @@ fn sources(folder: &Path) -> Result<Vec<PathBuf>> {
 /// `ld.global.nc.L1::no_allocate`), no CUDA headers or libraries, and no
 /// contraction of a product and a sum into an FMA the source did not write.
 fn compile(source: &Path) -> Result<Vec<u8>> {
-    let output = Command::new(CLANG)
-        .args(["-x", "cuda", "--cuda-device-only", "--cuda-gpu-arch=sm_80"])
-        .args(["-nocudainc", "-nocudalib", "-Xclang", "-target-feature"])
-        .args([
-            "-Xclang",
-            "+ptx74",
-            "-O3",
-            "-ffp-contract=off",
-            "-S",
-            "-o",
-            "-",
-        ])
-        .arg(source)
-        .output()
-        .with_context(|| format!("cannot run {CLANG}; {}", crate::tools::install_hint(CLANG)))?;
+    let output = crate::process::output(
+        Command::new(CLANG)
+            .args(["-x", "cuda", "--cuda-device-only", "--cuda-gpu-arch=sm_80"])
+            .args(["-nocudainc", "-nocudalib", "-Xclang", "-target-feature"])
+            .args([
+                "-Xclang",
+                "+ptx74",
+                "-O3",
+                "-ffp-contract=off",
+                "-S",
+                "-o",
+                "-",
+            ])
+            .arg(source),
+    )
+    .with_context(|| crate::tools::install_hint(CLANG))?;
     if !output.status.success() {
         return Err(anyhow!(
             "{CLANG} failed on {}:\n{}",

@@ -27,11 +27,12 @@ pub fn run(tools: &Toolbox) -> Result<()> {
     let deadnix = tools.find("deadnix", "finds dead Nix code")?;
     let mut failures = Vec::new();
     for file in &files {
-        let output = Command::new("nix-instantiate")
-            .arg("--parse")
-            .arg(file)
-            .current_dir(&root)
-            .output()?;
+        let output = crate::process::output(
+            Command::new("nix-instantiate")
+                .arg("--parse")
+                .arg(file)
+                .current_dir(&root),
+        )?;
         if !output.status.success() {
             failures.push(format!(
                 "{} does not parse:\n{}",
@@ -42,11 +43,12 @@ pub fn run(tools: &Toolbox) -> Result<()> {
     }
     if failures.is_empty() {
         for (program, args) in [(&nixpkgs_fmt, ["--check"]), (&deadnix, ["--fail"])] {
-            let output = Command::new(program)
-                .args(args)
-                .args(&files)
-                .current_dir(&root)
-                .output()?;
+            let output = crate::process::output(
+                Command::new(program)
+                    .args(args)
+                    .args(&files)
+                    .current_dir(&root),
+            )?;
             if !output.status.success() {
                 failures.push(format!(
                     "{} {}:\n{}{}",

@@ -1,9 +1,10 @@
-//! `cargo xtask lint-workflows`: `.github/` keeps kiln's security invariants
-//! (workflow_invariants.rs) and passes actionlint (with its shellcheck and
-//! pyflakes rules, which it would otherwise skip in silence when those
-//! programs are missing) and zizmor (offline, auditor persona: every audit at
-//! every confidence, workflows and the Dependabot file), with zero findings;
-//! a finding can only be silenced inline, with its reason.
+//! `cargo xtask lint-workflows`: `.github/` passes zizmor (offline, auditor
+//! persona: every audit at every confidence, workflows and the Dependabot
+//! file, configured by `.github/zizmor.yml`), keeps the invariants zizmor
+//! cannot express (workflow_invariants.rs), and passes actionlint (with its
+//! shellcheck and pyflakes rules, which it would otherwise skip in silence
+//! when those programs are missing), with zero findings; a finding can only
+//! be silenced inline, with its reason.
 
 use std::path::Path;
 use std::process::Command;
@@ -11,8 +12,19 @@ use std::process::Command;
 use anyhow::{Result, anyhow};
 
 use crate::pins::repo_root;
+use crate::process::output;
 use crate::setup::Toolbox;
 use crate::workflow_invariants;
+
+/// zizmor's arguments, run from the repository's root.
+const ZIZMOR_ARGS: [&str; 6] = [
+    "--offline",
+    "--persona",
+    "auditor",
+    "--config",
+    ".github/zizmor.yml",
+    ".github",
+];
 
 pub fn run(tools: &Toolbox) -> Result<()> {
     let root = repo_root();
@@ -37,6 +49,7 @@ pub fn run(tools: &Toolbox) -> Result<()> {
     }
     let checks = [
         (
+            "actionlint",
             actionlint.as_path(),
             vec![
                 format!("-shellcheck={}", shellcheck.display()),
@@ -44,57 +57,38 @@ pub fn run(tools: &Toolbox) -> Result<()> {
             ],
         ),
         (
+            "zizmor",
             zizmor.as_path(),
-            ["--offline", "--persona", "auditor", ".github"]
-                .map(String::from)
-                .to_vec(),
+            ZIZMOR_ARGS.map(String::from).to_vec(),
         ),
     ];
-    for (program, args) in &checks {
+    for (name, program, args) in &checks {
         let version = version_line(program)?;
-        let output = Command::new(program)
-            .args(args)
-            .current_dir(&root)
-            .output()?;
-        let text = String::from_utf8_lossy(&output.stdout).into_owned()
-            + &String::from_utf8_lossy(&output.stderr);
+        let out = output(Command::new(program).args(args).current_dir(&root))?;
+        let text = String::from_utf8_lossy(&out.stdout).into_owned()
+            + &String::from_utf8_lossy(&out.stderr);
         println!(
             "$ {} {}   ({version})\n{}",
             program.display(),
             args.join(" "),
             text.trim_end()
         );
-        if !output.status.success() {
-            failures.push(if *program == actionlint {
-                "actionlint"
-            } else {
-                "zizmor"
-            });
+        if !out.status.success() {
+            failures.push(name);
         }
     }
     if !failures.is_empty() {
         return Err(anyhow!("workflow lint failed: {}", failures.join(", ")));
     }
     println!(
-        "workflows: invariants hold; actionlint (with shellcheck, pyflakes) and zizmor report no findings"
+        "workflows: zizmor reports no findings, the invariants hold, actionlint (with shellcheck, pyflakes) reports none"
     );
     Ok(())
 }
 
 fn version_line(program: &Path) -> Result<String> {
-    let output = Command::new(program)
-        .arg("--version")
-        .output()
-        .map_err(|e| anyhow!("cannot run {}: {e}", program.display()))?;
-    if !output.status.success() {
-        return Err(anyhow!(
-            "`{} --version` failed ({})",
-            program.display(),
-            output.status
-        ));
-    }
+    let text = crate::process::read(Command::new(program).arg("--version"))?;
     // The first line that holds a number (shellcheck prints its name first).
-    let text = String::from_utf8_lossy(&output.stdout);
     let line = text
         .lines()
         .find(|l| l.chars().any(|c| c.is_ascii_digit()))
@@ -105,8 +99,10 @@ fn version_line(program: &Path) -> Result<String> {
 #[cfg(test)]
 mod tests {
     use std::os::unix::fs::PermissionsExt;
+    use std::path::PathBuf;
 
     use super::*;
+    use crate::workflow_invariants::Rule;
 
     /// actionlint skips its shellcheck and pyflakes rules in silence when
     /// those programs are missing; lint-workflows must stop instead.
@@ -129,6 +125,179 @@ mod tests {
                 error.contains(&format!("`{missing}`")) && error.contains("cargo xtask setup"),
                 "{error}"
             );
+        }
+    }
+
+    /// Which check must catch a deleted guard.
+    enum Catcher {
+        /// One of kiln's invariants.
+        Rust(Rule),
+        /// A zizmor audit, by its id.
+        Zizmor(&'static str),
+    }
+    use Catcher::{Rust, Zizmor};
+
+    const CI: &str = ".github/workflows/ci.yml";
+    const GPU: &str = ".github/workflows/gpu.yml";
+    const BOT: &str = ".github/dependabot.yml";
+    const CHECKOUT: &str = "actions/checkout@3d3c42e5aac5ba805825da76410c181273ba90b1";
+    const CACHE_WRITE_IF: &str =
+        "if: github.event_name == 'push' && github.ref == 'refs/heads/main'";
+    const GPU_IF: &str = "if: vars.KILN_GPU_RUNNER == 'true' && github.ref == 'refs/heads/main'";
+
+    /// A guard deleted: the file, its edits (from, to), the check that must
+    /// catch it.
+    type Deletion = (
+        &'static str,
+        &'static [(&'static str, &'static str)],
+        Catcher,
+    );
+
+    /// Every guard of `.github/` deleted, one at a time: the file, its edits
+    /// (from, to; `{CHECKOUT}`, `{CACHE_WRITE_IF}` and `{GPU_IF}` stand for
+    /// those texts), and the check that must catch it.
+    #[rustfmt::skip]
+    const DELETIONS: &[Deletion] = &[
+        // Triggers that run with secrets on what a pull request controls.
+        (CI, &[("  pull_request:\n", "  pull_request:\n  pull_request_target:\n")], Zizmor("dangerous-triggers")),
+        (CI, &[("  pull_request:\n", "  pull_request:\n  workflow_run:\n")], Zizmor("dangerous-triggers")),
+        (CI, &[("  pull_request:\n", ""), ("  push:\n    branches: [main]\n", ""), ("on:\n", "on: [push, workflow_run]\n")], Zizmor("dangerous-triggers")),
+        // Read-only permissions, at the top and in every job.
+        (CI, &[("permissions:\n  contents: read\n", "")], Zizmor("excessive-permissions")),
+        (CI, &[("  contents: read\n", "  contents: write\n")], Zizmor("excessive-permissions")),
+        (GPU, &[("permissions:\n  contents: read\n", "permissions: write-all\n")], Zizmor("excessive-permissions")),
+        (CI, &[("    needs: nix-flake-check\n", "    needs: nix-flake-check\n    permissions:\n      id-token: write\n")], Zizmor("undocumented-permissions")),
+        (GPU, &[("    timeout-minutes: 60\n", "    timeout-minutes: 60\n    permissions: write-all\n")], Zizmor("excessive-permissions")),
+        // Actions at a full SHA with its tag; images at a digest.
+        (GPU, &[("{CHECKOUT}", "actions/checkout@v7.0.1")], Zizmor("unpinned-uses")),
+        (GPU, &[("{CHECKOUT}", "actions/checkout@3d3c42e")], Zizmor("unpinned-uses")),
+        (GPU, &[(" # v7.0.1\n", "\n")], Rust(Rule::ActionTag)),
+        (GPU, &[("- uses: {CHECKOUT} # v7.0.1\n        with:\n          persist-credentials: false\n", "- uses: docker://alpine:3\n")], Zizmor("unpinned-images")),
+        // No token left in .git/config.
+        (GPU, &[("        with:\n          persist-credentials: false\n", "")], Zizmor("artipacked")),
+        (GPU, &[("persist-credentials: false", "persist-credentials: true")], Zizmor("artipacked")),
+        // Values reach scripts through env:, never spliced into them.
+        (CI, &[("\".#devShells.$SYSTEM.default\"", "\".#devShells.${{ matrix.system }}.default\"")], Zizmor("template-injection")),
+        (GPU, &[("          nix develop --command cargo run", "          echo \"${{ github.event.head_commit.message }}\"\n          nix develop --command cargo run")], Zizmor("template-injection")),
+        // A stale Cargo.lock fails instead of being rewritten.
+        (GPU, &[("cargo test --locked --release", "cargo test --release")], Rust(Rule::CargoUnlocked)),
+        (GPU, &[("cargo run --locked --release", "cargo run --release")], Rust(Rule::CargoUnlocked)),
+        // The self-hosted runner: pushes to main and manual runs on main
+        // only. A pull_request trigger on the GPU workflow: its `if:` no
+        // longer protects anything, since the pull request brings its own copy.
+        (GPU, &[("on:\n", "on:\n  pull_request:\n")], Rust(Rule::SelfHostedRunner)),
+        (GPU, &[("{GPU_IF}", "if: vars.KILN_GPU_RUNNER == 'true'")], Rust(Rule::SelfHostedRunner)),
+        (GPU, &[("    {GPU_IF}\n", "")], Rust(Rule::SelfHostedRunner)),
+        (GPU, &[("github.ref == 'refs/heads/main'", "github.ref == 'refs/heads/main' || github.event_name == 'push'")], Rust(Rule::SelfHostedRunner)),
+        // A self-hosted runner in a workflow that pull requests trigger.
+        (CI, &[("runner: ubuntu-24.04-arm", "runner: self-hosted")], Rust(Rule::SelfHostedRunner)),
+        (CI, &[("    runs-on: ubuntu-24.04\n", "    runs-on: [self-hosted, linux, gpu]\n")], Rust(Rule::SelfHostedRunner)),
+        // Secrets and the write environment: pushes to main only.
+        (CI, &[("    {CACHE_WRITE_IF}\n", "")], Rust(Rule::SecretOffMain)),
+        (CI, &[("{CACHE_WRITE_IF}", "if: github.ref == 'refs/heads/main'")], Rust(Rule::SecretOffMain)),
+        (CI, &[("{CACHE_WRITE_IF}", "if: github.event_name == 'push'")], Rust(Rule::SecretOffMain)),
+        // The token moved into a job that pull requests run, or to the top.
+        (CI, &[("          skipPush: true\n", "          authToken: ${{ secrets.CACHIX_AUTH_TOKEN }}\n")], Rust(Rule::SecretOffMain)),
+        (CI, &[("concurrency:\n", "env:\n  TOKEN: ${{ secrets.CACHIX_AUTH_TOKEN }}\nconcurrency:\n")], Rust(Rule::SecretOffMain)),
+        // Every other way to read the secrets context.
+        (CI, &[("      - name: .ci/run\n", "      - name: .ci/run\n        env:\n          T: ${{ secrets['CACHIX_AUTH_TOKEN'] }}\n")], Rust(Rule::SecretOffMain)),
+        (CI, &[("      - name: .ci/run\n", "      - name: .ci/run\n        env:\n          T: ${{ toJSON(secrets) }}\n")], Rust(Rule::SecretOffMain)),
+        (CI, &[("    timeout-minutes: 90\n", "    timeout-minutes: 90\n    environment: cachix-write\n")], Rust(Rule::SecretOffMain)),
+        (CI, &[("          cachixBin: ${{ runner.temp }}/cachix/bin/cachix\n", "")], Rust(Rule::CachixCli)),
+        // Dependabot keeps the SHAs current, a week behind.
+        (BOT, &[("    cooldown:\n      default-days: 7\n", "")], Zizmor("dependabot-cooldown")),
+        (BOT, &[("default-days: 7", "default-days: 2")], Zizmor("dependabot-cooldown")),
+        (BOT, &[("package-ecosystem: github-actions", "package-ecosystem: cargo")], Rust(Rule::Dependabot)),
+    ];
+
+    /// An edit's text with the table's placeholders filled in.
+    fn expand(text: &str) -> String {
+        text.replace("{CHECKOUT}", CHECKOUT)
+            .replace("{CACHE_WRITE_IF}", CACHE_WRITE_IF)
+            .replace("{GPU_IF}", GPU_IF)
+    }
+
+    /// zizmor where `cargo xtask setup` installed it (as `cargo xtask test`
+    /// does before its tests) or on PATH; `None` elsewhere (Nix's build
+    /// sandbox), where only the Rust invariants' half runs.
+    fn zizmor() -> Option<PathBuf> {
+        let cache = crate::cache::Cache::open().ok()?;
+        Toolbox::installed(&cache)
+            .ok()?
+            .find("zizmor", "a test")
+            .ok()
+    }
+
+    /// The audits zizmor reports for the repository at `root`.
+    fn zizmor_audits(zizmor: &Path, root: &Path) -> Vec<String> {
+        let out = output(
+            Command::new(zizmor)
+                .args(ZIZMOR_ARGS)
+                .args(["--format", "json"])
+                .current_dir(root),
+        )
+        .unwrap();
+        let findings: serde_json::Value = serde_json::from_slice(&out.stdout)
+            .unwrap_or_else(|e| panic!("zizmor printed no JSON ({e}): {out:?}"));
+        findings
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|f| f["ignored"] != true)
+            .map(|f| f["ident"].as_str().unwrap().to_string())
+            .collect()
+    }
+
+    /// Each guard deleted from a copy of `.github` is caught by the check
+    /// the table names, and the unedited copy passes both: the lint's two
+    /// halves together still catch every deletion the invariants once did
+    /// alone.
+    #[test]
+    fn every_guard_deletion_fails_the_lint() {
+        let zizmor = zizmor();
+        if zizmor.is_none() {
+            println!(
+                "skipped zizmor's half: zizmor is not installed (`cargo xtask setup`); only the Rust invariants' deletions run"
+            );
+        }
+        let copy = tempfile::tempdir().unwrap();
+        let root = copy.path();
+        let github = root.join(".github");
+        crate::tree::copy_tree(&repo_root().join(".github"), &github).unwrap();
+        if let Some(zizmor) = &zizmor {
+            assert_eq!(zizmor_audits(zizmor, root), Vec::<String>::new());
+        }
+        assert!(
+            workflow_invariants::check_repository(root)
+                .unwrap()
+                .is_empty()
+        );
+        for (file, edits, catcher) in DELETIONS {
+            let original = std::fs::read_to_string(repo_root().join(file)).unwrap();
+            let mut text = original.clone();
+            for (from, to) in *edits {
+                let from = expand(from);
+                // An edit that no longer applies must not pass as caught.
+                assert!(text.contains(&from), "{file} no longer contains {from:?}");
+                text = text.replacen(&from, &expand(to), 1);
+            }
+            std::fs::write(root.join(file), &text).unwrap();
+            let (wanted, found) = match catcher {
+                Rust(rule) => {
+                    let findings = workflow_invariants::check_repository(root).unwrap();
+                    let found = findings.iter().map(|f| f.rule.name().to_string()).collect();
+                    (rule.name(), found)
+                }
+                Zizmor(audit) => match &zizmor {
+                    Some(zizmor) => (*audit, zizmor_audits(zizmor, root)),
+                    None => (*audit, vec![audit.to_string()]),
+                },
+            };
+            assert!(
+                found.iter().any(|f| f == wanted),
+                "{file} with {edits:?}: expected {wanted}, found {found:?}"
+            );
+            std::fs::write(root.join(file), original).unwrap();
         }
     }
 }

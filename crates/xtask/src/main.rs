@@ -4,27 +4,27 @@
 
 mod cache;
 mod compiler;
+mod digest;
 mod disk;
 mod emulated;
 mod env;
-mod eval_nix;
 mod fetch;
-#[cfg(test)]
-mod flake_contract;
 mod gate;
 mod iree;
 mod iree_patches;
 mod kernels;
 mod lint_nix;
 mod lint_workflows;
-mod load;
-mod nix_build;
+mod nix;
 mod pins;
 mod prefix;
+mod process;
 mod ptxas;
 mod reference_files;
 mod repro;
 mod setup;
+#[cfg(test)]
+mod setup_coverage;
 mod steps;
 mod target;
 mod test;
@@ -90,9 +90,6 @@ enum Task {
     /// as root or with sudo), nixpkgs-fmt and deadnix (cargo-nextest where
     /// none is on PATH), the hash-pinned workflow linters.
     Setup,
-    /// A bounded load test of a running kiln-server: streamed greedy
-    /// completions, each checked complete and equal to its prompt alone, or 429.
-    Load(load::LoadArgs),
     /// Set up (as `setup`), then run the whole test suite: lint, both IREE
     /// variants, the tests, the gate.
     Test {
@@ -271,7 +268,6 @@ fn run(cli: Cli) -> Result<()> {
         Task::Setup => {
             setup::run(&Cache::open()?, setup::Scope::Everything)?;
         }
-        Task::Load(args) => load::run(&args)?,
         Task::Test {
             skip_aarch64,
             quick,
@@ -311,9 +307,9 @@ fn run(cli: Cli) -> Result<()> {
         Task::LintWorkflows => lint_workflows::run(&setup::Toolbox::installed(&Cache::open()?)?)?,
         Task::EvalNix { inputs, check } => {
             if check {
-                eval_nix::check()?;
+                nix::eval_check()?;
             } else {
-                eval_nix::run(&Cache::open()?, inputs.as_deref())?;
+                nix::eval(&Cache::open()?, inputs.as_deref())?;
             }
         }
         Task::NixBuild {
@@ -321,9 +317,9 @@ fn run(cli: Cli) -> Result<()> {
             sandbox,
             shell,
             attributes,
-        } => nix_build::run(
+        } => nix::build(
             &Cache::open()?,
-            nix_build::Options {
+            nix::BuildOptions {
                 inputs: inputs.as_deref(),
                 sandbox,
                 shell,
@@ -390,4 +386,56 @@ fn prefix_for_gate(target: &Target) -> Result<PathBuf> {
 
 fn load_pins() -> Result<Pins> {
     Pins::load(&default_pin_file())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The mutations check's phase `name`, as evaluated into the committed
+    /// summary; `None` in the Nix tests' source, which leaves the summary out
+    /// (crates/nix-harness/tests/flake.rs holds the flake's other promises).
+    fn mutations_phase(name: &str) -> Option<String> {
+        let path = crate::pins::repo_root().join("nix/eval/summary.json");
+        let Ok(text) = std::fs::read_to_string(path) else {
+            println!("skipped: nix/eval/summary.json is not in this source tree");
+            return None;
+        };
+        let summary: serde_json::Value = serde_json::from_str(&text).unwrap();
+        let phase = &summary["systems"]["x86_64-linux"]["checks.mutations"]["env"][name];
+        Some(
+            phase
+                .as_str()
+                .expect("the mutations check's phase")
+                .to_string(),
+        )
+    }
+
+    /// The `mutations` check must find the gate's report where the gate writes
+    /// it. It used to copy `target/gate/report.json`, a name the gate never
+    /// wrote (`report-TRIPLE.json`), so the check failed after a green gate.
+    /// Now the gate writes into `$out` itself: its command line must be one
+    /// xtask accepts, with `--out $out`, and nothing else may name the report.
+    #[test]
+    fn the_nix_mutations_check_has_the_gate_write_its_report_into_out() {
+        let Some(build) = mutations_phase("buildPhase") else {
+            return;
+        };
+        let line = build
+            .lines()
+            .find(|l| l.contains("--package xtask -- gate"))
+            .unwrap_or_else(|| panic!("the mutations check runs no gate:\n{build}"));
+        let args = line.split(" -- ").nth(1).unwrap().split_whitespace();
+        let cli = Cli::try_parse_from(std::iter::once("xtask").chain(args))
+            .unwrap_or_else(|e| panic!("xtask refuses the Nix check's gate command `{line}`: {e}"));
+        match cli.task {
+            Task::Gate { out, .. } => assert_eq!(out, Some(PathBuf::from("$out"))),
+            _ => panic!("`{line}` is not the gate"),
+        }
+        let install = mutations_phase("installPhase").unwrap();
+        assert!(
+            !install.contains("target/gate"),
+            "the install phase guesses the gate's report name:\n{install}"
+        );
+    }
 }

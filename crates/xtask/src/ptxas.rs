@@ -14,7 +14,7 @@ use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use anyhow::{Context, Result, anyhow};
+use anyhow::{Result, anyhow};
 use serde::Serialize;
 
 use crate::cache::Cache;
@@ -72,22 +72,15 @@ pub fn pinned_ptxas(cache: &Cache, pins: &Pins) -> Result<PathBuf> {
 pub fn build_bench(prefix: &Path) -> Result<PathBuf> {
     let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
     let root = crate::pins::repo_root();
-    let status = Command::new(cargo)
-        .args([
-            "build",
-            "--locked",
-            "--features",
-            "cuda,xla-iree",
-            "--bin",
-            "kiln-bench-decode",
-        ])
-        .current_dir(&root)
-        .env("KILN_IREE_PREFIX", prefix)
-        .status()
-        .context("cannot run cargo")?;
-    if !status.success() {
-        return Err(anyhow!("building kiln-bench-decode failed ({status})"));
-    }
+    let args = ["build", "--locked", "--features", "cuda,xla-iree"];
+    crate::process::run(
+        Command::new(cargo)
+            .args(args)
+            .args(["--bin", "kiln-bench-decode"])
+            .current_dir(&root)
+            .env("KILN_IREE_PREFIX", prefix),
+        "building kiln-bench-decode",
+    )?;
     let target = std::env::var_os("CARGO_TARGET_DIR")
         .map(|dir| root.join(dir))
         .unwrap_or_else(|| root.join("target"));
@@ -128,19 +121,12 @@ pub fn run(tools: &Tools, capabilities: &[String], out: &Path) -> Result<()> {
     for precision in PRECISIONS {
         command.args(["--precision", precision]);
     }
-    let output = command
-        .env("KILN_IREE_COMPILE", &wrapper)
-        // A module cache of its own, so that every module is compiled.
-        .env("KILN_CACHE_DIR", work.path().join("cache"))
-        .output()
-        .with_context(|| format!("cannot run {}", tools.bench.display()))?;
-    if !output.status.success() {
-        return Err(anyhow!(
-            "`{:?}` failed:\n{}",
-            command,
-            String::from_utf8_lossy(&output.stderr)
-        ));
-    }
+    crate::process::read(
+        command
+            .env("KILN_IREE_COMPILE", &wrapper)
+            // A module cache of its own, so that every module is compiled.
+            .env("KILN_CACHE_DIR", work.path().join("cache")),
+    )?;
 
     let mut ptx_files = Vec::new();
     for entry in walkdir::WalkDir::new(&dumps) {
@@ -169,12 +155,12 @@ pub fn run(tools: &Tools, capabilities: &[String], out: &Path) -> Result<()> {
                 Ok(file) => file.display().to_string(),
                 Err(_) => format!("module{index}"),
             };
-            let output = Command::new(&tools.ptxas)
-                .args(["-v", "--gpu-name", &gpu, "-o"])
-                .arg(work.path().join("out.cubin"))
-                .arg(ptx)
-                .output()
-                .with_context(|| format!("cannot run {}", tools.ptxas.display()))?;
+            let output = crate::process::output(
+                Command::new(&tools.ptxas)
+                    .args(["-v", "--gpu-name", &gpu, "-o"])
+                    .arg(work.path().join("out.cubin"))
+                    .arg(ptx),
+            )?;
             let text = String::from_utf8_lossy(&output.stderr).into_owned()
                 + &String::from_utf8_lossy(&output.stdout);
             if !output.status.success() {

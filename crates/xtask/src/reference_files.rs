@@ -9,7 +9,8 @@ use std::path::PathBuf;
 
 use anyhow::Result;
 
-use crate::cache::{Cache, content_key};
+use crate::cache::Cache;
+use crate::digest::content_key;
 use crate::fetch::fetch;
 use crate::pins::Pins;
 use crate::unpack;

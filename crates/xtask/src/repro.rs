@@ -5,10 +5,10 @@
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use anyhow::{Context, Result, anyhow};
+use anyhow::{Result, anyhow};
 use object::{Object, ObjectSection};
 
-use crate::fetch::sha256_file;
+use crate::digest::sha256_file;
 use crate::pins::repo_root;
 use crate::tree::copy_checkout;
 
@@ -25,29 +25,24 @@ pub fn run(prefix: &Path) -> Result<()> {
         copy_checkout(&repo_root(), &checkout)?;
         eprintln!("building the release binaries in {}", checkout.display());
         let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
-        let status = Command::new(cargo)
-            .args([
-                "build",
-                "--release",
-                "--locked",
-                "--features",
-                "cuda,xla-iree",
-                // kiln's own binaries; xtask embeds its checkout path by design.
-                "--package",
-                "kiln",
-                "--bins",
-            ])
-            .current_dir(&checkout)
-            .env("CARGO_TARGET_DIR", &target)
-            .env("KILN_IREE_PREFIX", prefix)
-            .status()
-            .context("cannot run cargo")?;
-        if !status.success() {
-            return Err(anyhow!(
-                "the release build in {} failed",
-                checkout.display()
-            ));
-        }
+        crate::process::run(
+            Command::new(cargo)
+                .args([
+                    "build",
+                    "--release",
+                    "--locked",
+                    "--features",
+                    "cuda,xla-iree",
+                    // kiln's own binaries; xtask embeds its checkout path by design.
+                    "--package",
+                    "kiln",
+                    "--bins",
+                ])
+                .current_dir(&checkout)
+                .env("CARGO_TARGET_DIR", &target)
+                .env("KILN_IREE_PREFIX", prefix),
+            &format!("the release build in {}", checkout.display()),
+        )?;
         builds.push(target.join("release"));
     }
 

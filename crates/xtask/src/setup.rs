@@ -1,7 +1,7 @@
 //! `cargo xtask setup` (and the first step of `cargo xtask test`): everything
 //! the suite (and, for `setup`, `cargo xtask nix-build`) needs that a fresh
 //! Debian/Ubuntu machine with only rustup lacks.
-//! - the system packages of [`SYSTEM_PACKAGES`], through apt when this user
+//! - the system packages of [`SYSTEM_PACKAGES`] (tools.rs), through apt when this user
 //!   is root or has password-less sudo; otherwise the exact apt command, and
 //!   a stop. The same table names the package in every check's message for a
 //!   missing program ([`crate::tools::require_host_program`]);
@@ -23,160 +23,12 @@ use std::process::Command;
 
 use anyhow::{Context, Result, anyhow};
 
-use crate::cache::{Cache, content_key};
-use crate::fetch::{fetch, sha256_file};
+use crate::cache::Cache;
+use crate::digest::{content_key, sha256_file};
+use crate::fetch::fetch;
 use crate::pins::{Download, repo_root};
+use crate::tools::{SYSTEM_PACKAGES, package_of};
 use crate::unpack;
-
-/// A Debian/Ubuntu package that kiln's build scripts and steps need.
-pub struct SystemPackage {
-    pub name: &'static str,
-    /// The programs of it that the steps run: each is checked before use
-    /// ([`crate::tools::require_host_program`]), and a missing one is named
-    /// with this package and `cargo xtask setup`.
-    pub programs: &'static [&'static str],
-    pub purpose: &'static str,
-}
-
-const fn package(
-    name: &'static str,
-    programs: &'static [&'static str],
-    purpose: &'static str,
-) -> SystemPackage {
-    SystemPackage {
-        name,
-        programs,
-        purpose,
-    }
-}
-
-/// Every system package that a build script or step needs, and the programs
-/// it provides: the one table that `setup` installs from and that the
-/// checks' messages name packages from, so that the two cannot drift.
-pub const SYSTEM_PACKAGES: [SystemPackage; 23] = [
-    package(
-        "build-essential",
-        &["cc", "c++"],
-        "C/C++ compilers for the IREE runtime and the shim",
-    ),
-    package(
-        "pkg-config",
-        &["pkg-config"],
-        "kiln-iree's build script reads the prefix's link recipe",
-    ),
-    package(
-        "libclang-dev",
-        &[],
-        "bindgen in kiln-iree's build script; cargo xtask nix-build's libclang",
-    ),
-    package(
-        "clang-14",
-        &["clang-14"],
-        "cargo xtask kernels: kiln's CUDA kernels' PTX from their source",
-    ),
-    package(
-        "patch",
-        &["patch"],
-        "applies nix/iree-patches to the IREE source",
-    ),
-    package(
-        "git",
-        &["git"],
-        "the checkout's files (git ls-files); cargo xtask nix-build: the host package set",
-    ),
-    package(
-        "python3",
-        &["python3"],
-        "the linters' and clients' virtual environments; cargo xtask nix-build's Jinja2",
-    ),
-    package(
-        "rsync",
-        &["rsync"],
-        "cargo xtask nix-build: the host package set",
-    ),
-    package(
-        "patchelf",
-        &["patchelf"],
-        "cargo xtask nix-build: the host package set",
-    ),
-    package("jq", &["jq"], "cargo xtask nix-build: the host package set"),
-    package(
-        "zstd",
-        &["zstd"],
-        "cargo xtask nix-build: the host package set",
-    ),
-    package(
-        "curl",
-        &["curl"],
-        "cargo xtask nix-build: the host package set",
-    ),
-    package(
-        "unzip",
-        &["unzip"],
-        "cargo xtask nix-build: the host package set",
-    ),
-    package(
-        "python3-jinja2",
-        &[],
-        "cargo xtask nix-build: the tests' Jinja2, from the host's python3",
-    ),
-    package(
-        "ca-certificates",
-        &[],
-        "HTTPS downloads of the pinned inputs",
-    ),
-    package(
-        "nix-bin",
-        &[
-            "nix-instantiate",
-            "nix-build",
-            "nix-store",
-            "nix-hash",
-            "nix-shell",
-            "nix",
-        ],
-        "lint-nix, eval-nix and nix-build: Debian's Nix",
-    ),
-    package(
-        "python3-venv",
-        &[],
-        "the workflow linters' virtual environment",
-    ),
-    package(
-        "shellcheck",
-        &["shellcheck"],
-        "actionlint's check of every `run:` script",
-    ),
-    package(
-        "valgrind",
-        &["valgrind"],
-        ".ci/hardening: an iree-cpu decode under memcheck",
-    ),
-    package(
-        "gcc-aarch64-linux-gnu",
-        &["aarch64-linux-gnu-gcc"],
-        "the aarch64 (GB10) IREE prefix and link, cross-compiled",
-    ),
-    package(
-        "g++-aarch64-linux-gnu",
-        &["aarch64-linux-gnu-g++"],
-        "the aarch64 IREE prefix's C++ (CMake)",
-    ),
-    package("libc6-dev-arm64-cross", &[], "the aarch64 sysroot"),
-    package(
-        "qemu-user",
-        &["qemu-aarch64"],
-        "the aarch64 tests, under qemu-aarch64",
-    ),
-];
-
-/// The package in [`SYSTEM_PACKAGES`] that provides `program`.
-pub fn package_of(program: &str) -> Option<&'static str> {
-    SYSTEM_PACKAGES
-        .iter()
-        .find(|p| p.programs.contains(&program))
-        .map(|p| p.name)
-}
 
 /// A crates.io binary crate, pinned by version and the sha256 of its `.crate`
 /// (the `cksum` in the crates.io index).
@@ -343,7 +195,7 @@ fn rust_targets() -> Result<()> {
         // Nix's toolchain comes with the file's targets.
         return Ok(());
     }
-    run_checked(
+    crate::process::run(
         Command::new("rustup")
             .args(["target", "add", crate::target::AARCH64])
             .current_dir(repo_root()),
@@ -398,18 +250,11 @@ fn system_packages() -> Result<()> {
             }
             None => Command::new("apt-get"),
         };
-        let status = command
-            .args(args)
-            .env("DEBIAN_FRONTEND", "noninteractive")
-            .status()
-            .context("cannot run apt-get")?;
-        if !status.success() {
-            return Err(anyhow!(
-                "`apt-get {}` failed ({status}); install by hand: {install}",
-                args.join(" ")
-            ));
-        }
-        Ok(())
+        crate::process::run(
+            command.args(args).env("DEBIAN_FRONTEND", "noninteractive"),
+            &format!("`apt-get {}`", args.join(" ")),
+        )
+        .with_context(|| format!("install by hand: {install}"))
     };
     apt(&["update", "-qq"])?;
     let mut args = vec!["install", "-y", "-qq", "--no-install-recommends"];
@@ -483,25 +328,20 @@ fn install_cargo_tool(cache: &Cache, tool: &CargoTool) -> Result<()> {
     cache.publish(&dest, |staging| {
         eprintln!("setup: cargo install --locked {crate_name}");
         let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
-        let status = Command::new(cargo)
-            .args(["install", "--locked", "--quiet", "--path"])
-            .arg(&source)
-            .arg("--root")
-            .arg(staging)
-            .arg("--target-dir")
-            .arg(build.path().join("target"))
-            .current_dir(build.path())
-            // Someone else's crate: its warnings are not ours to see, and a
-            // `-D warnings` in the caller's RUSTFLAGS must not fail its build.
-            .env("RUSTFLAGS", "--cap-lints=allow")
-            .status()
-            .context("cannot run cargo install")?;
-        if !status.success() {
-            return Err(anyhow!(
-                "`cargo install --locked {crate_name}` failed ({status})"
-            ));
-        }
-        Ok(())
+        crate::process::run(
+            Command::new(cargo)
+                .args(["install", "--locked", "--quiet", "--path"])
+                .arg(&source)
+                .arg("--root")
+                .arg(staging)
+                .arg("--target-dir")
+                .arg(build.path().join("target"))
+                .current_dir(build.path())
+                // Someone else's crate: its warnings are not ours to see, and a
+                // `-D warnings` in the caller's RUSTFLAGS must not fail its build.
+                .env("RUSTFLAGS", "--cap-lints=allow"),
+            &format!("`cargo install --locked {crate_name}`"),
+        )
     })?;
     Ok(())
 }
@@ -577,27 +417,17 @@ fn install_venv(cache: &Cache, venv: &Venv) -> Result<()> {
 
 fn build_venv(dir: &Path, requirements: &str) -> Result<()> {
     eprintln!("setup: {requirements} into {}", dir.display());
-    run_checked(
+    crate::process::run(
         Command::new("python3").arg("-m").arg("venv").arg(dir),
         "python3 -m venv (Debian/Ubuntu: apt-get install -y python3-venv)",
     )?;
-    run_checked(
+    crate::process::run(
         Command::new(dir.join("bin/pip"))
             .args(["install", "--quiet", "--require-hashes", "--no-deps", "-r"])
             .arg(repo_root().join(requirements)),
         &format!("pip install --require-hashes -r {requirements}"),
     )?;
     std::fs::write(dir.join(VENV_COMPLETE), b"")?;
-    Ok(())
-}
-
-fn run_checked(command: &mut Command, what: &str) -> Result<()> {
-    let status = command
-        .status()
-        .with_context(|| format!("cannot run {what}"))?;
-    if !status.success() {
-        return Err(anyhow!("{what} failed ({status})"));
-    }
     Ok(())
 }
 

@@ -15,8 +15,8 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant, SystemTime};
 
+use crate::digest::{Digest, Sha256};
 use anyhow::{Context, Result, anyhow};
-use sha2::{Digest, Sha256};
 
 use crate::cache::Cache;
 use crate::disk;
@@ -68,7 +68,7 @@ impl Runner {
         let root = repo_root();
         let mut files = Vec::new();
         for file in crate::tree::source_files(&root)? {
-            let hash = crate::fetch::sha256_file(&root.join(&file))?;
+            let hash = crate::digest::sha256_file(&root.join(&file))?;
             files.push((file, hash));
         }
         files.sort();
@@ -209,7 +209,7 @@ impl Runner {
         for (name, value) in result_env() {
             hash.update(format!("env {name}={value}\n"));
         }
-        hex::encode(hash.finalize())
+        crate::digest::hex(hash)
     }
 
     fn no_room_for(&self, step: &Keyed) -> Option<String> {
@@ -284,15 +284,10 @@ fn result_env() -> Vec<(String, String)> {
 fn toolchain_identity() -> Result<String> {
     let mut identity = String::new();
     for (program, arg) in [("rustc", "-vV"), ("cargo", "-V")] {
-        let output = Command::new(program)
-            .arg(arg)
-            .current_dir(repo_root())
-            .output()
-            .with_context(|| format!("cannot run {program} {arg}"))?;
-        if !output.status.success() {
-            return Err(anyhow!("{program} {arg} failed"));
-        }
-        identity.push_str(&String::from_utf8_lossy(&output.stdout));
+        let version =
+            crate::process::read(Command::new(program).arg(arg).current_dir(repo_root()))?;
+        identity.push_str(&version);
+        identity.push('\n');
     }
     Ok(identity)
 }

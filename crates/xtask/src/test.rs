@@ -5,7 +5,7 @@ use std::path::Path;
 use std::process::Command;
 use std::time::Duration;
 
-use anyhow::{Context, Result, anyhow};
+use anyhow::Result;
 
 use crate::cache::Cache;
 use crate::iree::{self, Variant};
@@ -117,7 +117,7 @@ pub fn run(cache: &Cache, pins: &Pins, plan: &Plan) -> Result<()> {
         )?;
         steps.run(
             "Nix evaluation summary matches the Nix files",
-            crate::eval_nix::check,
+            crate::nix::eval_check,
         )?;
         steps.keyed(
             lint(
@@ -278,30 +278,24 @@ fn openai_client(cache: &Cache) -> Result<()> {
         .map(std::path::PathBuf::from)
         .unwrap_or_else(|| root.join("target"));
     let bin = target.join("debug");
-    let status = Command::new(&python)
-        .arg(root.join("tests/openai_client.py"))
-        .arg(bin.join("kiln-server"))
-        .arg(bin.join("kiln"))
-        .current_dir(&root)
-        .status()
-        .with_context(|| format!("cannot run {}", python.display()))?;
-    if !status.success() {
-        return Err(anyhow!("tests/openai_client.py failed ({status})"));
-    }
-    Ok(())
+    crate::process::run(
+        Command::new(&python)
+            .arg(root.join("tests/openai_client.py"))
+            .arg(bin.join("kiln-server"))
+            .arg(bin.join("kiln"))
+            .current_dir(&root),
+        "tests/openai_client.py",
+    )
 }
 
 /// Runs the cargo that runs xtask, in the repository root.
 fn cargo(args: &[&str], env: &[(&str, OsString)]) -> Result<()> {
     let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
-    let status = Command::new(cargo)
-        .args(args)
-        .envs(env.iter().map(|(k, v)| (k, v)))
-        .current_dir(repo_root())
-        .status()
-        .context("cannot run cargo")?;
-    if !status.success() {
-        return Err(anyhow!("`cargo {}` failed ({status})", args.join(" ")));
-    }
-    Ok(())
+    crate::process::run(
+        Command::new(cargo)
+            .args(args)
+            .envs(env.iter().map(|(k, v)| (k, v)))
+            .current_dir(repo_root()),
+        &format!("`cargo {}`", args.join(" ")),
+    )
 }

@@ -1,5 +1,7 @@
 //! The programs a build needs: pinned ones unpacked from wheels, and the
-//! host's C toolchain, checked up front so a missing one is named clearly.
+//! host's, checked up front so a missing one is named clearly with the
+//! system package that provides it ([`SYSTEM_PACKAGES`], which `cargo xtask
+//! setup` installs).
 
 use std::os::unix::fs::PermissionsExt;
 use std::path::PathBuf;
@@ -10,8 +12,67 @@ use anyhow::{Context, Result, anyhow};
 use crate::cache::Cache;
 use crate::fetch::fetch;
 use crate::pins::{Tool, for_system};
-use crate::setup::package_of;
 use crate::unpack;
+
+/// A Debian/Ubuntu package that kiln's build scripts and steps need.
+pub struct SystemPackage {
+    pub name: &'static str,
+    /// The programs of it that the steps run: each is checked before use
+    /// ([`crate::tools::require_host_program`]), and a missing one is named
+    /// with this package and `cargo xtask setup`.
+    pub programs: &'static [&'static str],
+    pub purpose: &'static str,
+}
+
+const fn package(
+    name: &'static str,
+    programs: &'static [&'static str],
+    purpose: &'static str,
+) -> SystemPackage {
+    SystemPackage {
+        name,
+        programs,
+        purpose,
+    }
+}
+
+/// Every system package that a build script or step needs, and the programs
+/// it provides: the one table that `setup` installs from and that the
+/// checks' messages name packages from, so that the two cannot drift.
+#[rustfmt::skip]
+pub const SYSTEM_PACKAGES: [SystemPackage; 23] = [
+    package("build-essential", &["cc", "c++"], "C/C++ compilers for the IREE runtime and the shim"),
+    package("pkg-config", &["pkg-config"], "kiln-iree's build script reads the prefix's link recipe"),
+    package("libclang-dev", &[], "bindgen in kiln-iree's build script; cargo xtask nix-build's libclang"),
+    package("clang-14", &["clang-14"], "cargo xtask kernels: kiln's CUDA kernels' PTX from their source"),
+    package("patch", &["patch"], "applies nix/iree-patches to the IREE source"),
+    package("git", &["git"], "the checkout's files (git ls-files); cargo xtask nix-build: the host package set"),
+    package("python3", &["python3"], "the linters' and clients' virtual environments; cargo xtask nix-build's Jinja2"),
+    package("rsync", &["rsync"], "cargo xtask nix-build: the host package set"),
+    package("patchelf", &["patchelf"], "cargo xtask nix-build: the host package set"),
+    package("jq", &["jq"], "cargo xtask nix-build: the host package set"),
+    package("zstd", &["zstd"], "cargo xtask nix-build: the host package set"),
+    package("curl", &["curl"], "cargo xtask nix-build: the host package set"),
+    package("unzip", &["unzip"], "cargo xtask nix-build: the host package set"),
+    package("python3-jinja2", &[], "cargo xtask nix-build: the tests' Jinja2, from the host's python3"),
+    package("ca-certificates", &[], "HTTPS downloads of the pinned inputs"),
+    package("nix-bin", &["nix-instantiate", "nix-build", "nix-store", "nix-hash", "nix-shell", "nix"], "lint-nix, eval-nix and nix-build: Debian's Nix"),
+    package("python3-venv", &[], "the workflow linters' virtual environment"),
+    package("shellcheck", &["shellcheck"], "actionlint's check of every `run:` script"),
+    package("valgrind", &["valgrind"], ".ci/hardening: an iree-cpu decode under memcheck"),
+    package("gcc-aarch64-linux-gnu", &["aarch64-linux-gnu-gcc"], "the aarch64 (GB10) IREE prefix and link, cross-compiled"),
+    package("g++-aarch64-linux-gnu", &["aarch64-linux-gnu-g++"], "the aarch64 IREE prefix's C++ (CMake)"),
+    package("libc6-dev-arm64-cross", &[], "the aarch64 sysroot"),
+    package("qemu-user", &["qemu-aarch64"], "the aarch64 tests, under qemu-aarch64"),
+];
+
+/// The package in [`SYSTEM_PACKAGES`] that provides `program`.
+pub fn package_of(program: &str) -> Option<&'static str> {
+    SYSTEM_PACKAGES
+        .iter()
+        .find(|p| p.programs.contains(&program))
+        .map(|p| p.name)
+}
 
 /// Fetches and unpacks a pinned tool wheel; returns the program's path.
 pub fn pinned_tool(cache: &Cache, tool: &Tool, what: &str, system: &str) -> Result<PathBuf> {
@@ -33,7 +94,7 @@ pub fn pinned_tool(cache: &Cache, tool: &Tool, what: &str, system: &str) -> Resu
 
 /// How to get `program`: `cargo xtask setup`, the one command that installs
 /// every system package the steps need, and the Debian/Ubuntu package of it
-/// ([`crate::setup::SYSTEM_PACKAGES`]).
+/// ([`SYSTEM_PACKAGES`]).
 pub fn install_hint(program: &str) -> String {
     match package_of(program) {
         Some(package) => package_hint(package),
@@ -115,178 +176,6 @@ pub fn host_c_toolchain() -> Result<Vec<String>> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::pins::repo_root;
-    use crate::setup::SYSTEM_PACKAGES;
-    use crate::target::{AARCH64, Target};
-
-    /// The string literals passed as first argument to `function(` in `text`.
-    fn literal_arguments<'a>(text: &'a str, function: &str) -> Vec<&'a str> {
-        text.match_indices(&format!("{function}("))
-            .filter_map(|(at, call)| {
-                let rest = text[at + call.len()..].trim_start().strip_prefix('"')?;
-                rest.split_once('"').map(|(literal, _)| literal)
-            })
-            .collect()
-    }
-
-    /// xtask's source files, each without its tests (which call the checks
-    /// with programs that are not meant to exist).
-    fn xtask_sources() -> Vec<(String, String)> {
-        walkdir::WalkDir::new(repo_root().join("crates/xtask/src"))
-            .into_iter()
-            .map(|entry| entry.unwrap().into_path())
-            .filter(|path| path.extension().is_some_and(|e| e == "rs"))
-            .map(|path| {
-                let text = std::fs::read_to_string(&path).unwrap();
-                let code = text.split("#[cfg(test)]\nmod tests").next().unwrap();
-                (path.display().to_string(), code.to_string())
-            })
-            .collect()
-    }
-
-    /// Every program a step checks for (or names in a hint) is in a package
-    /// of setup's table, and so is every package a hint names: a check
-    /// added without its package fails here, not on a fresh machine.
-    #[test]
-    fn every_program_the_steps_check_for_is_in_a_package_setup_installs() {
-        let aarch64 = Target::parse(Some(AARCH64)).unwrap();
-        let mut programs: Vec<String> = [
-            crate::kernels::CLANG,
-            "cc",
-            "c++",
-            &aarch64.cc(),
-            &aarch64.cxx(),
-            &format!("qemu-{}", aarch64.arch()),
-        ]
-        .iter()
-        .chain(&crate::nix_build::HOST_PROGRAMS)
-        .chain(&crate::eval_nix::PROGRAMS)
-        .map(|p| p.to_string())
-        .collect();
-        let mut packages: Vec<String> = Vec::new();
-        for (file, text) in xtask_sources() {
-            for function in ["require_host_program", "install_hint"] {
-                for program in literal_arguments(&text, function) {
-                    assert!(!program.is_empty(), "an empty program name in {file}");
-                    programs.push(program.to_string());
-                }
-            }
-            packages.extend(
-                literal_arguments(&text, "package_hint")
-                    .into_iter()
-                    .map(String::from),
-            );
-        }
-        // The scan found the literal calls (pkg-config's, git's, nix's, ...).
-        assert!(programs.iter().any(|p| p == "pkg-config"), "{programs:?}");
-        assert!(packages.iter().any(|p| p == "libclang-dev"), "{packages:?}");
-        let unknown: Vec<&String> = programs
-            .iter()
-            .filter(|p| package_of(p).is_none())
-            .collect();
-        assert!(
-            unknown.is_empty(),
-            "checked for, but in no package of setup::SYSTEM_PACKAGES: {unknown:?}"
-        );
-        let names: Vec<&str> = SYSTEM_PACKAGES.iter().map(|p| p.name).collect();
-        let not_installed: Vec<&String> = packages
-            .iter()
-            .filter(|p| !names.contains(&p.as_str()))
-            .collect();
-        assert!(
-            not_installed.is_empty(),
-            "named in a hint, but not installed by setup: {not_installed:?}"
-        );
-    }
-
-    /// The packages after each `apt-get install` in `text` (options skipped;
-    /// a placeholder such as `{package}` or `$program` ends the list).
-    fn apt_packages(text: &str) -> Vec<String> {
-        let mut packages = Vec::new();
-        for (at, needle) in text.match_indices("apt-get install") {
-            let line = text[at + needle.len()..].lines().next().unwrap_or_default();
-            for word in line.split_whitespace() {
-                if word.starts_with('-') {
-                    continue;
-                }
-                let name = word.trim_end_matches([')', ',', '`', '"', ';', '.', '\'', '\\']);
-                let valid = !name.is_empty()
-                    && name
-                        .chars()
-                        .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || "+-.".contains(c));
-                if !valid {
-                    break;
-                }
-                packages.push(name.to_string());
-                if name.len() != word.len() {
-                    break;
-                }
-            }
-        }
-        packages
-    }
-
-    #[test]
-    fn apt_packages_are_read_from_hints() {
-        assert_eq!(
-            apt_packages("(Debian/Ubuntu: apt-get install -y nix-bin jq), or else"),
-            ["nix-bin", "jq"]
-        );
-        assert_eq!(
-            apt_packages("`apt-get install -y libclang-dev`, or set"),
-            ["libclang-dev"]
-        );
-        assert!(apt_packages("apt-get install -y {package}").is_empty());
-        assert!(apt_packages("apt-get install $program").is_empty());
-    }
-
-    /// Every package that a message, build script, CI script or page tells
-    /// the reader to install with apt is one `cargo xtask setup` installs.
-    #[test]
-    fn every_package_a_message_or_page_names_is_one_setup_installs() {
-        let root = repo_root();
-        let mut files: Vec<(String, String)> = xtask_sources();
-        let mut others: Vec<std::path::PathBuf> = [
-            "crates/kiln-iree/build.rs",
-            "build.rs",
-            ".ci/run",
-            ".ci/hardening",
-            "README.md",
-        ]
-        .iter()
-        .map(|f| root.join(f))
-        .collect();
-        // The Nix build's test source has no docs or CI scripts.
-        if let Ok(docs) = std::fs::read_dir(root.join("docs")) {
-            others.extend(docs.map(|e| e.unwrap().path()));
-        }
-        for path in others.iter().filter(|p| p.is_file()) {
-            files.push((
-                path.display().to_string(),
-                std::fs::read_to_string(path).unwrap(),
-            ));
-        }
-        // kiln-iree's build script cannot call xtask: it names its packages,
-        // and the scan must see them.
-        let build_script = std::fs::read_to_string(root.join("crates/kiln-iree/build.rs")).unwrap();
-        let named = apt_packages(&build_script);
-        for package in ["libclang-dev", "pkg-config", "build-essential"] {
-            assert!(named.iter().any(|p| p == package), "{named:?}");
-        }
-        let names: Vec<&str> = SYSTEM_PACKAGES.iter().map(|p| p.name).collect();
-        let mut problems = Vec::new();
-        for (file, text) in &files {
-            for package in apt_packages(text) {
-                if !names.contains(&package.as_str()) {
-                    problems.push(format!("{file}: {package}"));
-                }
-            }
-        }
-        assert!(
-            problems.is_empty(),
-            "apt packages named but not installed by `cargo xtask setup`: {problems:?}"
-        );
-    }
 
     #[test]
     fn the_hint_names_the_package_and_setup() {
@@ -361,7 +250,7 @@ mod tests {
                 "{error}"
             );
         }
-        let error = require_host_programs(&crate::nix_build::HOST_PROGRAMS, "the Nix build")
+        let error = require_host_programs(&nix_harness::build::HOST_PROGRAMS, "the Nix build")
             .unwrap_err()
             .to_string();
         eprintln!("{error}");

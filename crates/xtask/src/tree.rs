@@ -16,22 +16,18 @@ use anyhow::{Context, Result, anyhow};
 /// along: it chooses the linker.)
 pub fn source_files(root: &Path) -> Result<Vec<PathBuf>> {
     if root.join(".git").exists() {
-        let listing = Command::new("git")
-            .args([
-                "ls-files",
-                "-z",
-                "--cached",
-                "--others",
-                "--exclude-standard",
-            ])
-            .current_dir(root)
-            .output()
-            .with_context(|| {
-                format!(
-                    "cannot run git ls-files in the checkout; {}",
-                    crate::tools::install_hint("git")
-                )
-            })?;
+        let listing = crate::process::output(
+            Command::new("git")
+                .args([
+                    "ls-files",
+                    "-z",
+                    "--cached",
+                    "--others",
+                    "--exclude-standard",
+                ])
+                .current_dir(root),
+        )
+        .with_context(|| crate::tools::install_hint("git"))?;
         if !listing.status.success() {
             return Err(anyhow!(
                 "git ls-files failed in {}: {}",

@@ -5,8 +5,8 @@ use std::fs::File;
 use std::io::Read;
 use std::path::Path;
 
+use crate::digest::sha256_hex;
 use anyhow::{Context, Result, anyhow};
-use sha2::{Digest, Sha256};
 
 /// Unpacks a gzip-compressed tarball (a `.crate`) into `dest`.
 pub fn tar_gz(archive: &Path, dest: &Path) -> Result<()> {
@@ -75,7 +75,7 @@ pub fn tar_gz_members_checked(
         };
         let mut bytes = Vec::new();
         entry.read_to_end(&mut bytes)?;
-        let actual = hex::encode(Sha256::digest(&bytes));
+        let actual = sha256_hex(&bytes);
         if actual != expected {
             return Err(anyhow!(
                 "{member} of {} has sha256 {actual}, not the pinned {expected}",
@@ -123,7 +123,7 @@ mod tests {
         tar.into_inner().unwrap().finish().unwrap();
         wanted
             .iter()
-            .map(|(name, contents)| (name.to_string(), hex::encode(Sha256::digest(contents))))
+            .map(|(name, contents)| (name.to_string(), sha256_hex(contents)))
             .collect()
     }
 

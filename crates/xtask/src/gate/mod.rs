@@ -342,13 +342,13 @@ fn cargo(tree: &Path, build: &Build, prefix: &Path, args: &[&str]) -> Result<Out
         command.args(["--target", build.target.triple]);
     }
     command.envs(build.target.cargo_env());
-    let output = command
-        .current_dir(tree)
-        .env("KILN_IREE_PREFIX", prefix)
-        .env("CARGO_TARGET_DIR", build.target_dir)
-        .env("CARGO_TERM_COLOR", "never")
-        .output()
-        .context("cannot run cargo")?;
+    let output = crate::process::output(
+        command
+            .current_dir(tree)
+            .env("KILN_IREE_PREFIX", prefix)
+            .env("CARGO_TARGET_DIR", build.target_dir)
+            .env("CARGO_TERM_COLOR", "never"),
+    )?;
     Ok(Outcome {
         success: output.status.success(),
         output: String::from_utf8_lossy(&output.stdout).into_owned()

@@ -8,9 +8,6 @@
 //! the evaluation read, which `cargo xtask eval-nix --check` (a step of the
 //! test suite) holds the working tree to.
 
-mod controls;
-pub mod inputs;
-
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
 use std::process::Command;
@@ -19,13 +16,11 @@ use std::time::Instant;
 use anyhow::{Context, Result, anyhow};
 use serde_json::{Value, json};
 
-use crate::cache::Cache;
-use crate::fetch::sha256_file;
-use crate::pins::repo_root;
-use crate::tree::copy_checkout;
-use inputs::Inputs;
+use crate::inputs::Inputs;
+use crate::{Checkout, controls, output, read, sha256_file};
 
 const SUMMARY: &str = "nix/eval/summary.json";
+const DRIVER: &str = "nix/eval/default.nix";
 /// The evaluation's own files: they change what it finds, so they are
 /// hashed too.
 const EVALUATOR: [&str; 6] = [
@@ -47,37 +42,36 @@ const NOT_REBUILT_BY_RUST_EDITS: [&str; 3] = [
 /// An edit to the installer the IREE derivations run.
 const XTASK_EDIT: &str = "crates/xtask/src/prefix.rs";
 const TRACE: &str = "trace: kiln-eval-read: ";
-/// Debian's Nix programs the evaluation runs, checked before it starts.
+/// Debian's Nix programs the evaluation runs: the caller checks for them
+/// before it starts, naming their package.
 pub const PROGRAMS: [&str; 3] = ["nix-instantiate", "nix", "nix-hash"];
 
 /// The outputs whose `.drv` changes when a comment is appended to `file`.
 fn edited_outputs(
+    checkout: &Checkout,
     work: &Path,
     file: &str,
     inputs: &Inputs,
     before: &Evaluation,
 ) -> Result<Vec<String>> {
     let edited = work.join("kiln-edited");
-    copy_checkout(&repo_root(), &edited)?;
+    checkout.copy_to(&edited)?;
     let path = edited.join(file);
     let text = std::fs::read_to_string(&path)?;
     std::fs::write(&path, text + "\n// eval-nix: an edit\n")?;
-    let after = evaluate(&edited, inputs, None)?;
+    let after = evaluate(checkout.root, &edited, inputs, None)?;
     Ok(changed_outputs(&before.outputs, &after.outputs))
 }
 
-/// Evaluates, summarises, runs the negative controls, writes the summary.
-pub fn run(cache: &Cache, inputs_dir: Option<&Path>) -> Result<()> {
-    crate::tools::require_host_programs(&PROGRAMS, "cargo xtask eval-nix")?;
+/// Evaluates, summarises, runs the negative controls, writes the summary
+/// into the checkout.
+pub fn run(checkout: &Checkout, inputs: &Inputs) -> Result<()> {
     let started = Instant::now();
-    let inputs = match inputs_dir {
-        Some(dir) => inputs::from_folder(dir)?,
-        None => inputs::download(cache)?,
-    };
+    let root = checkout.root;
     let work = tempfile::tempdir().context("cannot create a scratch folder")?;
-    let checkout = work.path().join("kiln");
-    copy_checkout(&repo_root(), &checkout)?;
-    let evaluation = evaluate(&checkout, &inputs, None)?;
+    let copy = work.path().join("kiln");
+    checkout.copy_to(&copy)?;
+    let evaluation = evaluate(root, &copy, inputs, None)?;
     eprintln!(
         "evaluated {} systems in {:.1}s",
         evaluation.outputs.len(),
@@ -97,7 +91,7 @@ pub fn run(cache: &Cache, inputs_dir: Option<&Path>) -> Result<()> {
     // The same checkout with one comment added to a Rust source: the IREE
     // packages must not change. And with one added to xtask's installer:
     // they must (else they would not build from the real xtask).
-    let rebuilt = edited_outputs(work.path(), RUST_EDIT, &inputs, &evaluation)?;
+    let rebuilt = edited_outputs(checkout, work.path(), RUST_EDIT, inputs, &evaluation)?;
     let wrongly_rebuilt: Vec<&String> = rebuilt
         .iter()
         .filter(|o| {
@@ -106,7 +100,7 @@ pub fn run(cache: &Cache, inputs_dir: Option<&Path>) -> Result<()> {
                 .any(|n| o.ends_with(&format!(".{n}")))
         })
         .collect();
-    let xtask_rebuilt = edited_outputs(work.path(), XTASK_EDIT, &inputs, &evaluation)?;
+    let xtask_rebuilt = edited_outputs(checkout, work.path(), XTASK_EDIT, inputs, &evaluation)?;
     if !xtask_rebuilt
         .iter()
         .any(|o| o.ends_with(".packages.iree-runtime"))
@@ -116,16 +110,16 @@ pub fn run(cache: &Cache, inputs_dir: Option<&Path>) -> Result<()> {
         ));
     }
 
-    let controls = controls::run(&repo_root(), work.path(), &inputs)?;
+    let controls = controls::run(checkout, work.path(), inputs)?;
 
     let mut read: BTreeMap<String, String> = BTreeMap::new();
     for file in evaluation.read.iter().map(String::as_str).chain(EVALUATOR) {
-        read.insert(file.to_string(), sha256_file(&repo_root().join(file))?);
+        read.insert(file.to_string(), sha256_file(&root.join(file))?);
     }
     let summary = json!({
         "_comment": "Written by `cargo xtask eval-nix`; do not edit. `read` holds the sha256 of every repository file the evaluation read; `cargo xtask eval-nix --check` (a step of `cargo xtask test`) fails when one differs.",
         "command": "cargo xtask eval-nix --inputs DIR   (DIR: nixpkgs-lib/, crane/, rust-overlay/; or no --inputs where GitHub is reachable)",
-        "nix": crate::tools::require_host_program("nix-instantiate", "evaluates the flake")?,
+        "nix": nix_version()?,
         "inputs": inputs.provenance,
         "read": read,
         "rust_edit": {
@@ -139,7 +133,7 @@ pub fn run(cache: &Cache, inputs_dir: Option<&Path>) -> Result<()> {
         "negative_controls": controls,
         "systems": systems,
     });
-    let path = repo_root().join(SUMMARY);
+    let path = root.join(SUMMARY);
     std::fs::write(&path, serde_json::to_string_pretty(&summary)? + "\n")?;
     eprintln!(
         "eval-nix: {} outputs instantiated, {} negative controls refused, {:.1}s; wrote {SUMMARY}",
@@ -163,12 +157,9 @@ pub fn run(cache: &Cache, inputs_dir: Option<&Path>) -> Result<()> {
     Ok(())
 }
 
-/// Fails if a file the committed summary hashed has changed since.
-pub fn check() -> Result<()> {
-    check_in(&repo_root())
-}
-
-fn check_in(root: &Path) -> Result<()> {
+/// Fails if a file the committed summary (in the checkout at `root`) hashed
+/// has changed since.
+pub fn check(root: &Path) -> Result<()> {
     let path = root.join(SUMMARY);
     let text = std::fs::read_to_string(&path).with_context(|| {
         format!(
@@ -211,22 +202,29 @@ pub struct Evaluation {
     pub read: BTreeSet<String>,
 }
 
-/// Runs the driver on `checkout`; `only_system` restricts it to one system.
-/// Returns the outputs, or the error text Nix printed.
-pub fn evaluate(checkout: &Path, inputs: &Inputs, only_system: Option<&str>) -> Result<Evaluation> {
-    match evaluate_raw(checkout, inputs, only_system)? {
+/// Runs `root`'s driver on `checkout` (a copy of it); `only_system`
+/// restricts it to one system. Returns the outputs, or the error text Nix
+/// printed.
+fn evaluate(
+    root: &Path,
+    checkout: &Path,
+    inputs: &Inputs,
+    only_system: Option<&str>,
+) -> Result<Evaluation> {
+    match evaluate_raw(root, checkout, inputs, only_system)? {
         Ok(evaluation) => Ok(evaluation),
         Err(message) => Err(anyhow!("the flake does not evaluate:\n{message}")),
     }
 }
 
 /// `Ok(Err(message))` when Nix rejects the flake.
-fn evaluate_raw(
+pub(crate) fn evaluate_raw(
+    root: &Path,
     checkout: &Path,
     inputs: &Inputs,
     only_system: Option<&str>,
 ) -> Result<std::result::Result<Evaluation, String>> {
-    let driver = repo_root().join("nix/eval/default.nix");
+    let driver = root.join(DRIVER);
     let mut command = Command::new("nix-instantiate");
     command
         .args(["--eval", "--strict", "--json", "--read-write-mode"])
@@ -242,7 +240,7 @@ fn evaluate_raw(
     if let Some(system) = only_system {
         command.args(["--argstr", "onlySystem", system]);
     }
-    let output = command.output().context("cannot run nix-instantiate")?;
+    let output = output(&mut command)?;
     let stderr = String::from_utf8_lossy(&output.stderr);
     if !output.status.success() {
         let message: Vec<&str> = stderr
@@ -347,27 +345,22 @@ fn summarise(outputs: &BTreeMap<String, BTreeMap<String, String>>) -> Result<Val
 }
 
 fn show_derivations<'a>(paths: impl Iterator<Item = &'a str>) -> Result<BTreeMap<String, Value>> {
-    let output = Command::new("nix")
-        .args([
-            "--extra-experimental-features",
-            "nix-command",
-            "show-derivation",
-        ])
-        .args(paths)
-        .output()
-        .with_context(|| {
-            format!(
-                "cannot run `nix show-derivation`; {}",
-                crate::tools::install_hint("nix")
-            )
-        })?;
-    if !output.status.success() {
-        return Err(anyhow!(
-            "nix show-derivation failed: {}",
-            String::from_utf8_lossy(&output.stderr)
-        ));
-    }
-    Ok(serde_json::from_slice(&output.stdout)?)
+    let json = read(
+        Command::new("nix")
+            .args([
+                "--extra-experimental-features",
+                "nix-command",
+                "show-derivation",
+            ])
+            .args(paths),
+    )?;
+    Ok(serde_json::from_str(&json)?)
+}
+
+/// `nix-instantiate --version`'s line, for the summary.
+fn nix_version() -> Result<String> {
+    let text = read(Command::new("nix-instantiate").arg("--version"))?;
+    Ok(text.lines().next().unwrap_or_default().to_string())
 }
 
 /// What crane calls a check's derivation, where the check's name is not in
@@ -579,10 +572,10 @@ mod tests {
             read.insert(file.to_string(), json!(sha256_file(&path).unwrap()));
         }
         std::fs::write(root.join(SUMMARY), json!({ "read": read }).to_string()).unwrap();
-        check_in(root).unwrap();
+        check(root).unwrap();
 
         std::fs::write(root.join("nix/default.nix"), "{ }: { }").unwrap();
-        let error = check_in(root).unwrap_err().to_string();
+        let error = check(root).unwrap_err().to_string();
         assert!(error.contains("stale: nix/default.nix changed"), "{error}");
         assert!(error.contains("cargo xtask eval-nix"), "{error}");
     }

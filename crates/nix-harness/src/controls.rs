@@ -7,9 +7,9 @@ use std::path::Path;
 use anyhow::{Result, anyhow};
 use serde_json::{Value, json};
 
-use super::evaluate_raw;
-use super::inputs::Inputs;
-use crate::tree::copy_checkout;
+use crate::Checkout;
+use crate::eval::evaluate_raw;
+use crate::inputs::Inputs;
 
 struct Control {
     name: &'static str,
@@ -58,23 +58,23 @@ const CONTROLS: &[Control] = &[
 ];
 
 /// Runs every control on x86_64-linux; returns what each printed.
-pub fn run(root: &Path, work: &Path, inputs: &Inputs) -> Result<Value> {
+pub fn run(checkout: &Checkout, work: &Path, inputs: &Inputs) -> Result<Value> {
     let mut results = Vec::new();
     for control in CONTROLS {
         let copy = work.join("control");
-        copy_checkout(root, &copy)?;
+        checkout.copy_to(&copy)?;
         let file = copy.join(control.file);
         let text = std::fs::read_to_string(&file)?;
         if !text.contains(control.from) {
             return Err(anyhow!(
-                "negative control `{}`: {} no longer contains {:?}; update crates/xtask/src/eval_nix/controls.rs",
+                "negative control `{}`: {} no longer contains {:?}; update crates/nix-harness/src/controls.rs",
                 control.name,
                 control.file,
                 control.from
             ));
         }
         std::fs::write(&file, text.replacen(control.from, control.to, 1))?;
-        let message = match evaluate_raw(&copy, inputs, Some("x86_64-linux"))? {
+        let message = match evaluate_raw(checkout.root, &copy, inputs, Some("x86_64-linux"))? {
             Ok(_) => {
                 return Err(anyhow!(
                     "negative control `{}` evaluated: the evaluation no longer catches it",

@@ -1,8 +1,8 @@
-//! The flake's GitHub inputs for `eval-nix`: nixpkgs' `lib`, crane and
-//! rust-overlay at the revisions `flake.lock` pins, from a folder the user
-//! names or downloaded by the lock file's URL. Each tree is checked against
-//! the lock file's NAR hash before use (nixpkgs' `lib/` alone cannot be: its
-//! hash is recorded in the summary instead).
+//! The flake's GitHub inputs: nixpkgs' `lib`, crane and rust-overlay at the
+//! revisions `flake.lock` pins, from a folder the user names (or downloaded
+//! by the caller, which checks each tree with [`verify`]). Each tree is
+//! checked against the lock file's NAR hash before use (nixpkgs' `lib/` alone
+//! cannot be: its hash is recorded in the summary instead).
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -11,8 +11,7 @@ use anyhow::{Context, Result, anyhow};
 use serde::Deserialize;
 use serde_json::{Value, json};
 
-use crate::cache::Cache;
-use crate::pins::repo_root;
+use crate::read;
 
 /// Where each input lies on this machine.
 pub struct Inputs {
@@ -34,17 +33,19 @@ struct Node {
     locked: Option<Locked>,
 }
 
+/// One input as `flake.lock` pins it.
 #[derive(Deserialize, Clone)]
 #[serde(rename_all = "camelCase")]
-struct Locked {
-    nar_hash: String,
-    owner: String,
-    repo: String,
-    rev: String,
+pub struct Locked {
+    pub nar_hash: String,
+    pub owner: String,
+    pub repo: String,
+    pub rev: String,
 }
 
-fn locked(name: &str) -> Result<Locked> {
-    let path = repo_root().join("flake.lock");
+/// The locked input `name` of the flake at `root`.
+pub fn locked(root: &Path, name: &str) -> Result<Locked> {
+    let path = root.join("flake.lock");
     let text = std::fs::read_to_string(&path)
         .with_context(|| format!("cannot read {}", path.display()))?;
     let lock: Lock = serde_json::from_str(&text).context("flake.lock is malformed")?;
@@ -69,26 +70,11 @@ fn sri_to_hex(sri: &str) -> Result<String> {
 }
 
 fn nix_hash(args: &[&std::ffi::OsStr]) -> Result<String> {
-    let output = Command::new("nix-hash")
-        .args(args)
-        .output()
-        .with_context(|| {
-            format!(
-                "cannot run nix-hash; {}",
-                crate::tools::install_hint("nix-hash")
-            )
-        })?;
-    if !output.status.success() {
-        return Err(anyhow!(
-            "nix-hash failed: {}",
-            String::from_utf8_lossy(&output.stderr)
-        ));
-    }
-    Ok(String::from_utf8_lossy(&output.stdout).trim().to_string())
+    read(Command::new("nix-hash").args(args))
 }
 
 /// Fails unless `dir` is the locked input `name`, byte for byte.
-fn verify(name: &str, dir: &Path, lock: &Locked) -> Result<()> {
+pub fn verify(name: &str, dir: &Path, lock: &Locked) -> Result<()> {
     if !dir.is_dir() {
         return Err(anyhow!(
             "{} is missing: put {}/{} at rev {} there (e.g. `git -C MIRROR archive {} | tar x -C {}`)",
@@ -113,12 +99,12 @@ fn verify(name: &str, dir: &Path, lock: &Locked) -> Result<()> {
     Ok(())
 }
 
-/// The inputs from `dir`: `dir/nixpkgs-lib` (a folder holding nixpkgs'
-/// `lib/`), `dir/crane` and `dir/rust-overlay`.
-pub fn from_folder(dir: &Path) -> Result<Inputs> {
-    let crane = locked("crane")?;
-    let overlay = locked("rust-overlay")?;
-    let nixpkgs = locked("nixpkgs")?;
+/// The inputs of the flake at `root` from `dir`: `dir/nixpkgs-lib` (a folder
+/// holding nixpkgs' `lib/`), `dir/crane` and `dir/rust-overlay`.
+pub fn from_folder(root: &Path, dir: &Path) -> Result<Inputs> {
+    let crane = locked(root, "crane")?;
+    let overlay = locked(root, "rust-overlay")?;
+    let nixpkgs = locked(root, "nixpkgs")?;
     let inputs = Inputs {
         nixpkgs_lib: dir.join("nixpkgs-lib"),
         crane: dir.join("crane"),
@@ -149,53 +135,5 @@ pub fn from_folder(dir: &Path) -> Result<Inputs> {
     Ok(Inputs {
         provenance,
         ..inputs
-    })
-}
-
-/// The inputs downloaded from GitHub by the lock file (owner, repo, rev),
-/// each unpacked into the cache and checked against its NAR hash; nixpkgs
-/// is the whole tree, of which the evaluation reads `lib/`.
-pub fn download(cache: &Cache) -> Result<Inputs> {
-    let mut dirs = Vec::new();
-    for name in ["nixpkgs", "crane", "rust-overlay"] {
-        let lock = locked(name)?;
-        let dest = cache
-            .path("nix-inputs")
-            .join(format!("{name}-{}", &lock.rev[..12]));
-        let dest = cache.publish(&dest, |staging| {
-            let url = format!(
-                "https://github.com/{}/{}/archive/{}.tar.gz",
-                lock.owner, lock.repo, lock.rev
-            );
-            let tarball = crate::fetch::download_unverified(&url, &cache.path("staging"))?;
-            let unpacked = staging.join("unpacked");
-            crate::unpack::tar_gz(tarball.path(), &unpacked)?;
-            // GitHub's tarballs hold one top folder, `REPO-REV`.
-            let top = std::fs::read_dir(&unpacked)?
-                .next()
-                .ok_or_else(|| anyhow!("{url} is an empty tarball"))??
-                .path();
-            std::fs::rename(&top, staging.join("tree"))?;
-            std::fs::remove_dir_all(&unpacked)?;
-            verify(name, &staging.join("tree"), &lock)
-        })?;
-        dirs.push((name, dest.join("tree"), lock));
-    }
-    let provenance = json!(
-        dirs.iter()
-            .map(|(name, _, l)| (
-                name.to_string(),
-                format!(
-                    "{}/{} {} (downloaded, NAR hash verified against flake.lock)",
-                    l.owner, l.repo, l.rev
-                )
-            ))
-            .collect::<std::collections::BTreeMap<_, _>>()
-    );
-    Ok(Inputs {
-        nixpkgs_lib: dirs[0].1.clone(),
-        crane: dirs[1].1.clone(),
-        rust_overlay: dirs[2].1.clone(),
-        provenance,
     })
 }

@@ -1,19 +1,27 @@
-//! `cargo xtask load`: a bounded load test of a running kiln-server. A few
+//! `kiln-load`: a bounded load test of a running kiln-server. A few
 //! prompts' greedy texts are fetched one at a time first; then REQUESTS
 //! streamed completions of those prompts run CONCURRENCY at a time. Every
 //! request must end complete (its text equal to its prompt's, one response
 //! id throughout, `[DONE]` last) or 429; anything else fails the run.
+//!
+//! ```sh
+//! kiln-load --url http://127.0.0.1:8000 --requests 500 --concurrency 64
+//! ```
 
 use std::io::{BufRead, BufReader};
+use std::process::ExitCode;
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, anyhow, bail};
+use clap::Parser;
 use serde_json::{Value, json};
 
-#[derive(clap::Args)]
-pub struct LoadArgs {
+/// A bounded load test of a running kiln-server: streamed greedy
+/// completions, each checked complete and equal to its prompt alone, or 429.
+#[derive(Parser)]
+struct LoadArgs {
     /// The server's base URL.
     #[arg(long, default_value = "http://127.0.0.1:8000")]
     url: String,
@@ -60,7 +68,17 @@ enum Outcome {
     Refused,
 }
 
-pub fn run(args: &LoadArgs) -> Result<()> {
+fn main() -> ExitCode {
+    match run(&LoadArgs::parse()) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(error) => {
+            eprintln!("error: {error:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn run(args: &LoadArgs) -> Result<()> {
     if args.concurrency == 0 || args.requests == 0 {
         bail!("--requests and --concurrency must be at least 1");
     }

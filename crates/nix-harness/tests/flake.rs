@@ -1,5 +1,6 @@
 //! What the flake's derivations assume of the rest of the repository, held
-//! to it without building them: the evaluated derivations are in
+//! to it without building them (with the harness's own scripts, run here
+//! without Nix): the evaluated derivations are in
 //! `nix/eval/summary.json` (`cargo xtask eval-nix`, kept current by the
 //! suite's `eval-nix --check` step), the rest is read from the files the
 //! derivations read. Each test here stands for a defect a real Nix build
@@ -8,15 +9,16 @@
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use clap::Parser;
 use serde_json::Value;
 
-use crate::pins::repo_root;
+fn repo_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
 
 /// The evaluated derivations, or `None` (the test then skips, saying so) in
 /// the Nix build's tests' source: the summary records the derivations of the
 /// checks that run these tests, so it cannot be part of their source.
-pub fn summary() -> Option<Value> {
+fn summary() -> Option<Value> {
     let path = repo_root().join("nix/eval/summary.json");
     if !path.is_file() {
         println!(
@@ -34,33 +36,6 @@ fn env(summary: &Value, output: &str, name: &str) -> String {
         .as_str()
         .unwrap_or_else(|| panic!("{output} has no {name} in the summary"))
         .to_string()
-}
-
-/// The `mutations` check must find the gate's report where the gate writes
-/// it. It used to copy `target/gate/report.json`, a name the gate never
-/// wrote (`report-TRIPLE.json`), so the check failed after a green gate.
-/// Now the gate writes into `$out` itself: its command line must be one
-/// xtask accepts, with `--out $out`, and nothing else may name the report.
-#[test]
-fn the_nix_mutations_check_has_the_gate_write_its_report_into_out() {
-    let Some(summary) = summary() else { return };
-    let build = env(&summary, "checks.mutations", "buildPhase");
-    let line = build
-        .lines()
-        .find(|l| l.contains("--package xtask -- gate"))
-        .unwrap_or_else(|| panic!("the mutations check runs no gate:\n{build}"));
-    let args = line.split(" -- ").nth(1).unwrap().split_whitespace();
-    let cli = crate::Cli::try_parse_from(std::iter::once("xtask").chain(args))
-        .unwrap_or_else(|e| panic!("xtask refuses the Nix check's gate command `{line}`: {e}"));
-    match cli.task {
-        crate::Task::Gate { out, .. } => assert_eq!(out, Some(PathBuf::from("$out"))),
-        _ => panic!("`{line}` is not the gate"),
-    }
-    let install = env(&summary, "checks.mutations", "installPhase");
-    assert!(
-        !install.contains("target/gate"),
-        "the install phase guesses the gate's report name:\n{install}"
-    );
 }
 
 /// The tests' source must hold every repository file the workspace's tests
@@ -218,4 +193,85 @@ fn the_kiln_wrapper_and_the_dev_shell_source_the_driver_script() {
     );
     let shell = env(&summary, "devShells.default", "shellHook");
     assert!(shell.contains("host-cuda-driver.sh"), "{shell}");
+}
+
+/// Every check the flake has for x86_64-linux (as evaluated into the
+/// committed summary) and every IREE and kiln package is built.
+#[test]
+fn every_check_and_package_is_built() {
+    let Some(summary) = summary() else {
+        return;
+    };
+    let outputs = summary["systems"]["x86_64-linux"].as_object().unwrap();
+    let wanted: Vec<&String> = outputs
+        .keys()
+        .filter(|k| {
+            k.starts_with("checks.")
+                || (k.starts_with("packages.")
+                    && (k.contains("iree") || k.as_str() == "packages.kiln"))
+        })
+        .collect();
+    assert!(wanted.len() >= 14, "the summary lists {wanted:?}");
+    let missing: Vec<&&String> = wanted
+        .iter()
+        .filter(|k| !nix_harness::build::ALL.contains(&k.as_str()))
+        .collect();
+    assert!(missing.is_empty(), "nix-build does not build {missing:?}");
+}
+
+/// nix/build/setup.sh run as Nix would run it, without Nix: the phases in
+/// order, a setup hook's hooks after the phase's own, a replaced phase,
+/// a source folder unpacked, patched and installed.
+#[test]
+fn the_setup_script_runs_phases_and_hooks_in_order() {
+    let dir = tempfile::tempdir().unwrap();
+    let root = dir.path();
+    let src = root.join("kiln-src");
+    std::fs::create_dir_all(&src).unwrap();
+    std::fs::write(src.join("greeting"), "hello\n").unwrap();
+    std::fs::write(
+        root.join("fix.patch"),
+        "--- a/greeting\n+++ b/greeting\n@@ -1 +1 @@\n-hello\n+hello, patched\n",
+    )
+    .unwrap();
+    let hook_package = root.join("hook");
+    std::fs::create_dir_all(hook_package.join("nix-support")).unwrap();
+    std::fs::write(
+        hook_package.join("nix-support/setup-hook"),
+        "fromHook() { echo hook-postPatch >> \"$TMPDIR/log\"; }\npostPatchHooks+=(fromHook)\n",
+    )
+    .unwrap();
+    let out = root.join("out");
+    let tmp = root.join("tmp");
+    std::fs::create_dir_all(&tmp).unwrap();
+    let status = Command::new("bash")
+        .arg("-e")
+        .arg(repo_root().join("nix/build/setup.sh"))
+        .env_clear()
+        // This process's PATH: under Nix, the tests' own tools.
+        .env("initialPath", std::env::var_os("PATH").unwrap())
+        .env("TMPDIR", &tmp)
+        .env("out", &out)
+        .env("src", &src)
+        .env("patches", root.join("fix.patch"))
+        .env("nativeBuildInputs", &hook_package)
+        .env("postPatch", "echo own-postPatch >> \"$TMPDIR/log\"")
+        .env(
+            "buildPhase",
+            "runHook preBuild; echo build >> \"$TMPDIR/log\"; runHook postBuild",
+        )
+        .env("installPhase", "mkdir -p $out; cp greeting $out/")
+        .env("doCheck", "")
+        .env("checkPhase", "echo check-must-not-run >> \"$TMPDIR/log\"")
+        .status()
+        .unwrap();
+    assert!(status.success());
+    assert_eq!(
+        std::fs::read_to_string(out.join("greeting")).unwrap(),
+        "hello, patched\n"
+    );
+    assert_eq!(
+        std::fs::read_to_string(tmp.join("log")).unwrap(),
+        "own-postPatch\nhook-postPatch\nbuild\n"
+    );
 }

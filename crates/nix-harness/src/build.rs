@@ -11,10 +11,9 @@ use std::time::Instant;
 
 use anyhow::{Context, Result, anyhow};
 
-use crate::cache::Cache;
-use crate::eval_nix::{self, inputs::Inputs};
-use crate::pins::repo_root;
-use crate::setup::Toolbox;
+use crate::eval::nix_path;
+use crate::inputs::Inputs;
+use crate::{Checkout, read, status};
 
 /// Every output `nix flake check` and `nix build` would build for this
 /// system, cheapest first, so a broken package set fails early.
@@ -48,27 +47,29 @@ const SANDBOX_PATHS: [&str; 8] = [
     "/etc/ca-certificates",
 ];
 
-pub struct Options<'a> {
-    pub inputs: Option<&'a Path>,
+pub struct Options {
     pub sandbox: bool,
     /// A command to run in the entered dev shell instead of building.
     pub shell: Option<String>,
     pub attributes: Vec<String>,
 }
 
-/// The host's tools the package set takes, found here.
-struct Host {
-    bash: PathBuf,
-    rust_toolchain: PathBuf,
-    rust_version: String,
-    cargo_nextest: PathBuf,
-    nixpkgs_fmt: PathBuf,
-    deadnix: PathBuf,
-    libclang: PathBuf,
+/// The host's tools the package set takes (found by the caller).
+pub struct Host {
+    pub bash: PathBuf,
+    /// rustc's sysroot, the real folder (not a link to it).
+    pub rust_toolchain: PathBuf,
+    pub rust_version: String,
+    pub cargo_nextest: PathBuf,
+    pub nixpkgs_fmt: PathBuf,
+    pub deadnix: PathBuf,
+    /// The folder that holds libclang.
+    pub libclang: PathBuf,
 }
 
 /// The host's programs that nix-build runs or that the host package set
-/// (nix/build/host-nixpkgs.nix) links from `/usr/bin`: all checked up front.
+/// (nix/build/host-nixpkgs.nix) links from `/usr/bin`: the caller checks for
+/// them all up front.
 pub const HOST_PROGRAMS: [&str; 15] = [
     "nix-build",
     "nix-instantiate",
@@ -87,68 +88,20 @@ pub const HOST_PROGRAMS: [&str; 15] = [
     "python3",
 ];
 
-fn find_host(cache: &Cache) -> Result<Host> {
-    // Every missing program named at once, so that one install fixes it.
-    crate::tools::require_host_programs(&HOST_PROGRAMS, "the Nix build's host package set")?;
-    let sysroot = output(Command::new("rustc").args(["--print", "sysroot"]))?;
-    let version_line = output(Command::new("rustc").arg("--version"))?;
-    let rust_version = version_line
-        .split_whitespace()
-        .nth(1)
-        .ok_or_else(|| anyhow!("cannot read rustc's version from `{version_line}`"))?
-        .to_string();
-    let libclang = [
-        "/usr/lib/llvm-14/lib",
-        "/usr/lib/x86_64-linux-gnu",
-        "/usr/lib/aarch64-linux-gnu",
-    ]
-    .iter()
-    .map(PathBuf::from)
-    .find(|d| d.join("libclang.so").exists() || d.join("libclang-14.so.1").exists())
-    .ok_or_else(|| {
-        anyhow!(
-            "no libclang found; {}",
-            crate::tools::package_hint("libclang-dev")
-        )
-    })?;
-    let toolbox = Toolbox::installed(cache)?;
-    Ok(Host {
-        bash: std::fs::canonicalize("/bin/bash")?,
-        // rustup's `1.95.0` is often a link to `stable`: the store copy is
-        // of the real folder.
-        rust_toolchain: std::fs::canonicalize(&sysroot)
-            .with_context(|| format!("rustc's sysroot {sysroot} does not exist"))?,
-        rust_version,
-        cargo_nextest: std::fs::canonicalize(
-            toolbox.find("cargo-nextest", "the tests checks' test runner")?,
-        )?,
-        nixpkgs_fmt: toolbox.find("nixpkgs-fmt", "the nix-lint check")?,
-        deadnix: toolbox.find("deadnix", "the nix-lint check")?,
-        libclang,
-    })
-}
-
-fn output(command: &mut Command) -> Result<String> {
-    let out = command
-        .output()
-        .with_context(|| format!("cannot run {command:?}"))?;
-    if !out.status.success() {
-        return Err(anyhow!(
-            "{command:?} failed: {}",
-            String::from_utf8_lossy(&out.stderr)
-        ));
-    }
-    Ok(String::from_utf8_lossy(&out.stdout).trim().to_string())
-}
-
 fn path_text(path: &Path) -> Result<&str> {
     path.to_str()
         .ok_or_else(|| anyhow!("{} is not UTF-8", path.display()))
 }
 
 /// `nix-build`'s arguments for the driver, for one attribute.
-fn driver_args(checkout: &Path, inputs: &Inputs, host: &Host, system: &str) -> Result<Vec<String>> {
-    let driver = repo_root().join("nix/build/default.nix");
+fn driver_args(
+    root: &Path,
+    checkout: &Path,
+    inputs: &Inputs,
+    host: &Host,
+    system: &str,
+) -> Result<Vec<String>> {
+    let driver = root.join("nix/build/default.nix");
     let mut args = vec![path_text(&driver)?.to_string()];
     for (name, path) in [
         ("repo", checkout),
@@ -156,7 +109,7 @@ fn driver_args(checkout: &Path, inputs: &Inputs, host: &Host, system: &str) -> R
         ("crane", &inputs.crane),
         ("rustOverlay", &inputs.rust_overlay),
     ] {
-        args.extend(["--arg".into(), name.into(), eval_nix::nix_path(path)?]);
+        args.extend(["--arg".into(), name.into(), nix_path(path)?]);
     }
     for (name, value) in [
         ("system", system.to_string()),
@@ -224,7 +177,7 @@ fn sandbox_has_no_network() -> Result<()> {
         r#"derivation {{ name = "kiln-sandbox-control"; system = builtins.currentSystem; builder = "/bin/sh"; nonce = "{nonce}";
             args = [ "-c" "PATH=/usr/bin:/bin; if curl --silent --max-time 10 --output /dev/null https://pypi.org/simple/; then echo reached > $out; else echo isolated > $out; fi" ]; }}"#
     );
-    let out = output(
+    let out = read(
         Command::new("nix-build")
             .args(["--no-out-link", "-E", &expression])
             .args(nix_options(true)),
@@ -241,31 +194,33 @@ fn sandbox_has_no_network() -> Result<()> {
 
 /// Whether every output of `attribute`'s derivation is already in the store.
 fn in_store(base: &[String], attribute: &str) -> Result<bool> {
-    let drv = output(Command::new("nix-instantiate").args(base).args([
+    let drv = read(Command::new("nix-instantiate").args(base).args([
         "-A",
         attribute,
         "--option",
         "build-users-group",
         "",
     ]))?;
-    let outputs = output(Command::new("nix-store").args(["--query", "--outputs", &drv]))?;
+    let outputs = read(Command::new("nix-store").args(["--query", "--outputs", &drv]))?;
     Ok(outputs.lines().all(|o| Path::new(o).exists()))
 }
 
-pub fn run(cache: &Cache, options: Options) -> Result<()> {
-    let host = find_host(cache)?;
-    let inputs = match options.inputs {
-        Some(dir) => eval_nix::inputs::from_folder(dir)?,
-        None => eval_nix::inputs::download(cache)?,
-    };
-    let system = crate::pins::host_system()?;
+/// Builds `options.attributes` (default: [`ALL`]) of the flake at
+/// `checkout` for `system`, or enters its dev shell.
+pub fn run(
+    checkout: &Checkout,
+    inputs: &Inputs,
+    host: &Host,
+    system: &str,
+    options: Options,
+) -> Result<()> {
     // The tracked files only, as a flake sees its source.
     let work = tempfile::tempdir().context("cannot create a scratch folder")?;
-    let checkout = work.path().join("kiln");
-    crate::tree::copy_checkout(&repo_root(), &checkout)?;
-    let base = driver_args(&checkout, &inputs, &host, &system)?;
+    let copy = work.path().join("kiln");
+    checkout.copy_to(&copy)?;
+    let base = driver_args(checkout.root, &copy, inputs, host, system)?;
     if let Some(command) = options.shell {
-        return enter_shell(&base, &command, &host.bash, work.path());
+        return enter_shell(checkout.root, &base, &command, &host.bash, work.path());
     }
     let attributes = if options.attributes.is_empty() {
         ALL.iter().map(|a| a.to_string()).collect()
@@ -291,12 +246,12 @@ pub fn run(cache: &Cache, options: Options) -> Result<()> {
         let started = Instant::now();
         // An output that does not evaluate fails at nix-build, which says why.
         let reused = in_store(&base, attribute).unwrap_or(false);
-        let status = Command::new("nix-build")
-            .args(&base)
-            .args(["-A", attribute, "--no-out-link"])
-            .args(nix_options(options.sandbox))
-            .status()
-            .context("cannot run nix-build")?;
+        let status = status(
+            Command::new("nix-build")
+                .args(&base)
+                .args(["-A", attribute, "--no-out-link"])
+                .args(nix_options(options.sandbox)),
+        )?;
         let seconds = started.elapsed().as_secs_f64();
         let verdict = match (status.success(), reused) {
             (true, true) => "reused (already in the store)",
@@ -318,10 +273,16 @@ pub fn run(cache: &Cache, options: Options) -> Result<()> {
 /// Enters `devShells.default` as a contributor would (`nix-shell` on its
 /// derivation: Debian's Nix 2.8 has no `nix develop` for a flake it cannot
 /// fetch), pure, and runs `command` in it from the checkout.
-fn enter_shell(base: &[String], command: &str, bash: &Path, scratch: &Path) -> Result<()> {
+fn enter_shell(
+    root: &Path,
+    base: &[String],
+    command: &str,
+    bash: &Path,
+    scratch: &Path,
+) -> Result<()> {
     eprintln!(
         "nix-shell devShells.default (pure), in {}: {command}",
-        repo_root().display()
+        root.display()
     );
     // nix-shell puts its shell's folder first on PATH: the host's bash, in a
     // folder of its own (without it nix-shell looks for <nixpkgs>, fails,
@@ -330,17 +291,17 @@ fn enter_shell(base: &[String], command: &str, bash: &Path, scratch: &Path) -> R
     std::fs::create_dir_all(&shell_bin)?;
     std::os::unix::fs::symlink(bash, shell_bin.join("bash"))?;
     let started = Instant::now();
-    let status = Command::new("nix-shell")
-        .env("NIX_BUILD_SHELL", shell_bin.join("bash"))
-        .args(base)
-        .args(["-A", "devShells.default", "--pure"])
-        // HOME for cargo's registry cache; TERM for its progress bars.
-        .args(["--keep", "HOME", "--keep", "TERM"])
-        .args(nix_options(false))
-        .args(["--run", command])
-        .current_dir(repo_root())
-        .status()
-        .context("cannot run nix-shell")?;
+    let status = status(
+        Command::new("nix-shell")
+            .env("NIX_BUILD_SHELL", shell_bin.join("bash"))
+            .args(base)
+            .args(["-A", "devShells.default", "--pure"])
+            // HOME for cargo's registry cache; TERM for its progress bars.
+            .args(["--keep", "HOME", "--keep", "TERM"])
+            .args(nix_options(false))
+            .args(["--run", command])
+            .current_dir(root),
+    )?;
     let seconds = started.elapsed().as_secs_f64();
     match status.success() {
         true => {
@@ -348,91 +309,5 @@ fn enter_shell(base: &[String], command: &str, bash: &Path, scratch: &Path) -> R
             Ok(())
         }
         false => Err(anyhow!("in the dev shell, `{command}` failed ({status})")),
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// Every check the flake has for x86_64-linux (as evaluated into the
-    /// committed summary) and every IREE and kiln package is built.
-    #[test]
-    fn every_check_and_package_is_built() {
-        let Some(summary) = crate::flake_contract::summary() else {
-            return;
-        };
-        let outputs = summary["systems"]["x86_64-linux"].as_object().unwrap();
-        let wanted: Vec<&String> = outputs
-            .keys()
-            .filter(|k| {
-                k.starts_with("checks.")
-                    || (k.starts_with("packages.")
-                        && (k.contains("iree") || k.as_str() == "packages.kiln"))
-            })
-            .collect();
-        assert!(wanted.len() >= 14, "the summary lists {wanted:?}");
-        let missing: Vec<&&String> = wanted
-            .iter()
-            .filter(|k| !ALL.contains(&k.as_str()))
-            .collect();
-        assert!(missing.is_empty(), "nix-build does not build {missing:?}");
-    }
-
-    /// nix/build/setup.sh run as Nix would run it, without Nix: the phases in
-    /// order, a setup hook's hooks after the phase's own, a replaced phase,
-    /// a source folder unpacked, patched and installed.
-    #[test]
-    fn the_setup_script_runs_phases_and_hooks_in_order() {
-        let dir = tempfile::tempdir().unwrap();
-        let root = dir.path();
-        let src = root.join("kiln-src");
-        std::fs::create_dir_all(&src).unwrap();
-        std::fs::write(src.join("greeting"), "hello\n").unwrap();
-        std::fs::write(
-            root.join("fix.patch"),
-            "--- a/greeting\n+++ b/greeting\n@@ -1 +1 @@\n-hello\n+hello, patched\n",
-        )
-        .unwrap();
-        let hook_package = root.join("hook");
-        std::fs::create_dir_all(hook_package.join("nix-support")).unwrap();
-        std::fs::write(
-            hook_package.join("nix-support/setup-hook"),
-            "fromHook() { echo hook-postPatch >> \"$TMPDIR/log\"; }\npostPatchHooks+=(fromHook)\n",
-        )
-        .unwrap();
-        let out = root.join("out");
-        let tmp = root.join("tmp");
-        std::fs::create_dir_all(&tmp).unwrap();
-        let status = Command::new("bash")
-            .arg("-e")
-            .arg(repo_root().join("nix/build/setup.sh"))
-            .env_clear()
-            // This process's PATH: under Nix, the tests' own tools.
-            .env("initialPath", std::env::var_os("PATH").unwrap())
-            .env("TMPDIR", &tmp)
-            .env("out", &out)
-            .env("src", &src)
-            .env("patches", root.join("fix.patch"))
-            .env("nativeBuildInputs", &hook_package)
-            .env("postPatch", "echo own-postPatch >> \"$TMPDIR/log\"")
-            .env(
-                "buildPhase",
-                "runHook preBuild; echo build >> \"$TMPDIR/log\"; runHook postBuild",
-            )
-            .env("installPhase", "mkdir -p $out; cp greeting $out/")
-            .env("doCheck", "")
-            .env("checkPhase", "echo check-must-not-run >> \"$TMPDIR/log\"")
-            .status()
-            .unwrap();
-        assert!(status.success());
-        assert_eq!(
-            std::fs::read_to_string(out.join("greeting")).unwrap(),
-            "hello, patched\n"
-        );
-        assert_eq!(
-            std::fs::read_to_string(tmp.join("log")).unwrap(),
-            "own-postPatch\nhook-postPatch\nbuild\n"
-        );
     }
 }
