@@ -189,6 +189,13 @@ pub struct BackendOptions {
     /// For --precision q4 only.
     #[arg(long, value_name = "FORM")]
     pub q4_rows: Option<String>,
+    /// How iree-cuda's decode steps attend to the KV cache: `kernel`
+    /// (default: kiln's split-K kernels, kernels/attend_part.cu, which read
+    /// only the positions a sequence has; heads 64 or 128 wide, up to 8 a
+    /// KV head, f16 or q4), or `graph` (IREE's products over the whole
+    /// context).
+    #[arg(long, value_name = "FORM")]
+    pub decode_attention: Option<String>,
     /// An IREE runtime flag for the device's driver, as IREE's own tools
     /// take it (`--iree-flag=--cuda_allow_inline_execution=true`); repeat for
     /// several. For experiments: kiln's defaults are the measured best.
@@ -263,6 +270,12 @@ fn check_threads(kind: BackendKind, options: &BackendOptions) -> Result<()> {
     {
         bail!(
             "--threads is for the cpu-q4, cpu-simd and iree-cpu backends; {} does not take it",
+            kind.name()
+        );
+    }
+    if options.decode_attention.is_some() && kind != BackendKind::IreeCuda {
+        bail!(
+            "--decode-attention chooses iree-cuda's attention kernels; {} does not take it",
             kind.name()
         );
     }
@@ -423,6 +436,11 @@ pub fn graph(target: kiln_xla::Target, options: &BackendOptions) -> Result<kiln_
             );
         }
         graph.q4_rows = rows;
+    }
+    let attention: Option<kiln_xla::DecodeAttention> =
+        parse_option("--decode-attention", options.decode_attention.as_deref())?;
+    if let Some(attention) = attention {
+        graph.decode_attention = attention;
     }
     Ok(graph)
 }

@@ -79,6 +79,10 @@ struct Args {
     /// --q4-rows`); applies to the q4 variants.
     #[arg(long)]
     q4_rows: Vec<String>,
+    /// How iree-cuda's decode steps attend, to measure (repeat for several:
+    /// kernel, graph; see `kiln generate --decode-attention`).
+    #[arg(long)]
+    decode_attention: Vec<String>,
     /// Greedy steps per call of the device to measure (repeat for several;
     /// see `--steps-per-call`).
     #[arg(long, default_values_t = [1])]
@@ -152,14 +156,17 @@ impl Args {
                     for pipeline in &self.pipeline {
                         for &steps in &self.steps_per_call {
                             for rows in &q4_rows {
-                                let mut options = self.iree(precision.clone(), layout.clone());
-                                options.iree_flag =
-                                    flags.split_whitespace().map(str::to_string).collect();
-                                options.no_pipeline = pipeline == "off";
-                                options.steps_per_call = steps;
-                                options.threads = self.threads;
-                                options.q4_rows = rows.clone();
-                                out.push(options);
+                                for attention in some_or_default(&self.decode_attention) {
+                                    let mut options = self.iree(precision.clone(), layout.clone());
+                                    options.iree_flag =
+                                        flags.split_whitespace().map(str::to_string).collect();
+                                    options.no_pipeline = pipeline == "off";
+                                    options.steps_per_call = steps;
+                                    options.threads = self.threads;
+                                    options.q4_rows = rows.clone();
+                                    options.decode_attention = attention;
+                                    out.push(options);
+                                }
                             }
                         }
                     }
@@ -177,6 +184,7 @@ impl Args {
             precision,
             weight_layout,
             q4_rows: None,
+            decode_attention: None,
             iree_flag: Vec::new(),
             no_pipeline: false,
             steps_per_call: 1,
@@ -433,10 +441,14 @@ fn describe(
 fn iree_graph(kind: BackendKind, options: &BackendOptions) -> Result<(String, String, u64)> {
     let graph = backends::graph(backends::target(kind)?, options)?;
     // A q4 variant names its row products where they are not the default.
-    let precision = match options.q4_rows {
+    let mut precision = match options.q4_rows {
         Some(_) => format!("{}/{}", graph.precision, graph.q4_rows),
         None => graph.precision.to_string(),
     };
+    // And its attention where chosen.
+    if options.decode_attention.is_some() {
+        precision = format!("{precision}, attention {}", graph.decode_attention);
+    }
     Ok((
         precision,
         graph.layout.to_string(),

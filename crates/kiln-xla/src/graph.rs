@@ -184,6 +184,53 @@ pub struct GraphOptions {
     pub fold_norms: bool,
     /// How one-row q4 products are computed (see [`q4_rows_for`]).
     pub q4_rows: Q4Rows,
+    /// How decode steps attend (see [`decode_attention_for`]).
+    pub decode_attention: DecodeAttention,
+}
+
+/// How a decode step's query rows attend to the KV cache.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum DecodeAttention {
+    /// IREE's kernels: q·K, the masked softmax and p·V, over the whole
+    /// context.
+    Graph,
+    /// kiln's two kernels (`kernels/attend_part.cu`, `attend_merge.cu`):
+    /// split-K attention over the positions each row has, then the merge.
+    /// Where a model's heads or cache do not fit them
+    /// ([`crate::kernels::decode_attention_fits`]), the step attends as
+    /// [`DecodeAttention::Graph`] does.
+    Kernel,
+}
+
+impl std::str::FromStr for DecodeAttention {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<DecodeAttention, String> {
+        match s {
+            "graph" => Ok(DecodeAttention::Graph),
+            "kernel" => Ok(DecodeAttention::Kernel),
+            _ => Err(format!("unknown decode attention {s:?} (graph or kernel)")),
+        }
+    }
+}
+
+impl std::fmt::Display for DecodeAttention {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            DecodeAttention::Graph => "graph",
+            DecodeAttention::Kernel => "kernel",
+        })
+    }
+}
+
+/// How `target`'s decode steps attend by default: on CUDA with kiln's
+/// kernels, which read only the positions a row has (IREE's three to five
+/// kernels a layer read the whole context); on the CPU with IREE's graph.
+pub fn decode_attention_for(target: Target) -> DecodeAttention {
+    match target {
+        Target::LlvmCpu => DecodeAttention::Graph,
+        Target::Cuda => DecodeAttention::Kernel,
+    }
 }
 
 /// How a one-row q4 product is computed.
@@ -302,6 +349,7 @@ impl GraphOptions {
             attention_rows: attention_rows_for(target),
             fold_norms: fold_norms_for(target),
             q4_rows: q4_rows_for(target),
+            decode_attention: decode_attention_for(target),
         }
     }
 

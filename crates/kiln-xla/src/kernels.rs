@@ -23,9 +23,22 @@ pub static Q4_ROW: ExternObject = ExternObject {
 /// H100, 2026-12-05: NaN and infinite logits on random-100m).
 pub const Q4_ROW_ENTRY: &str = "kiln_q4_row";
 
+/// The first half of decode attention (`kernels/attend_part.cu`): each
+/// split of a row's positions attended by one workgroup.
+pub static ATTEND_PART: ExternObject = ExternObject {
+    name: "kiln_attend_part",
+    ptx: include_str!("../kernels/attend_part.ptx"),
+};
+
+/// The second half (`kernels/attend_merge.cu`): the splits combined.
+pub static ATTEND_MERGE: ExternObject = ExternObject {
+    name: "kiln_attend_merge",
+    ptx: include_str!("../kernels/attend_merge.ptx"),
+};
+
 /// Every object a module may dispatch: [`crate::stablehlo::module`] adds
 /// the ones its functions use.
-pub static OBJECTS: [&ExternObject; 1] = [&Q4_ROW];
+pub static OBJECTS: [&ExternObject; 3] = [&Q4_ROW, &ATTEND_PART, &ATTEND_MERGE];
 
 /// Warps in one of [`Q4_ROW`]'s workgroups (`WARPS` in the source).
 const Q4_ROW_WARPS: usize = 8;
@@ -98,6 +111,131 @@ pub fn q4_row(
         },
         &[&bytes, scales, offsets, x, weight],
         &[out],
+        Ty::F32,
+    )
+}
+
+/// Threads in a workgroup of either attention kernel, and the positions
+/// `attend_part.cu` scores at a time (`THREADS`, `TILE`).
+const ATTEND_THREADS: usize = 128;
+const ATTEND_TILE: usize = 128;
+/// The most splits of a row's positions (`MAX_SPLITS` in `attend_merge.cu`)
+/// and of query heads a KV head may have (`MAX_GROUP`).
+const ATTEND_MAX_SPLITS: usize = 64;
+const ATTEND_MAX_GROUP: usize = 8;
+/// Workgroups the first kernel is given when a row's positions reach the
+/// whole context: about two an SM of an H100 or H200.
+const ATTEND_WORKGROUPS: usize = 264;
+
+/// Whether [`decode_attention`] takes heads of width `d`, `group` query
+/// heads a KV head, caches of `storage` elements and `context` positions
+/// (each value row's positions start 16-byte aligned).
+pub fn decode_attention_fits(d: usize, group: usize, storage: Ty, context: usize) -> bool {
+    matches!(d, 64 | 128)
+        && (1..=ATTEND_MAX_GROUP).contains(&group)
+        && storage == Ty::F16
+        && context.is_multiple_of(8)
+}
+
+/// How [`decode_attention`] cuts each row's positions: the positions a
+/// split takes (a whole number of tiles) and the splits of the context.
+/// Splits enough for [`ATTEND_WORKGROUPS`] over all rows and KV heads, no
+/// more than the tiles of the context or [`ATTEND_MAX_SPLITS`].
+pub fn attention_splits(rows: usize, kv_heads: usize, context: usize) -> (usize, usize) {
+    let tiles = context.div_ceil(ATTEND_TILE);
+    let wanted = ATTEND_WORKGROUPS.div_ceil(rows * kv_heads);
+    let splits = wanted.clamp(1, tiles.min(ATTEND_MAX_SPLITS));
+    let chunk = tiles.div_ceil(splits) * ATTEND_TILE;
+    (chunk, context.div_ceil(chunk))
+}
+
+/// The caches a decode step attends to: keys `[layers, slots, kv, context,
+/// d]` and values `[layers, slots, kv, d, context]` (f16; without the slots
+/// dimension for one sequence), and which layer.
+pub struct DecodeCaches<'a> {
+    pub keys: &'a Val,
+    pub values: &'a Val,
+    pub layer: usize,
+}
+
+/// Attention of one query row per slot, f16 `q` `[rows, heads, d]` (row r
+/// is slot r), to slot r's keys and values at positions
+/// `0..=positions[r]` (`[rows]` i32, on the device) of `caches`' layer:
+/// f32 `[rows, heads · d]`, head h against KV head h / group. Two of kiln's
+/// kernels: split-K attention over the positions each row has, and the
+/// splits' merge. IREE's path (q·K, the masked softmax and p·V over the
+/// whole context) is what it replaces. Needs [`decode_attention_fits`].
+pub fn decode_attention(f: &mut Function, q: &Val, caches: &DecodeCaches, positions: &Val) -> Val {
+    let (rows, heads, d) = (q.shape[0], q.shape[1], q.shape[2]);
+    let k = &caches.keys.shape;
+    // With or without the slots dimension.
+    let (slots, kv_heads, context) = match k.len() {
+        5 => (k[1], k[2], k[3]),
+        4 => (1, k[1], k[2]),
+        _ => panic!("decode_attention: keys {k:?}"),
+    };
+    assert_eq!(k[k.len() - 1], d, "decode_attention: head width");
+    assert!(
+        caches.layer < k[0],
+        "decode_attention: layer {}",
+        caches.layer
+    );
+    assert!(
+        rows <= slots,
+        "decode_attention: {rows} rows, {slots} slots"
+    );
+    assert_eq!(positions.shape, [rows], "decode_attention: positions");
+    assert!(
+        heads.is_multiple_of(kv_heads),
+        "decode_attention: {heads} heads"
+    );
+    let group = heads / kv_heads;
+    assert!(
+        decode_attention_fits(d, group, q.ty, context) && caches.keys.ty == Ty::F16,
+        "decode_attention: d {d}, group {group}, {:?}, context {context}",
+        q.ty
+    );
+    let (chunk, splits) = attention_splits(rows, kv_heads, context);
+    let q_row_stride = heads * d;
+    let partials = f.dispatch_extern(
+        &ExternDispatch {
+            object: &ATTEND_PART,
+            entry: "kiln_attend_part",
+            workgroups: rows * kv_heads * splits,
+            workgroup_size: ATTEND_THREADS,
+            constants: &[
+                caches.layer as u32,
+                slots as u32,
+                kv_heads as u32,
+                context as u32,
+                chunk as u32,
+                splits as u32,
+                q_row_stride as u32,
+                d as u32,
+                group as u32,
+            ],
+        },
+        &[q, caches.keys, caches.values, positions],
+        &[rows * kv_heads * splits * group * (d + 2)],
+        Ty::F32,
+    );
+    f.dispatch_extern(
+        &ExternDispatch {
+            object: &ATTEND_MERGE,
+            entry: "kiln_attend_merge",
+            workgroups: rows * kv_heads,
+            workgroup_size: ATTEND_THREADS,
+            constants: &[
+                kv_heads as u32,
+                context as u32,
+                chunk as u32,
+                splits as u32,
+                d as u32,
+                group as u32,
+            ],
+        },
+        &[&partials, positions],
+        &[rows, heads * d],
         Ty::F32,
     )
 }
@@ -219,17 +357,201 @@ mod tests {
         }
     }
 
-    /// The PTX has exactly one entry point, the one the products dispatch
-    /// (see [`Q4_ROW_ENTRY`]), and declares the PTX version and target the
-    /// driver needs.
+    /// `kernels/attend_part.cu` and `attend_merge.cu` built for the host
+    /// (`attend_host.cpp`: every workgroup's 128 threads as threads, its
+    /// barrier and the warps' shuffles as barriers) against attention in
+    /// f64 over the same f16 values: one sequence's caches and slots'
+    /// caches, heads of 64 and 128, groups of 1, 3, 4 and 8, splits of one
+    /// tile and of several (the running max and total carried between
+    /// tiles), positions 0, within a tile, at a tile's end and at the
+    /// context's last; the cache past each row's position holds NaN, which
+    /// must not be read, as must not the partials of splits past it.
     #[test]
-    fn the_ptx_has_the_one_entry_point() {
-        let entries: Vec<&str> = Q4_ROW
-            .ptx
-            .lines()
-            .filter_map(|line| line.strip_prefix(".visible .entry "))
-            .collect();
-        assert_eq!(entries, [format!("{Q4_ROW_ENTRY}(")]);
-        assert!(Q4_ROW.ptx.contains("\n.target sm_80\n"));
+    fn decode_attention_on_the_host_matches_attention_in_f64() {
+        use std::io::Write;
+        use std::process::{Command, Stdio};
+        let dir = tempfile::tempdir().unwrap();
+        let exe = dir.path().join("attend_host");
+        let source = concat!(env!("CARGO_MANIFEST_DIR"), "/kernels/attend_host.cpp");
+        let compiler = std::env::var("CXX").unwrap_or_else(|_| "c++".to_string());
+        let status = Command::new(&compiler)
+            .args([
+                "-O2",
+                "-std=c++20",
+                "-pthread",
+                "-ffp-contract=off",
+                "-Wall",
+                "-Werror",
+            ])
+            .args(["-Wno-unknown-pragmas", "-o"])
+            .arg(&exe)
+            .arg(source)
+            .status()
+            .unwrap_or_else(|e| panic!("cannot run the C++ compiler {compiler}: {e}"));
+        assert!(status.success(), "{compiler} failed on {source}");
+        let mut seed = 0x2545_f491_4f6c_dd1d_u64;
+        let mut random = move || {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            (seed >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0
+        };
+        /// Rows; slots (0: one sequence's caches, without the dimension);
+        /// layers, KV heads, context, head width, group, the layer
+        /// attended; each row's position.
+        struct Case(
+            usize,
+            usize,
+            usize,
+            usize,
+            usize,
+            usize,
+            usize,
+            usize,
+            &'static [i32],
+        );
+        let cases = [
+            Case(1, 0, 2, 2, 640, 64, 8, 1, &[639]),
+            Case(3, 4, 1, 2, 264, 128, 4, 0, &[0, 200, 127]),
+            Case(2, 2, 2, 1, 2048, 64, 3, 1, &[1500, 255]),
+            Case(32, 32, 1, 1, 2048, 64, 1, 0, &[2047; 32]),
+        ];
+        for Case(rows, slots, layers, kv, context, d, group, layer, positions) in cases {
+            let heads = kv * group;
+            let s = slots.max(1);
+            let (chunk, splits) = attention_splits(rows, kv, context);
+            let half = |v: f32| half::f16::from_f32(v);
+            let q: Vec<half::f16> = (0..rows * heads * d)
+                .map(|_| half(random() * 2.0))
+                .collect();
+            let cache_len = layers * s * kv * context * d;
+            let mut keys: Vec<half::f16> = (0..cache_len).map(|_| half(random() * 2.0)).collect();
+            let mut values: Vec<half::f16> = (0..cache_len).map(|_| half(random())).collect();
+            // NaN past each row's position, in both caches.
+            let base = |r: usize, k: usize| ((layer * s + r) * kv + k) * context * d;
+            for (r, &pos) in positions.iter().enumerate() {
+                for k in 0..kv {
+                    for t in pos as usize + 1..context {
+                        for j in 0..d {
+                            keys[base(r, k) + t * d + j] = half::f16::NAN;
+                            values[base(r, k) + j * context + t] = half::f16::NAN;
+                        }
+                    }
+                }
+            }
+            let mut input = Vec::new();
+            for v in [rows, s, layers, kv, context, d, group, layer, chunk, splits] {
+                input.extend((v as u32).to_le_bytes());
+            }
+            for p in positions {
+                input.extend(p.to_le_bytes());
+            }
+            for v in q.iter().chain(&keys).chain(&values) {
+                input.extend(v.to_bits().to_le_bytes());
+            }
+            let mut child = Command::new(&exe)
+                .stdin(Stdio::piped())
+                .stdout(Stdio::piped())
+                .spawn()
+                .unwrap();
+            child.stdin.take().unwrap().write_all(&input).unwrap();
+            let out = child.wait_with_output().unwrap();
+            assert!(out.status.success(), "{:?}", out.status);
+            let got: Vec<f32> = out
+                .stdout
+                .chunks_exact(4)
+                .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
+                .collect();
+            assert_eq!(got.len(), rows * heads * d);
+            let mut worst = 0.0f64;
+            for (r, &pos) in positions.iter().enumerate() {
+                for h in 0..heads {
+                    let k = h / group;
+                    let qh = &q[(r * heads + h) * d..][..d];
+                    let scores: Vec<f64> = (0..=pos as usize)
+                        .map(|t| {
+                            let key = &keys[base(r, k) + t * d..][..d];
+                            let dot: f64 = qh
+                                .iter()
+                                .zip(key)
+                                .map(|(a, b)| a.to_f64() * b.to_f64())
+                                .sum();
+                            dot / (d as f64).sqrt()
+                        })
+                        .collect();
+                    let top = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+                    let weights: Vec<f64> = scores.iter().map(|s| (s - top).exp()).collect();
+                    let total: f64 = weights.iter().sum();
+                    for j in 0..d {
+                        let want: f64 = weights
+                            .iter()
+                            .enumerate()
+                            .map(|(t, w)| w * values[base(r, k) + j * context + t].to_f64())
+                            .sum::<f64>()
+                            / total;
+                        let error = (got[(r * heads + h) * d + j] as f64 - want).abs();
+                        assert!(
+                            error.is_finite(),
+                            "row {r} head {h} column {j}: {}",
+                            got[(r * heads + h) * d + j]
+                        );
+                        worst = worst.max(error);
+                    }
+                }
+            }
+            println!(
+                "{rows} rows, {kv}x{group} heads of {d}, {context} positions in {splits} splits of {chunk}: worst {worst:e}"
+            );
+            assert!(worst < 1e-5, "worst error {worst:e}");
+        }
+    }
+
+    /// Each object's PTX has exactly one entry point, the one its
+    /// dispatches name (see [`Q4_ROW_ENTRY`]), and declares the PTX version
+    /// and target the driver needs.
+    #[test]
+    fn each_ptx_has_the_one_entry_point() {
+        for (object, entry) in [
+            (&Q4_ROW, Q4_ROW_ENTRY),
+            (&ATTEND_PART, "kiln_attend_part"),
+            (&ATTEND_MERGE, "kiln_attend_merge"),
+        ] {
+            let entries: Vec<&str> = object
+                .ptx
+                .lines()
+                .filter_map(|line| line.strip_prefix(".visible .entry "))
+                .collect();
+            assert_eq!(entries, [format!("{entry}(")], "{}", object.name);
+            assert!(object.ptx.contains("\n.target sm_80\n"), "{}", object.name);
+        }
+    }
+
+    /// Splits cover the context in whole tiles, no more of them than the
+    /// merge holds, and enough workgroups for the GPU where the context has
+    /// the tiles for it; a split past a row's position does no work, so
+    /// a long context costs a short row nothing but empty workgroups.
+    #[test]
+    fn attention_splits_cover_the_context_within_the_merges_limit() {
+        for rows in [1, 2, 8, 32] {
+            for kv_heads in [1, 3, 4, 8] {
+                for context in [8, 120, 640, 2048, 4096, 131_072] {
+                    let (chunk, splits) = attention_splits(rows, kv_heads, context);
+                    assert!(chunk.is_multiple_of(ATTEND_TILE), "{chunk}");
+                    assert!(splits * chunk >= context && (splits - 1) * chunk < context);
+                    assert!((1..=ATTEND_MAX_SPLITS).contains(&splits), "{splits}");
+                    let tiles = context.div_ceil(ATTEND_TILE);
+                    if tiles >= ATTEND_MAX_SPLITS {
+                        assert!(
+                            rows * kv_heads * splits
+                                >= ATTEND_WORKGROUPS.min(rows * kv_heads * ATTEND_MAX_SPLITS) / 2
+                        );
+                    }
+                }
+            }
+        }
+        // TinyLlama's decode step at 640 positions: 5 splits of 128.
+        assert_eq!(attention_splits(1, 4, 640), (128, 5));
+        // Llama-3.1-8B's at 8,192: 33 splits of 256.
+        assert_eq!(attention_splits(1, 8, 8192), (256, 32));
     }
 }

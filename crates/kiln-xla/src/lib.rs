@@ -24,5 +24,5 @@ pub use batched::{
 };
 pub use compiler::{Compiler, Target};
 pub use error::{Error, Result};
-pub use graph::{GraphOptions, Precision, Q4Rows, WeightLayout, padded_row};
+pub use graph::{DecodeAttention, GraphOptions, Precision, Q4Rows, WeightLayout, padded_row};
 pub use module_cache::{ModuleCache, Origin};

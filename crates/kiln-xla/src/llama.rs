@@ -41,7 +41,7 @@
 
 use kiln_core::ModelConfig;
 
-use crate::graph::{GraphOptions, Precision, Q4Rows, WeightLayout, padded_row};
+use crate::graph::{DecodeAttention, GraphOptions, Precision, Q4Rows, WeightLayout, padded_row};
 use crate::kernels;
 use crate::q4::BLOCK;
 use crate::stablehlo::{Function, Ty, Val, module};
@@ -249,6 +249,8 @@ struct Dims {
     rows_in_f32: bool,
     /// See [`GraphOptions::q4_rows`].
     q4_rows: Q4Rows,
+    /// See [`GraphOptions::decode_attention`].
+    decode_attention: DecodeAttention,
 }
 
 fn dims(c: &ModelConfig, g: &GraphOptions) -> Dims {
@@ -265,6 +267,7 @@ fn dims(c: &ModelConfig, g: &GraphOptions) -> Dims {
         norm_weights_in_matrices: g.folds_norm_weights(),
         rows_in_f32: true,
         q4_rows: g.q4_rows,
+        decode_attention: g.decode_attention,
     }
 }
 
@@ -655,6 +658,13 @@ fn attention(f: &mut Function, dm: &Dims, q: &Val, k: &Val, v_t: &Val, visible: 
     f.reshape(&out, &[n, dm.heads * dm.d])
 }
 
+/// Whether a decode step over caches of `context` positions attends with
+/// kiln's kernels ([`DecodeAttention::Kernel`] where its shapes fit them).
+fn uses_attention_kernels(dm: &Dims, context: usize) -> bool {
+    dm.decode_attention == DecodeAttention::Kernel
+        && kernels::decode_attention_fits(dm.d, dm.heads / dm.kv_heads, dm.storage, context)
+}
+
 /// The query rows each KV head's products compute for `n` rows of a group
 /// of `group` heads: the group padded with zero heads until `group × n`
 /// reaches `dm.attention_rows` ([`crate::graph::attention_rows_for`] says
@@ -976,13 +986,22 @@ fn decode_one(
         let (q, k, v) = project_qkv(f, dm, &normed, w, &rope_tables);
         let at = layer_rows(f, &key_at, l);
         caches.k = scatter_flat(f, &caches.k, &at, &k, d);
-        let keys = f.slice(&caches.k, &[l, 0, 0, 0], &[l + 1, kv, context, d]);
-        let keys = f.reshape(&keys, &[kv, context, d]);
         let at = layer_rows(f, &value_at, l);
         caches.v = scatter_flat(f, &caches.v, &at, &v, 1);
-        let values = f.slice(&caches.v, &[l, 0, 0, 0], &[l + 1, kv, d, context]);
-        let values = f.reshape(&values, &[kv, dm.d, context]);
-        let attended = attention(f, dm, &q, &keys, &values, &visible);
+        let attended = if uses_attention_kernels(dm, context) {
+            let layer = kernels::DecodeCaches {
+                keys: &caches.k,
+                values: &caches.v,
+                layer: l,
+            };
+            kernels::decode_attention(f, &q, &layer, &positions)
+        } else {
+            let keys = f.slice(&caches.k, &[l, 0, 0, 0], &[l + 1, kv, context, d]);
+            let keys = f.reshape(&keys, &[kv, context, d]);
+            let values = f.slice(&caches.v, &[l, 0, 0, 0], &[l + 1, kv, d, context]);
+            let values = f.reshape(&values, &[kv, dm.d, context]);
+            attention(f, dm, &q, &keys, &values, &visible)
+        };
         x = finish_layer(f, c, dm, &x, &attended, w);
     }
     logits(f, c, dm, p, &x)
@@ -1086,11 +1105,20 @@ fn decode_batch(
         let normed = rms_norm(&mut f, &dm, &x, &w.attn_norm, c.rms_norm_eps);
         let (q, k, v) = project_qkv(&mut f, &dm, &normed, w, &rope_tables);
         caches.write_layer(&mut f, [&key_at, &value_at], l, &k, &v);
-        let keys = f.slice(&caches.k, &[l, 0, 0, 0, 0], &[l + 1, rows, kv, context, d]);
-        let keys = f.reshape(&keys, &[rows, kv, context, d]);
-        let values = f.slice(&caches.v, &[l, 0, 0, 0, 0], &[l + 1, rows, kv, d, context]);
-        let values = f.reshape(&values, &[rows, kv, d, context]);
-        let attended = slot_attention(&mut f, &dm, &q, &keys, &values, &visible);
+        let attended = if uses_attention_kernels(&dm, context) {
+            let layer = kernels::DecodeCaches {
+                keys: &caches.k,
+                values: &caches.v,
+                layer: l,
+            };
+            kernels::decode_attention(&mut f, &q, &layer, &positions)
+        } else {
+            let keys = f.slice(&caches.k, &[l, 0, 0, 0, 0], &[l + 1, rows, kv, context, d]);
+            let keys = f.reshape(&keys, &[rows, kv, context, d]);
+            let values = f.slice(&caches.v, &[l, 0, 0, 0, 0], &[l + 1, rows, kv, d, context]);
+            let values = f.reshape(&values, &[rows, kv, d, context]);
+            slot_attention(&mut f, &dm, &q, &keys, &values, &visible)
+        };
         x = finish_layer(&mut f, c, &dm, &x, &attended, w);
     }
     let normed = rms_norm(&mut f, &dm, &x, &p.final_norm, c.rms_norm_eps);
@@ -1718,6 +1746,71 @@ mod tests {
         }
     }
 
+    /// CUDA's decode steps (one sequence, a chain, the batched step) attend
+    /// with kiln's two kernels, once each a layer, where the heads are 64
+    /// or 128 wide with at most 8 to a KV head and the cache f16;
+    /// otherwise, on the CPU and with `--decode-attention graph` they
+    /// attend through IREE. Prefill never uses them. The modules compile.
+    #[test]
+    fn cuda_decode_steps_attend_with_kilns_kernels_where_the_heads_fit() {
+        let part = "hal.dispatch.extern \"kiln_attend_part\"[";
+        let merge = "hal.dispatch.extern \"kiln_attend_merge\"[";
+        let count = |module: &str| (module.matches(part).count(), module.matches(merge).count());
+        let options = |target, precision| GraphOptions::for_target(target, Some(precision), None);
+        let mut tiny = config(8, 2);
+        (tiny.hidden_size, tiny.head_dim, tiny.num_layers) = (512, 64, 2);
+        let layers = tiny.num_layers;
+        let mut modules = Vec::new();
+        for precision in [Precision::F16, Precision::Q4] {
+            let g = options(Target::Cuda, precision);
+            assert_eq!(g.decode_attention, DecodeAttention::Kernel);
+            for module in [
+                decode_module(&tiny, &g, 64),
+                decode_chain_module(&tiny, &g, 64, 2),
+                decode_batch_module(&tiny, &g, 64, 3, 4),
+            ] {
+                let chained = if module.contains("decode_chain") {
+                    2
+                } else {
+                    1
+                };
+                assert_eq!(count(&module), (layers * chained, layers * chained));
+                modules.push(module);
+            }
+            assert_eq!(count(&prefill_module(&tiny, &g, 16, 64)), (0, 0));
+        }
+        let graph = GraphOptions {
+            decode_attention: DecodeAttention::Graph,
+            ..options(Target::Cuda, Precision::F16)
+        };
+        assert_eq!(count(&decode_module(&tiny, &graph, 64)), (0, 0));
+        // bf16 and f32 caches, heads of 16, a group of 9, a context that is
+        // not a whole number of 16-byte value rows: IREE's attention.
+        for precision in [Precision::Bf16, Precision::F32] {
+            let module = decode_module(&tiny, &options(Target::Cuda, precision), 64);
+            assert_eq!(count(&module), (0, 0));
+        }
+        let mut narrow = tiny.clone();
+        (narrow.hidden_size, narrow.head_dim) = (128, 16);
+        let mut wide_group = tiny.clone();
+        (wide_group.num_heads, wide_group.num_kv_heads) = (9, 1);
+        wide_group.hidden_size = 9 * 64;
+        for (c, context) in [(&narrow, 64), (&wide_group, 64), (&tiny, 60)] {
+            let module = decode_module(c, &options(Target::Cuda, Precision::F16), context);
+            assert_eq!(count(&module), (0, 0));
+        }
+        let cpu = decode_module(&tiny, &options(Target::LlvmCpu, Precision::F32), 64);
+        assert!(!cpu.contains("hal.dispatch.extern"));
+        match crate::compiler::Compiler::from_env() {
+            Ok(compiler) => {
+                for module in modules {
+                    compiler.compile(&module, Target::Cuda, &[]).unwrap();
+                }
+            }
+            Err(e) => println!("skipped compiling the modules: {e}"),
+        }
+    }
+
     /// CUDA's default for one-row q4 products is kiln's own kernel (the
     /// fastest measured, `graph::q4_rows_for`), the CPU's the integer form.
     #[test]
@@ -1733,8 +1826,10 @@ mod tests {
     /// bytes through IREE. Both compile.
     #[test]
     fn cuda_q4_rows_dispatch_kilns_kernel() {
+        // Attention as IREE's graph: only the products are kiln's.
         let q4 = |target| GraphOptions {
             q4_rows: Q4Rows::Kernel,
+            decode_attention: DecodeAttention::Graph,
             ..GraphOptions::for_target(target, Some(Precision::Q4), None)
         };
         let mut wide = config(16, 4);

@@ -850,14 +850,19 @@ pub fn module(functions: &[String]) -> String {
     let mut text = format!("module {{\n{body}}}\n");
     if !used.is_empty() {
         text.push_str("{-#\n  dialect_resources: {\n    builtin: {\n");
-        for object in used {
+        for (i, object) in used.iter().enumerate() {
+            // Entries are separated by commas.
+            if i > 0 {
+                text.push_str(",\n");
+            }
             // A blob is its alignment (a little-endian u32), then its bytes.
             let _ = write!(text, "      {}: \"0x01000000", object.name);
             for byte in object.bytes() {
                 let _ = write!(text, "{byte:02X}");
             }
-            text.push_str("\"\n");
+            text.push('"');
         }
+        text.push('\n');
         text.push_str("    }\n  }\n#-}\n");
     }
     text
