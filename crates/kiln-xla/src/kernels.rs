@@ -37,7 +37,7 @@ pub static ATTEND_MERGE: ExternObject = ExternObject {
 };
 
 /// Every object a module may dispatch: [`crate::stablehlo::module`] adds
-/// the ones its functions use.
+/// the ones its functions use (llama.rs hands it this list).
 pub static OBJECTS: [&ExternObject; 3] = [&Q4_ROW, &ATTEND_PART, &ATTEND_MERGE];
 
 /// Warps in one of [`Q4_ROW`]'s workgroups (`WARPS` in the source).

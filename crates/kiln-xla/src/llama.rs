@@ -44,7 +44,7 @@ use kiln_core::ModelConfig;
 use crate::graph::{DecodeAttention, GraphOptions, Precision, Q4Rows, WeightLayout, padded_row};
 use crate::kernels;
 use crate::q4::BLOCK;
-use crate::stablehlo::{Function, Ty, Val, module};
+use crate::stablehlo::{Function, Ty, Val};
 
 /// The shapes of the weight arguments, in order: embedding `[V, H]`; per
 /// layer the attention norm, the fused q/k/v projection, o, the MLP norm,
@@ -1426,6 +1426,12 @@ fn admit_slot(c: &ModelConfig, g: &GraphOptions, context: usize, slots: usize) -
     f.finish(&[&k_cache, &v_cache])
 }
 
+/// `functions` as a module, with the objects of kiln's kernels they
+/// dispatch.
+fn module(functions: &[String]) -> String {
+    crate::stablehlo::module(functions, &kernels::OBJECTS)
+}
+
 /// The module of one prefill bucket: `prefill_ids` and `prefill_embeddings`.
 pub fn prefill_module(c: &ModelConfig, g: &GraphOptions, seq: usize, context: usize) -> String {
     module(&[
@@ -1685,7 +1691,7 @@ mod tests {
             offsets,
         };
         let y = q4_integer_row_product(&mut f, &row, &weight);
-        let mlir = crate::stablehlo::module(&[f.finish(&[&y])]);
+        let mlir = module(&[f.finish(&[&y])]);
         let compiler = Compiler::from_env().unwrap_or_else(|e| panic!("{e}"));
         let vmfb = compiler.compile(&mlir, Target::LlvmCpu, &[]).unwrap();
         let device = Instance::new().unwrap().device("local-task").unwrap();

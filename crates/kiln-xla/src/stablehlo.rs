@@ -838,11 +838,12 @@ impl Function {
     }
 }
 
-/// Wraps functions into a module, with the kernel objects they dispatch
-/// ([`crate::kernels::OBJECTS`]) once each as MLIR resources.
-pub fn module(functions: &[String]) -> String {
+/// Wraps functions into a module, with those of `objects` they dispatch
+/// once each as MLIR resources (the caller knows which kernels exist; this
+/// builder only writes text).
+pub fn module(functions: &[String], objects: &[&'static ExternObject]) -> String {
     let body = functions.concat();
-    let used: Vec<&ExternObject> = crate::kernels::OBJECTS
+    let used: Vec<&ExternObject> = objects
         .iter()
         .copied()
         .filter(|object| body.contains(&object.reference()))
@@ -869,7 +870,7 @@ pub fn module(functions: &[String]) -> String {
 }
 
 /// A kernel object of kiln's own: PTX the CUDA driver assembles at load
-/// time (see `crate::kernels`).
+/// time.
 pub struct ExternObject {
     /// Its name among the module's resources.
     pub name: &'static str,
@@ -918,7 +919,7 @@ mod tests {
         let mut f = Function::new("argmax");
         let x = f.param(&[n], Ty::F32);
         let at = f.argmax(&x);
-        let mlir = module(&[f.finish(&[&at])]);
+        let mlir = module(&[f.finish(&[&at])], &[]);
         let compiler = Compiler::from_env().unwrap_or_else(|e| panic!("{e}"));
         let vmfb = compiler.compile(&mlir, Target::LlvmCpu, &[]).unwrap();
         let device = Instance::new().unwrap().device("local-task").unwrap();
