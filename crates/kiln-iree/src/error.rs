@@ -1,6 +1,10 @@
-//! Errors of the IREE binding. IREE's own message is always kept.
+//! Errors of the IREE binding, and the reading of the shim's errors into
+//! them. IREE's own message is always kept.
 
 use std::path::PathBuf;
+use std::ptr::NonNull;
+
+use crate::ffi;
 
 /// An IREE status code (`iree_status_code_t`), as reported with an error.
 pub type StatusCode = u32;
@@ -68,3 +72,33 @@ pub enum Error {
 }
 
 pub type Result<T> = std::result::Result<T, Error>;
+
+/// Takes ownership of a shim error; `Ok` for NULL.
+pub(crate) fn check(
+    raw: *mut ffi::kiln_iree_error,
+) -> std::result::Result<(), (StatusCode, String)> {
+    let Some(raw) = NonNull::new(raw) else {
+        return Ok(());
+    };
+    // SAFETY: a non-NULL error from the shim is valid until freed, and its
+    // message is a NUL-terminated string owned by it; we copy both, then free
+    // it exactly once.
+    unsafe {
+        let code = ffi::kiln_iree_error_code(raw.as_ptr());
+        let message = std::ffi::CStr::from_ptr(ffi::kiln_iree_error_message(raw.as_ptr()))
+            .to_string_lossy()
+            .into_owned();
+        ffi::kiln_iree_error_free(raw.as_ptr());
+        Err((code, message))
+    }
+}
+
+/// IREE's own error, its code and message kept.
+pub(crate) fn iree_error((code, message): (StatusCode, String)) -> Error {
+    Error::Iree { code, message }
+}
+
+/// [`check`], as this crate's error.
+pub(crate) fn check_raw(raw: *mut ffi::kiln_iree_error) -> Result<()> {
+    check(raw).map_err(iree_error)
+}

@@ -17,9 +17,8 @@ use std::collections::BTreeMap;
 use std::ptr::NonNull;
 use std::sync::{Mutex, MutexGuard, PoisonError};
 
-use crate::error::{Error, Result};
+use crate::error::{Error, Result, check_raw};
 use crate::ffi;
-use crate::runtime::check_raw;
 
 /// A flag's type, as IREE's listing prints it.
 #[derive(Clone, Debug, PartialEq, Eq)]

@@ -12,7 +12,8 @@
 //! # Ok::<(), kiln_iree::Error>(())
 //! ```
 //!
-//! `unsafe` lives in [`runtime`]'s calls into the shim (`csrc/`) only.
+//! `unsafe` lives only in the calls into the shim (`csrc/`): [`runtime`]'s,
+//! `flags`' and `error`'s reading of the shim's errors.
 
 mod error;
 mod ffi;

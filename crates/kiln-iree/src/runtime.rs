@@ -6,37 +6,12 @@ use std::path::Path;
 use std::ptr::NonNull;
 use std::sync::{Arc, OnceLock};
 
-use crate::error::{Error, Result, STATUS_NOT_FOUND, STATUS_UNAVAILABLE, StatusCode};
+use crate::error::{
+    Error, Result, STATUS_NOT_FOUND, STATUS_UNAVAILABLE, StatusCode, check, iree_error,
+};
 use crate::ffi;
 use crate::flags;
 use crate::tensor::{ElementType, Tensor};
-
-/// Takes ownership of a shim error; `Ok` for NULL.
-fn check(raw: *mut ffi::kiln_iree_error) -> std::result::Result<(), (StatusCode, String)> {
-    let Some(raw) = NonNull::new(raw) else {
-        return Ok(());
-    };
-    // SAFETY: a non-NULL error from the shim is valid until freed, and its
-    // message is a NUL-terminated string owned by it; we copy both, then free
-    // it exactly once.
-    unsafe {
-        let code = ffi::kiln_iree_error_code(raw.as_ptr());
-        let message = std::ffi::CStr::from_ptr(ffi::kiln_iree_error_message(raw.as_ptr()))
-            .to_string_lossy()
-            .into_owned();
-        ffi::kiln_iree_error_free(raw.as_ptr());
-        Err((code, message))
-    }
-}
-
-fn iree_error((code, message): (StatusCode, String)) -> Error {
-    Error::Iree { code, message }
-}
-
-/// [`check`], as this crate's error.
-pub(crate) fn check_raw(raw: *mut ffi::kiln_iree_error) -> Result<()> {
-    check(raw).map_err(iree_error)
-}
 
 fn c_string(what: &'static str, value: &str) -> Result<CString> {
     CString::new(value).map_err(|_| Error::Nul {

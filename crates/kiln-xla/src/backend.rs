@@ -15,100 +15,9 @@ use kiln_iree::{Device, DeviceTensor, Fence, Instance, Module, PendingRead, Read
 use crate::compiler::{Compiler, Target};
 use crate::graph::{GraphOptions, Precision, WeightLayout};
 use crate::module_cache::{ModuleCache, Origin};
+use crate::plan::{self, APPEND_ROWS, Buckets, ModuleKind};
 use crate::prepared;
 use crate::q4::Q4Matrix;
-
-/// Sequence lengths prefill is compiled for, and the context (KV cache)
-/// length every module shares.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Buckets {
-    pub prefill: Vec<usize>,
-    pub context: usize,
-}
-
-impl Buckets {
-    /// The buckets of [`Buckets::for_context`] for the model's
-    /// The model's context limit (`ModelConfig::context_limit`) capped at `max_context`.
-    pub fn for_model(model: &Model, max_context: usize) -> Buckets {
-        Buckets::for_context(model.config.context_limit().min(max_context))
-    }
-
-    /// Prefill buckets 16, 64, 128, 256, 512, 1024, 2048 below `context`, and
-    /// `context` itself.
-    pub fn for_context(context: usize) -> Buckets {
-        let mut prefill: Vec<usize> = [16, 64, 128, 256, 512, 1024, 2048]
-            .into_iter()
-            .filter(|&b| b < context)
-            .collect();
-        prefill.push(context);
-        Buckets { prefill, context }
-    }
-}
-
-/// Which kind of module a compilation is for.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
-pub enum ModuleKind {
-    Prefill(usize),
-    Decode,
-    /// This many greedy decode steps chained in one call (`decode_chain`).
-    DecodeChain(usize),
-    /// The batched decode step over the first `rows` of `slots` sequence
-    /// slots.
-    DecodeBatch {
-        rows: usize,
-        slots: usize,
-    },
-    /// Admits a prefilled sequence into one of `slots` sequence slots.
-    AdmitSlot {
-        slots: usize,
-    },
-    /// Prefills `rows` prompts of up to `seq` tokens, each into its own of
-    /// `slots` sequence slots (`prefill_batch`).
-    PrefillBatch {
-        rows: usize,
-        seq: usize,
-        slots: usize,
-    },
-    /// The multi-token step of this many rows (speculative decoding).
-    Append(usize),
-}
-
-/// The decode step's execution model: its function returns once its work is
-/// queued and takes a wait and a signal fence after its tensors, so kiln can
-/// queue the next greedy step while this one runs (see
-/// [`IreeBackend::decode_greedy`]).
-const ASYNC_EXTERNAL: &str = "--iree-execution-model=async-external";
-
-/// Split-K for the batched step's products of several rows on CUDA: each
-/// product's inputs in four parts, each a kernel's worth of workgroups, the
-/// parts' sums added by a small reduction. IREE tiles a 32-row product in
-/// 32×32 output tiles, so a product of 2,048 outputs had 64 workgroups for
-/// 132 SMs, each reading its slice of the weights alone: 0.3 TB/s for the
-/// down projection (Nsight Compute over `kiln-bench-batch`, docs/server.md).
-const SPLIT_K: &str = "--iree-dispatch-creation-split-matmul-reduction=4";
-
-impl ModuleKind {
-    /// The iree-compile flags this kind adds to `target`'s.
-    pub fn compile_flags(self, target: Target) -> &'static [&'static str] {
-        match (self, target) {
-            (ModuleKind::DecodeBatch { rows, .. }, Target::Cuda) if rows > 1 => {
-                &[ASYNC_EXTERNAL, SPLIT_K]
-            }
-            (
-                ModuleKind::Decode
-                | ModuleKind::DecodeChain(_)
-                | ModuleKind::DecodeBatch { .. }
-                | ModuleKind::PrefillBatch { .. },
-                _,
-            ) => &[ASYNC_EXTERNAL],
-            _ => &[],
-        }
-    }
-}
-
-/// The row counts the multi-token step is compiled for: an append of n
-/// tokens runs in the smallest that holds n (padding rows are discarded).
-pub const APPEND_ROWS: [usize; 3] = [4, 8, 16];
 
 /// The weight arguments, in [`crate::llama::weight_shapes`] order, at the graph's
 /// layout (precision is applied on upload). kiln-core holds matrices `[out,
@@ -438,7 +347,7 @@ impl<'m> IreeBackend<'m> {
 
     /// Every module this backend can use.
     pub fn module_kinds(&self) -> Vec<ModuleKind> {
-        prepared::module_kinds(&self.buckets, self.steps_per_call)
+        plan::module_kinds(&self.buckets, self.steps_per_call)
     }
 
     /// The modules loaded so far (each on first use, or by [`load`]).

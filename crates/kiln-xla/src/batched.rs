@@ -19,12 +19,15 @@
 //! batch-1 step is), and used if the caller feeds those tokens to the same
 //! slots. A step queued ahead and not used wrote each slot's row at its next
 //! position only, which the slot writes again before it reads it.
+//!
+//! [`PROMPT_MAX`]: crate::plan::PROMPT_MAX
 
 use kiln_core::Model;
 use kiln_iree::{DeviceTensor, Fence};
 
-use crate::backend::{Buckets, IreeBackend, ModuleKind};
+use crate::backend::IreeBackend;
 use crate::module_cache::Origin;
+use crate::plan::{ModuleKind, batch_sizes, decoder_module_kinds, prompt_buckets, prompt_rows};
 
 /// The most sequence slots a decoder takes.
 pub const MAX_SLOTS: usize = 32;
@@ -45,69 +48,6 @@ pub enum SlotOutput {
     Token(u32),
     /// The slot's logits (for [`Choice::Sampled`] slots).
     Logits(Vec<f32>),
-}
-
-/// The row counts compiled for `slots` slots: 1 (a lone sequence, admitted
-/// into slot 0, steps at batch-1 cost), then powers of two from 4, and
-/// `slots` itself. Decode reads every weight once per step whatever the
-/// batch, so a few spare rows cost little; skipping 2 saves a module that 4
-/// covers.
-pub fn batch_sizes(slots: usize) -> Vec<usize> {
-    let mut sizes = vec![1];
-    let mut size = 4;
-    while size < slots {
-        sizes.push(size);
-        size *= 2;
-    }
-    if slots > 1 {
-        sizes.push(slots);
-    }
-    sizes
-}
-
-/// The longest prompt prefilled together with others; longer ones are
-/// prefilled alone (a long prompt is a large call by itself).
-pub const PROMPT_MAX: usize = 128;
-
-/// The prompt counts `prefill_batch` is compiled for with `slots` slots:
-/// 4 and 8 (a call of 8 prompts of 64 tokens multiplies 512 rows at a time),
-/// or the slot count below 4. More waiting prompts take several calls; a
-/// call's spare rows repeat a real prompt.
-pub fn prompt_rows(slots: usize) -> Vec<usize> {
-    if slots < 2 {
-        return Vec::new();
-    }
-    let rows: Vec<usize> = [4, 8].into_iter().filter(|&r| r <= slots).collect();
-    if rows.is_empty() { vec![slots] } else { rows }
-}
-
-/// The prompt lengths `prefill_batch` is compiled for: the prefill buckets
-/// up to [`PROMPT_MAX`].
-pub fn prompt_buckets(buckets: &Buckets) -> Vec<usize> {
-    buckets
-        .prefill
-        .iter()
-        .copied()
-        .filter(|&b| b <= PROMPT_MAX)
-        .collect()
-}
-
-/// The modules of a decoder of `slots` slots beside the prefill buckets:
-/// the decode step of each row count ([`batch_sizes`]), the admission of
-/// one prefilled sequence, and the joint prefill of each prompt count and
-/// length ([`prompt_rows`], [`prompt_buckets`]).
-pub fn module_kinds(buckets: &Buckets, slots: usize) -> Vec<ModuleKind> {
-    let mut kinds: Vec<ModuleKind> = batch_sizes(slots)
-        .into_iter()
-        .map(|rows| ModuleKind::DecodeBatch { rows, slots })
-        .collect();
-    kinds.push(ModuleKind::AdmitSlot { slots });
-    for rows in prompt_rows(slots) {
-        for seq in prompt_buckets(buckets) {
-            kinds.push(ModuleKind::PrefillBatch { rows, seq, slots });
-        }
-    }
-    kinds
 }
 
 /// A sequence to admit: the free slot it takes, its prompt, and how its
@@ -248,7 +188,10 @@ impl<'m> BatchedDecoder<'m> {
     ) -> kiln_core::Result<()> {
         let mut kinds = self.backend.module_kinds();
         kinds.retain(|k| matches!(k, ModuleKind::Prefill(_)));
-        kinds.extend(module_kinds(self.backend.buckets(), self.slots.len()));
+        kinds.extend(decoder_module_kinds(
+            self.backend.buckets(),
+            self.slots.len(),
+        ));
         for kind in kinds {
             let origin = self.backend.load(kind)?;
             on_ready(kind, origin);
@@ -345,6 +288,7 @@ impl<'m> BatchedDecoder<'m> {
     /// admissions it held.
     ///
     /// [`admit`]: BatchedDecoder::admit
+    /// [`PROMPT_MAX`]: crate::plan::PROMPT_MAX
     pub fn admit_all(&mut self, admissions: &[Admission]) -> Vec<kiln_core::Result<Vec<f32>>> {
         let mut results: Vec<Option<kiln_core::Result<Vec<f32>>>> =
             admissions.iter().map(|_| None).collect();
@@ -633,19 +577,5 @@ impl<'m> BatchedDecoder<'m> {
             ahead,
         });
         Ok(results)
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn batch_sizes_start_at_one_and_end_at_the_slot_count() {
-        assert_eq!(batch_sizes(1), vec![1]);
-        assert_eq!(batch_sizes(4), vec![1, 4]);
-        assert_eq!(batch_sizes(8), vec![1, 4, 8]);
-        assert_eq!(batch_sizes(12), vec![1, 4, 8, 12]);
-        assert_eq!(batch_sizes(32), vec![1, 4, 8, 16, 32]);
     }
 }

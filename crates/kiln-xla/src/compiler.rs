@@ -35,7 +35,7 @@ impl Target {
     /// any newer GPU).
     pub fn machine_identity(self, native_compiler: bool) -> Result<&'static str> {
         match (self, native_compiler) {
-            (Target::LlvmCpu, true) => crate::host_cpu::identity(),
+            (Target::LlvmCpu, true) => crate::host_cpu::identity().map_err(Error::HostCpu),
             (Target::LlvmCpu, false) | (Target::Cuda, _) => Ok(""),
         }
     }

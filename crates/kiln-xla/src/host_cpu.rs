@@ -8,8 +8,6 @@
 use std::path::Path;
 use std::sync::OnceLock;
 
-use crate::error::{Error, Result};
-
 /// The `/proc/cpuinfo` fields that decide LLVM's host CPU and features
 /// (x86: vendor, family, model, flags; Arm: implementer, part, features).
 const FIELDS: &[&str] = &[
@@ -25,9 +23,10 @@ const FIELDS: &[&str] = &[
     "Features",
 ];
 
-/// This machine's CPU identity, read once.
-pub fn identity() -> Result<&'static str> {
-    static IDENTITY: OnceLock<std::result::Result<String, String>> = OnceLock::new();
+/// This machine's CPU identity, read once, or why it cannot be read (the
+/// caller wraps it in its error: this file stays below the crate's errors).
+pub fn identity() -> Result<&'static str, String> {
+    static IDENTITY: OnceLock<Result<String, String>> = OnceLock::new();
     IDENTITY
         .get_or_init(|| {
             let text = kiln_core::files::read_text_limited(
@@ -39,12 +38,12 @@ pub fn identity() -> Result<&'static str> {
             from_cpuinfo(&text)
         })
         .as_deref()
-        .map_err(|e| Error::HostCpu(e.clone()))
+        .map_err(String::clone)
 }
 
 /// The identity in `/proc/cpuinfo`'s text: [`FIELDS`] of the first
 /// processor, in order (hybrid CPUs report the same flags on every core).
-pub fn from_cpuinfo(text: &str) -> std::result::Result<String, String> {
+pub fn from_cpuinfo(text: &str) -> Result<String, String> {
     let first = text.split("\n\n").next().unwrap_or_default();
     let mut identity = String::new();
     for field in FIELDS {

@@ -11,18 +11,17 @@ mod host_cpu;
 mod kernels;
 pub mod llama;
 mod module_cache;
+mod plan;
 pub mod prepared;
 pub mod q4;
 mod stablehlo;
 
-pub use backend::{
-    APPEND_ROWS, Buckets, IreeBackend, MAX_STEPS_PER_CALL, ModuleKind, check_steps_per_call,
-};
-pub use batched::{
-    Admission, BatchedDecoder, Choice, MAX_SLOTS, PROMPT_MAX, SlotOutput, batch_sizes,
-    prompt_buckets, prompt_rows,
-};
+pub use backend::{IreeBackend, MAX_STEPS_PER_CALL, check_steps_per_call};
+pub use batched::{Admission, BatchedDecoder, Choice, MAX_SLOTS, SlotOutput};
 pub use compiler::{Compiler, Target};
 pub use error::{Error, Result};
 pub use graph::{DecodeAttention, GraphOptions, Precision, Q4Rows, WeightLayout, padded_row};
 pub use module_cache::{ModuleCache, Origin};
+pub use plan::{
+    APPEND_ROWS, Buckets, ModuleKind, PROMPT_MAX, batch_sizes, prompt_buckets, prompt_rows,
+};

@@ -1899,7 +1899,7 @@ mod tests {
     /// once (a memoized command buffer) instead of on every call.
     #[test]
     fn decode_calls_read_nothing_back_to_the_host() {
-        use crate::backend::ModuleKind;
+        use crate::plan::ModuleKind;
         let c = config(4, 2);
         let cuda = graph(Target::Cuda);
         // At q4 through kiln's own kernel, every product is its dispatch.

@@ -1,15 +1,19 @@
 //! Prepared modules: the StableHLO text of each module a model needs, its
 //! cache key, and compiling it into the cache — with no device, so modules for
 //! a GPU can be prepared on a machine without one and carried to it.
+//! Which modules a model needs is the plan's (`plan`); its lists are
+//! re-exported here, where callers prepare them.
 
 use kiln_core::ModelConfig;
 
-use crate::backend::{Buckets, ModuleKind};
 use crate::compiler::{Compiler, Target};
 use crate::error::{Error, Result};
 use crate::graph::GraphOptions;
 use crate::llama;
 use crate::module_cache::{ModuleCache, Origin};
+use crate::plan::{Buckets, ModuleKind};
+// The lists of modules to prepare, at their public path `prepared::...`.
+pub use crate::plan::{append_module_kinds, batch_module_kinds, module_kinds};
 
 /// The MLIR text of a module and the bucket it is for.
 pub fn source(
@@ -48,44 +52,6 @@ pub fn source(
             format!("append:{rows}:{context}"),
         ),
     }
-}
-
-/// Every module of a model for `buckets`, greedy decoding chaining
-/// `steps_per_call` steps in a call.
-pub fn module_kinds(buckets: &Buckets, steps_per_call: usize) -> Vec<ModuleKind> {
-    let mut kinds: Vec<ModuleKind> = buckets
-        .prefill
-        .iter()
-        .map(|&s| ModuleKind::Prefill(s))
-        .collect();
-    kinds.push(ModuleKind::Decode);
-    if steps_per_call > 1 {
-        kinds.push(ModuleKind::DecodeChain(steps_per_call));
-    }
-    kinds
-}
-
-/// The multi-token modules speculative decoding with up to `draft_tokens`
-/// proposed tokens uses (each step appends them after the last chosen token).
-pub fn append_module_kinds(draft_tokens: usize) -> Vec<ModuleKind> {
-    let rows = draft_tokens + 1;
-    crate::backend::APPEND_ROWS
-        .iter()
-        .take_while(|&&b| b < rows)
-        .chain(crate::backend::APPEND_ROWS.iter().find(|&&b| b >= rows))
-        .map(|&b| ModuleKind::Append(b))
-        .collect()
-}
-
-/// The batched modules kiln-server's decoder of `slots` sequence slots uses
-/// beside the prefill buckets: the decode steps of each row count, the
-/// admission of one prefilled sequence and the prefill of several prompts
-/// together (none for one slot: it runs the batch-1 `decode_step`).
-pub fn batch_module_kinds(buckets: &Buckets, slots: usize) -> Vec<ModuleKind> {
-    if slots <= 1 {
-        return Vec::new();
-    }
-    crate::batched::module_kinds(buckets, slots)
 }
 
 /// The cache key of a module: the MLIR text, the target's flags (which
@@ -180,23 +146,6 @@ pub fn prepare_kinds(
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn speculation_needs_every_row_count_up_to_the_one_holding_k_plus_one() {
-        let rows = |k| -> Vec<usize> {
-            append_module_kinds(k)
-                .into_iter()
-                .map(|kind| match kind {
-                    ModuleKind::Append(rows) => rows,
-                    other => panic!("{other:?}"),
-                })
-                .collect()
-        };
-        assert_eq!(rows(1), [4]);
-        assert_eq!(rows(3), [4]);
-        assert_eq!(rows(4), [4, 8]);
-        assert_eq!(rows(15), [4, 8, 16]);
-    }
 
     #[test]
     fn cpu_modules_of_different_cpus_have_different_keys() {
