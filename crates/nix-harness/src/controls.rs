@@ -8,7 +8,7 @@ use anyhow::{Result, anyhow};
 use serde_json::{Value, json};
 
 use crate::Checkout;
-use crate::eval::evaluate_raw;
+use crate::driver::evaluate_raw;
 use crate::inputs::Inputs;
 
 struct Control {

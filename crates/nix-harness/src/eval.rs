@@ -16,11 +16,12 @@ use std::time::Instant;
 use anyhow::{Context, Result, anyhow};
 use serde_json::{Value, json};
 
+use crate::driver::evaluate_raw;
+pub use crate::driver::{Evaluation, nix_path};
 use crate::inputs::Inputs;
-use crate::{Checkout, controls, output, read, sha256_file};
+use crate::{Checkout, controls, read, sha256_file};
 
 const SUMMARY: &str = "nix/eval/summary.json";
-const DRIVER: &str = "nix/eval/default.nix";
 /// The evaluation's own files: they change what it finds, so they are
 /// hashed too.
 const EVALUATOR: [&str; 6] = [
@@ -41,7 +42,6 @@ const NOT_REBUILT_BY_RUST_EDITS: [&str; 3] = [
 ];
 /// An edit to the installer the IREE derivations run.
 const XTASK_EDIT: &str = "crates/xtask/src/prefix.rs";
-const TRACE: &str = "trace: kiln-eval-read: ";
 /// Debian's Nix programs the evaluation runs: the caller checks for them
 /// before it starts, naming their package.
 pub const PROGRAMS: [&str; 3] = ["nix-instantiate", "nix", "nix-hash"];
@@ -195,13 +195,6 @@ pub fn check(root: &Path) -> Result<()> {
     Ok(())
 }
 
-pub struct Evaluation {
-    /// system -> output path (`packages.kiln`) -> `.drv` path or app program.
-    pub outputs: BTreeMap<String, BTreeMap<String, String>>,
-    /// Repository files read, relative to the checkout.
-    pub read: BTreeSet<String>,
-}
-
 /// Runs `root`'s driver on `checkout` (a copy of it); `only_system`
 /// restricts it to one system. Returns the outputs, or the error text Nix
 /// printed.
@@ -214,93 +207,6 @@ fn evaluate(
     match evaluate_raw(root, checkout, inputs, only_system)? {
         Ok(evaluation) => Ok(evaluation),
         Err(message) => Err(anyhow!("the flake does not evaluate:\n{message}")),
-    }
-}
-
-/// `Ok(Err(message))` when Nix rejects the flake.
-pub(crate) fn evaluate_raw(
-    root: &Path,
-    checkout: &Path,
-    inputs: &Inputs,
-    only_system: Option<&str>,
-) -> Result<std::result::Result<Evaluation, String>> {
-    let driver = root.join(DRIVER);
-    let mut command = Command::new("nix-instantiate");
-    command
-        .args(["--eval", "--strict", "--json", "--read-write-mode"])
-        .arg(&driver)
-        .args(["--arg", "repo"])
-        .arg(nix_path(checkout)?)
-        .args(["--arg", "nixpkgsLib"])
-        .arg(nix_path(&inputs.nixpkgs_lib)?)
-        .args(["--arg", "crane"])
-        .arg(nix_path(&inputs.crane)?)
-        .args(["--arg", "rustOverlay"])
-        .arg(nix_path(&inputs.rust_overlay)?);
-    if let Some(system) = only_system {
-        command.args(["--argstr", "onlySystem", system]);
-    }
-    let output = output(&mut command)?;
-    let stderr = String::from_utf8_lossy(&output.stderr);
-    if !output.status.success() {
-        let message: Vec<&str> = stderr
-            .lines()
-            .filter(|l| !l.starts_with(TRACE) && !l.contains("build-users-group"))
-            .collect();
-        return Ok(Err(message.join("\n")));
-    }
-    let read = stderr
-        .lines()
-        .filter_map(|l| l.strip_prefix(TRACE))
-        .map(str::to_string)
-        .collect();
-    let value: Value =
-        serde_json::from_slice(&output.stdout).context("nix-instantiate printed no JSON")?;
-    let mut outputs = BTreeMap::new();
-    for (system, tree) in value
-        .as_object()
-        .ok_or_else(|| anyhow!("the driver returned no systems"))?
-    {
-        let mut flat = BTreeMap::new();
-        flatten("", tree, &mut flat);
-        outputs.insert(system.clone(), flat);
-    }
-    Ok(Ok(Evaluation { outputs, read }))
-}
-
-/// An absolute path as a Nix path literal.
-pub fn nix_path(path: &Path) -> Result<String> {
-    let path = std::fs::canonicalize(path)
-        .with_context(|| format!("{} does not exist", path.display()))?;
-    let text = path
-        .to_str()
-        .ok_or_else(|| anyhow!("{} is not UTF-8", path.display()))?;
-    if text.contains(|c: char| c.is_whitespace() || c == '"' || c == '$') {
-        return Err(anyhow!(
-            "{text}: Nix path literals cannot hold spaces, quotes or `$`; use another folder"
-        ));
-    }
-    Ok(text.to_string())
-}
-
-fn flatten(prefix: &str, value: &Value, out: &mut BTreeMap<String, String>) {
-    match value {
-        Value::Object(map) => {
-            for (k, v) in map {
-                let key = if prefix.is_empty() {
-                    k.clone()
-                } else {
-                    format!("{prefix}.{k}")
-                };
-                flatten(&key, v, out);
-            }
-        }
-        Value::String(s) => {
-            out.insert(prefix.to_string(), s.clone());
-        }
-        other => {
-            out.insert(prefix.to_string(), other.to_string());
-        }
     }
 }
 

@@ -15,6 +15,7 @@
 
 pub mod build;
 mod controls;
+mod driver;
 pub mod eval;
 pub mod inputs;
 
