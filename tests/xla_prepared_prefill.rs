@@ -10,8 +10,8 @@ use kiln_core::sampling::argmax;
 use kiln_core::testing::max_abs_diff;
 use kiln_core::{Backend, CpuBackend, Model, SamplingParams, generate};
 use kiln_xla::{
-    Buckets, Compiler, GraphOptions, IreeBackend, ModuleCache, ModuleKind, Origin, Precision,
-    Q4Rows, Target, WeightLayout,
+    Buckets, Compiler, DecodeAttention, GraphOptions, IreeBackend, ModuleCache, ModuleKind, Origin,
+    Precision, Q4Rows, Target, WeightLayout,
 };
 
 fn fixture(name: &str) -> Model {
@@ -701,6 +701,42 @@ mod cuda {
     fn q4_kernel_on_the_gpu_matches_the_reference() {
         q4_on_the_gpu(&Model::embedded(), 32, Some(Q4Rows::Kernel));
         q4_on_the_gpu(&wide_vocabulary_model(), 8, Some(Q4Rows::Kernel));
+    }
+
+    /// Decode steps attending through kiln's kernels
+    /// (`kernels/attend_part.cu`, `attend_merge.cu`; `--decode-attention
+    /// kernel`) on random-100m, whose 12 heads of 64 share 4 KV heads: f16
+    /// and q4 within their bounds of the reference, 8 greedy steps, so that
+    /// the kernels are checked on the GPU whichever attention is CUDA's
+    /// default. Modules: `kiln-bench-decode --prepare --model random-100m
+    /// --max-context 64 --precision f16 --precision q4 --decode-attention
+    /// kernel`.
+    #[test]
+    fn decode_attention_kernels_on_the_gpu_match_the_reference() {
+        let model = rounded_to_f16(&wide_vocabulary_model());
+        let q4 = q4_reference(&model);
+        for (precision, reference, bound) in [
+            (Precision::F16, &model, F16_BOUND),
+            (Precision::Q4, &q4, Q4_BOUND),
+        ] {
+            let graph = GraphOptions {
+                decode_attention: DecodeAttention::Kernel,
+                ..GraphOptions::for_target(Target::Cuda, Some(precision), None)
+            };
+            match open(&model, "cuda", Target::Cuda, graph, default_cache()) {
+                Ok(mut xla) => {
+                    let worst = agrees(reference, &mut xla, bound, 8);
+                    println!(
+                        "random-100m {precision}, attention kernels: worst |gpu - cpu| = {worst:e}"
+                    );
+                }
+                Err(error) if error.to_string().contains("is not available") => {
+                    no_device(&error);
+                    return;
+                }
+                Err(error) => panic!("{error}"),
+            }
+        }
     }
 
     #[test]

@@ -223,13 +223,14 @@ impl std::fmt::Display for DecodeAttention {
     }
 }
 
-/// How `target`'s decode steps attend by default: on CUDA with kiln's
-/// kernels, which read only the positions a row has (IREE's three to five
-/// kernels a layer read the whole context); on the CPU with IREE's graph.
+/// How `target`'s decode steps attend by default: through IREE's graph
+/// everywhere. kiln's kernels read only the positions a row has, but their
+/// first build decoded slower on an H100 (TinyLlama's shape, 2026-12-06:
+/// q4 672.6 tok/s against 766.1 through the graph, f16 571.0 against
+/// 588.9; docs/perf-notes.md); `--decode-attention kernel` chooses them.
 pub fn decode_attention_for(target: Target) -> DecodeAttention {
     match target {
-        Target::LlvmCpu => DecodeAttention::Graph,
-        Target::Cuda => DecodeAttention::Kernel,
+        Target::LlvmCpu | Target::Cuda => DecodeAttention::Graph,
     }
 }
 

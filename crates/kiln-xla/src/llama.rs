@@ -1752,24 +1752,26 @@ mod tests {
         }
     }
 
-    /// CUDA's decode steps (one sequence, a chain, the batched step) attend
-    /// with kiln's two kernels, once each a layer, where the heads are 64
-    /// or 128 wide with at most 8 to a KV head and the cache f16;
-    /// otherwise, on the CPU and with `--decode-attention graph` they
+    /// With `--decode-attention kernel`, CUDA's decode steps (one sequence,
+    /// a chain, the batched step) attend with kiln's two kernels, once each
+    /// a layer, where the heads are 64 or 128 wide with at most 8 to a KV
+    /// head and the cache f16; otherwise, on the CPU and by default they
     /// attend through IREE. Prefill never uses them. The modules compile.
     #[test]
     fn cuda_decode_steps_attend_with_kilns_kernels_where_the_heads_fit() {
         let part = "hal.dispatch.extern \"kiln_attend_part\"[";
         let merge = "hal.dispatch.extern \"kiln_attend_merge\"[";
         let count = |module: &str| (module.matches(part).count(), module.matches(merge).count());
-        let options = |target, precision| GraphOptions::for_target(target, Some(precision), None);
+        let options = |target, precision| GraphOptions {
+            decode_attention: DecodeAttention::Kernel,
+            ..GraphOptions::for_target(target, Some(precision), None)
+        };
         let mut tiny = config(8, 2);
         (tiny.hidden_size, tiny.head_dim, tiny.num_layers) = (512, 64, 2);
         let layers = tiny.num_layers;
         let mut modules = Vec::new();
         for precision in [Precision::F16, Precision::Q4] {
             let g = options(Target::Cuda, precision);
-            assert_eq!(g.decode_attention, DecodeAttention::Kernel);
             for module in [
                 decode_module(&tiny, &g, 64),
                 decode_chain_module(&tiny, &g, 64, 2),
@@ -1785,10 +1787,12 @@ mod tests {
             }
             assert_eq!(count(&prefill_module(&tiny, &g, 16, 64)), (0, 0));
         }
-        let graph = GraphOptions {
-            decode_attention: DecodeAttention::Graph,
-            ..options(Target::Cuda, Precision::F16)
-        };
+        let graph = GraphOptions::for_target(Target::Cuda, Some(Precision::F16), None);
+        assert_eq!(
+            graph.decode_attention,
+            DecodeAttention::Graph,
+            "CUDA's default"
+        );
         assert_eq!(count(&decode_module(&tiny, &graph, 64)), (0, 0));
         // bf16 and f32 caches, heads of 16, a group of 9, a context that is
         // not a whole number of 16-byte value rows: IREE's attention.
