@@ -277,11 +277,13 @@ fn attend_body(q: &[f32], cache: &HeadCache, scale: f32, scores: &mut Vec<f32>, 
     }
 }
 
-/// RMSNorm: `x / sqrt(mean(x²) + eps) * weight`.
-fn rms_norm(x: &[f32], weight: &[f32], eps: f32) -> Vec<f32> {
+/// RMSNorm of `x` into `out`: `x / sqrt(mean(x²) + eps) * weight`.
+fn rms_norm(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
     let mean_square = x.iter().map(|v| v * v).sum::<f32>() / x.len() as f32;
     let scale = 1.0 / (mean_square + eps).sqrt();
-    x.iter().zip(weight).map(|(v, w)| v * scale * w).collect()
+    for ((o, v), w) in out.iter_mut().zip(x).zip(weight) {
+        *o = v * scale * w;
+    }
 }
 
 /// Rotates each head in place: pairs are `(i, i + head_dim/2)` ("rotate half").
@@ -372,25 +374,30 @@ pub fn forward_until(
         let layer = weights.layer(l);
         // Project this chunk's rows and extend the cache first, so each row
         // attends to every earlier position and to itself.
-        let normed = rms_norm_rows(&xs, layer.attn_norm, config.rms_norm_eps);
+        let normed = rms_norm_rows(weights, &xs, layer.attn_norm, config.rms_norm_eps);
         let mut qkv = layer.qkv.apply(&normed, n);
         if let Some(bias) = layer.qkv_bias {
             for row in qkv.chunks_exact_mut(bias.len()) {
                 row.iter_mut().zip(bias).for_each(|(v, b)| *v += b);
             }
         }
-        let mut queries = Vec::with_capacity(n * q_width);
-        for (r, row) in qkv.chunks_exact(q_width + 2 * kv_width).enumerate() {
+        let qkv_width = q_width + 2 * kv_width;
+        let rope_tables = |r: usize| {
             let pos = start + r;
-            let (c, s) = (&cos[pos * half..][..half], &sin[pos * half..][..half]);
-            let (q, kv) = row.split_at(q_width);
-            let (k, v) = kv.split_at(kv_width);
-            let (mut q, mut k) = (q.to_vec(), k.to_vec());
-            apply_rope(&mut q, d, c, s);
+            (&cos[pos * half..][..half], &sin[pos * half..][..half])
+        };
+        let queries = rows_on_threads(weights, n, q_width, &|r, q| {
+            q.copy_from_slice(&qkv[r * qkv_width..][..q_width]);
+            let (c, s) = rope_tables(r);
+            apply_rope(q, d, c, s);
+        });
+        for (r, row) in qkv.chunks_exact(qkv_width).enumerate() {
+            let (k, v) = row[q_width..].split_at(kv_width);
+            let mut k = k.to_vec();
+            let (c, s) = rope_tables(r);
             apply_rope(&mut k, d, c, s);
             cache.keys[l].extend_from_slice(&k);
             cache.values[l].extend_from_slice(v);
-            queries.extend_from_slice(&q);
         }
         let mut attended = vec![0.0f32; n * q_width];
         let (keys, values) = (&cache.keys[l], &cache.values[l]);
@@ -433,16 +440,15 @@ pub fn forward_until(
         for (xi, p) in xs.iter_mut().zip(layer.wo.apply(&attended, n)) {
             *xi += p;
         }
-        let normed = rms_norm_rows(&xs, layer.mlp_norm, config.rms_norm_eps);
+        let normed = rms_norm_rows(weights, &xs, layer.mlp_norm, config.rms_norm_eps);
         let gate_up = layer.gate_up.apply(&normed, n);
         let inter = gate_up.len() / n / 2;
-        let hidden: Vec<f32> = gate_up
-            .chunks_exact(2 * inter)
-            .flat_map(|row| {
-                let (gate, up) = row.split_at(inter);
-                gate.iter().zip(up).map(|(g, u)| silu(*g) * u)
-            })
-            .collect();
+        let hidden = rows_on_threads(weights, n, inter, &|r, out| {
+            let (gate, up) = gate_up[r * 2 * inter..][..2 * inter].split_at(inter);
+            for ((o, g), u) in out.iter_mut().zip(gate).zip(up) {
+                *o = silu(*g) * u;
+            }
+        });
         for (xi, m) in xs.iter_mut().zip(layer.w_down.apply(&hidden, n)) {
             *xi += m;
         }
@@ -452,15 +458,38 @@ pub fn forward_until(
         Logits::EveryRow => (&xs[..], n),
         Logits::LastRow => (&xs[(n - 1) * h..], 1),
     };
-    let normed = rms_norm_rows(xs, weights.final_norm(), config.rms_norm_eps);
+    let normed = rms_norm_rows(weights, xs, weights.final_norm(), config.rms_norm_eps);
     Ok(weights.output().apply(&normed, rows))
 }
 
-/// [`rms_norm`] of each row of `xs`.
-fn rms_norm_rows(xs: &[f32], weight: &[f32], eps: f32) -> Vec<f32> {
-    xs.chunks_exact(weight.len())
-        .flat_map(|x| rms_norm(x, weight, eps))
-        .collect()
+/// [`rms_norm`] of each row of `xs`, on the backend's threads.
+fn rms_norm_rows(weights: &dyn ForwardWeights, xs: &[f32], weight: &[f32], eps: f32) -> Vec<f32> {
+    let width = weight.len();
+    rows_on_threads(weights, xs.len() / width, width, &|r, out| {
+        rms_norm(&xs[r * width..][..width], weight, eps, out)
+    })
+}
+
+/// `rows` rows of `width` values, row r written by `work(r, row)`: shared
+/// out over the backend's threads ([`ForwardWeights::for_each_chunk`]) when
+/// there are several (a prefill's norms, rotations and SiLU, which would
+/// otherwise run on one thread between threaded products); a lone row,
+/// decode's, on this one, where handing it over would cost more than it
+/// takes. Each row is computed as it would be alone: the same values
+/// whatever the threads.
+fn rows_on_threads(
+    weights: &dyn ForwardWeights,
+    rows: usize,
+    width: usize,
+    work: &(dyn Fn(usize, &mut [f32]) + Sync),
+) -> Vec<f32> {
+    let mut out = vec![0.0f32; rows * width];
+    if rows == 1 {
+        work(0, &mut out);
+    } else {
+        weights.for_each_chunk(&mut out, width, work);
+    }
+    out
 }
 
 #[cfg(test)]
