@@ -26,28 +26,6 @@ static inline u32 dp2a_hi(u32 levels, u32 bytes, u32 acc) { return dp2a(levels, 
 // prmt.b32 d, a, b, 0x5410.
 static inline u32 pack_low_halves(u32 a, u32 b) { return (a & 0xffff) | (b << 16); }
 
-// cvt.f32.f16: exact (every f16 is an f32).
-static inline float half_to_float(u16 h) {
-    u32 sign = (u32)(h >> 15) << 31, exponent = (h >> 10) & 0x1f, mantissa = h & 0x3ff;
-    u32 bits;
-    if (exponent == 0x1f) {
-        bits = sign | 0x7f800000 | (mantissa << 13);
-    } else if (exponent != 0) {
-        bits = sign | ((exponent + 112) << 23) | (mantissa << 13);
-    } else if (mantissa == 0) {
-        bits = sign;
-    } else {
-        // Subnormal: normalise.
-        int shift = 0;
-        while (!(mantissa & 0x400)) {
-            mantissa <<= 1;
-            shift++;
-        }
-        bits = sign | ((u32)(113 - shift) << 23) | ((mantissa & 0x3ff) << 13);
-    }
-    float f;
-    std::memcpy(&f, &bits, 4);
-    return f;
-}
+#include "half_host.h"
 
 static inline void load_values(const u32 *p, u32 v[4]) { std::memcpy(v, p, 16); }

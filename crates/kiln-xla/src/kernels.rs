@@ -244,6 +244,58 @@ pub fn decode_attention(f: &mut Function, q: &Val, caches: &DecodeCaches, positi
 mod tests {
     use super::*;
 
+    /// A host build of a kernel's arithmetic (`kernels/NAME.cpp`), run on
+    /// bytes in and f32s out.
+    struct HostBuild {
+        _dir: tempfile::TempDir,
+        exe: std::path::PathBuf,
+    }
+
+    impl HostBuild {
+        /// Compiles `kernels/{name}.cpp` with the host's C++ compiler (`CXX`,
+        /// default `c++`) at `standard`, warnings as errors and no
+        /// contraction of a product and a sum the source did not write.
+        fn new(name: &str, standard: &str) -> HostBuild {
+            let dir = tempfile::tempdir().unwrap();
+            let exe = dir.path().join(name);
+            let source = format!("{}/kernels/{name}.cpp", env!("CARGO_MANIFEST_DIR"));
+            let compiler = std::env::var("CXX").unwrap_or_else(|_| "c++".to_string());
+            let status = std::process::Command::new(&compiler)
+                .args(["-O2", &format!("-std={standard}"), "-pthread"])
+                .args([
+                    "-ffp-contract=off",
+                    "-Wall",
+                    "-Werror",
+                    "-Wno-unknown-pragmas",
+                ])
+                .arg("-o")
+                .arg(&exe)
+                .arg(&source)
+                .status()
+                .unwrap_or_else(|e| panic!("cannot run the C++ compiler {compiler}: {e}"));
+            assert!(status.success(), "{compiler} failed on {source}");
+            HostBuild { _dir: dir, exe }
+        }
+
+        /// The build run on `input` (its stdin): its stdout as f32s.
+        fn run(&self, input: &[u8]) -> Vec<f32> {
+            use std::io::Write;
+            use std::process::{Command, Stdio};
+            let mut child = Command::new(&self.exe)
+                .stdin(Stdio::piped())
+                .stdout(Stdio::piped())
+                .spawn()
+                .unwrap();
+            child.stdin.take().unwrap().write_all(input).unwrap();
+            let out = child.wait_with_output().unwrap();
+            assert!(out.status.success(), "{:?}", out.status);
+            out.stdout
+                .chunks_exact(4)
+                .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
+                .collect()
+        }
+    }
+
     /// The products of the shapes kiln serves get at least two workgroups
     /// an SM where they have the rows for it, and the most rows a warp
     /// that allows.
@@ -271,20 +323,7 @@ mod tests {
     /// (`cuda::q4_kernel_on_the_gpu_matches_the_reference`).
     #[test]
     fn q4_row_arithmetic_on_the_host_is_within_the_rows_rounding() {
-        use std::io::Write;
-        use std::process::{Command, Stdio};
-        let dir = tempfile::tempdir().unwrap();
-        let exe = dir.path().join("q4_row_host");
-        let source = concat!(env!("CARGO_MANIFEST_DIR"), "/kernels/q4_row_host.cpp");
-        let compiler = std::env::var("CXX").unwrap_or_else(|_| "c++".to_string());
-        let status = Command::new(&compiler)
-            .args(["-O2", "-std=c++17", "-ffp-contract=off", "-Wall", "-Werror"])
-            .args(["-Wno-unknown-pragmas", "-o"])
-            .arg(&exe)
-            .arg(source)
-            .status()
-            .unwrap_or_else(|e| panic!("cannot run the C++ compiler {compiler}: {e}"));
-        assert!(status.success(), "{compiler} failed on {source}");
+        let host = HostBuild::new("q4_row_host", "c++17");
         for (rows_per_warp, outputs, blocks) in [
             (1, 37, 3),
             (2, 300, 40),
@@ -319,19 +358,7 @@ mod tests {
                         input.extend(w.to_bits().to_le_bytes());
                     }
                 }
-                let mut child = Command::new(&exe)
-                    .stdin(Stdio::piped())
-                    .stdout(Stdio::piped())
-                    .spawn()
-                    .unwrap();
-                child.stdin.take().unwrap().write_all(&input).unwrap();
-                let out = child.wait_with_output().unwrap();
-                assert!(out.status.success(), "{:?}", out.status);
-                let got: Vec<f32> = out
-                    .stdout
-                    .chunks_exact(4)
-                    .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
-                    .collect();
+                let got = host.run(&input);
                 // With the norm, the outputs over the exact 1/rms must be the
                 // product: a missing or wrong factor is far beyond the rounding.
                 let inv_rms = eps.map_or(1.0, |eps| {
@@ -368,27 +395,7 @@ mod tests {
     /// must not be read, as must not the partials of splits past it.
     #[test]
     fn decode_attention_on_the_host_matches_attention_in_f64() {
-        use std::io::Write;
-        use std::process::{Command, Stdio};
-        let dir = tempfile::tempdir().unwrap();
-        let exe = dir.path().join("attend_host");
-        let source = concat!(env!("CARGO_MANIFEST_DIR"), "/kernels/attend_host.cpp");
-        let compiler = std::env::var("CXX").unwrap_or_else(|_| "c++".to_string());
-        let status = Command::new(&compiler)
-            .args([
-                "-O2",
-                "-std=c++20",
-                "-pthread",
-                "-ffp-contract=off",
-                "-Wall",
-                "-Werror",
-            ])
-            .args(["-Wno-unknown-pragmas", "-o"])
-            .arg(&exe)
-            .arg(source)
-            .status()
-            .unwrap_or_else(|e| panic!("cannot run the C++ compiler {compiler}: {e}"));
-        assert!(status.success(), "{compiler} failed on {source}");
+        let host = HostBuild::new("attend_host", "c++20");
         let mut seed = 0x2545_f491_4f6c_dd1d_u64;
         let mut random = move || {
             seed ^= seed << 13;
@@ -449,19 +456,7 @@ mod tests {
             for v in q.iter().chain(&keys).chain(&values) {
                 input.extend(v.to_bits().to_le_bytes());
             }
-            let mut child = Command::new(&exe)
-                .stdin(Stdio::piped())
-                .stdout(Stdio::piped())
-                .spawn()
-                .unwrap();
-            child.stdin.take().unwrap().write_all(&input).unwrap();
-            let out = child.wait_with_output().unwrap();
-            assert!(out.status.success(), "{:?}", out.status);
-            let got: Vec<f32> = out
-                .stdout
-                .chunks_exact(4)
-                .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
-                .collect();
+            let got = host.run(&input);
             assert_eq!(got.len(), rows * heads * d);
             let mut worst = 0.0f64;
             for (r, &pos) in positions.iter().enumerate() {
