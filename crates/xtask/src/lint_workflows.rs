@@ -167,6 +167,9 @@ mod tests {
         (CI, &[("  contents: read\n", "  contents: write\n")], Zizmor("excessive-permissions")),
         (GPU, &[("permissions:\n  contents: read\n", "permissions: write-all\n")], Zizmor("excessive-permissions")),
         (CI, &[("    needs: nix-flake-check\n", "    needs: nix-flake-check\n    permissions:\n      id-token: write\n")], Zizmor("undocumented-permissions")),
+        // A write with a comment passes zizmor; the Rust half refuses any.
+        (CI, &[("    needs: nix-flake-check\n", "    needs: nix-flake-check\n    permissions:\n      id-token: write # OIDC for the cache\n")], Rust(Rule::WritePermission)),
+        (CI, &[("  contents: read\n", "  contents: write # releases\n")], Rust(Rule::WritePermission)),
         (GPU, &[("    timeout-minutes: 60\n", "    timeout-minutes: 60\n    permissions: write-all\n")], Zizmor("excessive-permissions")),
         // Actions at a full SHA with its tag; images at a digest.
         (GPU, &[("{CHECKOUT}", "actions/checkout@v7.0.1")], Zizmor("unpinned-uses")),

@@ -17,7 +17,10 @@
 //! - secrets and deployment environments only in jobs that run only for
 //!   pushes to main (and no secret in a workflow's `env:`);
 //! - the cachix CLI given to cachix-action explicitly (`cachixBin`);
-//! - a Dependabot file that updates the actions.
+//! - a Dependabot file that updates the actions;
+//! - no permission to write, anywhere (zizmor passes a write permission
+//!   that carries a comment, such as `id-token: write # for OIDC`; kiln's
+//!   jobs need none).
 
 use std::collections::BTreeSet;
 use std::fmt;
@@ -35,6 +38,7 @@ pub enum Rule {
     SecretOffMain,
     CachixCli,
     Dependabot,
+    WritePermission,
 }
 
 impl Rule {
@@ -46,6 +50,7 @@ impl Rule {
             Rule::SecretOffMain => "secret-off-main",
             Rule::CachixCli => "cachix-cli",
             Rule::Dependabot => "dependabot",
+            Rule::WritePermission => "write-permission",
         }
     }
 }
@@ -160,6 +165,7 @@ pub fn check_workflow(file: &str, text: &str) -> Result<Vec<Finding>> {
         findings: Vec::new(),
     };
     let triggers = triggers(&root);
+    check_permissions(&mut c, "the workflow", &root);
     if let Some(env) = get(&root, "env")
         && references_secret(env)
     {
@@ -196,7 +202,35 @@ fn triggers(root: &Node) -> BTreeSet<String> {
     events.into_iter().collect()
 }
 
+/// `holder`'s `permissions:` grant no write: `write-all`, or any scope at
+/// `write`, is a finding.
+fn check_permissions(c: &mut Checker, holder: &str, node: &Node) {
+    let Some(permissions) = get(node, "permissions") else {
+        return;
+    };
+    let mut writes: Vec<String> = Vec::new();
+    if scalar_text(permissions) == "write-all" {
+        writes.push("write-all".into());
+    }
+    for (scope, level) in permissions.data.as_mapping().into_iter().flatten() {
+        if scalar_text(level) == "write" {
+            writes.push(format!("{}: write", scalar_text(scope)));
+        }
+    }
+    if !writes.is_empty() {
+        c.report(
+            permissions,
+            Rule::WritePermission,
+            format!(
+                "{holder} asks for `{}`; kiln's jobs write nothing to GitHub, so every permission is `read` or `none`",
+                writes.join("`, `")
+            ),
+        );
+    }
+}
+
 fn check_job(c: &mut Checker, triggers: &BTreeSet<String>, name: &str, job: &Node) {
+    check_permissions(c, &format!("job `{name}`"), job);
     if let Some(uses) = get(job, "uses") {
         check_tag(c, uses);
     }
