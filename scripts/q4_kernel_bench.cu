@@ -19,6 +19,8 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include "cuda_check.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -28,22 +30,6 @@
 #include <sstream>
 #include <string>
 #include <vector>
-
-static void check(CUresult result, const char* what) {
-  if (result != CUDA_SUCCESS) {
-    const char* text = nullptr;
-    cuGetErrorString(result, &text);
-    std::fprintf(stderr, "%s failed: %s\n", what, text ? text : "?");
-    std::exit(1);
-  }
-}
-
-static void check(cudaError_t result, const char* what) {
-  if (result != cudaSuccess) {
-    std::fprintf(stderr, "%s failed: %s\n", what, cudaGetErrorString(result));
-    std::exit(1);
-  }
-}
 
 struct Shape {
   const char* model;

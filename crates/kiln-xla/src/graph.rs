@@ -202,24 +202,33 @@ pub enum DecodeAttention {
     Kernel,
 }
 
-impl std::str::FromStr for DecodeAttention {
-    type Err = String;
+impl DecodeAttention {
+    pub const ALL: [DecodeAttention; 2] = [DecodeAttention::Graph, DecodeAttention::Kernel];
 
-    fn from_str(s: &str) -> Result<DecodeAttention, String> {
-        match s {
-            "graph" => Ok(DecodeAttention::Graph),
-            "kernel" => Ok(DecodeAttention::Kernel),
-            _ => Err(format!("unknown decode attention {s:?} (graph or kernel)")),
+    pub fn name(self) -> &'static str {
+        match self {
+            DecodeAttention::Graph => "graph",
+            DecodeAttention::Kernel => "kernel",
         }
     }
 }
 
-impl std::fmt::Display for DecodeAttention {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(match self {
-            DecodeAttention::Graph => "graph",
-            DecodeAttention::Kernel => "kernel",
-        })
+impl FromStr for DecodeAttention {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<DecodeAttention, String> {
+        by_name(
+            &DecodeAttention::ALL,
+            DecodeAttention::name,
+            s,
+            "decode attention",
+        )
+    }
+}
+
+impl fmt::Display for DecodeAttention {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
     }
 }
 
@@ -383,6 +392,14 @@ mod tests {
             assert_eq!(l.to_string().parse::<WeightLayout>(), Ok(l));
         }
         assert!("rows".parse::<WeightLayout>().is_err());
+        for a in DecodeAttention::ALL {
+            assert_eq!(a.to_string().parse::<DecodeAttention>(), Ok(a));
+        }
+        let error = "flash".parse::<DecodeAttention>().unwrap_err();
+        assert!(
+            error.contains("flash") && error.contains("kernel"),
+            "{error}"
+        );
     }
 
     #[test]
