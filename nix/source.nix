@@ -2,7 +2,8 @@
 # kiln's CUDA kernels (their PTX is embedded in the binaries), the pin file and the IREE CMake project, the test fixtures. Editing the
 # README, the docs, a workflow or a Nix file rebuilds nothing. With
 # `forTests`, also what the tests read beyond it (nix/test-data.json: the
-# workflows, the CI scripts and the IREE patches xtask's tests check).
+# workflows, the CI scripts and the IREE patches that the tests of xtask and
+# workflow-lint check).
 { lib
 , craneLib
 , forTests ? false

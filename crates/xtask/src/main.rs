@@ -14,7 +14,6 @@ mod iree;
 mod iree_patches;
 mod kernels;
 mod lint_nix;
-mod lint_workflows;
 mod nix;
 mod pins;
 mod prefix;
@@ -34,7 +33,6 @@ mod unpack;
 #[cfg(test)]
 mod unprivileged;
 mod verify_pins;
-mod workflow_invariants;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -304,7 +302,12 @@ fn run(cli: Cli) -> Result<()> {
         Task::Repro => repro::run(&prefix_for_gate(&Target::host()?)?)?,
         Task::LintNix => lint_nix::run(&setup::Toolbox::installed(&Cache::open()?)?)?,
         Task::Kernels { check } => kernels::run(check)?,
-        Task::LintWorkflows => lint_workflows::run(&setup::Toolbox::installed(&Cache::open()?)?)?,
+        Task::LintWorkflows => {
+            let tools = setup::Toolbox::installed(&Cache::open()?)?;
+            workflow_lint::run(&pins::repo_root(), &|program, purpose| {
+                tools.find(program, purpose)
+            })?
+        }
         Task::EvalNix { inputs, check } => {
             if check {
                 nix::eval_check()?;

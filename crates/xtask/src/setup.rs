@@ -452,6 +452,21 @@ mod tests {
             .is_ok_and(|out| out.status.success())
     }
 
+    /// The lint stops on the finder's error for a missing program
+    /// (crates/workflow-lint's tests); the toolbox's error names setup.
+    #[test]
+    fn a_missing_linter_is_named_with_setup() {
+        let tools = Toolbox::with_dirs(Vec::new(), "");
+        for program in ["actionlint", "zizmor", "shellcheck", "pyflakes"] {
+            let error = tools.find(program, "a test").unwrap_err().to_string();
+            assert!(
+                error.contains(&format!("`{program}` (a test)"))
+                    && error.contains("cargo xtask setup"),
+                "{error}"
+            );
+        }
+    }
+
     #[test]
     fn a_tool_crate_unpacked_inside_a_checkout_builds_as_its_own_workspace() {
         let checkout = tempfile::tempdir().unwrap();

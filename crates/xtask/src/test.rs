@@ -31,7 +31,9 @@ fn nix_files(path: &Path) -> bool {
     path.extension().is_some_and(|e| e == "nix") || path.starts_with("crates/xtask")
 }
 fn workflow_files(path: &Path) -> bool {
-    path.starts_with(".github") || path.starts_with(".ci") || path.starts_with("crates/xtask")
+    [".github", ".ci", "crates/workflow-lint", "crates/xtask"]
+        .iter()
+        .any(|folder| path.starts_with(folder))
 }
 fn pin_files(path: &Path) -> bool {
     path == Path::new("nix/pins.json") || path.starts_with("crates/xtask")
@@ -80,12 +82,15 @@ pub fn run(cache: &Cache, pins: &Pins, plan: &Plan) -> Result<()> {
     let reference_files = steps.produce("reference files", &reference_folder, || {
         crate::reference_files::provide(cache, pins)
     })?;
+    // The workflow lint's guard-deletion test runs zizmor's half with it.
+    let zizmor = toolbox.find("zizmor", "the workflow lint's guard-deletion test")?;
     let env = |prefix: &Path| -> Vec<(&'static str, OsString)> {
         vec![
             ("KILN_IREE_PREFIX", prefix.into()),
             ("KILN_IREE_COMPILE", compiler.clone().into()),
             ("KILN_REFERENCE_FILES", reference_files.clone().into()),
             ("KILN_JINJA_PYTHON", jinja_python.clone().into()),
+            ("KILN_ZIZMOR", zizmor.clone().into()),
         ]
     };
     // Steps that read the whole checkout, keyed by it and by the prefix and
@@ -124,7 +129,7 @@ pub fn run(cache: &Cache, pins: &Pins, plan: &Plan) -> Result<()> {
                 "GitHub workflows: invariants, actionlint, zizmor",
                 workflow_files,
             ),
-            || crate::lint_workflows::run(&toolbox),
+            || workflow_lint::run(&repo_root(), &|program, why| toolbox.find(program, why)),
         )?;
         steps.keyed(
             lint(

@@ -1,5 +1,5 @@
 //! The invariants of `.github/` that zizmor cannot express, checked on the
-//! parsed YAML. zizmor (run by `cargo xtask lint-workflows` with
+//! parsed YAML. zizmor (run by the lint, lib.rs, with
 //! `.github/zizmor.yml`, auditor persona, every finding fatal) holds the
 //! general ones: no `pull_request_target`/`workflow_run` trigger, read-only
 //! permissions, actions pinned to a full SHA, `persist-credentials: false`,
@@ -601,7 +601,7 @@ fn scalar_text(node: &Node) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::pins::repo_root;
+    use crate::repo_root;
 
     #[test]
     fn this_repository_holds_every_invariant() {

@@ -1,20 +1,21 @@
 //! `cargo xtask lint-workflows`: `.github/` passes zizmor (offline, auditor
 //! persona: every audit at every confidence, workflows and the Dependabot
 //! file, configured by `.github/zizmor.yml`), keeps the invariants zizmor
-//! cannot express (workflow_invariants.rs), and passes actionlint (with its
+//! cannot express ([`invariants`]), and passes actionlint (with its
 //! shellcheck and pyflakes rules, which it would otherwise skip in silence
 //! when those programs are missing), with zero findings; a finding can only
 //! be silenced inline, with its reason.
+//!
+//! The caller says where the programs are (xtask: the hash-pinned ones
+//! `cargo xtask setup` installs, else PATH); this crate knows nothing of
+//! how they were installed.
 
-use std::path::Path;
-use std::process::Command;
+pub mod invariants;
 
-use anyhow::{Result, anyhow};
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
 
-use crate::pins::repo_root;
-use crate::process::output;
-use crate::setup::Toolbox;
-use crate::workflow_invariants;
+use anyhow::{Context, Result, anyhow};
 
 /// zizmor's arguments, run from the repository's root.
 const ZIZMOR_ARGS: [&str; 6] = [
@@ -26,12 +27,17 @@ const ZIZMOR_ARGS: [&str; 6] = [
     ".github",
 ];
 
-pub fn run(tools: &Toolbox) -> Result<()> {
-    let root = repo_root();
+/// Finds a program the lint runs, from its name and what it is for; an
+/// error says how to install it.
+pub type FindProgram<'a> = &'a dyn Fn(&str, &str) -> Result<PathBuf>;
+
+/// Lints the `.github/` of the repository at `root`; fails naming every
+/// check that found something. A missing program stops it before any runs.
+pub fn run(root: &Path, find: FindProgram) -> Result<()> {
     let mut failures = Vec::new();
 
-    let findings = workflow_invariants::check_repository(&root)?;
-    println!("$ workflow invariants (crates/xtask/src/workflow_invariants.rs)");
+    let findings = invariants::check_repository(root)?;
+    println!("$ workflow invariants (crates/workflow-lint/src/invariants.rs)");
     for finding in &findings {
         println!("{finding}");
     }
@@ -40,10 +46,10 @@ pub fn run(tools: &Toolbox) -> Result<()> {
     }
 
     let purpose = "lints the GitHub workflows";
-    let actionlint = tools.find("actionlint", purpose)?;
-    let zizmor = tools.find("zizmor", purpose)?;
-    let shellcheck = tools.find("shellcheck", "actionlint's check of `run:` scripts")?;
-    let pyflakes = tools.find("pyflakes", "actionlint's check of Python steps")?;
+    let actionlint = find("actionlint", purpose)?;
+    let zizmor = find("zizmor", purpose)?;
+    let shellcheck = find("shellcheck", "actionlint's check of `run:` scripts")?;
+    let pyflakes = find("pyflakes", "actionlint's check of Python steps")?;
     for helper in [&shellcheck, &pyflakes] {
         println!("{}: {}", helper.display(), version_line(helper)?);
     }
@@ -64,7 +70,7 @@ pub fn run(tools: &Toolbox) -> Result<()> {
     ];
     for (name, program, args) in &checks {
         let version = version_line(program)?;
-        let out = output(Command::new(program).args(args).current_dir(&root))?;
+        let out = output(Command::new(program).args(args).current_dir(root))?;
         let text = String::from_utf8_lossy(&out.stdout).into_owned()
             + &String::from_utf8_lossy(&out.stderr);
         println!(
@@ -86,8 +92,24 @@ pub fn run(tools: &Toolbox) -> Result<()> {
     Ok(())
 }
 
+/// Runs a program with its output captured; the caller judges the status.
+fn output(command: &mut Command) -> Result<Output> {
+    command
+        .output()
+        .with_context(|| format!("cannot run {:?}", command.get_program()))
+}
+
 fn version_line(program: &Path) -> Result<String> {
-    let text = crate::process::read(Command::new(program).arg("--version"))?;
+    let out = output(Command::new(program).arg("--version"))?;
+    if !out.status.success() {
+        return Err(anyhow!(
+            "`{} --version` failed ({}): {}",
+            program.display(),
+            out.status,
+            String::from_utf8_lossy(&out.stderr).trim()
+        ));
+    }
+    let text = String::from_utf8_lossy(&out.stdout);
     // The first line that holds a number (shellcheck prints its name first).
     let line = text
         .lines()
@@ -96,13 +118,22 @@ fn version_line(program: &Path) -> Result<String> {
     Ok(line.unwrap_or_default().trim().to_string())
 }
 
+/// The repository root (this crate lives in `crates/workflow-lint`).
+#[cfg(test)]
+fn repo_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .ancestors()
+        .nth(2)
+        .expect("crates/workflow-lint has two parents")
+        .to_path_buf()
+}
+
 #[cfg(test)]
 mod tests {
     use std::os::unix::fs::PermissionsExt;
-    use std::path::PathBuf;
 
     use super::*;
-    use crate::workflow_invariants::Rule;
+    use crate::invariants::Rule;
 
     /// actionlint skips its shellcheck and pyflakes rules in silence when
     /// those programs are missing; lint-workflows must stop instead.
@@ -119,12 +150,16 @@ mod tests {
                 std::fs::write(&path, "#!/bin/sh\necho stand-in\n").unwrap();
                 std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755)).unwrap();
             }
-            let tools = Toolbox::with_dirs(vec![bin.path().to_path_buf()], "");
-            let error = run(&tools).unwrap_err().to_string();
-            assert!(
-                error.contains(&format!("`{missing}`")) && error.contains("cargo xtask setup"),
-                "{error}"
-            );
+            // The caller's finder: its error is what the lint must stop
+            // with (xtask's names `cargo xtask setup`; its own test says so).
+            let find = |program: &str, purpose: &str| {
+                let path = bin.path().join(program);
+                path.is_file()
+                    .then_some(path)
+                    .ok_or_else(|| anyhow!("`{program}` ({purpose}) is not installed"))
+            };
+            let error = run(&repo_root(), &find).unwrap_err().to_string();
+            assert!(error.contains(&format!("`{missing}`")), "{error}");
         }
     }
 
@@ -220,15 +255,34 @@ mod tests {
             .replace("{GPU_IF}", GPU_IF)
     }
 
-    /// zizmor where `cargo xtask setup` installed it (as `cargo xtask test`
-    /// does before its tests) or on PATH; `None` elsewhere (Nix's build
-    /// sandbox), where only the Rust invariants' half runs.
+    /// zizmor as `KILN_ZIZMOR` names it (`cargo xtask test` passes the one
+    /// `cargo xtask setup` installed) or on PATH; `None` elsewhere (Nix's
+    /// build sandbox), where only the Rust invariants' half runs.
     fn zizmor() -> Option<PathBuf> {
-        let cache = crate::cache::Cache::open().ok()?;
-        Toolbox::installed(&cache)
-            .ok()?
-            .find("zizmor", "a test")
-            .ok()
+        if let Some(path) = std::env::var_os("KILN_ZIZMOR") {
+            return Some(PathBuf::from(path));
+        }
+        std::env::split_paths(&std::env::var_os("PATH")?)
+            .map(|dir| dir.join("zizmor"))
+            .find(|path| path.is_file())
+    }
+
+    /// Copies the folder `from` to `to`, every copy writable (the source
+    /// may come read-only from the Nix store).
+    fn copy_tree(from: &Path, to: &Path) {
+        std::fs::create_dir_all(to).unwrap();
+        for entry in std::fs::read_dir(from).unwrap() {
+            let entry = entry.unwrap();
+            let target = to.join(entry.file_name());
+            if entry.file_type().unwrap().is_dir() {
+                copy_tree(&entry.path(), &target);
+            } else {
+                std::fs::copy(entry.path(), &target).unwrap();
+                let mut permissions = std::fs::metadata(&target).unwrap().permissions();
+                permissions.set_mode(permissions.mode() | 0o200);
+                std::fs::set_permissions(&target, permissions).unwrap();
+            }
+        }
     }
 
     /// The audits zizmor reports for the repository at `root`.
@@ -260,21 +314,17 @@ mod tests {
         let zizmor = zizmor();
         if zizmor.is_none() {
             println!(
-                "skipped zizmor's half: zizmor is not installed (`cargo xtask setup`); only the Rust invariants' deletions run"
+                "skipped zizmor's half: no zizmor (KILN_ZIZMOR, PATH; `cargo xtask test` passes the one `cargo xtask setup` installs); only the Rust invariants' deletions run"
             );
         }
         let copy = tempfile::tempdir().unwrap();
         let root = copy.path();
         let github = root.join(".github");
-        crate::tree::copy_tree(&repo_root().join(".github"), &github).unwrap();
+        copy_tree(&repo_root().join(".github"), &github);
         if let Some(zizmor) = &zizmor {
             assert_eq!(zizmor_audits(zizmor, root), Vec::<String>::new());
         }
-        assert!(
-            workflow_invariants::check_repository(root)
-                .unwrap()
-                .is_empty()
-        );
+        assert!(invariants::check_repository(root).unwrap().is_empty());
         for (file, edits, catcher) in DELETIONS {
             let original = std::fs::read_to_string(repo_root().join(file)).unwrap();
             let mut text = original.clone();
@@ -287,7 +337,7 @@ mod tests {
             std::fs::write(root.join(file), &text).unwrap();
             let (wanted, found) = match catcher {
                 Rust(rule) => {
-                    let findings = workflow_invariants::check_repository(root).unwrap();
+                    let findings = invariants::check_repository(root).unwrap();
                     let found = findings.iter().map(|f| f.rule.name().to_string()).collect();
                     (rule.name(), found)
                 }
