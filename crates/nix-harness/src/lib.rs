@@ -7,7 +7,9 @@
 //!   kiln's host-backed package set, `nix/build/host-nixpkgs.nix`
 //!   (`cargo xtask nix-build`);
 //! - [`inputs`]: the locked GitHub inputs both need, checked against
-//!   `flake.lock`'s NAR hashes.
+//!   `flake.lock`'s NAR hashes;
+//! - [`lint`]: every Nix file parsed, formatted and free of dead code
+//!   (`cargo xtask lint-nix`).
 //!
 //! The Nix files stay beside the flake (`nix/eval`, `nix/build`); this crate
 //! drives them. It knows nothing of xtask's cache or tools: the caller finds
@@ -18,6 +20,7 @@ mod controls;
 mod driver;
 pub mod eval;
 pub mod inputs;
+pub mod lint;
 
 use std::fs::File;
 use std::path::Path;

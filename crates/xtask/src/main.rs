@@ -13,7 +13,6 @@ mod gate;
 mod iree;
 mod iree_patches;
 mod kernels;
-mod lint_nix;
 mod nix;
 mod pins;
 mod prefix;
@@ -300,7 +299,7 @@ fn run(cli: Cli) -> Result<()> {
             emulated::run(&prefix, &compiler, &target)?;
         }
         Task::Repro => repro::run(&prefix_for_gate(&Target::host()?)?)?,
-        Task::LintNix => lint_nix::run(&setup::Toolbox::installed(&Cache::open()?)?)?,
+        Task::LintNix => nix::lint(&setup::Toolbox::installed(&Cache::open()?)?)?,
         Task::Kernels { check } => kernels::run(check)?,
         Task::LintWorkflows => {
             let tools = setup::Toolbox::installed(&Cache::open()?)?;

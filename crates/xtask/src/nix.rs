@@ -1,7 +1,8 @@
-//! `cargo xtask eval-nix` and `cargo xtask nix-build`: what they need from
+//! `cargo xtask eval-nix`, `nix-build` and `lint-nix`: what they need from
 //! this machine (Debian's Nix and the host's tools, checked with their
 //! packages named; the flake's locked inputs, from a folder or downloaded
-//! into the cache), handed to the flake's harness, `crates/nix-harness`.
+//! into the cache; the checkout's Nix files), handed to the flake's harness,
+//! `crates/nix-harness`.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -14,8 +15,8 @@ use serde_json::json;
 use crate::cache::Cache;
 use crate::pins::repo_root;
 use crate::setup::Toolbox;
-use crate::tools::{package_hint, require_host_programs};
-use crate::tree::copy_checkout;
+use crate::tools::{package_hint, require_host_program, require_host_programs};
+use crate::tree::{copy_checkout, source_files};
 
 /// `cargo xtask eval-nix [--inputs DIR]`.
 pub fn eval(cache: &Cache, inputs_dir: Option<&Path>) -> Result<()> {
@@ -27,6 +28,20 @@ pub fn eval(cache: &Cache, inputs_dir: Option<&Path>) -> Result<()> {
 /// `cargo xtask eval-nix --check`: the committed summary is current.
 pub fn eval_check() -> Result<()> {
     eval::check(&repo_root())
+}
+
+/// `cargo xtask lint-nix`: the checkout's Nix files, linted with the
+/// linters `setup` installs.
+pub fn lint(tools: &Toolbox) -> Result<()> {
+    let root = repo_root();
+    let files: Vec<PathBuf> = source_files(&root)?
+        .into_iter()
+        .filter(|p| p.extension().is_some_and(|e| e == "nix"))
+        .collect();
+    require_host_program("nix-instantiate", "parses the Nix files")?;
+    let nixpkgs_fmt = tools.find("nixpkgs-fmt", "the flake's formatter")?;
+    let deadnix = tools.find("deadnix", "finds dead Nix code")?;
+    nix_harness::lint::run(&root, &files, &nixpkgs_fmt, &deadnix)
 }
 
 pub struct BuildOptions<'a> {

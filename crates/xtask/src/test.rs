@@ -28,7 +28,9 @@ pub struct Plan {
 /// own code; the workflows, CI scripts and their linter; the pins and the
 /// code that fetches them.
 fn nix_files(path: &Path) -> bool {
-    path.extension().is_some_and(|e| e == "nix") || path.starts_with("crates/xtask")
+    path.extension().is_some_and(|e| e == "nix")
+        || path.starts_with("crates/nix-harness")
+        || path.starts_with("crates/xtask")
 }
 fn workflow_files(path: &Path) -> bool {
     [".github", ".ci", "crates/workflow-lint", "crates/xtask"]
@@ -118,7 +120,7 @@ pub fn run(cache: &Cache, pins: &Pins, plan: &Plan) -> Result<()> {
         };
         steps.keyed(
             lint("Nix files: parse, format, dead code", nix_files),
-            || crate::lint_nix::run(&toolbox),
+            || crate::nix::lint(&toolbox),
         )?;
         steps.run(
             "Nix evaluation summary matches the Nix files",
