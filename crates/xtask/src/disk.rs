@@ -4,9 +4,9 @@
 //! does not say the suite needed more room; these lines say it up front and
 //! after every step.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
-use crate::pins::repo_root;
+use crate::process::target_dir;
 
 /// The most the suite occupied at once, rounded up: 7.7 GiB (the file
 /// system's used space sampled every minute) in a `.ci/run` from a fresh
@@ -54,14 +54,8 @@ pub fn free_space_line() -> String {
     parts.join(", ")
 }
 
-/// The build folder: `CARGO_TARGET_DIR`, or the checkout's `target`. Before
-/// the first build it may not exist; its nearest existing parent answers.
-fn target_dir() -> PathBuf {
-    std::env::var_os("CARGO_TARGET_DIR")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| repo_root().join("target"))
-}
-
+/// The free space of `path`'s file system: its nearest existing parent's
+/// (the build folder may not exist before the first build).
 fn free_gib(path: &Path) -> Option<f64> {
     let existing = path.ancestors().find(|p| p.exists())?;
     let stat = rustix::fs::statvfs(existing).ok()?;

@@ -2,15 +2,33 @@
 //! [`read`] (its stdout captured), [`output`] (both captured, success the
 //! caller's to judge) and [`logged`] (a long build: a progress bar, the
 //! output in a log). Each error names the program that could not start or
-//! failed, with its status.
+//! failed, with its status. [`cargo`] is the cargo that runs xtask, and
+//! [`target_dir`] where its builds go.
 
 use std::collections::VecDeque;
 use std::io::{BufRead, BufReader};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
 use anyhow::{Context, Result, anyhow};
 use indicatif::{ProgressBar, ProgressStyle};
+
+use crate::pins::repo_root;
+
+/// The cargo that runs xtask (`$CARGO`), else the one on PATH.
+pub fn cargo() -> Command {
+    Command::new(std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into()))
+}
+
+/// The target folder cargo uses here: `CARGO_TARGET_DIR` (relative to where
+/// xtask runs, as cargo reads it; crane sets `target`), else the checkout's.
+/// Before the first build it may not exist.
+pub fn target_dir() -> PathBuf {
+    match std::env::var_os("CARGO_TARGET_DIR") {
+        Some(dir) => std::path::absolute(&dir).unwrap_or_else(|_| dir.into()),
+        None => repo_root().join("target"),
+    }
+}
 
 /// Runs `command`, which must succeed; `what` says what it does.
 pub fn run(command: &mut Command, what: &str) -> Result<()> {

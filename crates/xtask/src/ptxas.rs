@@ -70,20 +70,17 @@ pub fn pinned_ptxas(cache: &Cache, pins: &Pins) -> Result<PathBuf> {
 /// Builds kiln-bench-decode with cuda,xla-iree (debug: it only compiles
 /// modules) against `prefix`; returns its path.
 pub fn build_bench(prefix: &Path) -> Result<PathBuf> {
-    let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
-    let root = crate::pins::repo_root();
+    let target = crate::process::target_dir();
     let args = ["build", "--locked", "--features", "cuda,xla-iree"];
     crate::process::run(
-        Command::new(cargo)
+        crate::process::cargo()
             .args(args)
             .args(["--bin", "kiln-bench-decode"])
-            .current_dir(&root)
+            .current_dir(crate::pins::repo_root())
+            .env("CARGO_TARGET_DIR", &target)
             .env("KILN_IREE_PREFIX", prefix),
         "building kiln-bench-decode",
     )?;
-    let target = std::env::var_os("CARGO_TARGET_DIR")
-        .map(|dir| root.join(dir))
-        .unwrap_or_else(|| root.join("target"));
     Ok(target.join("debug/kiln-bench-decode"))
 }
 

@@ -3,7 +3,6 @@
 //! folders, and compares them byte for byte.
 
 use std::path::{Path, PathBuf};
-use std::process::Command;
 
 use anyhow::{Result, anyhow};
 use object::{Object, ObjectSection};
@@ -24,9 +23,8 @@ pub fn run(prefix: &Path) -> Result<()> {
         let target = work.join(name).join(format!("{name}-target"));
         copy_checkout(&repo_root(), &checkout)?;
         eprintln!("building the release binaries in {}", checkout.display());
-        let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
         crate::process::run(
-            Command::new(cargo)
+            crate::process::cargo()
                 .args([
                     "build",
                     "--release",

@@ -327,9 +327,8 @@ fn install_cargo_tool(cache: &Cache, tool: &CargoTool) -> Result<()> {
     own_workspace(&source.join("Cargo.toml"))?;
     cache.publish(&dest, |staging| {
         eprintln!("setup: cargo install --locked {crate_name}");
-        let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
         crate::process::run(
-            Command::new(cargo)
+            crate::process::cargo()
                 .args(["install", "--locked", "--quiet", "--path"])
                 .arg(&source)
                 .arg("--root")
@@ -437,8 +436,7 @@ mod tests {
 
     /// `cargo metadata` on `manifest`: does cargo accept it as a package?
     fn cargo_accepts(manifest: &Path) -> bool {
-        let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
-        Command::new(cargo)
+        crate::process::cargo()
             .args([
                 "metadata",
                 "--offline",

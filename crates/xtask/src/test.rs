@@ -281,10 +281,7 @@ fn openai_client(cache: &Cache) -> Result<()> {
     )?;
     let python = crate::setup::openai_python(cache)?;
     let root = repo_root();
-    let target = std::env::var_os("CARGO_TARGET_DIR")
-        .map(std::path::PathBuf::from)
-        .unwrap_or_else(|| root.join("target"));
-    let bin = target.join("debug");
+    let bin = crate::process::target_dir().join("debug");
     crate::process::run(
         Command::new(&python)
             .arg(root.join("tests/openai_client.py"))
@@ -295,13 +292,14 @@ fn openai_client(cache: &Cache) -> Result<()> {
     )
 }
 
-/// Runs the cargo that runs xtask, in the repository root.
+/// Runs the cargo that runs xtask, in the repository root, building where
+/// xtask looks for what it built.
 fn cargo(args: &[&str], env: &[(&str, OsString)]) -> Result<()> {
-    let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
     crate::process::run(
-        Command::new(cargo)
+        crate::process::cargo()
             .args(args)
             .envs(env.iter().map(|(k, v)| (k, v)))
+            .env("CARGO_TARGET_DIR", crate::process::target_dir())
             .current_dir(repo_root()),
         &format!("`cargo {}`", args.join(" ")),
     )

@@ -18,7 +18,6 @@
 mod mutations;
 
 use std::path::{Path, PathBuf};
-use std::process::Command;
 use std::time::Instant;
 
 use anyhow::{Context, Result, anyhow};
@@ -84,7 +83,7 @@ pub fn run(prefix: &Path, target: &Target, options: &Options) -> Result<()> {
         out,
     } = *options;
     let root = repo_root();
-    let target_dir = target_dir(&root)?;
+    let target_dir = crate::process::target_dir();
     let work = target_dir.join("gate");
     std::fs::create_dir_all(&work)?;
     let scratch = scratch_folder()?;
@@ -200,7 +199,7 @@ pub struct TestExecutable {
 /// asked to list what it made.
 pub fn test_executables(prefix: &Path, target: &Target) -> Result<Vec<TestExecutable>> {
     let root = repo_root();
-    let target_dir = target_dir(&root)?;
+    let target_dir = crate::process::target_dir();
     let build = Build {
         prefix,
         target,
@@ -261,15 +260,6 @@ fn parse_test_executables(messages: &str) -> Result<Vec<TestExecutable>> {
         });
     }
     Ok(found)
-}
-
-/// The target folder cargo uses here: `CARGO_TARGET_DIR` (relative to where
-/// cargo runs, as cargo reads it; crane sets `target`) or the checkout's.
-fn target_dir(root: &Path) -> Result<PathBuf> {
-    Ok(match std::env::var_os("CARGO_TARGET_DIR") {
-        Some(dir) => std::env::current_dir()?.join(dir),
-        None => root.join("target"),
-    })
 }
 
 /// Where the mutants are made: outside the checkout, in the system's
@@ -335,8 +325,7 @@ fn check(tree: &Path, build: &Build, prefix: &Path, scope: Scope) -> Result<Outc
 }
 
 fn cargo(tree: &Path, build: &Build, prefix: &Path, args: &[&str]) -> Result<Outcome> {
-    let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
-    let mut command = Command::new(cargo);
+    let mut command = crate::process::cargo();
     command.args(args);
     if build.target.cross {
         command.args(["--target", build.target.triple]);
