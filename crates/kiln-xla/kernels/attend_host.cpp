@@ -2,7 +2,8 @@
 // (`kernels::tests`): every workgroup of both grids the decode modules
 // launch, one after another, each with its 128 threads. Reads from stdin,
 // as little-endian u32s, rows, slots, layers, KV heads, context, head
-// width, group, layer, positions a split and splits, then the positions
+// width, group, layer, positions a split, splits and the heads a
+// workgroup takes, then the positions
 // (i32 a row), q (f16, [rows, heads, d]), keys and values (f16, the
 // caches' layouts); writes the attention (f32, [rows, heads · d]) to
 // stdout.
@@ -45,9 +46,9 @@ static void workgroup(u32 index, F body) {
 }
 
 int main() {
-    auto h = read<u32>(10);
+    auto h = read<u32>(11);
     u32 rows = h[0], slots = h[1], layers = h[2], kv = h[3], context = h[4], d = h[5],
-        group = h[6], layer = h[7], chunk = h[8], splits = h[9];
+        group = h[6], layer = h[7], chunk = h[8], splits = h[9], group_heads = h[10];
     size_t cache = (size_t)layers * slots * kv * context * d;
     auto positions = read<int>(rows);
     auto q = read<u16>((size_t)rows * kv * group * d);
@@ -56,11 +57,11 @@ int main() {
     // NaN where no split writes: the merge must not read it.
     std::vector<float> partials((size_t)rows * kv * splits * group * (d + 2), std::nanf(""));
     std::vector<float> out((size_t)rows * kv * group * d);
-    for (u32 w = 0; w < rows * kv * splits; w++)
+    for (u32 w = 0; w < rows * kv * (group / group_heads) * splits; w++)
         workgroup(w, [&] {
             kiln_attend_part(q.data(), keys.data(), values.data(), positions.data(),
                              partials.data(), layer, slots, kv, context, chunk, splits,
-                             kv * group * d, d, group);
+                             kv * group * d, d, group, group_heads);
         });
     for (u32 w = 0; w < rows * kv; w++)
         workgroup(w, [&] {

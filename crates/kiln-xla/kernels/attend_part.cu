@@ -13,9 +13,12 @@
 // kv, D, context]` (f16, the decode modules' caches); row r is slot r with
 // its position `positions[r]` and sees positions 0..=positions[r]. q is
 // f16 `[rows, ...]` with `q_row_stride` elements a row, head h of a row at
-// `h · D` (h = kv head · G + g). A workgroup of 128 threads takes the
-// split's positions TILE at a time: thread t scores position t against the
-// G queries (held in shared memory, scaled by log2(e) / sqrt(D) so that the
+// `h · D` (h = kv head · G + g). A workgroup takes GW of the G heads (GW
+// divides G): the fewer each takes, the more workgroups share a short
+// row's few positions, each with less to do one after the other. Its 128
+// threads take the split's positions TILE at a time: thread t scores
+// position t against the GW queries (in shared memory, scaled by
+// log2(e) / sqrt(D) so that the
 // softmax is in powers of two), each warp keeps the running max and total
 // of two heads, and thread j (D = 128) or threads 2j, 2j + 1 (D = 64)
 // accumulate output column j of every head over the tile, reading value
@@ -23,7 +26,8 @@
 // scored nor read.
 //
 // Partials: for each (row, kv head, split), G·D sums, then G maxima (log2
-// units), then G totals, f32. Splits past the row's position write nothing
+// units), then G totals, f32, each workgroup writing its GW heads'.
+// Splits past the row's position write nothing
 // (the merge reads only the splits the position reaches).
 
 #include "device.h"
@@ -61,29 +65,34 @@ static __device__ __forceinline__ float dot8(float acc, const float *a, const fl
 #define LOG2E 1.4426950408889634f
 #define NEG_INF (-__builtin_inff())
 
-// G heads (at most MAX_GROUP) share a KV head: every loop over the heads
-// runs to MAX_GROUP, unrolled, with the heads past G masked.
+// A workgroup's GW heads (at most MAX_GROUP) share a KV head: every loop
+// over them runs to MAX_GROUP, unrolled, with the heads past GW masked.
 template <int D>
 static __device__ __forceinline__ void attend_part(const u16 *q, const u16 *keys,
                                                    const u16 *values, const int *positions,
                                                    float *partials, u32 layer, u32 slots,
                                                    u32 kv_heads, u32 context, u32 chunk,
-                                                   u32 splits, u32 q_row_stride, u32 G) {
+                                                   u32 splits, u32 q_row_stride, u32 G,
+                                                   u32 GW) {
     constexpr u32 HALVES = THREADS / D;
     constexpr u32 PER_HALF = TILE / HALVES;
     u32 thread = thread_index();
     u32 lane = thread & 31, warp = thread >> 5;
     u32 wg = workgroup_index();
+    u32 parts = G / GW;
     u32 split = wg % splits;
-    u32 head = (wg / splits) % kv_heads;
-    u32 row = wg / (splits * kv_heads);
+    u32 part = (wg / splits) % parts;
+    u32 head = (wg / (splits * parts)) % kv_heads;
+    u32 row = wg / (splits * parts * kv_heads);
+    // The first of this workgroup's heads within the group.
+    u32 g0 = part * GW;
     // The queries' loads first, beside the position's: they do not
     // depend on it.
-    const u16 *qh = q + (u64)row * q_row_stride + head * G * D;
+    const u16 *qh = q + (u64)row * q_row_stride + (head * G + g0) * D;
     u16 qv[Q_A_THREAD];
 #pragma unroll
     for (u32 i = 0; i < Q_A_THREAD; i++)
-        qv[i] = thread + i * THREADS < G * D ? qh[thread + i * THREADS] : 0;
+        qv[i] = thread + i * THREADS < GW * D ? qh[thread + i * THREADS] : 0;
     int pos = positions[row];
     u32 n = pos < 0 ? 0 : ((u32)pos + 1 < context ? (u32)pos + 1 : context);
     u32 start = split * chunk;
@@ -97,7 +106,7 @@ static __device__ __forceinline__ void attend_part(const u16 *q, const u16 *keys
     float scale = LOG2E / __builtin_sqrtf((float)D);
 #pragma unroll
     for (u32 i = 0; i < Q_A_THREAD; i++)
-        if (thread + i * THREADS < G * D)
+        if (thread + i * THREADS < GW * D)
             shared_q[thread + i * THREADS] = half_to_float(qv[i]) * scale;
 
     // Heads warp, warp + 4: their running max (log2 units) and total.
@@ -128,23 +137,26 @@ static __device__ __forceinline__ void attend_part(const u16 *q, const u16 *keys
         // tile's probabilities read.
         workgroup_barrier();
 
-        // Scores: thread t against position tile + t.
+        // Scores: thread t against position tile + t; a warp whose
+        // positions are all past the last skips the arithmetic.
         float s[MAX_GROUP];
 #pragma unroll
         for (int g = 0; g < MAX_GROUP; g++)
             s[g] = 0.0f;
+        if (warp * 32 < count) {
 #pragma unroll
-        for (u32 c = 0; c < D / 8; c++) {
-            float x[8];
-            words_to_floats(key[c], x);
+            for (u32 c = 0; c < D / 8; c++) {
+                float x[8];
+                words_to_floats(key[c], x);
 #pragma unroll
-            for (u32 g = 0; g < MAX_GROUP; g++)
-                if (g < G)
-                    s[g] = dot8(s[g], &shared_q[g * D + 8 * c], x);
+                for (u32 g = 0; g < MAX_GROUP; g++)
+                    if (g < GW)
+                        s[g] = dot8(s[g], &shared_q[g * D + 8 * c], x);
+            }
         }
 #pragma unroll
         for (u32 g = 0; g < MAX_GROUP; g++)
-            if (g < G)
+            if (g < GW)
                 shared_p[g * P_ROW + p_index(thread)] = thread < count ? s[g] : NEG_INF;
         workgroup_barrier();
 
@@ -153,7 +165,7 @@ static __device__ __forceinline__ void attend_part(const u16 *q, const u16 *keys
 #pragma unroll
         for (int i = 0; i < 2; i++) {
             u32 g = warp + 4 * i;
-            if (g < G) {
+            if (g < GW) {
                 float *p = &shared_p[g * P_ROW];
                 float x[4], top = NEG_INF;
 #pragma unroll
@@ -178,13 +190,16 @@ static __device__ __forceinline__ void attend_part(const u16 *q, const u16 *keys
         }
         workgroup_barrier();
 
-        // p·V: column j over this thread's half of the tile.
+        // p·V: column j over this thread's half of the tile, up to its
+        // last position.
 #pragma unroll
         for (u32 g = 0; g < MAX_GROUP; g++)
-            if (g < G)
+            if (g < GW)
                 acc[g] *= shared_alpha[g];
 #pragma unroll
         for (u32 c = 0; c < PER_HALF / 8; c++) {
+            if (first + 8 * c >= count)
+                break;
             float x[8];
             words_to_floats(value[c], x);
             // Past the last position: zeros (the loads gave zeros where a
@@ -195,7 +210,7 @@ static __device__ __forceinline__ void attend_part(const u16 *q, const u16 *keys
                     x[e] = 0.0f;
 #pragma unroll
             for (u32 g = 0; g < MAX_GROUP; g++)
-                if (g < G)
+                if (g < GW)
                     acc[g] = dot8(acc[g], &shared_p[g * P_ROW + p_index(first + 8 * c)], x);
         }
     }
@@ -205,29 +220,30 @@ static __device__ __forceinline__ void attend_part(const u16 *q, const u16 *keys
     for (u32 g = 0; g < MAX_GROUP; g++) {
         if (HALVES == 2)
             acc[g] += shuffle_xor(acc[g], 1);
-        if (g < G && half == 0)
-            out[g * D + j] = acc[g];
+        if (g < GW && half == 0)
+            out[(g0 + g) * D + j] = acc[g];
     }
 #pragma unroll
     for (int i = 0; i < 2; i++) {
         u32 g = warp + 4 * i;
-        if (g < G && lane == 0) {
-            out[G * D + g] = m_run[i];
-            out[G * D + G + g] = l_run[i];
+        if (g < GW && lane == 0) {
+            out[G * D + g0 + g] = m_run[i];
+            out[G * D + G + g0 + g] = l_run[i];
         }
     }
 }
 
 // The one entry point (IREE exports one entry an object); the head width
-// (64 or 128) and the group's size (1 to 8) are constants.
+// (64 or 128), the group's size (1 to 8) and the heads a workgroup takes
+// (a divisor of it) are constants.
 KERNEL(THREADS) void kiln_attend_part(
     const u16 *q, const u16 *keys, const u16 *values, const int *positions, float *partials,
     u32 layer, u32 slots, u32 kv_heads, u32 context, u32 chunk, u32 splits, u32 q_row_stride,
-    u32 d, u32 group) {
+    u32 d, u32 group, u32 group_heads) {
     if (d == 128)
         attend_part<128>(q, keys, values, positions, partials, layer, slots, kv_heads, context,
-                         chunk, splits, q_row_stride, group);
+                         chunk, splits, q_row_stride, group, group_heads);
     else
         attend_part<64>(q, keys, values, positions, partials, layer, slots, kv_heads, context,
-                        chunk, splits, q_row_stride, group);
+                        chunk, splits, q_row_stride, group, group_heads);
 }

@@ -127,6 +127,18 @@ const ATTEND_MAX_GROUP: usize = 8;
 /// whole context: about two an SM of an H100 or H200.
 const ATTEND_WORKGROUPS: usize = 264;
 
+/// The query heads one workgroup of `attend_part.cu` takes of a KV head's
+/// `group`: two where the group is even, else one. A workgroup that took
+/// all of a group of 8 worked through a tile alone for 12-15 µs a layer at
+/// TinyLlama's shape on an H100 (`scripts/attend_kernel_bench.cu`,
+/// 2026-12-06), whatever the position: at a short row's few positions only
+/// a handful of workgroups had anything to do, each with 8 heads' sums
+/// one after the other. More, smaller workgroups read the same keys and
+/// values again, from the L2 cache.
+pub fn attention_group_heads(group: usize) -> usize {
+    if group.is_multiple_of(2) { 2 } else { 1 }
+}
+
 /// Whether [`decode_attention`] takes heads of width `d`, `group` query
 /// heads a KV head, caches of `storage` elements and `context` positions
 /// (each value row's positions start 16-byte aligned).
@@ -196,12 +208,13 @@ pub fn decode_attention(f: &mut Function, q: &Val, caches: &DecodeCaches, positi
         q.ty
     );
     let (chunk, splits) = attention_splits(rows, kv_heads, context);
+    let group_heads = attention_group_heads(group);
     let q_row_stride = heads * d;
     let partials = f.dispatch_extern(
         &ExternDispatch {
             object: &ATTEND_PART,
             entry: "kiln_attend_part",
-            workgroups: rows * kv_heads * splits,
+            workgroups: rows * kv_heads * (group / group_heads) * splits,
             workgroup_size: ATTEND_THREADS,
             constants: &[
                 caches.layer as u32,
@@ -213,6 +226,7 @@ pub fn decode_attention(f: &mut Function, q: &Val, caches: &DecodeCaches, positi
                 q_row_stride as u32,
                 d as u32,
                 group as u32,
+                group_heads as u32,
             ],
         },
         &[q, caches.keys, caches.values, positions],
@@ -447,7 +461,20 @@ mod tests {
                 }
             }
             let mut input = Vec::new();
-            for v in [rows, s, layers, kv, context, d, group, layer, chunk, splits] {
+            let group_heads = attention_group_heads(group);
+            for v in [
+                rows,
+                s,
+                layers,
+                kv,
+                context,
+                d,
+                group,
+                layer,
+                chunk,
+                splits,
+                group_heads,
+            ] {
                 input.extend((v as u32).to_le_bytes());
             }
             for p in positions {
