@@ -4,11 +4,14 @@
 // captured graph over caches of every layer (past the L2 cache, as a step
 // reads them), at several positions. The splits follow kernels.rs's rule
 // (`attention_splits`, restated here so that this runs without Rust) unless
-// --splits names them. The first layer's outputs are checked against
+// --splits names them. Each shape runs with every choice of the query
+// heads a workgroup takes (kernels.rs's `attention_group_heads`: two where
+// the group is even, else one; and one, and the whole group) unless
+// --group-heads names one. The last layer's outputs are checked against
 // attention in doubles.
 //
 //   nvcc -O2 -arch=sm_90 -o attend_kernel_bench scripts/attend_kernel_bench.cu -lcuda
-//   ./attend_kernel_bench PART.ptx MERGE.ptx [--reps N] [--splits S] [--rows R]
+//   ./attend_kernel_bench PART.ptx MERGE.ptx [--reps N] [--splits S] [--rows R] [--group-heads H]
 #include <cuda.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -63,16 +66,19 @@ static CUfunction load(const char* path, const char* entry) {
 
 int main(int argc, char** argv) {
   if (argc < 3) {
-    std::fprintf(stderr, "usage: %s PART.ptx MERGE.ptx [--reps N] [--splits S] [--rows R]\n", argv[0]);
+    std::fprintf(stderr,
+                 "usage: %s PART.ptx MERGE.ptx [--reps N] [--splits S] [--rows R] [--group-heads H]\n",
+                 argv[0]);
     return 2;
   }
-  unsigned reps = 20, forced = 0, rows = 1;
+  unsigned reps = 20, forced = 0, rows = 1, forced_heads = 0;
   for (int i = 3; i + 1 < argc; i += 2) {
     std::string a = argv[i];
     unsigned v = (unsigned)std::atoi(argv[i + 1]);
     if (a == "--reps") reps = v;
     else if (a == "--splits") forced = v;
     else if (a == "--rows") rows = v;
+    else if (a == "--group-heads") forced_heads = v;
   }
   check(cudaFree(nullptr), "context");
   CUfunction part = load(argv[1], "kiln_attend_part");
@@ -81,9 +87,15 @@ int main(int argc, char** argv) {
   check(cudaGetDeviceProperties(&prop, 0), "properties");
   std::printf("%s; %u rows; µs per layer's attention (part + merge), %u replays\n", prop.name,
               rows, reps);
-  std::printf("| model | context | position | splits x chunk | µs a layer | worst error |\n");
-  std::printf("| --- | --- | --- | --- | --- | --- |\n");
+  std::printf("| model | context | position | splits x chunk | heads a workgroup | µs a layer | worst error |\n");
+  std::printf("| --- | --- | --- | --- | --- | --- | --- |\n");
   for (const Shape& s : SHAPES) {
+    std::vector<unsigned> choices;
+    if (forced_heads)
+      choices = {forced_heads};
+    else
+      for (unsigned h : {s.group % 2 == 0 ? 2u : 1u, 1u, s.group})
+        if (std::find(choices.begin(), choices.end(), h) == choices.end()) choices.push_back(h);
     unsigned heads = s.kv * s.group, slots = rows;
     size_t cache = (size_t)s.layers * slots * s.kv * s.context * s.d;
     std::vector<__half> keys(cache), values(cache), q((size_t)rows * heads * s.d);
@@ -109,6 +121,7 @@ int main(int argc, char** argv) {
     check(cudaMemcpy(dk, keys.data(), cache * 2, cudaMemcpyHostToDevice), "keys");
     check(cudaMemcpy(dv, values.data(), cache * 2, cudaMemcpyHostToDevice), "values");
     check(cudaMemcpy(dq, q.data(), q.size() * 2, cudaMemcpyHostToDevice), "q");
+    for (unsigned group_heads : choices)
     for (unsigned position : {16u, 272u, s.context / 2, s.context - 1}) {
       std::vector<int> pos(rows, (int)position);
       check(cudaMemcpy(dpos, pos.data(), rows * 4, cudaMemcpyHostToDevice), "positions");
@@ -120,8 +133,9 @@ int main(int argc, char** argv) {
       for (unsigned layer = 0; layer < s.layers; layer++) {
         void* pa[] = {&dq, &dk, &dv, &dpos, &dpart, &layer, &slots, (void*)&s.kv,
                       (void*)&s.context, &chunk, &splits, &q_stride, (void*)&s.d,
-                      (void*)&s.group};
-        check(cuLaunchKernel(part, rows * s.kv * splits, 1, 1, 128, 1, 1, 0, stream, pa, nullptr),
+                      (void*)&s.group, &group_heads};
+        check(cuLaunchKernel(part, rows * s.kv * (s.group / group_heads) * splits, 1, 1, 128, 1, 1,
+                             0, stream, pa, nullptr),
               "part");
         void* ma[] = {&dpart, &dpos, &dout, (void*)&s.kv, (void*)&s.context, &chunk, &splits,
                       (void*)&s.d, (void*)&s.group};
@@ -168,8 +182,8 @@ int main(int argc, char** argv) {
       check(cudaEventSynchronize(b), "sync");
       float ms;
       check(cudaEventElapsedTime(&ms, a, b), "elapsed");
-      std::printf("| %s | %u | %u | %u x %u | %.2f | %.1e |\n", s.model, s.context, position,
-                  splits, chunk, ms * 1000.0 / reps / s.layers, worst);
+      std::printf("| %s | %u | %u | %u x %u | %u | %.2f | %.1e |\n", s.model, s.context, position,
+                  splits, chunk, group_heads, ms * 1000.0 / reps / s.layers, worst);
       cudaGraphExecDestroy(exec);
       cudaGraphDestroy(graph);
       cudaStreamDestroy(stream);
