@@ -1,8 +1,9 @@
-//! The 4-bit block product against input rows in 8-bit blocks
-//! ([`Q8Inputs`]): a block's levels times its inputs summed exactly in i32,
-//! then scaled once per block — llama.cpp's Q4_1 × Q8_1 arithmetic. For a
-//! block `w = s·u + m` and an input block `x ≈ d·q`:
-//! `Σ w·x ≈ s·d·Σ u·q + m·(d·Σ q)`, the last factor kept with the inputs.
+//! The block products against input rows in 8-bit blocks ([`Q8Inputs`]):
+//! a block's weights times its inputs summed exactly in i32, then scaled
+//! once per block — llama.cpp's Q4_1 × Q8_1 and Q8_0 × Q8_0 arithmetic. For
+//! a 4-bit block `w = s·u + m` and an input block `x ≈ d·q`:
+//! `Σ w·x ≈ s·d·Σ u·q + m·(d·Σ q)`, the last factor kept with the inputs;
+//! for an 8-bit block `w = s·v` (`v` in −127..=127): `Σ w·x ≈ s·d·Σ v·q`.
 //!
 //! The integer sums are exact, so every set of [`IntegerKernels`] gives the
 //! same block sums; only the f32 sums over blocks differ in order. Sets:
@@ -10,10 +11,22 @@
 //! and `vpmaddwd`, a block in two) and portable loops for any CPU
 //! (aarch64's among them). [`best`] is the first of
 //! [`available`] this CPU runs.
+//!
+//! Both SIMD instructions multiply unsigned bytes by signed ones, and an
+//! 8-bit block's weights are signed as its inputs are. AVX-512 VNNI offsets
+//! the weights to unsigned (`v ⊕ 0x80 = v + 128`, one `vpxorq` a pair of
+//! blocks, shared by every input row) and starts each lane's sum at
+//! `−128·Σ q` of its four inputs, computed once a product: each i32 lane is
+//! then exactly `Σ v·q` of its four weights, as a signed product would give
+//! (a correction per block in f32 instead would cancel large terms, and
+//! round). AVX2's `vpmaddubsw` adds pairs into saturating i16, which
+//! `(v + 128)·q` pairs would overflow (2·255·127), so it multiplies `|v|` by
+//! `q` with `v`'s sign (`vpsignb`, llama.cpp's way): at most 2·127·127 a
+//! pair, never saturating.
 
 use std::sync::OnceLock;
 
-use crate::blocks::{BLOCK, BLOCK_BYTES, Q4Blocks};
+use crate::blocks::{BLOCK, BLOCK_BYTES, Q4Blocks, Q8Blocks};
 use crate::inputs::Q8Inputs;
 #[cfg(target_arch = "x86_64")]
 use crate::kernel::for_each_group;
@@ -22,12 +35,16 @@ use crate::kernel::for_each_group;
 /// that `out` has room for (`out.len() / n` of them), `x` in 8-bit blocks.
 pub type Q4RowsOfQ8 = fn(m: &Q4Blocks, first: usize, x: &Q8Inputs, out: &mut [f32]);
 
+/// [`Q4RowsOfQ8`] of 8-bit blocks (Q8_0 × Q8_0).
+pub type Q8RowsOfQ8 = fn(m: &Q8Blocks, first: usize, x: &Q8Inputs, out: &mut [f32]);
+
 /// One implementation of the integer product.
 pub struct IntegerKernels {
     pub name: &'static str,
     /// Whether the set is SIMD code (the portable loops are not).
     pub simd: bool,
     pub q4_rows: Q4RowsOfQ8,
+    pub q8_rows: Q8RowsOfQ8,
 }
 
 /// The integer kernel sets this CPU can run, fastest first; the portable
@@ -40,6 +57,7 @@ pub fn available() -> Vec<IntegerKernels> {
             name: "avx512-vnni",
             simd: true,
             q4_rows: vnni::q4_rows_checked,
+            q8_rows: vnni::q8_rows_checked,
         });
     }
     #[cfg(target_arch = "x86_64")]
@@ -48,12 +66,14 @@ pub fn available() -> Vec<IntegerKernels> {
             name: "avx2",
             simd: true,
             q4_rows: avx2::q4_rows_checked,
+            q8_rows: avx2::q8_rows_checked,
         });
     }
     sets.push(IntegerKernels {
         name: "portable",
         simd: false,
         q4_rows: portable_q4_rows,
+        q8_rows: portable_q8_rows,
     });
     sets
 }
@@ -92,6 +112,26 @@ pub fn portable_q4_rows(m: &Q4Blocks, first: usize, x: &Q8Inputs, out: &mut [f32
     }
 }
 
+/// [`Q8RowsOfQ8`] without SIMD intrinsics.
+pub fn portable_q8_rows(m: &Q8Blocks, first: usize, x: &Q8Inputs, out: &mut [f32]) {
+    let blocks = m.blocks_per_row();
+    let n = x.rows();
+    for (r, out) in (first..).zip(out.chunks_exact_mut(n)) {
+        let values = &m.values[r * m.cols..][..m.cols];
+        let scales = &m.scales[r * blocks..][..blocks];
+        for (i, out) in out.iter_mut().enumerate() {
+            let (q, d, _) = x.row(i);
+            let mut total = 0.0f32;
+            for b in 0..blocks {
+                let weights = values[b * BLOCK..][..BLOCK].iter().map(|&v| i32::from(v));
+                let dot = block_dot(weights, &q[b * BLOCK..][..BLOCK]);
+                total += scales[b] * d[b] * dot as f32;
+            }
+            *out = total;
+        }
+    }
+}
+
 /// AVX-512 with VNNI (and BW, VL): a pair of blocks is one 64-byte vector
 /// of weights and one of inputs, multiplied and summed in fours by one
 /// `vpdpbusd`; its sixteen i32 lanes (eight a block) are scaled by each
@@ -101,10 +141,12 @@ pub fn portable_q4_rows(m: &Q4Blocks, first: usize, x: &Q8Inputs, out: &mut [f32
 /// One input row (decode) is multiplied into [`ROWS`] output rows at once,
 /// several input rows (prefill) into one output row: either way a few
 /// independent sums are in flight, and the per-row work (the offset terms,
-/// the horizontal sum) is spread over more arithmetic.
+/// the horizontal sum) is spread over more arithmetic. 8-bit blocks go
+/// through the same code, their weights offset to unsigned bytes and each
+/// lane's sum started at its inputs' correction (the module's note).
 #[cfg(target_arch = "x86_64")]
 mod vnni {
-    use super::{BLOCK, BLOCK_BYTES, Q4Blocks, Q8Inputs, for_each_group};
+    use super::{BLOCK, BLOCK_BYTES, Q4Blocks, Q8Blocks, Q8Inputs, for_each_group};
     use std::arch::x86_64::*;
 
     /// Inputs a pair of blocks is applied to at once.
@@ -135,11 +177,21 @@ mod vnni {
         unsafe { q4_rows(m, first, x, out) }
     }
 
+    /// [`q8_rows`], as [`q4_rows_checked`].
+    pub fn q8_rows_checked(m: &Q8Blocks, first: usize, x: &Q8Inputs, out: &mut [f32]) {
+        assert!(detected());
+        // SAFETY: checked just above.
+        unsafe { q8_rows(m, first, x, out) }
+    }
+
     /// A matrix's rows as the kernel reads them: `pair(r, p)` gives row
-    /// `r`'s blocks `2p` and `2p + 1` as 64 levels (bytes), `tail(r)` its
-    /// last block as 32 where the row has an odd number; each block `b`
-    /// adds `scales[b]·d·(its dot) + mins[b]·(d·Σ q)`.
-    struct Weights<'m, P, T, F> {
+    /// `r`'s blocks `2p` and `2p + 1` as 64 unsigned bytes, `tail(r)` its
+    /// last block as 32 where the row has an odd number. Unsigned (4-bit
+    /// levels): each block `b` adds `scales[b]·d·(its dot) + mins[b]·(d·Σ
+    /// q)`. `SIGNED` (8-bit values offset by 128): each block adds
+    /// `scales[b]·d·(its dot − 128·Σ q)`, the correction in each lane's
+    /// integer sum, and `mins` is empty.
+    struct Weights<'m, P, T, F, const SIGNED: bool> {
         blocks: usize,
         pair: P,
         tail: T,
@@ -190,7 +242,39 @@ mod vnni {
             scales: &m.scales,
             mins: &m.mins,
         };
-        rows_of(&weights, first, x, out);
+        rows_of::<_, _, _, false>(&weights, first, x, out);
+    }
+
+    /// [`super::Q8RowsOfQ8`] with AVX-512 VNNI.
+    ///
+    /// # Safety
+    /// The CPU must run the set ([`detected`]).
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni")]
+    unsafe fn q8_rows(m: &Q8Blocks, first: usize, x: &Q8Inputs, out: &mut [f32]) {
+        let blocks = m.blocks_per_row();
+        let at = |r: usize, b: usize| (r * blocks + b) * BLOCK;
+        let weights = Weights {
+            blocks,
+            pair: |r: usize, p: usize| {
+                let values = &m.values[at(r, 2 * p)..][..2 * BLOCK];
+                // SAFETY: `values` holds the 64 bytes the load reads.
+                let v = unsafe { _mm512_loadu_si512(values.as_ptr().cast()) };
+                _mm512_xor_si512(v, _mm512_set1_epi8(i8::MIN))
+            },
+            tail: |r: usize| {
+                let values = &m.values[at(r, blocks - 1)..][..BLOCK];
+                // SAFETY: `values` holds the 32 bytes the load reads.
+                let v = unsafe { _mm256_loadu_si256(values.as_ptr().cast()) };
+                _mm256_xor_si256(v, _mm256_set1_epi8(i8::MIN))
+            },
+            fetch: |r: usize, p: usize| {
+                let line = m.values.as_ptr().wrapping_add(at(r, 2 * p));
+                _mm_prefetch::<_MM_HINT_T0>(line.cast())
+            },
+            scales: &m.scales,
+            mins: &[],
+        };
+        rows_of::<_, _, _, true>(&weights, first, x, out);
     }
 
     /// `f::<1, n>(args)` for a group of `n` inputs (1..=[`GROUP`]): each
@@ -198,14 +282,14 @@ mod vnni {
     macro_rules! by_count {
         ($n:expr, $f:ident, ($($arg:expr),*)) => {
             match $n {
-                1 => $f::<1, 1, _, _, _>($($arg),*),
-                2 => $f::<1, 2, _, _, _>($($arg),*),
-                3 => $f::<1, 3, _, _, _>($($arg),*),
-                4 => $f::<1, 4, _, _, _>($($arg),*),
-                5 => $f::<1, 5, _, _, _>($($arg),*),
-                6 => $f::<1, 6, _, _, _>($($arg),*),
-                7 => $f::<1, 7, _, _, _>($($arg),*),
-                8 => $f::<1, 8, _, _, _>($($arg),*),
+                1 => $f::<1, 1, _, _, _, _>($($arg),*),
+                2 => $f::<1, 2, _, _, _, _>($($arg),*),
+                3 => $f::<1, 3, _, _, _, _>($($arg),*),
+                4 => $f::<1, 4, _, _, _, _>($($arg),*),
+                5 => $f::<1, 5, _, _, _, _>($($arg),*),
+                6 => $f::<1, 6, _, _, _, _>($($arg),*),
+                7 => $f::<1, 7, _, _, _, _>($($arg),*),
+                8 => $f::<1, 8, _, _, _, _>($($arg),*),
                 n => unreachable!("a group of {n} inputs"),
             }
         };
@@ -213,13 +297,21 @@ mod vnni {
 
     /// The output rows from `first` that `out` (`[rows, n]`) has room for.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni")]
-    fn rows_of<P, T, F>(w: &Weights<'_, P, T, F>, first: usize, x: &Q8Inputs, out: &mut [f32])
-    where
+    fn rows_of<P, T, F, const SIGNED: bool>(
+        w: &Weights<'_, P, T, F, SIGNED>,
+        first: usize,
+        x: &Q8Inputs,
+        out: &mut [f32],
+    ) where
         P: Fn(usize, usize) -> __m512i,
         T: Fn(usize) -> __m256i,
         F: Fn(usize, usize),
     {
         let lanes = scale_lanes(x);
+        let offsets = match SIGNED {
+            true => offset_lanes(x),
+            false => Vec::new(),
+        };
         let pairs = x.blocks_per_row() / 2;
         // Taken apart once a product, not once an output row.
         let inputs: Vec<Input> = (0..x.rows())
@@ -230,6 +322,10 @@ mod vnni {
                     scales,
                     sums,
                     lanes: &lanes[i * pairs..][..pairs],
+                    offsets: match SIGNED {
+                        true => &offsets[i * pairs..][..pairs],
+                        false => &[],
+                    },
                 }
             })
             .collect();
@@ -237,11 +333,11 @@ mod vnni {
             let input = std::slice::from_ref(input);
             let mut chunks = out.chunks_exact_mut(ROWS);
             for (c, out) in (&mut chunks).enumerate() {
-                block::<ROWS, 1, _, _, _>(w, first + c * ROWS, input, out);
+                block::<ROWS, 1, _, _, _, SIGNED>(w, first + c * ROWS, input, out);
             }
             let done = out.len() / ROWS * ROWS;
             for (r, out) in out[done..].chunks_exact_mut(1).enumerate() {
-                block::<1, 1, _, _, _>(w, first + done + r, input, out);
+                block::<1, 1, _, _, _, SIGNED>(w, first + done + r, input, out);
             }
             return;
         }
@@ -250,20 +346,21 @@ mod vnni {
         });
     }
 
-    /// An input row taken apart: its values, block scales and sums, and its
-    /// [`scale_lanes`].
+    /// An input row taken apart: its values, block scales and sums, its
+    /// [`scale_lanes`] and, for signed weights, its [`offset_lanes`].
     struct Input<'x> {
         values: &'x [i8],
         scales: &'x [f32],
         sums: &'x [f32],
         lanes: &'x [__m512],
+        offsets: &'x [__m512i],
     }
 
     /// `R` output rows from `row` against the `N` rows of `inputs` (`R`
     /// or `N` is 1), into `out[r · N + k]`.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni")]
-    fn block<const R: usize, const N: usize, P, T, F>(
-        w: &Weights<'_, P, T, F>,
+    fn block<const R: usize, const N: usize, P, T, F, const SIGNED: bool>(
+        w: &Weights<'_, P, T, F, SIGNED>,
         row: usize,
         inputs: &[Input],
         out: &mut [f32],
@@ -279,9 +376,11 @@ mod vnni {
         // for each pair cost as many instructions as the arithmetic.
         let q: [*const i8; N] = std::array::from_fn(|k| {
             assert!(inputs[k].values.len() >= 2 * pairs * BLOCK && inputs[k].lanes.len() == pairs);
+            assert!(!SIGNED || inputs[k].offsets.len() == pairs);
             inputs[k].values.as_ptr()
         });
         let d: [*const __m512; N] = std::array::from_fn(|k| inputs[k].lanes.as_ptr());
+        let o: [*const __m512i; N] = std::array::from_fn(|k| inputs[k].offsets.as_ptr());
         let scales: [&[f32]; R] =
             std::array::from_fn(|r| &w.scales[(row + r) * blocks..][..blocks]);
         let mut acc = [[_mm512_setzero_ps(); N]; R];
@@ -297,30 +396,47 @@ mod vnni {
                 let s = pair_lanes(load_pair(scales[r], 2 * p));
                 for (k, acc) in acc.iter_mut().enumerate() {
                     // SAFETY: each input row holds `pairs` pairs of blocks
-                    // and `pairs` lanes (checked above), and `p < pairs`.
-                    let (q, d) = unsafe {
+                    // and `pairs` lanes, and signed weights' inputs `pairs`
+                    // offsets (checked above), and `p < pairs`.
+                    let (q, d, start) = unsafe {
                         (
                             _mm512_loadu_si512(q[k].add(p * 2 * BLOCK).cast()),
                             *d[k].add(p),
+                            match SIGNED {
+                                true => *o[k].add(p),
+                                false => _mm512_setzero_si512(),
+                            },
                         )
                     };
-                    let dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), weights, q);
+                    let dot = _mm512_dpbusd_epi32(start, weights, q);
                     *acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(s, d), *acc);
                 }
             }
         }
         for (r, acc) in acc.iter().enumerate() {
-            let mins = &w.mins[(row + r) * blocks..][..blocks];
             for (k, (acc, input)) in acc.iter().zip(inputs).enumerate() {
-                let acc = add_products(*acc, mins, input.sums);
+                let acc = match SIGNED {
+                    true => *acc,
+                    false => {
+                        add_products(*acc, &w.mins[(row + r) * blocks..][..blocks], input.sums)
+                    }
+                };
                 let mut total = _mm512_reduce_add_ps(acc);
                 if blocks % 2 == 1 {
                     let b = blocks - 1;
-                    let dot = _mm256_dpbusd_epi32(
-                        _mm256_setzero_si256(),
-                        (w.tail)(row + r),
-                        load32(input.values, b * BLOCK),
-                    );
+                    let q = load32(input.values, b * BLOCK);
+                    let start = match SIGNED {
+                        true => _mm256_sub_epi32(
+                            _mm256_setzero_si256(),
+                            _mm256_dpbusd_epi32(
+                                _mm256_setzero_si256(),
+                                _mm256_set1_epi8(i8::MIN),
+                                q,
+                            ),
+                        ),
+                        false => _mm256_setzero_si256(),
+                    };
+                    let dot = _mm256_dpbusd_epi32(start, (w.tail)(row + r), q);
                     total += scales[r][b] * input.scales[b] * reduce_add_epi32(dot) as f32;
                 }
                 out[r * N + k] = total;
@@ -345,6 +461,25 @@ mod vnni {
             lanes.extend((0..pairs).map(|p| pair_lanes(load_pair(d, 2 * p))));
         }
         lanes
+    }
+
+    /// `−128·Σ q` of each four inputs of each row of `x`, `[rows, pairs]`
+    /// (sixteen i32 lanes a pair of blocks, as `vpdpbusd` sums them): where
+    /// a lane's sum of `(v + 128)·q` starts, so that it ends at `Σ v·q`.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni")]
+    fn offset_lanes(x: &Q8Inputs) -> Vec<__m512i> {
+        let pairs = x.blocks_per_row() / 2;
+        let mut offsets = Vec::with_capacity(x.rows() * pairs);
+        for row in x.values.chunks_exact(x.cols) {
+            offsets.extend(row.chunks_exact(2 * BLOCK).map(|pair| {
+                // SAFETY: `pair` holds the 64 bytes the load reads.
+                let q = unsafe { _mm512_loadu_si512(pair.as_ptr().cast()) };
+                let sums =
+                    _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_set1_epi8(i8::MIN), q);
+                _mm512_sub_epi32(_mm512_setzero_si512(), sums)
+            }));
+        }
+        offsets
     }
 
     /// Two f32 from `s[at..at + 2]` in the low lanes.
@@ -394,10 +529,11 @@ mod vnni {
 /// 2·15·127, so it never saturates), `vpmaddwd` by ones adds those into
 /// eight i32 lanes, scaled by the block's `s·d` into f32 lanes. As the
 /// AVX-512 set: four output rows at once in decode, each row's blocks in
-/// memory order; input rows in groups of four in prefill.
+/// memory order; input rows in groups of four in prefill. An 8-bit block
+/// is `|v|` against `q` with `v`'s sign (`vpsignb`; the module's note).
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
-    use super::{BLOCK, BLOCK_BYTES, Q4Blocks, Q8Inputs, for_each_group};
+    use super::{BLOCK, BLOCK_BYTES, Q4Blocks, Q8Blocks, Q8Inputs, for_each_group};
     use std::arch::x86_64::*;
 
     /// Inputs a block is applied to at once.
@@ -417,6 +553,13 @@ mod avx2 {
         assert!(detected());
         // SAFETY: checked just above.
         unsafe { q4_rows(m, first, x, out) }
+    }
+
+    /// [`q8_rows`], as [`q4_rows_checked`].
+    pub fn q8_rows_checked(m: &Q8Blocks, first: usize, x: &Q8Inputs, out: &mut [f32]) {
+        assert!(detected());
+        // SAFETY: checked just above.
+        unsafe { q8_rows(m, first, x, out) }
     }
 
     /// `f::<1, n>(args)` for a group of `n` inputs (1..=[`GROUP`]).
@@ -452,6 +595,82 @@ mod avx2 {
         for_each_group::<GROUP>(first, x.rows(), out, |r, group, out| {
             by_count!(group.len(), block, (m, r, x, group.start, out));
         });
+    }
+
+    /// [`super::Q8RowsOfQ8`] with AVX2 and FMA, as [`q4_rows`].
+    ///
+    /// # Safety
+    /// The CPU must run the set ([`detected`]).
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn q8_rows(m: &Q8Blocks, first: usize, x: &Q8Inputs, out: &mut [f32]) {
+        if x.rows() == 1 {
+            let mut chunks = out.chunks_exact_mut(ROWS);
+            for (c, out) in (&mut chunks).enumerate() {
+                q8_block::<ROWS, 1>(m, first + c * ROWS, x, 0, out);
+            }
+            let done = out.len() / ROWS * ROWS;
+            for (r, out) in out[done..].chunks_exact_mut(1).enumerate() {
+                q8_block::<1, 1>(m, first + done + r, x, 0, out);
+            }
+            return;
+        }
+        for_each_group::<GROUP>(first, x.rows(), out, |r, group, out| {
+            by_count!(group.len(), q8_block, (m, r, x, group.start, out));
+        });
+    }
+
+    /// [`block`] of 8-bit blocks: `|v|` (once a block) by each input's `q`
+    /// with `v`'s sign, exactly `v·q` a byte.
+    #[target_feature(enable = "avx2,fma")]
+    fn q8_block<const R: usize, const N: usize>(
+        m: &Q8Blocks,
+        row: usize,
+        x: &Q8Inputs,
+        start: usize,
+        out: &mut [f32],
+    ) {
+        let blocks = m.blocks_per_row();
+        let ones = _mm256_set1_epi16(1);
+        let inputs: [(&[i8], &[f32], &[f32]); N] = std::array::from_fn(|k| x.row(start + k));
+        // Through pointers taken once, as in [`block`].
+        let q: [*const i8; N] = std::array::from_fn(|k| {
+            assert!(inputs[k].0.len() >= blocks * BLOCK && inputs[k].1.len() >= blocks);
+            inputs[k].0.as_ptr()
+        });
+        let d: [*const f32; N] = std::array::from_fn(|k| inputs[k].1.as_ptr());
+        let mut acc = [[_mm256_setzero_ps(); N]; R];
+        for (r, acc) in acc.iter_mut().enumerate() {
+            let first = (row + r) * blocks;
+            let values = &m.values[first * BLOCK..][..blocks * BLOCK];
+            let scales = &m.scales[first..][..blocks];
+            let (values, scales) = (values.as_ptr(), scales.as_ptr());
+            for b in 0..blocks {
+                // SAFETY: the row holds `blocks` blocks of values and
+                // scales (sliced above), each input `blocks` blocks of
+                // values and scales (checked above), and `b < blocks`.
+                let (v, s) = unsafe {
+                    (
+                        _mm256_loadu_si256(values.add(b * BLOCK).cast()),
+                        *scales.add(b),
+                    )
+                };
+                let magnitudes = _mm256_sign_epi8(v, v);
+                for k in 0..N {
+                    // SAFETY: as above.
+                    let (q, d) =
+                        unsafe { (_mm256_loadu_si256(q[k].add(b * BLOCK).cast()), *d[k].add(b)) };
+                    let signed = _mm256_sign_epi8(q, v);
+                    let dot = _mm256_madd_epi16(_mm256_maddubs_epi16(magnitudes, signed), ones);
+                    let scale = _mm256_set1_ps(s * d);
+                    acc[k] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), scale, acc[k]);
+                }
+            }
+        }
+        for (r, acc) in acc.iter().enumerate() {
+            for (k, acc) in acc.iter().enumerate() {
+                out[r * N + k] = horizontal_sum(*acc);
+            }
+        }
     }
 
     /// `R` output rows from `row` against `N` input rows of `x` from
@@ -580,11 +799,155 @@ mod tests {
             let (w, x) = random_product(seed, height, cols, n);
             let q = Q8Inputs::quantize(&x, cols);
             let q4 = Q4Blocks::quantize(&w).unwrap();
+            let q8 = Q8Blocks::quantize(&w).unwrap();
+            // Blocks of the extremes and of zeros, against inputs with
+            // zero blocks and blocks of one large value.
+            let edges = edge_blocks(seed, height, cols);
+            let mut spiky = x.clone();
+            for (b, block) in spiky.chunks_exact_mut(BLOCK).enumerate() {
+                match b % 3 {
+                    0 => block.fill(0.0),
+                    1 => block[b % BLOCK] = 1e4,
+                    _ => {}
+                }
+            }
+            let q_spiky = Q8Inputs::quantize(&spiky, cols);
             let sets = available();
             prop_assert!(!sets.is_empty());
             for kernels in sets {
                 eprintln!("{}", kernels.name);
                 check(&q4.dequantize(), &x, &q, &|first, out| (kernels.q4_rows)(&q4, first, &q, out));
+                check(&q8.dequantize(), &x, &q, &|first, out| (kernels.q8_rows)(&q8, first, &q, out));
+                check(&edges.dequantize(), &spiky, &q_spiky, &|first, out| {
+                    (kernels.q8_rows)(&edges, first, &q_spiky, out)
+                });
+            }
+        }
+
+        /// With every scale 1 or ½ each product is a sum of integers (and
+        /// halves and quarters) that f32 holds exactly whatever its order:
+        /// every set gives `Σ s·d·Σ v·q` to the bit, the blocks' integer
+        /// sums exact (the offset and the sign trick undone), on values
+        /// that are mostly the extremes ±127 and zero blocks.
+        #[test]
+        fn the_8_bit_kernels_sum_exactly_in_integers(
+            height in 1usize..40,
+            blocks in 1usize..6,
+            n in 1usize..20,
+            seed in any::<u64>(),
+        ) {
+            let cols = blocks * BLOCK;
+            let mut m = edge_blocks(seed, height, cols);
+            let halves = |i: usize| if i % 3 == 1 { 0.5 } else { 1.0 };
+            for (b, s) in m.scales.iter_mut().enumerate() {
+                *s = if *s == 0.0 { 0.0 } else { halves(b) };
+            }
+            let x = edge_blocks(seed ^ 0x9e37_79b9, n, cols);
+            let scales: Vec<f32> = x.scales.iter().enumerate()
+                .map(|(b, &d)| if d == 0.0 { 0.0 } else { halves(b + 1) })
+                .collect();
+            let sums = x.values.chunks_exact(BLOCK).zip(&scales)
+                .map(|(q, &d)| d * q.iter().map(|&v| f32::from(v)).sum::<f32>())
+                .collect();
+            let x = Q8Inputs { cols, values: x.values, scales, sums };
+            let mut want = vec![0.0f64; height * n];
+            for (r, i) in (0..height).flat_map(|r| (0..n).map(move |i| (r, i))) {
+                let (q, d, _) = x.row(i);
+                want[r * n + i] = (0..blocks)
+                    .map(|b| {
+                        let at = r * cols + b * BLOCK;
+                        let dot: i64 = m.values[at..][..BLOCK].iter().zip(&q[b * BLOCK..][..BLOCK])
+                            .map(|(&v, &q)| i64::from(v) * i64::from(q))
+                            .sum();
+                        f64::from(m.scales[r * blocks + b]) * f64::from(d[b]) * dot as f64
+                    })
+                    .sum();
+            }
+            for kernels in available() {
+                let mut got = vec![f32::NAN; height * n];
+                (kernels.q8_rows)(&m, 0, &x, &mut got);
+                for (k, (&g, &w)) in got.iter().zip(&want).enumerate() {
+                    prop_assert!(f64::from(g) == w, "{}: output {}: {} against {}", kernels.name, k, g, w);
+                }
+            }
+        }
+    }
+
+    /// `rows × cols` 8-bit blocks from `seed`: each block all zeros (scale
+    /// 0), all ±127, or a mix of −127, 127, 0 and anything between, with
+    /// a scale in [0.001, 0.03).
+    fn edge_blocks(seed: u64, rows: usize, cols: usize) -> Q8Blocks {
+        let mut state = seed | 1;
+        let mut next = move || {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            state
+        };
+        let mut m = Q8Blocks {
+            rows,
+            cols,
+            values: Vec::with_capacity(rows * cols),
+            scales: Vec::with_capacity(rows * cols / BLOCK),
+        };
+        for _ in 0..rows * cols / BLOCK {
+            let kind = next() % 4;
+            m.scales.push(match kind {
+                0 => 0.0,
+                _ => 0.001 + (next() % 1000) as f32 * 2.9e-5,
+            });
+            m.values
+                .extend((0..BLOCK).map(|_| match (kind, next() % 4) {
+                    (0, _) => 0,
+                    (1, pick) => [-127, 127][pick as usize % 2],
+                    (_, 0) => -127,
+                    (_, 1) => 127,
+                    (_, 2) => 0,
+                    _ => ((next() % 255) as i32 - 127) as i8,
+                }));
+        }
+        m
+    }
+
+    /// A NaN or infinite activation makes its input row's products NaN
+    /// (as a non-finite product in the reference does), against zero
+    /// weight blocks too, in a pair of blocks and in a row's odd last
+    /// block, with either kind of blocks; the other rows are untouched.
+    #[test]
+    fn non_finite_activations_give_nan_products() {
+        let (cols, n) = (3 * BLOCK, 3);
+        let (mut w, x) = random_product(11, 9, cols, n);
+        w.data[..cols].fill(0.0);
+        let q4 = Q4Blocks::quantize(&w).unwrap();
+        let q8 = Q8Blocks::quantize(&w).unwrap();
+        for bad in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {
+            for at in [5, 2 * BLOCK + 7] {
+                let mut x = x.clone();
+                x[cols + at] = bad;
+                let q = Q8Inputs::quantize(&x, cols);
+                for kernels in available() {
+                    for (name, out) in [
+                        ("q4", {
+                            let mut out = vec![0.0; 9 * n];
+                            (kernels.q4_rows)(&q4, 0, &q, &mut out);
+                            out
+                        }),
+                        ("q8", {
+                            let mut out = vec![0.0; 9 * n];
+                            (kernels.q8_rows)(&q8, 0, &q, &mut out);
+                            out
+                        }),
+                    ] {
+                        for (k, v) in out.iter().enumerate() {
+                            let what =
+                                format!("{} {name}, {bad} at {at}: output {k}", kernels.name);
+                            match k % n {
+                                1 => assert!(v.is_nan(), "{what}: {v}"),
+                                _ => assert!(v.is_finite(), "{what}: {v}"),
+                            }
+                        }
+                    }
+                }
             }
         }
     }
