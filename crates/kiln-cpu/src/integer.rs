@@ -14,15 +14,18 @@
 //!
 //! Both SIMD instructions multiply unsigned bytes by signed ones, and an
 //! 8-bit block's weights are signed as its inputs are. AVX-512 VNNI offsets
-//! the weights to unsigned (`v ⊕ 0x80 = v + 128`, one `vpxorq` a pair of
-//! blocks, shared by every input row) and starts each lane's sum at
-//! `−128·Σ q` of its four inputs, computed once a product: each i32 lane is
-//! then exactly `Σ v·q` of its four weights, as a signed product would give
-//! (a correction per block in f32 instead would cancel large terms, and
-//! round). AVX2's `vpmaddubsw` adds pairs into saturating i16, which
-//! `(v + 128)·q` pairs would overflow (2·255·127), so it multiplies `|v|` by
-//! `q` with `v`'s sign (`vpsignb`, llama.cpp's way): at most 2·127·127 a
-//! pair, never saturating.
+//! the inputs to unsigned (`q ⊕ 0x80 = q + 128`, once a product) and keeps
+//! the weights signed as stored; each i32 lane's sum of `(q + 128)·v` over
+//! four bytes starts at `−128·Σ v` of its four weights (one more `vpdpbusd`
+//! a row's pair of blocks, shared by every input row), so it ends at
+//! exactly `Σ v·q`, as a signed product would (a correction per block in
+//! f32 instead would cancel large terms, and round). Measured against
+//! offsetting the weights (a `vpxorq` a pair, and a per-input correction
+//! loaded a pair) and against llama.cpp's sign trick in 32-byte vectors,
+//! it was the fastest in prefill and level in decode. AVX2's `vpmaddubsw`
+//! adds pairs into saturating i16, which `(q + 128)·v` pairs would overflow
+//! (2·255·127), so it multiplies `|v|` by `q` with `v`'s sign (`vpsignb`,
+//! llama.cpp's way): at most 2·127·127 a pair, never saturating.
 
 use std::sync::OnceLock;
 
@@ -141,9 +144,16 @@ pub fn portable_q8_rows(m: &Q8Blocks, first: usize, x: &Q8Inputs, out: &mut [f32
 /// One input row (decode) is multiplied into [`ROWS`] output rows at once,
 /// several input rows (prefill) into one output row: either way a few
 /// independent sums are in flight, and the per-row work (the offset terms,
-/// the horizontal sum) is spread over more arithmetic. 8-bit blocks go
-/// through the same code, their weights offset to unsigned bytes and each
-/// lane's sum started at its inputs' correction (the module's note).
+/// the horizontal sum) is spread over more arithmetic.
+///
+/// 8-bit blocks have kernels of their own ([`q8_rows`](vnni::q8_rows_checked)):
+/// the inputs offset to unsigned bytes once a product, the weights the
+/// signed operand as stored (the module's note). In decode four output
+/// rows at once, each row's pairs in memory order, without the 4-bit
+/// kernel's prefetch (which made the 8-bit rows' product from memory
+/// slower, `kiln-bench-kernels --weights q8`); in prefill tiles of 2 rows ×
+/// 4 inputs, each pair's weights and inputs loaded once for the tile's 8
+/// sums.
 #[cfg(target_arch = "x86_64")]
 mod vnni {
     use super::{BLOCK, BLOCK_BYTES, Q4Blocks, Q8Blocks, Q8Inputs, for_each_group};
@@ -184,14 +194,173 @@ mod vnni {
         unsafe { q8_rows(m, first, x, out) }
     }
 
+    /// Output rows of an 8-bit tile in prefill.
+    const TILE_ROWS: usize = 2;
+
+    /// Inputs of an 8-bit tile in prefill.
+    const TILE_INPUTS: usize = 4;
+
+    /// Input rows as the 8-bit kernel takes them, `x`'s values offset to
+    /// unsigned bytes (`q ⊕ 0x80 = q + 128`) and its scales spread as
+    /// [`scale_lanes`]: made once a product.
+    struct Unsigned<'x> {
+        x: &'x Q8Inputs,
+        values: Vec<u8>,
+        lanes: Vec<__m512>,
+    }
+
+    /// [`super::Q8RowsOfQ8`] with AVX-512 VNNI.
+    ///
+    /// # Safety
+    /// The CPU must run the set ([`detected`]).
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni")]
+    unsafe fn q8_rows(m: &Q8Blocks, first: usize, x: &Q8Inputs, out: &mut [f32]) {
+        let inputs = Unsigned {
+            x,
+            values: x.values.iter().map(|&q| q.cast_unsigned() ^ 0x80).collect(),
+            lanes: scale_lanes(x),
+        };
+        let n = x.rows();
+        let rows = out.len() / n;
+        if n == 1 {
+            let mut chunks = out.chunks_exact_mut(ROWS);
+            for (c, out) in (&mut chunks).enumerate() {
+                q8_block::<ROWS, 1>(m, first + c * ROWS, &inputs, 0, out, 1);
+            }
+            let done = rows / ROWS * ROWS;
+            for r in done..rows {
+                q8_block::<1, 1>(m, first + r, &inputs, 0, &mut out[r..], 1);
+            }
+            return;
+        }
+        // Rows in tiles of 16 (as `for_each_group`), each against every
+        // group of inputs: a group's inputs stay in L1 across the tile.
+        for tile in (0..rows).step_by(16) {
+            let end = (tile + 16).min(rows);
+            for i in (0..n).step_by(TILE_INPUTS) {
+                let group = TILE_INPUTS.min(n - i);
+                let mut r = tile;
+                while r < end {
+                    let out = &mut out[r * n + i..];
+                    if group == TILE_INPUTS && r + TILE_ROWS <= end {
+                        q8_block::<TILE_ROWS, TILE_INPUTS>(m, first + r, &inputs, i, out, n);
+                        r += TILE_ROWS;
+                        continue;
+                    }
+                    match group {
+                        1 => q8_block::<1, 1>(m, first + r, &inputs, i, out, n),
+                        2 => q8_block::<1, 2>(m, first + r, &inputs, i, out, n),
+                        3 => q8_block::<1, 3>(m, first + r, &inputs, i, out, n),
+                        4 => q8_block::<1, 4>(m, first + r, &inputs, i, out, n),
+                        g => unreachable!("a group of {g} inputs"),
+                    }
+                    r += 1;
+                }
+            }
+        }
+    }
+
+    /// `R` 8-bit output rows from `row` against the `N` inputs from
+    /// `start`, into `out[r · stride + k]`. A pair of blocks is one
+    /// `vpdpbusd` of the inputs' unsigned bytes by the weights' signed
+    /// ones, each i32 lane started at `−128·Σ v` of its four weights (one
+    /// more `vpdpbusd` a row's pair, shared by the inputs): each lane ends
+    /// at exactly `Σ v·q`.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni")]
+    fn q8_block<const R: usize, const N: usize>(
+        m: &Q8Blocks,
+        row: usize,
+        inputs: &Unsigned,
+        start: usize,
+        out: &mut [f32],
+        stride: usize,
+    ) {
+        let (cols, blocks) = (m.cols, m.blocks_per_row());
+        let pairs = blocks / 2;
+        let high = _mm512_set1_epi8(i8::MIN);
+        // Through pointers taken from slices that hold whole rows: slicing
+        // for each pair cost as many instructions as the arithmetic.
+        let u: [*const u8; N] =
+            std::array::from_fn(|k| inputs.values[(start + k) * cols..][..cols].as_ptr());
+        let d: [*const __m512; N] =
+            std::array::from_fn(|k| inputs.lanes[(start + k) * pairs..][..pairs].as_ptr());
+        let w: [*const i8; R] =
+            std::array::from_fn(|r| m.values[(row + r) * cols..][..cols].as_ptr());
+        let scales: [&[f32]; R] =
+            std::array::from_fn(|r| &m.scales[(row + r) * blocks..][..blocks]);
+        // Row `r`'s pair `p`: its 64 weights and where its lanes start.
+        let pair = |r: usize, p: usize| {
+            // SAFETY: the row holds `2·pairs` blocks and `p < pairs`.
+            let v = unsafe { _mm512_loadu_si512(w[r].add(p * 2 * BLOCK).cast()) };
+            let offset = _mm512_dpbusd_epi32(_mm512_setzero_si512(), high, v);
+            (v, _mm512_sub_epi32(_mm512_setzero_si512(), offset))
+        };
+        let mut acc = [[_mm512_setzero_ps(); N]; R];
+        if N == 1 {
+            // Decode: row by row, each row's pairs in order, the weights
+            // read in memory order for the hardware prefetcher.
+            for (r, acc) in acc.iter_mut().enumerate() {
+                for p in 0..pairs {
+                    let (v, offset) = pair(r, p);
+                    let s = pair_lanes(load_pair(scales[r], 2 * p));
+                    // SAFETY: each input holds `2·pairs` blocks and `pairs`
+                    // lanes (sliced above), and `p < pairs`.
+                    let (q, d) = unsafe {
+                        (
+                            _mm512_loadu_si512(u[0].add(p * 2 * BLOCK).cast()),
+                            *d[0].add(p),
+                        )
+                    };
+                    let dot = _mm512_dpbusd_epi32(offset, q, v);
+                    acc[0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(s, d), acc[0]);
+                }
+            }
+        } else {
+            // Prefill: pair by pair, each input's loaded once for the rows.
+            for p in 0..pairs {
+                // SAFETY: as above.
+                let q: [__m512i; N] = std::array::from_fn(|k| unsafe {
+                    _mm512_loadu_si512(u[k].add(p * 2 * BLOCK).cast())
+                });
+                // SAFETY: as above.
+                let d: [__m512; N] = std::array::from_fn(|k| unsafe { *d[k].add(p) });
+                for (r, acc) in acc.iter_mut().enumerate() {
+                    let (v, offset) = pair(r, p);
+                    let s = pair_lanes(load_pair(scales[r], 2 * p));
+                    for (k, acc) in acc.iter_mut().enumerate() {
+                        let dot = _mm512_dpbusd_epi32(offset, q[k], v);
+                        *acc =
+                            _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(s, d[k]), *acc);
+                    }
+                }
+            }
+        }
+        for (r, acc) in acc.iter().enumerate() {
+            for (k, acc) in acc.iter().enumerate() {
+                let mut total = _mm512_reduce_add_ps(*acc);
+                if blocks % 2 == 1 {
+                    let b = blocks - 1;
+                    let (_, d, _) = inputs.x.row(start + k);
+                    let v = load32(&m.values[(row + r) * cols..][..cols], b * BLOCK);
+                    let q = inputs.values[(start + k) * cols + b * BLOCK..][..BLOCK].as_ptr();
+                    // SAFETY: the slice holds the 32 bytes the load reads.
+                    let q = unsafe { _mm256_loadu_si256(q.cast()) };
+                    let offset =
+                        _mm256_dpbusd_epi32(_mm256_setzero_si256(), _mm256_set1_epi8(i8::MIN), v);
+                    let offset = _mm256_sub_epi32(_mm256_setzero_si256(), offset);
+                    let dot = _mm256_dpbusd_epi32(offset, q, v);
+                    total += scales[r][b] * d[b] * reduce_add_epi32(dot) as f32;
+                }
+                out[r * stride + k] = total;
+            }
+        }
+    }
+
     /// A matrix's rows as the kernel reads them: `pair(r, p)` gives row
-    /// `r`'s blocks `2p` and `2p + 1` as 64 unsigned bytes, `tail(r)` its
-    /// last block as 32 where the row has an odd number. Unsigned (4-bit
-    /// levels): each block `b` adds `scales[b]·d·(its dot) + mins[b]·(d·Σ
-    /// q)`. `SIGNED` (8-bit values offset by 128): each block adds
-    /// `scales[b]·d·(its dot − 128·Σ q)`, the correction in each lane's
-    /// integer sum, and `mins` is empty.
-    struct Weights<'m, P, T, F, const SIGNED: bool> {
+    /// `r`'s blocks `2p` and `2p + 1` as 64 levels (bytes), `tail(r)` its
+    /// last block as 32 where the row has an odd number; each block `b`
+    /// adds `scales[b]·d·(its dot) + mins[b]·(d·Σ q)`.
+    struct Weights<'m, P, T, F> {
         blocks: usize,
         pair: P,
         tail: T,
@@ -242,39 +411,7 @@ mod vnni {
             scales: &m.scales,
             mins: &m.mins,
         };
-        rows_of::<_, _, _, false>(&weights, first, x, out);
-    }
-
-    /// [`super::Q8RowsOfQ8`] with AVX-512 VNNI.
-    ///
-    /// # Safety
-    /// The CPU must run the set ([`detected`]).
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni")]
-    unsafe fn q8_rows(m: &Q8Blocks, first: usize, x: &Q8Inputs, out: &mut [f32]) {
-        let blocks = m.blocks_per_row();
-        let at = |r: usize, b: usize| (r * blocks + b) * BLOCK;
-        let weights = Weights {
-            blocks,
-            pair: |r: usize, p: usize| {
-                let values = &m.values[at(r, 2 * p)..][..2 * BLOCK];
-                // SAFETY: `values` holds the 64 bytes the load reads.
-                let v = unsafe { _mm512_loadu_si512(values.as_ptr().cast()) };
-                _mm512_xor_si512(v, _mm512_set1_epi8(i8::MIN))
-            },
-            tail: |r: usize| {
-                let values = &m.values[at(r, blocks - 1)..][..BLOCK];
-                // SAFETY: `values` holds the 32 bytes the load reads.
-                let v = unsafe { _mm256_loadu_si256(values.as_ptr().cast()) };
-                _mm256_xor_si256(v, _mm256_set1_epi8(i8::MIN))
-            },
-            fetch: |r: usize, p: usize| {
-                let line = m.values.as_ptr().wrapping_add(at(r, 2 * p));
-                _mm_prefetch::<_MM_HINT_T0>(line.cast())
-            },
-            scales: &m.scales,
-            mins: &[],
-        };
-        rows_of::<_, _, _, true>(&weights, first, x, out);
+        rows_of(&weights, first, x, out);
     }
 
     /// `f::<1, n>(args)` for a group of `n` inputs (1..=[`GROUP`]): each
@@ -282,14 +419,14 @@ mod vnni {
     macro_rules! by_count {
         ($n:expr, $f:ident, ($($arg:expr),*)) => {
             match $n {
-                1 => $f::<1, 1, _, _, _, _>($($arg),*),
-                2 => $f::<1, 2, _, _, _, _>($($arg),*),
-                3 => $f::<1, 3, _, _, _, _>($($arg),*),
-                4 => $f::<1, 4, _, _, _, _>($($arg),*),
-                5 => $f::<1, 5, _, _, _, _>($($arg),*),
-                6 => $f::<1, 6, _, _, _, _>($($arg),*),
-                7 => $f::<1, 7, _, _, _, _>($($arg),*),
-                8 => $f::<1, 8, _, _, _, _>($($arg),*),
+                1 => $f::<1, 1, _, _, _>($($arg),*),
+                2 => $f::<1, 2, _, _, _>($($arg),*),
+                3 => $f::<1, 3, _, _, _>($($arg),*),
+                4 => $f::<1, 4, _, _, _>($($arg),*),
+                5 => $f::<1, 5, _, _, _>($($arg),*),
+                6 => $f::<1, 6, _, _, _>($($arg),*),
+                7 => $f::<1, 7, _, _, _>($($arg),*),
+                8 => $f::<1, 8, _, _, _>($($arg),*),
                 n => unreachable!("a group of {n} inputs"),
             }
         };
@@ -297,21 +434,13 @@ mod vnni {
 
     /// The output rows from `first` that `out` (`[rows, n]`) has room for.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni")]
-    fn rows_of<P, T, F, const SIGNED: bool>(
-        w: &Weights<'_, P, T, F, SIGNED>,
-        first: usize,
-        x: &Q8Inputs,
-        out: &mut [f32],
-    ) where
+    fn rows_of<P, T, F>(w: &Weights<'_, P, T, F>, first: usize, x: &Q8Inputs, out: &mut [f32])
+    where
         P: Fn(usize, usize) -> __m512i,
         T: Fn(usize) -> __m256i,
         F: Fn(usize, usize),
     {
         let lanes = scale_lanes(x);
-        let offsets = match SIGNED {
-            true => offset_lanes(x),
-            false => Vec::new(),
-        };
         let pairs = x.blocks_per_row() / 2;
         // Taken apart once a product, not once an output row.
         let inputs: Vec<Input> = (0..x.rows())
@@ -322,10 +451,6 @@ mod vnni {
                     scales,
                     sums,
                     lanes: &lanes[i * pairs..][..pairs],
-                    offsets: match SIGNED {
-                        true => &offsets[i * pairs..][..pairs],
-                        false => &[],
-                    },
                 }
             })
             .collect();
@@ -333,11 +458,11 @@ mod vnni {
             let input = std::slice::from_ref(input);
             let mut chunks = out.chunks_exact_mut(ROWS);
             for (c, out) in (&mut chunks).enumerate() {
-                block::<ROWS, 1, _, _, _, SIGNED>(w, first + c * ROWS, input, out);
+                block::<ROWS, 1, _, _, _>(w, first + c * ROWS, input, out);
             }
             let done = out.len() / ROWS * ROWS;
             for (r, out) in out[done..].chunks_exact_mut(1).enumerate() {
-                block::<1, 1, _, _, _, SIGNED>(w, first + done + r, input, out);
+                block::<1, 1, _, _, _>(w, first + done + r, input, out);
             }
             return;
         }
@@ -346,21 +471,20 @@ mod vnni {
         });
     }
 
-    /// An input row taken apart: its values, block scales and sums, its
-    /// [`scale_lanes`] and, for signed weights, its [`offset_lanes`].
+    /// An input row taken apart: its values, block scales and sums, and its
+    /// [`scale_lanes`].
     struct Input<'x> {
         values: &'x [i8],
         scales: &'x [f32],
         sums: &'x [f32],
         lanes: &'x [__m512],
-        offsets: &'x [__m512i],
     }
 
     /// `R` output rows from `row` against the `N` rows of `inputs` (`R`
     /// or `N` is 1), into `out[r · N + k]`.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni")]
-    fn block<const R: usize, const N: usize, P, T, F, const SIGNED: bool>(
-        w: &Weights<'_, P, T, F, SIGNED>,
+    fn block<const R: usize, const N: usize, P, T, F>(
+        w: &Weights<'_, P, T, F>,
         row: usize,
         inputs: &[Input],
         out: &mut [f32],
@@ -376,11 +500,9 @@ mod vnni {
         // for each pair cost as many instructions as the arithmetic.
         let q: [*const i8; N] = std::array::from_fn(|k| {
             assert!(inputs[k].values.len() >= 2 * pairs * BLOCK && inputs[k].lanes.len() == pairs);
-            assert!(!SIGNED || inputs[k].offsets.len() == pairs);
             inputs[k].values.as_ptr()
         });
         let d: [*const __m512; N] = std::array::from_fn(|k| inputs[k].lanes.as_ptr());
-        let o: [*const __m512i; N] = std::array::from_fn(|k| inputs[k].offsets.as_ptr());
         let scales: [&[f32]; R] =
             std::array::from_fn(|r| &w.scales[(row + r) * blocks..][..blocks]);
         let mut acc = [[_mm512_setzero_ps(); N]; R];
@@ -396,47 +518,30 @@ mod vnni {
                 let s = pair_lanes(load_pair(scales[r], 2 * p));
                 for (k, acc) in acc.iter_mut().enumerate() {
                     // SAFETY: each input row holds `pairs` pairs of blocks
-                    // and `pairs` lanes, and signed weights' inputs `pairs`
-                    // offsets (checked above), and `p < pairs`.
-                    let (q, d, start) = unsafe {
+                    // and `pairs` lanes (checked above), and `p < pairs`.
+                    let (q, d) = unsafe {
                         (
                             _mm512_loadu_si512(q[k].add(p * 2 * BLOCK).cast()),
                             *d[k].add(p),
-                            match SIGNED {
-                                true => *o[k].add(p),
-                                false => _mm512_setzero_si512(),
-                            },
                         )
                     };
-                    let dot = _mm512_dpbusd_epi32(start, weights, q);
+                    let dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), weights, q);
                     *acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(s, d), *acc);
                 }
             }
         }
         for (r, acc) in acc.iter().enumerate() {
+            let mins = &w.mins[(row + r) * blocks..][..blocks];
             for (k, (acc, input)) in acc.iter().zip(inputs).enumerate() {
-                let acc = match SIGNED {
-                    true => *acc,
-                    false => {
-                        add_products(*acc, &w.mins[(row + r) * blocks..][..blocks], input.sums)
-                    }
-                };
+                let acc = add_products(*acc, mins, input.sums);
                 let mut total = _mm512_reduce_add_ps(acc);
                 if blocks % 2 == 1 {
                     let b = blocks - 1;
-                    let q = load32(input.values, b * BLOCK);
-                    let start = match SIGNED {
-                        true => _mm256_sub_epi32(
-                            _mm256_setzero_si256(),
-                            _mm256_dpbusd_epi32(
-                                _mm256_setzero_si256(),
-                                _mm256_set1_epi8(i8::MIN),
-                                q,
-                            ),
-                        ),
-                        false => _mm256_setzero_si256(),
-                    };
-                    let dot = _mm256_dpbusd_epi32(start, (w.tail)(row + r), q);
+                    let dot = _mm256_dpbusd_epi32(
+                        _mm256_setzero_si256(),
+                        (w.tail)(row + r),
+                        load32(input.values, b * BLOCK),
+                    );
                     total += scales[r][b] * input.scales[b] * reduce_add_epi32(dot) as f32;
                 }
                 out[r * N + k] = total;
@@ -461,25 +566,6 @@ mod vnni {
             lanes.extend((0..pairs).map(|p| pair_lanes(load_pair(d, 2 * p))));
         }
         lanes
-    }
-
-    /// `−128·Σ q` of each four inputs of each row of `x`, `[rows, pairs]`
-    /// (sixteen i32 lanes a pair of blocks, as `vpdpbusd` sums them): where
-    /// a lane's sum of `(v + 128)·q` starts, so that it ends at `Σ v·q`.
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni")]
-    fn offset_lanes(x: &Q8Inputs) -> Vec<__m512i> {
-        let pairs = x.blocks_per_row() / 2;
-        let mut offsets = Vec::with_capacity(x.rows() * pairs);
-        for row in x.values.chunks_exact(x.cols) {
-            offsets.extend(row.chunks_exact(2 * BLOCK).map(|pair| {
-                // SAFETY: `pair` holds the 64 bytes the load reads.
-                let q = unsafe { _mm512_loadu_si512(pair.as_ptr().cast()) };
-                let sums =
-                    _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_set1_epi8(i8::MIN), q);
-                _mm512_sub_epi32(_mm512_setzero_si512(), sums)
-            }));
-        }
-        offsets
     }
 
     /// Two f32 from `s[at..at + 2]` in the low lanes.
