@@ -16,6 +16,12 @@
 //! adds the block rounding, at most half a step per weight. With
 //! [`Activations::Q8`] each product adds the activations' 8-bit rounding
 //! too, as llama.cpp's does.
+//!
+//! The `cpu-simd` backend ([`backend_at_stored_precision`]) keeps every
+//! matrix as its file stored it; a Q8_0 file's layer blocks take f32
+//! activations by default (the reference's numerics, up to the order of
+//! sums) or, with [`Activations::Q8`], 8-bit ones multiplied in integers
+//! ([`integer`]'s `q8_rows`), as llama.cpp's Q8_0 × Q8_0.
 
 pub mod blocks;
 pub mod dense;
@@ -45,10 +51,15 @@ pub fn backend(
 }
 
 /// The `cpu-simd` backend over `model` with `threads` threads (at least
-/// 1): every matrix at the precision its file stored it in (see
+/// 1): every matrix at the precision its file stored it in, a Q8_0 file's
+/// layer blocks multiplied against `activations` (see
 /// [`Q4Weights::at_stored_precision`]).
-pub fn backend_at_stored_precision(model: &Model, threads: usize) -> Result<CpuBackend<'_>, Error> {
-    let weights = Q4Weights::at_stored_precision(&model.weights, threads)?;
+pub fn backend_at_stored_precision(
+    model: &Model,
+    threads: usize,
+    activations: Activations,
+) -> Result<CpuBackend<'_>, Error> {
+    let weights = Q4Weights::at_stored_precision(&model.weights, threads, activations)?;
     Ok(CpuBackend::with_weights(
         model,
         Box::new(weights),
@@ -56,12 +67,15 @@ pub fn backend_at_stored_precision(model: &Model, threads: usize) -> Result<CpuB
     ))
 }
 
-/// What a layer's 4-bit products multiply (the output projection takes f32
-/// activations either way: its rounding would go straight into the logits).
+/// What a layer's block products multiply: `cpu-q4`'s 4-bit blocks, or
+/// `cpu-simd`'s 8-bit blocks of a Q8_0 file (dense rows, and the output
+/// projection, take f32 activations either way: the projection's rounding
+/// would go straight into the logits).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Activations {
     /// The input rows rounded to 8 bits per block of 32 ([`inputs`]) and
-    /// multiplied in integers ([`integer`]), as llama.cpp's Q4_1 × Q8_1:
+    /// multiplied in integers ([`integer`]), as llama.cpp's Q4_1 × Q8_1
+    /// and Q8_0 × Q8_0:
     /// each product within [`inputs::Q8Inputs::rounding_bound`] of the
     /// exact one, and faster where the CPU has a SIMD integer kernel.
     Q8,

@@ -19,13 +19,14 @@ use crate::{Activations, Error, integer, kernel, tiles};
 enum Blocks {
     /// A layer's 4-bit blocks, multiplied against its activations as given.
     Q4(Q4Blocks, Activations),
-    /// The output projection's 8-bit blocks, against f32 activations
-    /// always: rounding its input moves the logits themselves
+    /// 8-bit blocks against the activations given: a Q8_0 file's layer
+    /// matrices in `cpu-simd`, and the output projection, whose activations
+    /// are f32 always: rounding its input moves the logits themselves
     /// (SmolLM2-135M-Instruct's answer to the README's question turns from
     /// "The capital of France is Paris." to "L'Étoile, la Marseillaise,
     /// ...", which is also llama.cpp's answer on its Q4_1 file), and from
     /// memory its f32 kernel is as fast.
-    Q8(Q8Blocks),
+    Q8(Q8Blocks, Activations),
     /// Rows at the matrix's own precision (`cpu-simd`), against f32
     /// activations.
     Dense(Dense),
@@ -36,7 +37,7 @@ impl Blocks {
     fn shape(&self) -> (usize, usize) {
         match self {
             Blocks::Q4(m, _) => (m.rows, m.cols),
-            Blocks::Q8(m) => (m.rows, m.cols),
+            Blocks::Q8(m, _) => (m.rows, m.cols),
             Blocks::Dense(m) => (m.rows, m.cols),
         }
     }
@@ -45,7 +46,7 @@ impl Blocks {
     fn count(&self) -> usize {
         match self {
             Blocks::Q4(m, _) => m.scales.len(),
-            Blocks::Q8(m) => m.scales.len(),
+            Blocks::Q8(m, _) => m.scales.len(),
             Blocks::Dense(m) => m.rows * m.cols / BLOCK,
         }
     }
@@ -54,7 +55,15 @@ impl Blocks {
     fn inputs<'x>(&self, x: &'x [f32]) -> Inputs<'x> {
         match self {
             Blocks::Q4(m, Activations::Q8) => Inputs::Q8(Q8Inputs::quantize(x, m.cols)),
-            Blocks::Q4(_, Activations::F32) | Blocks::Q8(_) | Blocks::Dense(_) => Inputs::F32(x),
+            // Several rows (prefill) too, though with AVX2 alone the f32
+            // tiles are faster there (`kiln-bench-kernels --weights q8
+            // --inputs 128`: AVX-512 VNNI 1.2x the tiles, AVX2 0.8x): a
+            // row's product is then the same however many rows a product
+            // takes, so appended rows (speculation's) equal decoded ones.
+            Blocks::Q8(m, Activations::Q8) => Inputs::Q8(Q8Inputs::quantize(x, m.cols)),
+            Blocks::Q4(_, Activations::F32)
+            | Blocks::Q8(_, Activations::F32)
+            | Blocks::Dense(_) => Inputs::F32(x),
         }
     }
 
@@ -64,15 +73,16 @@ impl Blocks {
         match (self, x) {
             (Blocks::Q4(m, _), Inputs::F32(x)) => (kernel::best().q4_rows)(m, first, x, out),
             (Blocks::Q4(m, _), Inputs::Q8(x)) => (integer::best().q4_rows)(m, first, x, out),
-            (Blocks::Q8(m), Inputs::F32(x)) if x.len() > m.cols => {
+            (Blocks::Q8(m, _), Inputs::F32(x)) if x.len() > m.cols => {
                 // Several inputs (prefill): tiles of rows widened once.
                 out.fill(0.0);
                 tiles::product_here(m.cols, first, x, out, |r, c, values| m.widen(r, c, values))
             }
-            (Blocks::Q8(m), Inputs::F32(x)) => (kernel::best().q8_rows)(m, first, x, out),
+            (Blocks::Q8(m, _), Inputs::F32(x)) => (kernel::best().q8_rows)(m, first, x, out),
+            (Blocks::Q8(m, _), Inputs::Q8(x)) => (integer::best().q8_rows)(m, first, x, out),
             (Blocks::Dense(m), Inputs::F32(x)) => m.rows(first, x, out),
-            (Blocks::Q8(_) | Blocks::Dense(_), Inputs::Q8(_)) => {
-                unreachable!("Blocks::inputs gives 8-bit blocks and dense rows f32")
+            (Blocks::Dense(_), Inputs::Q8(_)) => {
+                unreachable!("Blocks::inputs gives dense rows f32")
             }
         }
     }
@@ -229,7 +239,7 @@ impl Q4Weights {
             final_norm: w.final_norm.clone(),
             output: pooled(
                 "the output projection".into(),
-                Q8Blocks::quantize(w.output()).map(Blocks::Q8),
+                Q8Blocks::quantize(w.output()).map(|m| Blocks::Q8(m, Activations::F32)),
             )?,
         })
     }
@@ -237,15 +247,16 @@ impl Q4Weights {
 
 /// How [`Q4Weights::at_stored_precision`] keeps each product: as 8-bit
 /// blocks where they give the stored values back exactly (a Q8_0 file's),
-/// else as dense rows at the narrowest exact precision.
-fn as_stored(parts: &[&Matrix]) -> Blocks {
+/// multiplied against `activations`, else as dense rows at the narrowest
+/// exact precision (against f32 activations).
+fn as_stored(parts: &[&Matrix], activations: Activations) -> Blocks {
     let joined = Matrix {
         rows: parts.iter().map(|m| m.rows).sum(),
         cols: parts[0].cols,
         data: parts.iter().flat_map(|m| m.data.iter().copied()).collect(),
     };
     match Q8Blocks::exact(&joined) {
-        Some(q8) => Blocks::Q8(q8),
+        Some(q8) => Blocks::Q8(q8, activations),
         None => Blocks::Dense(Dense::stack(parts)),
     }
 }
@@ -253,15 +264,23 @@ fn as_stored(parts: &[&Matrix]) -> Blocks {
 impl Q4Weights {
     /// `w`'s matrices at the precision their file stored them in (`cpu-simd`):
     /// dense f16, bf16 or f32 rows, or 8-bit blocks where those give the
-    /// values back exactly; products on `threads` threads, against f32
-    /// activations. The reference's numerics, up to the order of sums.
-    pub fn at_stored_precision(w: &Weights, threads: usize) -> Result<Q4Weights, Error> {
+    /// values back exactly; products on `threads` threads. Dense rows and
+    /// the output projection take f32 activations, the layers' 8-bit blocks
+    /// `activations`: with [`Activations::F32`] the reference's numerics, up
+    /// to the order of sums; with [`Activations::Q8`] each such product adds
+    /// its inputs' 8-bit rounding too ([`Q8Inputs::rounding_bound`]), as
+    /// llama.cpp's Q8_0 × Q8_0.
+    pub fn at_stored_precision(
+        w: &Weights,
+        threads: usize,
+        activations: Activations,
+    ) -> Result<Q4Weights, Error> {
         let team = Arc::new(Team::new(threads).map_err(|e| Error::Threads {
             threads,
             reason: e.to_string(),
         })?);
-        let product = |parts: &[&Matrix]| PooledProduct {
-            blocks: as_stored(parts),
+        let product = |parts: &[&Matrix], activations| PooledProduct {
+            blocks: as_stored(parts, activations),
             team: Arc::clone(&team),
         };
         let layers = w
@@ -269,18 +288,18 @@ impl Q4Weights {
             .iter()
             .map(|l| Layer {
                 attn_norm: l.attn_norm.clone(),
-                qkv: product(&[&l.wq, &l.wk, &l.wv]),
+                qkv: product(&[&l.wq, &l.wk, &l.wv], activations),
                 qkv_bias: l.qkv_bias.clone(),
-                wo: product(&[&l.wo]),
+                wo: product(&[&l.wo], activations),
                 mlp_norm: l.mlp_norm.clone(),
-                gate_up: product(&[&l.w_gate, &l.w_up]),
-                w_down: product(&[&l.w_down]),
+                gate_up: product(&[&l.w_gate, &l.w_up], activations),
+                w_down: product(&[&l.w_down], activations),
             })
             .collect();
         Ok(Q4Weights {
             layers,
             final_norm: w.final_norm.clone(),
-            output: product(&[w.output()]),
+            output: product(&[w.output()], Activations::F32),
         })
     }
 }
