@@ -128,7 +128,8 @@ pub enum BackendKind {
     /// The CPU reference's forward pass over SIMD products on `--threads`
     /// threads, every matrix at the precision its file stores it in (f16,
     /// bf16 or f32 rows, Q8_0 blocks): the reference's numerics, up to the
-    /// order of sums, at the speed of the cores.
+    /// order of sums, at the speed of the cores (`--activations q8` rounds
+    /// the Q8_0 blocks' inputs to 8 bits, as llama.cpp does).
     CpuSimd,
     /// IREE on the CPU (`local-task`), modules compiled for llvm-cpu.
     IreeCpu,
@@ -159,12 +160,15 @@ pub struct BackendOptions {
     /// workers).
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(u16).range(1..=1024))]
     pub threads: Option<u16>,
-    /// What cpu-q4's layer products multiply: q8, the activations rounded
-    /// to 8 bits per block of 32 and multiplied in integers, as llama.cpp's
-    /// Q4_1 × Q8_1; or f32, the activations as they are (the dequantized
-    /// weights' exact product). Default: q8 where the CPU has AVX-512 VNNI
-    /// or AVX2 (kiln's SIMD integer kernels), f32 elsewhere, where it is the
-    /// faster.
+    /// What the layers' block products multiply, cpu-q4's 4-bit ones and
+    /// cpu-simd's Q8_0 ones: q8, the activations rounded to 8 bits per
+    /// block of 32 and multiplied in integers, as llama.cpp's Q4_1 × Q8_1
+    /// and Q8_0 × Q8_0; or f32, the activations as they are (the
+    /// dequantized weights' exact product). Default for cpu-q4: q8 where the
+    /// CPU has AVX-512 VNNI or AVX2 (kiln's SIMD integer kernels), f32
+    /// elsewhere, where it is the faster; for cpu-simd: f32, the
+    /// reference's numerics (its dense f16, bf16 and f32 rows take f32
+    /// either way).
     #[arg(long, value_enum, value_name = "KIND")]
     pub activations: Option<ActivationsKind>,
     /// Longest sequence (prompt plus generated tokens) the IREE modules hold.
@@ -234,14 +238,24 @@ pub fn open<'m>(
         BackendKind::CpuSimd => {
             let threads = options.threads.map_or_else(default_threads, usize::from);
             Ok(Box::new(kiln_cpu::backend_at_stored_precision(
-                model, threads,
+                model,
+                threads,
+                simd_activations(options),
             )?))
         }
         BackendKind::IreeCpu | BackendKind::IreeCuda => iree(model, kind, options),
     }
 }
 
-/// `--activations` (cpu-q4's), as clap parses it.
+/// What cpu-simd's Q8_0 blocks multiply: `--activations`, else f32 (the
+/// reference's numerics; q8 is opt-in).
+pub fn simd_activations(options: &BackendOptions) -> kiln_cpu::Activations {
+    options
+        .activations
+        .map_or(kiln_cpu::Activations::F32, Into::into)
+}
+
+/// `--activations` (cpu-q4's and cpu-simd's), as clap parses it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 pub enum ActivationsKind {
     Q8,
@@ -259,8 +273,8 @@ impl From<ActivationsKind> for kiln_cpu::Activations {
 
 /// `--threads` is for the backends that run on this machine's cores
 /// besides the f32 reference, which is one thread by design;
-/// `--activations` for cpu-q4, the one backend whose products take them
-/// either way; `--q4-rows` for the IREE backends.
+/// `--activations` for cpu-q4 and cpu-simd, the backends whose products
+/// take them either way; `--q4-rows` for the IREE backends.
 fn check_threads(kind: BackendKind, options: &BackendOptions) -> Result<()> {
     if options.threads.is_some()
         && !matches!(
@@ -285,9 +299,9 @@ fn check_threads(kind: BackendKind, options: &BackendOptions) -> Result<()> {
             kind.name()
         );
     }
-    if options.activations.is_some() && kind != BackendKind::CpuQ4 {
+    if options.activations.is_some() && !matches!(kind, BackendKind::CpuQ4 | BackendKind::CpuSimd) {
         bail!(
-            "--activations is for the cpu-q4 backend; {} does not take it",
+            "--activations is for the cpu-q4 and cpu-simd backends; {} does not take it",
             kind.name()
         );
     }

@@ -19,9 +19,13 @@ pub fn exit_code(result: Result<()>) -> std::process::ExitCode {
 }
 
 /// The model `spec` names: `embedded`, a random-weight preset
-/// (`tinyllama-1.1b`, …), a GGUF file or pulled model's name, or a model
-/// folder (read with the byte tokenizer, see [`load_folder`]).
+/// (`tinyllama-1.1b`, …; with `-q8_0` after its name, every matrix rounded
+/// to Q8_0 blocks, see [`q8_0`]), a GGUF file or pulled model's name, or a
+/// model folder (read with the byte tokenizer, see [`load_folder`]).
 pub fn model(spec: &str) -> Result<Model> {
+    if let Some((config, seed)) = q8_0_preset(spec) {
+        return q8_0(Model::random(spec, config, seed));
+    }
     Ok(match (spec, kiln_core::model::preset(spec)) {
         ("embedded", _) => Model::embedded(),
         (_, Some((config, seed))) => Model::random(spec, config, seed),
@@ -49,8 +53,47 @@ pub fn load_folder(dir: &Path) -> Result<Model> {
     })
 }
 
+/// The preset a `NAME-q8_0` spec names.
+fn q8_0_preset(spec: &str) -> Option<(ModelConfig, u64)> {
+    kiln_core::model::preset(spec.strip_suffix("-q8_0")?)
+}
+
+/// `model` with every matrix (the embedding too) rounded to 8-bit blocks,
+/// the values a Q8_0 file of it would give (up to the scale's f16
+/// rounding): what `cpu-simd` keeps as Q8_0 blocks, for measuring that path
+/// where no Q8_0 file is at hand. Named as stored in Q8_0.
+pub fn q8_0(mut model: Model) -> Result<Model> {
+    let round = |m: &mut kiln_core::weights::Matrix| -> Result<()> {
+        *m = kiln_cpu::Q8Blocks::quantize(m)?.dequantize();
+        Ok(())
+    };
+    let w = &mut model.weights;
+    for l in &mut w.layers {
+        for m in [
+            &mut l.wq,
+            &mut l.wk,
+            &mut l.wv,
+            &mut l.wo,
+            &mut l.w_gate,
+            &mut l.w_up,
+            &mut l.w_down,
+        ] {
+            round(m)?;
+        }
+    }
+    round(&mut w.embed)?;
+    if let Some(head) = &mut w.lm_head {
+        round(head)?;
+    }
+    w.stored = kiln_core::weights::Stored::Blocks("Q8_0");
+    Ok(model)
+}
+
 /// The configuration of a model spec, without making its weights.
 pub fn config(spec: &str) -> Result<ModelConfig> {
+    if let Some((config, _)) = q8_0_preset(spec) {
+        return Ok(config);
+    }
     Ok(match (spec, kiln_core::model::preset(spec)) {
         ("embedded", _) => Model::embedded().config,
         (_, Some((config, _))) => config,

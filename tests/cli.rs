@@ -290,30 +290,38 @@ fn iree_cpu_takes_a_thread_count_and_the_text_is_the_same() {
     }
 }
 
-/// `--activations` is cpu-q4's: both kinds generate on the embedded model,
-/// and every other backend refuses it by name rather than ignoring it.
+/// `--activations` is cpu-q4's and cpu-simd's: both kinds generate on the
+/// embedded model with each, and every other backend refuses it by name
+/// rather than ignoring it.
 #[test]
-fn activations_are_cpu_q4s_option() {
-    for kind in ["q8", "f32"] {
-        let out = kiln(&[
-            "generate",
-            "--backend",
-            "cpu-q4",
-            "--activations",
-            kind,
-            "--max-tokens",
-            "5",
-            "Hello",
-        ]);
-        assert!(out.status.success(), "{kind}: {}", stderr(&out));
-        assert_eq!(stdout(&out).trim_end_matches('\n').len(), 5, "{kind}");
+fn activations_are_the_block_backends_option() {
+    for backend in ["cpu-q4", "cpu-simd"] {
+        for kind in ["q8", "f32"] {
+            let out = kiln(&[
+                "generate",
+                "--backend",
+                backend,
+                "--activations",
+                kind,
+                "--max-tokens",
+                "5",
+                "Hello",
+            ]);
+            assert!(out.status.success(), "{backend} {kind}: {}", stderr(&out));
+            assert_eq!(
+                stdout(&out).trim_end_matches('\n').len(),
+                5,
+                "{backend} {kind}"
+            );
+        }
     }
     for backend in ["cpu", "iree-cpu", "iree-cuda"] {
         let out = kiln(&["generate", "--backend", backend, "--activations", "q8", "x"]);
         assert!(!out.status.success(), "{backend} took --activations");
         let err = stderr(&out);
         assert!(
-            err.contains("--activations is for the cpu-q4 backend") || err.contains("--features"),
+            err.contains("--activations is for the cpu-q4 and cpu-simd backends")
+                || err.contains("--features"),
             "{backend}: {err}"
         );
     }

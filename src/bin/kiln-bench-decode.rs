@@ -30,7 +30,8 @@ struct Args {
     #[arg(long, value_enum, default_values_t = [BackendKind::Auto])]
     backend: Vec<BackendKind>,
     /// `embedded`, `random-100m`, `tinyllama-1.1b`, `smollm2-135m` or `llama-3.1-8b` (random-weight Llamas of
-    /// those sizes, made on the fly), a model folder (config.json and
+    /// those sizes, made on the fly; `NAME-q8_0`, e.g. `smollm2-135m-q8_0`,
+    /// with every matrix rounded to Q8_0 blocks), a model folder (config.json and
     /// safetensors; no tokenizer needed), a GGUF file or a pulled model's
     /// name (`kiln list`). Repeat for several.
     #[arg(long, default_values_t = ["embedded".to_string()])]
@@ -65,8 +66,9 @@ struct Args {
     /// see `kiln generate --threads`).
     #[arg(long, value_name = "N")]
     threads: Option<u16>,
-    /// What cpu-q4's products multiply, to measure (repeat for several: q8,
-    /// f32; see `kiln generate --activations`); default: the CPU's fastest.
+    /// What cpu-q4's and cpu-simd's block products multiply, to measure
+    /// (repeat for several: q8, f32; see `kiln generate --activations`);
+    /// default: each backend's own.
     #[arg(long, value_enum)]
     activations: Vec<ActivationsKind>,
     /// Greedy pipeline settings to measure (repeat for several): `on`
@@ -118,12 +120,7 @@ impl Args {
         match kind {
             BackendKind::Auto => unreachable!("auto is resolved for each model first"),
             BackendKind::Cpu => return vec![self.iree(None, None)],
-            BackendKind::CpuSimd => {
-                let mut options = self.iree(None, None);
-                options.threads = self.threads;
-                return vec![options];
-            }
-            BackendKind::CpuQ4 => {
+            BackendKind::CpuQ4 | BackendKind::CpuSimd => {
                 let kinds = match self.activations.as_slice() {
                     [] => vec![None],
                     kinds => kinds.iter().copied().map(Some).collect(),
@@ -412,16 +409,19 @@ fn describe(
         BackendKind::Cpu => return Ok(("f32".into(), "out-in".into(), 32)),
         // The model's own precision: its stored matrices' bits (Q8_0's
         // 34 bytes a block of 32, 8.5 bits, rounded up; other blocks are
-        // multiplied as f32).
+        // multiplied as f32); Q8_0's activations after `x`.
         BackendKind::CpuSimd => {
             use kiln_core::weights::Stored;
             let stored = model.weights.stored;
-            let bits = match stored {
-                Stored::F16 | Stored::BF16 => 16,
-                Stored::Blocks("Q8_0") => 9,
-                _ => 32,
+            let (bits, precision) = match stored {
+                Stored::F16 | Stored::BF16 => (16, stored.to_string()),
+                Stored::Blocks("Q8_0") => {
+                    let activations = backends::simd_activations(options);
+                    (9, format!("q8_0 x {}", activations.name()))
+                }
+                _ => (32, stored.to_string()),
             };
-            return Ok((stored.to_string(), "out-in".into(), bits));
+            return Ok((precision, "out-in".into(), bits));
         }
         // 4 bits a weight and an f32 scale and minimum a block of 32; the
         // activations it multiplies after `x`.

@@ -1,13 +1,16 @@
-//! `kiln-bench-kernels`: cpu-q4's 4-bit block products alone, every kernel
-//! set this CPU runs side by side in one run (f32 activations and 8-bit
-//! ones), beside a plain read of the same bytes: what a product costs and
-//! how near it reads at the rate one core streams memory.
+//! `kiln-bench-kernels`: cpu-q4's 4-bit block products (or, with
+//! `--weights q8`, cpu-simd's Q8_0 ones) alone, every kernel set this CPU
+//! runs side by side in one run (f32 activations and 8-bit ones), beside a
+//! plain read of the same bytes: what a product costs and how near it
+//! reads at the rate one core streams memory.
 //!
 //! ```sh
 //! # SmolLM2's gate/up product in decode, from memory (60 copies, 133 MB):
 //! kiln-bench-kernels --rows 3072 --cols 576 --inputs 1 --copies 60
 //! # the same in prefill, 8 rows at a time, from cache:
 //! kiln-bench-kernels --rows 3072 --cols 576 --inputs 8
+//! # its Q8_0 blocks in prefill, 128 rows (f32 rows also in tiles.rs's tiles):
+//! kiln-bench-kernels --weights q8 --rows 3072 --cols 576 --inputs 128
 //! ```
 //!
 //! `--copies N` cycles through N copies of the matrix, so that with enough of
@@ -21,11 +24,15 @@ use anyhow::{Result, bail};
 use clap::Parser;
 use kiln_core::weights::Matrix;
 use kiln_cpu::inputs::Q8Inputs;
-use kiln_cpu::{BLOCK, Q4Blocks, integer, kernel};
+use kiln_cpu::{BLOCK, Q4Blocks, Q8Blocks, integer, kernel, tiles};
 
 #[derive(Parser)]
-#[command(about = "cpu-q4's block products, every kernel set side by side")]
+#[command(about = "cpu-q4's and cpu-simd's block products, every kernel set side by side")]
 struct Args {
+    /// The blocks: q4 (cpu-q4's layers, Q4_1) or q8 (a Q8_0 file's in
+    /// cpu-simd).
+    #[arg(long, value_parser = ["q4", "q8"], default_value = "q4")]
+    weights: String,
     /// Output rows of the product.
     #[arg(long, default_value_t = 3072)]
     rows: usize,
@@ -67,20 +74,35 @@ fn main() -> Result<()> {
         data: (0..args.rows * args.cols).map(|_| next()).collect(),
     };
     let x: Vec<f32> = (0..args.inputs * args.cols).map(|_| next()).collect();
-    let copies: Vec<Q4Blocks> = (0..args.copies)
-        .map(|_| Q4Blocks::quantize(&w))
-        .collect::<Result<_, _>>()?;
-    // Levels, scales and minimums: what a product reads of the weights.
-    let bytes = copies[0].levels.len() + 8 * copies[0].scales.len();
+    let copies: Vec<Q4Blocks> = match args.weights.as_str() {
+        "q4" => (0..args.copies)
+            .map(|_| Q4Blocks::quantize(&w))
+            .collect::<Result<_, _>>()?,
+        _ => Vec::new(),
+    };
+    let q8_copies: Vec<Q8Blocks> = match args.weights.as_str() {
+        "q8" => (0..args.copies)
+            .map(|_| Q8Blocks::quantize(&w))
+            .collect::<Result<_, _>>()?,
+        _ => Vec::new(),
+    };
+    // Levels, scales and minimums (8-bit values and scales): what a
+    // product reads of the weights.
+    let bytes = match (copies.first(), q8_copies.first()) {
+        (Some(q4), _) => q4.levels.len() + 8 * q4.scales.len(),
+        (_, Some(q8)) => q8.values.len() + 4 * q8.scales.len(),
+        _ => unreachable!("one kind of blocks"),
+    };
     let plain: Vec<u64> = vec![1; bytes * args.copies / 8];
     let reps = args
         .products
         .unwrap_or((2_000_000_000 / (args.rows * args.cols * args.inputs)).max(3));
     let mut out = vec![0.0f32; args.rows * args.inputs];
     println!(
-        "{}x{} product, {} input row(s), {} cop{} ({:.1} MB), {reps} products a figure",
+        "{}x{} {} product, {} input row(s), {} cop{} ({:.1} MB), {reps} products a figure",
         args.rows,
         args.cols,
+        args.weights,
         args.inputs,
         args.copies,
         if args.copies == 1 { "y" } else { "ies" },
@@ -104,22 +126,41 @@ fn main() -> Result<()> {
             black_box(part.iter().fold(0u64, |a, &v| a.wrapping_add(v)));
         }
         report("plain read", start.elapsed().as_secs_f64());
+        let q4 = !copies.is_empty();
         for set in kernel::available() {
             let start = Instant::now();
             for r in 0..reps {
-                (set.q4_rows)(&copies[r % args.copies], 0, &x, &mut out);
+                match q4 {
+                    true => (set.q4_rows)(&copies[r % args.copies], 0, &x, &mut out),
+                    false => (set.q8_rows)(&q8_copies[r % args.copies], 0, &x, &mut out),
+                }
             }
             report(
                 &format!("f32 activations, {}", set.name),
                 start.elapsed().as_secs_f64(),
             );
         }
+        if !q4 {
+            // cpu-simd's f32 prefill: rows widened once into tiles.
+            let start = Instant::now();
+            for r in 0..reps {
+                let m = &q8_copies[r % args.copies];
+                out.fill(0.0);
+                tiles::product_here(m.cols, 0, &x, &mut out, |r, c, values| {
+                    m.widen(r, c, values)
+                });
+            }
+            report("f32 activations, tiles", start.elapsed().as_secs_f64());
+        }
         for set in integer::available() {
             let start = Instant::now();
             for r in 0..reps {
                 // Rounded each time, as a product does.
                 let q = Q8Inputs::quantize(&x, args.cols);
-                (set.q4_rows)(&copies[r % args.copies], 0, &q, &mut out);
+                match q4 {
+                    true => (set.q4_rows)(&copies[r % args.copies], 0, &q, &mut out),
+                    false => (set.q8_rows)(&q8_copies[r % args.copies], 0, &q, &mut out),
+                }
             }
             report(
                 &format!("q8 activations, {}", set.name),
