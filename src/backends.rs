@@ -193,11 +193,12 @@ pub struct BackendOptions {
     /// For --precision q4 only.
     #[arg(long, value_name = "FORM")]
     pub q4_rows: Option<String>,
-    /// How iree-cuda's decode steps attend to the KV cache: `graph`
-    /// (default: IREE's products over the whole context) or `kernel` (kiln's
-    /// split-K kernels, kernels/attend_part.cu, which read only the
-    /// positions a sequence has; heads 64 or 128 wide, up to 8 a KV head,
-    /// f16 or q4; measured slower in their first build, docs/perf-notes.md).
+    /// How iree-cuda's decode steps attend to the KV cache: `graph` (IREE's
+    /// products over the whole context), `kernel` (kiln's split-K kernels,
+    /// kernels/attend_part.cu, which read only the positions a sequence
+    /// has; heads 64 or 128 wide, up to 8 a KV head, f16 or q4), or `auto`
+    /// (the default: the kernels from a context of 1,024 positions, the
+    /// graph below, the faster of the two as measured, docs/perf-notes.md).
     #[arg(long, value_name = "FORM")]
     pub decode_attention: Option<String>,
     /// An IREE runtime flag for the device's driver, as IREE's own tools

@@ -82,7 +82,7 @@ struct Args {
     #[arg(long)]
     q4_rows: Vec<String>,
     /// How iree-cuda's decode steps attend, to measure (repeat for several:
-    /// kernel, graph; see `kiln generate --decode-attention`).
+    /// auto, kernel, graph; see `kiln generate --decode-attention`).
     #[arg(long)]
     decode_attention: Vec<String>,
     /// Greedy steps per call of the device to measure (repeat for several;

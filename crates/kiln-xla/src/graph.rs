@@ -200,15 +200,44 @@ pub enum DecodeAttention {
     /// ([`crate::kernels::decode_attention_fits`]), the step attends as
     /// [`DecodeAttention::Graph`] does.
     Kernel,
+    /// [`DecodeAttention::Kernel`] where the caches hold at least
+    /// [`KERNEL_ATTENTION_MIN_CONTEXT`] positions, [`DecodeAttention::Graph`]
+    /// below: the graph's cost grows with the context whatever the
+    /// position, the kernels' with the position.
+    Auto,
 }
 
+/// The context from which [`DecodeAttention::Auto`] attends through kiln's
+/// kernels. On an H100 (2026-12-06, TinyLlama's shape, 16 prompt and 256
+/// decoded tokens, docs/perf-notes.md) the graph was the faster at 640
+/// positions (f16 626.1 tok/s against 553.5, q4 784.0 against 758.8) and
+/// the kernels at 2,048 (f16 546.8 against 413.8, q4 738.2 against 477.9);
+/// the graph's step grew 0.58 µs a position of context and the kernels'
+/// hardly, which puts the two level at about 710 (q4) to 1,000 (f16).
+pub const KERNEL_ATTENTION_MIN_CONTEXT: usize = 1024;
+
 impl DecodeAttention {
-    pub const ALL: [DecodeAttention; 2] = [DecodeAttention::Graph, DecodeAttention::Kernel];
+    pub const ALL: [DecodeAttention; 3] = [
+        DecodeAttention::Graph,
+        DecodeAttention::Kernel,
+        DecodeAttention::Auto,
+    ];
 
     pub fn name(self) -> &'static str {
         match self {
             DecodeAttention::Graph => "graph",
             DecodeAttention::Kernel => "kernel",
+            DecodeAttention::Auto => "auto",
+        }
+    }
+
+    /// Whether a decode step over caches of `context` positions attends
+    /// through kiln's kernels (where its shapes fit them).
+    pub fn kernels_at(self, context: usize) -> bool {
+        match self {
+            DecodeAttention::Graph => false,
+            DecodeAttention::Kernel => true,
+            DecodeAttention::Auto => context >= KERNEL_ATTENTION_MIN_CONTEXT,
         }
     }
 }
@@ -232,14 +261,13 @@ impl fmt::Display for DecodeAttention {
     }
 }
 
-/// How `target`'s decode steps attend by default: through IREE's graph
-/// everywhere. kiln's kernels read only the positions a row has, but their
-/// first build decoded slower on an H100 (TinyLlama's shape, 2026-12-06:
-/// q4 672.6 tok/s against 766.1 through the graph, f16 571.0 against
-/// 588.9; docs/perf-notes.md); `--decode-attention kernel` chooses them.
+/// How `target`'s decode steps attend by default: on CUDA by the context
+/// ([`DecodeAttention::Auto`]); on the CPU through IREE's graph, kiln's
+/// kernels being CUDA's.
 pub fn decode_attention_for(target: Target) -> DecodeAttention {
     match target {
-        Target::LlvmCpu | Target::Cuda => DecodeAttention::Graph,
+        Target::LlvmCpu => DecodeAttention::Graph,
+        Target::Cuda => DecodeAttention::Auto,
     }
 }
 

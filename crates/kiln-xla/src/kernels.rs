@@ -128,16 +128,27 @@ const ATTEND_MAX_GROUP: usize = 8;
 const ATTEND_WORKGROUPS: usize = 264;
 
 /// The query heads one workgroup of `attend_part.cu` takes of a KV head's
-/// `group`: two where the group is even, else one. A workgroup that took
-/// all of a group of 8 worked through a tile alone for 12-15 µs a layer at
-/// TinyLlama's shape on an H100 (`scripts/attend_kernel_bench.cu`,
-/// 2026-12-06), whatever the position: at a short row's few positions only
-/// a handful of workgroups had anything to do, each with 8 heads' sums
-/// one after the other. More, smaller workgroups read the same keys and
-/// values again, from the L2 cache.
-pub fn attention_group_heads(group: usize) -> usize {
-    if group.is_multiple_of(2) { 2 } else { 1 }
+/// `group` over caches of `context` positions: up to 2,048 positions two
+/// where the group is even, else one; beyond, the whole group. On an H100
+/// (`scripts/attend_kernel_bench.cu`, 2026-12-06, µs a layer's attention):
+/// at 640 positions two heads took 8.2-11.8 µs at TinyLlama's shape (group
+/// 8) where the whole group took 11.5-15.5, since at a short row's few
+/// positions only a handful of workgroups have anything to do, each with
+/// the group's sums one after the other; at Llama-3.1-8B's 8,192 (group 4),
+/// where a long row's splits already fill the GPU, two heads read the
+/// caches twice and took 59.1 µs at the last position where the group took
+/// 43.8.
+pub fn attention_group_heads(group: usize, context: usize) -> usize {
+    match context > ATTEND_FEW_HEADS_CONTEXT {
+        true => group,
+        false if group.is_multiple_of(2) => 2,
+        false => 1,
+    }
 }
+
+/// The longest context at which a workgroup takes fewer than its KV head's
+/// whole group ([`attention_group_heads`]).
+const ATTEND_FEW_HEADS_CONTEXT: usize = 2048;
 
 /// Whether [`decode_attention`] takes heads of width `d`, `group` query
 /// heads a KV head, caches of `storage` elements and `context` positions
@@ -208,7 +219,7 @@ pub fn decode_attention(f: &mut Function, q: &Val, caches: &DecodeCaches, positi
         q.ty
     );
     let (chunk, splits) = attention_splits(rows, kv_heads, context);
-    let group_heads = attention_group_heads(group);
+    let group_heads = attention_group_heads(group, context);
     let q_row_stride = heads * d;
     let partials = f.dispatch_extern(
         &ExternDispatch {
@@ -436,6 +447,8 @@ mod tests {
             Case(3, 4, 1, 2, 264, 128, 4, 0, &[0, 200, 127]),
             Case(2, 2, 2, 1, 2048, 64, 3, 1, &[1500, 255]),
             Case(32, 32, 1, 1, 2048, 64, 1, 0, &[2047; 32]),
+            // Past 2,048 positions a workgroup takes the whole group.
+            Case(1, 0, 1, 2, 2304, 128, 4, 0, &[2300]),
         ];
         for Case(rows, slots, layers, kv, context, d, group, layer, positions) in cases {
             let heads = kv * group;
@@ -461,7 +474,7 @@ mod tests {
                 }
             }
             let mut input = Vec::new();
-            let group_heads = attention_group_heads(group);
+            let group_heads = attention_group_heads(group, context);
             for v in [
                 rows,
                 s,

@@ -659,9 +659,10 @@ fn attention(f: &mut Function, dm: &Dims, q: &Val, k: &Val, v_t: &Val, visible: 
 }
 
 /// Whether a decode step over caches of `context` positions attends with
-/// kiln's kernels ([`DecodeAttention::Kernel`] where its shapes fit them).
+/// kiln's kernels (as [`DecodeAttention::kernels_at`] says, where its shapes
+/// fit them).
 fn uses_attention_kernels(dm: &Dims, context: usize) -> bool {
-    dm.decode_attention == DecodeAttention::Kernel
+    dm.decode_attention.kernels_at(context)
         && kernels::decode_attention_fits(dm.d, dm.heads / dm.kv_heads, dm.storage, context)
 }
 
@@ -1755,8 +1756,9 @@ mod tests {
     /// With `--decode-attention kernel`, CUDA's decode steps (one sequence,
     /// a chain, the batched step) attend with kiln's two kernels, once each
     /// a layer, where the heads are 64 or 128 wide with at most 8 to a KV
-    /// head and the cache f16; otherwise, on the CPU and by default they
-    /// attend through IREE. Prefill never uses them. The modules compile.
+    /// head and the cache f16; otherwise, and on the CPU, they attend
+    /// through IREE, as by default below 1,024 positions. Prefill never
+    /// uses them. The modules compile.
     #[test]
     fn cuda_decode_steps_attend_with_kilns_kernels_where_the_heads_fit() {
         let part = "hal.dispatch.extern \"kiln_attend_part\"[";
@@ -1787,13 +1789,24 @@ mod tests {
             }
             assert_eq!(count(&prefill_module(&tiny, &g, 16, 64)), (0, 0));
         }
-        let graph = GraphOptions::for_target(Target::Cuda, Some(Precision::F16), None);
+        // CUDA's default: the kernels from 1,024 positions, the graph below;
+        // the graph when asked, at any context.
+        let default = GraphOptions::for_target(Target::Cuda, Some(Precision::F16), None);
         assert_eq!(
-            graph.decode_attention,
-            DecodeAttention::Graph,
+            default.decode_attention,
+            DecodeAttention::Auto,
             "CUDA's default"
         );
-        assert_eq!(count(&decode_module(&tiny, &graph, 64)), (0, 0));
+        assert_eq!(count(&decode_module(&tiny, &default, 1016)), (0, 0));
+        assert_eq!(
+            count(&decode_module(&tiny, &default, 1024)),
+            (layers, layers)
+        );
+        let graph = GraphOptions {
+            decode_attention: DecodeAttention::Graph,
+            ..default
+        };
+        assert_eq!(count(&decode_module(&tiny, &graph, 1024)), (0, 0));
         // bf16 and f32 caches, heads of 16, a group of 9, a context that is
         // not a whole number of 16-byte value rows: IREE's attention.
         for precision in [Precision::Bf16, Precision::F32] {
