@@ -29,12 +29,18 @@
 // than any model kiln ships a shape for) round per lane instead, each lane
 // its own blocks once for all the warp's ROWS rows. A warp's loads of one
 // row are 512 consecutive bytes. Bindings: quants (bytes), scales, offsets
-// (f16), x (f32), the norm's weight (f16), y (f32); constants: outputs,
-// blocks a row, rows a warp, and an RMSNorm's eps (f32 bits; 0 for none,
-// and the norm's weight is then not read): with it, the product is that of
-// the normalised row, x times the norm's weight as it is rounded and the
-// outputs scaled by 1 / sqrt(mean(x²) + eps) from the squares the rounding
-// sums anyway, so that the matrix keeps the blocks it was given.
+// (f16), x (f32), the norm's weight (f16), a residual row (f32), y (f32);
+// constants: outputs, blocks a row, rows a warp, an RMSNorm's eps (f32
+// bits; 0 for none, and the norm's weight is then not read) and flags.
+// With an eps, the product is that of the normalised row, x times the
+// norm's weight as it is rounded and the outputs scaled by
+// 1 / sqrt(mean(x²) + eps) from the squares the rounding sums anyway, so
+// that the matrix keeps the blocks it was given. The flags take in the
+// small kernels a decode layer would otherwise run around the products
+// (each a launch of a few µs, more than a small product's own time):
+// INPUT_SWIGLU reads x as an MLP's gate and up halves, twice the row's
+// width, and takes the row SiLU(gate) · up; OUTPUT_RESIDUAL adds the
+// residual row to the outputs.
 
 typedef unsigned int u32;
 typedef unsigned short u16;
@@ -53,6 +59,10 @@ typedef unsigned short u16;
 #ifndef IN_FLIGHT
 #define IN_FLIGHT 4
 #endif
+
+// The flags (the last constant).
+#define INPUT_SWIGLU 1u
+#define OUTPUT_RESIDUAL 2u
 
 #ifndef KILN_HOST_CHECK
 // Without CUDA's headers, what they would define.
@@ -98,6 +108,13 @@ static __device__ __forceinline__ float half_to_float(u16 h) {
     float f;
     asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
     return f;
+}
+
+// 2^x (the GPU's own instruction; 2^-inf is 0, 2^inf is inf).
+static __device__ __forceinline__ float exp2(float x) {
+    float y;
+    asm("ex2.approx.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
 }
 
 // 16 bytes of values, read once: not kept in L1, where x lives.
@@ -151,6 +168,26 @@ static __device__ __forceinline__ void load_eight(const float *x, float v[8]) {
     v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
 }
 
+// SiLU(g) = g / (1 + e^-g); e^-g is 2^(-g · log2 e), which overflows to
+// inf for very negative g and gives −0, as the limit does.
+static __device__ __forceinline__ float silu(float g) {
+    return g / (1.0f + exp2(g * -1.44269504088896340736f));
+}
+
+// Eight consecutive values of the row from `x`: as they are, or where `up`
+// (the gate half's width, 0 for none) is set, SiLU(x) · x[up ..], the MLP's
+// gate and up halves combined (INPUT_SWIGLU).
+static __device__ __forceinline__ void load_input(const float *x, u32 up, float v[8]) {
+    load_eight(x, v);
+    if (up) {
+        float u[8];
+        load_eight(x + up, u);
+#pragma unroll
+        for (int i = 0; i < 8; i++)
+            v[i] = silu(v[i]) * u[i];
+    }
+}
+
 // A quarter of x as the product takes it: its squares summed as they are
 // (for the norm), its values times the norm's eight weights `weight`
 // (f16) where there is a norm.
@@ -171,10 +208,10 @@ static __device__ __forceinline__ void summarize_quarter(const float x[8], const
     }
 }
 
-static __device__ __forceinline__ void load_quarter(const float *x, const u16 *weight,
+static __device__ __forceinline__ void load_quarter(const float *x, u32 up, const u16 *weight,
                                                     Quarter &q) {
     float v[8];
-    load_eight(x, v);
+    load_input(x, up, v);
     Words w;
     if (weight)
         w = *(const Words *)weight;
@@ -206,12 +243,12 @@ static __device__ __forceinline__ int quarter_levels(const Quarter &q, float fac
 
 // One block rounded by one thread, its quarters combined in the order the
 // workgroup's shuffles combine them.
-static __device__ __forceinline__ void round_block(const float *x, const u16 *weight,
+static __device__ __forceinline__ void round_block(const float *x, u32 up, const u16 *weight,
                                                    Block &block) {
     Quarter q[4];
 #pragma unroll
     for (int g = 0; g < 4; g++)
-        load_quarter(x + 8 * g, weight ? weight + 8 * g : nullptr, q[g]);
+        load_quarter(x + 8 * g, up, weight ? weight + 8 * g : nullptr, q[g]);
     float largest = __builtin_fmaxf(__builtin_fmaxf(q[0].largest, q[1].largest),
                                     __builtin_fmaxf(q[2].largest, q[3].largest));
     float factor = level_factor(largest);
@@ -318,8 +355,9 @@ static __device__ __forceinline__ Words block_tail(float step, float sum, int le
 // Thread `thread` of `threads`' share of rounding the row: four threads a
 // block, each a quarter, their largest magnitudes and sums combined with
 // shuffles, so that a block takes a quarter of one thread's time.
-static __device__ __forceinline__ void round_row(const float *x, const u16 *weight, u32 blocks,
-                                                 u32 thread, u32 threads, SharedRow &row) {
+static __device__ __forceinline__ void round_row(const float *x, u32 up, const u16 *weight,
+                                                 u32 blocks, u32 thread, u32 threads,
+                                                 SharedRow &row) {
     // Quarter i is x[8i..8i+8]. Each pass loads the next pass's quarter
     // (and its weights) before it works on its own, so that a wide row's
     // passes do not each wait for a load from L2.
@@ -327,7 +365,7 @@ static __device__ __forceinline__ void round_row(const float *x, const u16 *weig
     float ahead[8] = {};
     Words ahead_weight = {};
     if (thread < quarters) {
-        load_eight(x + 8 * thread, ahead);
+        load_input(x + 8 * thread, up, ahead);
         if (weight)
             ahead_weight = *(const Words *)(weight + 8 * thread);
     }
@@ -341,7 +379,7 @@ static __device__ __forceinline__ void round_row(const float *x, const u16 *weig
             v[k] = ahead[k];
         Words w = ahead_weight;
         if (i + threads < quarters) {
-            load_eight(x + 8 * (i + threads), ahead);
+            load_input(x + 8 * (i + threads), up, ahead);
             if (weight)
                 ahead_weight = *(const Words *)(weight + 8 * (i + threads));
         }
@@ -369,11 +407,11 @@ static __device__ __forceinline__ void round_row(const float *x, const u16 *weig
 }
 #else
 // The host rounds block by block: the same arithmetic in the same order.
-static void round_row(const float *x, const u16 *weight, u32 blocks, u32 thread, u32 threads,
-                      SharedRow &row) {
+static void round_row(const float *x, u32 up, const u16 *weight, u32 blocks, u32 thread,
+                      u32 threads, SharedRow &row) {
     for (u32 b = thread; b < blocks; b += threads) {
         Block block;
-        round_block(x + 32 * b, weight ? weight + 32 * b : nullptr, block);
+        round_block(x + 32 * b, up, weight ? weight + 32 * b : nullptr, block);
         for (int j = 0; j < 16; j++)
             row.blocks[b].words[j / 4].w[j % 4] = block.levels[j];
         row.blocks[b].words[4] =
@@ -439,7 +477,7 @@ static __device__ __forceinline__ void lane_sums_shared(const u32 *quants, const
 // blocks of x (rows of more than SHARED_BLOCKS blocks).
 template <int ROWS>
 static __device__ __forceinline__ void lane_sums(const u32 *quants, const u16 *scales,
-                                                 const u16 *offsets, const float *x,
+                                                 const u16 *offsets, const float *x, u32 up,
                                                  const u16 *weight,
                                                  u32 outputs, u32 blocks, u32 first, u32 lane,
                                                  float acc[ROWS], float &squares) {
@@ -452,7 +490,7 @@ static __device__ __forceinline__ void lane_sums(const u32 *quants, const u16 *s
         Values<ROWS> values;
         load_block<ROWS>(quants, scales, offsets, outputs, blocks, first, b, values);
         Block block;
-        round_block(x + 32 * b, weight ? weight + 32 * b : nullptr, block);
+        round_block(x + 32 * b, up, weight ? weight + 32 * b : nullptr, block);
         add_block<ROWS>(values, block, acc);
         squares += block.squares;
     }
@@ -468,14 +506,26 @@ static __device__ __forceinline__ float output_factor(float squares, u32 blocks,
     return 1.0f / __builtin_sqrtf(mean + __builtin_bit_cast(float, eps_bits));
 }
 
+// Output `o`, its sum `sum` times `factor`, plus the residual's where there
+// is one (OUTPUT_RESIDUAL): the residual added last, as the graph adds it.
+static __device__ __forceinline__ float output(float sum, float factor, const float *residual,
+                                               u32 o) {
+    float y = sum * factor;
+    return residual ? residual[o] + y : y;
+}
+
 #ifndef KILN_HOST_CHECK
 template <int ROWS>
 static __device__ __forceinline__ void q4_row(const u32 *quants, const u16 *scales,
                                               const u16 *offsets, const float *x,
-                                              const u16 *norm_weight, float *y, u32 outputs,
-                                              u32 blocks, u32 eps_bits) {
-    // The norm's weight is bound only where there is a norm.
+                                              const u16 *norm_weight, const float *residual_row,
+                                              float *y, u32 outputs, u32 blocks, u32 eps_bits,
+                                              u32 flags) {
+    // The norm's weight and the residual are bound only where they are
+    // used.
     const u16 *weight = eps_bits ? norm_weight : nullptr;
+    const float *residual = flags & OUTPUT_RESIDUAL ? residual_row : nullptr;
+    u32 up = flags & INPUT_SWIGLU ? 32 * blocks : 0;
     u32 thread = __nvvm_read_ptx_sreg_tid_x();
     u32 lane = thread & 31;
     u32 warp = thread >> 5;
@@ -484,12 +534,12 @@ static __device__ __forceinline__ void q4_row(const u32 *quants, const u16 *scal
     if (blocks <= SHARED_BLOCKS) {
         Values<ROWS> group[IN_FLIGHT / ROWS];
         load_group<ROWS>(quants, scales, offsets, outputs, blocks, first, lane, group);
-        round_row(x, weight, blocks, thread, WARPS * 32, shared_row);
+        round_row(x, up, weight, blocks, thread, WARPS * 32, shared_row);
         workgroup_barrier();
         lane_sums_shared<ROWS>(quants, scales, offsets, shared_row, outputs, blocks, first, lane,
                                group, acc, squares);
     } else {
-        lane_sums<ROWS>(quants, scales, offsets, x, weight, outputs, blocks, first, lane, acc,
+        lane_sums<ROWS>(quants, scales, offsets, x, up, weight, outputs, blocks, first, lane, acc,
                         squares);
     }
     // The warp's lanes hold every block between them: Σ x² of the row.
@@ -503,7 +553,7 @@ static __device__ __forceinline__ void q4_row(const u32 *quants, const u16 *scal
         for (int m = 16; m > 0; m >>= 1)
             acc[r] += __nvvm_shfl_sync_bfly_f32(0xffffffffu, acc[r], m, 31);
         if (lane == 0 && first + r < outputs)
-            y[first + r] = acc[r] * factor;
+            y[first + r] = output(acc[r], factor, residual, first + r);
     }
 }
 
@@ -512,12 +562,16 @@ static __device__ __forceinline__ void q4_row(const u32 *quants, const u16 *scal
 // first dispatch's entry, so entries per row count ran the one-row code
 // over a grid made for more rows and left outputs unwritten.
 GLOBAL void kiln_q4_row(const u32 *quants, const u16 *scales, const u16 *offsets,
-                        const float *x, const u16 *norm_weight, float *y, u32 outputs,
-                        u32 blocks, u32 rows, u32 eps_bits) {
+                        const float *x, const u16 *norm_weight, const float *residual, float *y,
+                        u32 outputs, u32 blocks, u32 rows, u32 eps_bits, u32 flags) {
+#define Q4_ROW(ROWS)                                                                      \
+    q4_row<ROWS>(quants, scales, offsets, x, norm_weight, residual, y, outputs, blocks, \
+                 eps_bits, flags)
     switch (rows) {
-    case 4: q4_row<4>(quants, scales, offsets, x, norm_weight, y, outputs, blocks, eps_bits); break;
-    case 2: q4_row<2>(quants, scales, offsets, x, norm_weight, y, outputs, blocks, eps_bits); break;
-    default: q4_row<1>(quants, scales, offsets, x, norm_weight, y, outputs, blocks, eps_bits); break;
+    case 4: Q4_ROW(4); break;
+    case 2: Q4_ROW(2); break;
+    default: Q4_ROW(1); break;
     }
+#undef Q4_ROW
 }
 #endif

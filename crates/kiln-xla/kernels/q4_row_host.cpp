@@ -2,10 +2,12 @@
 // (`kernels::tests`): every lane of every warp of the grid the decode
 // modules launch, run one after another, each warp's lanes summed as the
 // kernel's shuffles sum them (in another order). Reads from stdin, as
-// little-endian u32s, rows a warp, outputs, blocks a row and the RMSNorm's
-// eps (f32 bits; 0 for none), then the
-// values (16 bytes a block), scales and offsets (f16 bits), x (f32) and,
-// with an eps, the norm's weight (f16 bits, one an input); writes the outputs (f32) to stdout.
+// little-endian u32s, rows a warp, outputs, blocks a row, the RMSNorm's
+// eps (f32 bits; 0 for none) and the flags, then the values (16 bytes a
+// block), scales and offsets (f16 bits), x (f32; twice the row with
+// INPUT_SWIGLU), with an eps the norm's weight (f16 bits, one an input) and
+// with OUTPUT_RESIDUAL the residual row (f32, one an output); writes the
+// outputs (f32) to stdout.
 #define KILN_HOST_CHECK
 #include "q4_row.cu"
 
@@ -14,15 +16,17 @@
 
 template <int ROWS>
 static void grid(const std::vector<u32> &quants, const std::vector<u16> &scales,
-                 const std::vector<u16> &offsets, const float *x, const u16 *weight, float *y,
-                 u32 outputs, u32 blocks, u32 eps_bits) {
+                 const std::vector<u16> &offsets, const float *x, const u16 *weight,
+                 const float *residual, float *y, u32 outputs, u32 blocks, u32 eps_bits,
+                 u32 flags) {
+    u32 up = flags & INPUT_SWIGLU ? 32 * blocks : 0;
     u32 workgroups = (outputs + ROWS * WARPS - 1) / (ROWS * WARPS);
     for (u32 workgroup = 0; workgroup < workgroups; workgroup++) {
         // The workgroup's threads round the row first, as on the GPU.
         bool shared = blocks <= SHARED_BLOCKS;
         if (shared)
             for (u32 thread = 0; thread < WARPS * 32; thread++)
-                round_row(x, weight, blocks, thread, WARPS * 32, shared_row);
+                round_row(x, up, weight, blocks, thread, WARPS * 32, shared_row);
         for (u32 warp = 0; warp < WARPS; warp++) {
             u32 first = (workgroup * WARPS + warp) * ROWS;
             float sums[ROWS] = {}, squares = 0.0f;
@@ -36,8 +40,8 @@ static void grid(const std::vector<u32> &quants, const std::vector<u16> &scales,
                                            shared_row, outputs, blocks, first, lane, group, acc,
                                            lane_squares);
                 } else {
-                    lane_sums<ROWS>(quants.data(), scales.data(), offsets.data(), x, weight,
-                                    outputs, blocks, first, lane, acc, lane_squares);
+                    lane_sums<ROWS>(quants.data(), scales.data(), offsets.data(), x, up,
+                                    weight, outputs, blocks, first, lane, acc, lane_squares);
                 }
                 for (int r = 0; r < ROWS; r++)
                     sums[r] += acc[r];
@@ -46,7 +50,7 @@ static void grid(const std::vector<u32> &quants, const std::vector<u16> &scales,
             float factor = output_factor(squares, blocks, eps_bits);
             for (int r = 0; r < ROWS; r++)
                 if (first + r < outputs)
-                    y[first + r] = sums[r] * factor;
+                    y[first + r] = output(sums[r], factor, residual, first + r);
         }
     }
 }
@@ -58,16 +62,18 @@ static bool read(std::vector<T> &v, size_t n) {
 }
 
 int main() {
-    u32 header[4];
-    if (std::fread(header, 4, 4, stdin) != 4)
+    u32 header[5];
+    if (std::fread(header, 4, 5, stdin) != 5)
         return 2;
-    u32 rows = header[0], outputs = header[1], blocks = header[2], eps_bits = header[3];
+    u32 rows = header[0], outputs = header[1], blocks = header[2], eps_bits = header[3],
+        flags = header[4];
     size_t n = (size_t)outputs * blocks;
+    u32 width = flags & INPUT_SWIGLU ? 64 * blocks : 32 * blocks;
     std::vector<u32> quants;
     std::vector<u16> scales, offsets;
-    std::vector<float4> x(blocks * 8);
+    std::vector<float4> x(width / 4);
     std::vector<float> xs;
-    if (!read(quants, 4 * n) || !read(scales, n) || !read(offsets, n) || !read(xs, 32 * blocks))
+    if (!read(quants, 4 * n) || !read(scales, n) || !read(offsets, n) || !read(xs, width))
         return 2;
     std::memcpy(x.data(), xs.data(), xs.size() * 4);
     // 16-byte aligned, as the kernel reads it.
@@ -79,13 +85,21 @@ int main() {
         std::memcpy(weights.data(), ws.data(), ws.size() * 2);
     }
     const u16 *weight = eps_bits ? (const u16 *)weights.data() : nullptr;
+    std::vector<float> residual;
+    if (flags & OUTPUT_RESIDUAL && !read(residual, outputs))
+        return 2;
+    const float *residual_row = flags & OUTPUT_RESIDUAL ? residual.data() : nullptr;
     std::vector<float> y(outputs);
     const float *row = (const float *)x.data();
+#define GRID(ROWS)                                                                          \
+    grid<ROWS>(quants, scales, offsets, row, weight, residual_row, y.data(), outputs, blocks, \
+               eps_bits, flags)
     switch (rows) {
-    case 1: grid<1>(quants, scales, offsets, row, weight, y.data(), outputs, blocks, eps_bits); break;
-    case 2: grid<2>(quants, scales, offsets, row, weight, y.data(), outputs, blocks, eps_bits); break;
-    case 4: grid<4>(quants, scales, offsets, row, weight, y.data(), outputs, blocks, eps_bits); break;
+    case 1: GRID(1); break;
+    case 2: GRID(2); break;
+    case 4: GRID(4); break;
     default: return 2;
     }
+#undef GRID
     return std::fwrite(y.data(), 4, outputs, stdout) == outputs ? 0 : 1;
 }

@@ -65,26 +65,55 @@ pub struct RowNorm<'a> {
     pub weight: &'a Val,
 }
 
+/// The work around a [`q4_row`] product that its kernel takes in, each of
+/// which would otherwise be a small kernel of its own in every layer of a
+/// decode step (a launch of a few µs, more than a small product's time).
+#[derive(Default)]
+pub struct RowFusion<'a> {
+    /// The product is of the RMSNorm'd row.
+    pub norm: Option<RowNorm<'a>>,
+    /// `x` is an MLP's gate and up halves (`[2 · in]`), and the row is
+    /// `SiLU(gate) · up`.
+    pub swiglu: bool,
+    /// `[out]` f32 added to the outputs (the residual stream).
+    pub residual: Option<&'a Val>,
+}
+
+/// [`RowFusion::swiglu`] and [`RowFusion::residual`] as the kernel's last
+/// constant (`INPUT_SWIGLU`, `OUTPUT_RESIDUAL` in `q4_row.cu`).
+const Q4_ROW_SWIGLU: u32 = 1;
+const Q4_ROW_RESIDUAL: u32 = 2;
+
 /// One f32 row `x` `[in]` times q4 weights (`quants` `[out, in / BLOCK,
 /// BLOCK]` i4, `scales` and `offsets` `[out, in / BLOCK]` f16) with
 /// [`Q4_ROW`]: `[out]` f32. The kernel rounds each block of the row to
-/// 16-bit levels, as the CPU graph's integer product does. With `norm`,
-/// the product is that of the RMSNorm'd row: the kernel reads the whole
-/// row anyway, so it multiplies it by the norm's weight as it rounds it,
-/// sums its squares and scales its outputs by `1 / sqrt(mean(x²) + eps)`.
-/// That spares the step the norm's reduction and scaling kernels, and the
-/// matrix keeps its blocks as given (no norm weight folded into them).
+/// 16-bit levels, as the CPU graph's integer product does. With a norm
+/// (`fusion.norm`), the product is that of the RMSNorm'd row: the kernel
+/// reads the whole row anyway, so it multiplies it by the norm's weight as
+/// it rounds it, sums its squares and scales its outputs by `1 /
+/// sqrt(mean(x²) + eps)`. That spares the step the norm's reduction and
+/// scaling kernels, and the matrix keeps its blocks as given (no norm
+/// weight folded into them). Likewise it combines an MLP's halves as it
+/// reads them (`fusion.swiglu`) and adds the residual as it writes
+/// (`fusion.residual`).
 pub fn q4_row(
     f: &mut Function,
     quants: &Val,
     scales: &Val,
     offsets: &Val,
     x: &Val,
-    norm: Option<RowNorm>,
+    fusion: RowFusion,
 ) -> Val {
     let (out, blocks) = (quants.shape[0], quants.shape[1]);
+    let RowFusion {
+        norm,
+        swiglu,
+        residual,
+    } = fusion;
     assert_eq!(quants.shape[2], BLOCK, "q4_row: block width");
-    assert_eq!(x.shape, [blocks * BLOCK], "q4_row: row shape");
+    let halves = if swiglu { 2 } else { 1 };
+    assert_eq!(x.shape, [halves * blocks * BLOCK], "q4_row: row shape");
+    assert_eq!(x.ty, Ty::F32, "q4_row: row type");
     // The kernel indexes blocks in 32 bits.
     assert!(out * blocks < 1 << 32, "q4_row: {out}x{blocks} blocks");
     // eps 0 says "no norm", and the weight binding is then not read: the
@@ -98,6 +127,19 @@ pub fn q4_row(
         }
         None => (0, scales),
     };
+    // Likewise the residual's binding, unread without the flag.
+    let (residual, residual_flag) = match residual {
+        Some(r) => {
+            assert_eq!(
+                (&r.shape[..], r.ty),
+                (&[out][..], Ty::F32),
+                "q4_row: residual"
+            );
+            (r, Q4_ROW_RESIDUAL)
+        }
+        None => (x, 0),
+    };
+    let flags = residual_flag | if swiglu { Q4_ROW_SWIGLU } else { 0 };
     let rows = q4_rows_per_warp(out);
     let bytes = f.i4_as_bytes(quants);
     f.dispatch_extern(
@@ -107,9 +149,9 @@ pub fn q4_row(
             entry: Q4_ROW_ENTRY,
             workgroups: out.div_ceil(rows * Q4_ROW_WARPS),
             workgroup_size: Q4_ROW_WARPS * 32,
-            constants: &[out as u32, blocks as u32, rows as u32, eps_bits],
+            constants: &[out as u32, blocks as u32, rows as u32, eps_bits, flags],
         },
-        &[&bytes, scales, offsets, x, weight],
+        &[&bytes, scales, offsets, x, weight, residual],
         &[out],
         Ty::F32,
     )
@@ -343,7 +385,9 @@ mod tests {
     /// them, every lane of the grid in turn) against the exact product
     /// within what rounding the row to 16-bit levels allows, at 1, 2 and 4
     /// rows a warp: a last warp with rows past the end, lanes with no block
-    /// and lanes with two, blocks of very different magnitudes and of zeros.
+    /// and lanes with two, blocks of very different magnitudes and of zeros;
+    /// plain, with the RMSNorm, and with an MLP's halves in and the residual
+    /// out (the down product's fusion) or the residual alone (o's).
     /// The instructions themselves run on a GPU only
     /// (`cuda::q4_kernel_on_the_gpu_matches_the_reference`).
     #[test]
@@ -365,25 +409,62 @@ mod tests {
             let weight: Vec<half::f16> = (0..x.len())
                 .map(|i| half::f16::from_f32(0.25 + (i % 7) as f32 * 0.25))
                 .collect();
-            for eps in [None, Some(1e-5f32)] {
-                let mut input = Vec::new();
-                let eps_bits = eps.map_or(0, f32::to_bits);
-                for v in [rows_per_warp, outputs as u32, blocks as u32, eps_bits] {
-                    input.extend(v.to_le_bytes());
-                }
-                input.extend(&q.quants);
-                for v in q.scales.iter().chain(&q.offsets) {
-                    input.extend(v.to_bits().to_le_bytes());
-                }
-                for v in &x {
-                    input.extend(v.to_le_bytes());
-                }
-                if eps.is_some() {
-                    for w in &weight {
-                        input.extend(w.to_bits().to_le_bytes());
+            // The up half beside x as the gate, and a residual of the
+            // outputs' size.
+            let up: Vec<f32> = (0..x.len())
+                .map(|i| ((i * 11 % 23) as f32 - 11.0) * 0.125)
+                .collect();
+            let residual: Vec<f32> = (0..outputs)
+                .map(|o| ((o * 37 % 11) as f32 - 5.0) * 0.5)
+                .collect();
+            for (eps, swiglu) in [(None, false), (Some(1e-5f32), false), (None, true)] {
+                let run = |add: bool| {
+                    let mut input = Vec::new();
+                    let eps_bits = eps.map_or(0, f32::to_bits);
+                    let flags =
+                        u32::from(swiglu) * Q4_ROW_SWIGLU + u32::from(add) * Q4_ROW_RESIDUAL;
+                    for v in [
+                        rows_per_warp,
+                        outputs as u32,
+                        blocks as u32,
+                        eps_bits,
+                        flags,
+                    ] {
+                        input.extend(v.to_le_bytes());
                     }
+                    input.extend(&q.quants);
+                    for v in q.scales.iter().chain(&q.offsets) {
+                        input.extend(v.to_bits().to_le_bytes());
+                    }
+                    let halves: &[&[f32]] = if swiglu { &[&x, &up] } else { &[&x] };
+                    for v in halves.iter().copied().flatten() {
+                        input.extend(v.to_le_bytes());
+                    }
+                    if eps.is_some() {
+                        for w in &weight {
+                            input.extend(w.to_bits().to_le_bytes());
+                        }
+                    }
+                    if add {
+                        for v in &residual {
+                            input.extend(v.to_le_bytes());
+                        }
+                    }
+                    let got = host.run(&input);
+                    assert_eq!(got.len(), outputs);
+                    got
+                };
+                let got = run(false);
+                // With the residual, each output is the residual plus the
+                // same output without it, rounded once: the sum the graph
+                // would have made.
+                for (o, ((y, r), with)) in got.iter().zip(&residual).zip(run(true)).enumerate() {
+                    assert_eq!(
+                        with.to_bits(),
+                        (r + y).to_bits(),
+                        "output {o}: {with} against {r} + {y}"
+                    );
                 }
-                let got = host.run(&input);
                 // With the norm, the outputs over the exact 1/rms must be the
                 // product: a missing or wrong factor is far beyond the rounding.
                 let inv_rms = eps.map_or(1.0, |eps| {
@@ -391,19 +472,29 @@ mod tests {
                     1.0 / (mean + eps as f64).sqrt()
                 });
                 let unscaled: Vec<f32> = got.iter().map(|&y| (y as f64 / inv_rms) as f32).collect();
-                // The row the product is of: x times the norm's weight.
-                let weighted: Vec<f32> = match eps {
-                    Some(_) => x
+                // The row the product is of: x times the norm's weight, or
+                // SiLU(x) · up.
+                let weighted: Vec<f32> = match (eps, swiglu) {
+                    (Some(_), _) => x
                         .iter()
                         .zip(&weight)
                         .map(|(&v, w)| v * w.to_f32())
                         .collect(),
-                    None => x.clone(),
+                    (None, true) => x
+                        .iter()
+                        .zip(&up)
+                        .map(|(&g, &u)| {
+                            let g = g as f64;
+                            (g / (1.0 + (-g).exp()) * u as f64) as f32
+                        })
+                        .collect(),
+                    (None, false) => x.clone(),
                 };
                 // LEVELS in the source.
                 let worst = crate::q4::row_check::worst_error(&q, &weighted, &unscaled, 32767.0);
                 println!(
-                    "{rows_per_warp} rows a warp, {outputs}x{blocks} blocks, eps {eps:?}: worst {worst:e}"
+                    "{rows_per_warp} rows a warp, {outputs}x{blocks} blocks, eps {eps:?}, \
+                     swiglu {swiglu}: worst {worst:e}"
                 );
             }
         }

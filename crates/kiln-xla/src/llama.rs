@@ -343,8 +343,11 @@ fn linear_normed(f: &mut Function, dm: &Dims, normed: &Normed, w: &Weight) -> Va
         && dm.rows_in_f32
         && dm.q4_rows == Q4Rows::Kernel
     {
-        let norm = kernels::RowNorm { eps, weight };
-        return q4_kernel_row_product(f, x, w, Some(norm));
+        let fusion = kernels::RowFusion {
+            norm: Some(kernels::RowNorm { eps, weight }),
+            ..Default::default()
+        };
+        return q4_kernel_row_product(f, x, w, fusion);
     }
     // The norm's weight, where the matrix does not hold it, on the rows.
     let weighted;
@@ -429,7 +432,7 @@ fn q4_row_product(f: &mut Function, dm: &Dims, x: &Val, w: &Weight) -> Val {
     let (out, groups) = (quants.shape[0], quants.shape[1]);
     match dm.q4_rows {
         Q4Rows::Integer => q4_integer_row_product(f, x, w),
-        Q4Rows::Kernel => q4_kernel_row_product(f, x, w, None),
+        Q4Rows::Kernel => q4_kernel_row_product(f, x, w, Default::default()),
         // The row rounded to f16: half the bytes each lane reads beside
         // its weights.
         Q4Rows::Configured => match q4_row_kernel(out, groups) {
@@ -444,18 +447,40 @@ fn q4_row_product(f: &mut Function, dm: &Dims, x: &Val, w: &Weight) -> Val {
     }
 }
 
-/// One f32 row `x` `[1, in]` times q4 `w` with kiln's kernel
-/// ([`kernels::q4_row`]; with `norm`, of the RMSNorm'd row): `[1, out]`.
-fn q4_kernel_row_product(
-    f: &mut Function,
-    x: &Val,
-    w: &Weight,
-    norm: Option<kernels::RowNorm>,
-) -> Val {
+/// Whether `x · w` is kiln's q4 kernel's: one row against q4 weights
+/// where [`Dims::q4_rows`] chooses it, as [`q4_row_product`] does.
+fn q4_kernel_takes(dm: &Dims, x: &Val, w: &Weight) -> bool {
+    matches!(w, Weight::Q4 { .. }) && x.shape[0] == 1 && dm.q4_rows == Q4Rows::Kernel
+}
+
+/// One f32 row `x` `[1, in]` (`[1, 2 · in]` with `fusion.swiglu`) times q4
+/// `w` with kiln's kernel ([`kernels::q4_row`], with what `fusion` adds;
+/// its residual `[1, out]`): `[1, out]`.
+fn q4_kernel_row_product(f: &mut Function, x: &Val, w: &Weight, fusion: kernels::RowFusion) -> Val {
     let (quants, scales, offsets) = w.q4_parts("q4_kernel_row_product");
+    let out = quants.shape[0];
     let row = f.reshape(x, &[x.shape[1]]);
-    let product = kernels::q4_row(f, quants, scales, offsets, &row, norm);
-    f.reshape(&product, &[1, quants.shape[0]])
+    let residual = fusion.residual.map(|r| f.reshape(r, &[out]));
+    let fusion = kernels::RowFusion {
+        residual: residual.as_ref(),
+        ..fusion
+    };
+    let product = kernels::q4_row(f, quants, scales, offsets, &row, fusion);
+    f.reshape(&product, &[1, out])
+}
+
+/// `residual + x · w` for f32 rows: kiln's q4 kernel adds the residual as
+/// it writes its outputs, a kernel fewer than the product and the sum.
+fn linear_plus(f: &mut Function, dm: &Dims, x: &Val, w: &Weight, residual: &Val) -> Val {
+    if q4_kernel_takes(dm, x, w) {
+        let fusion = kernels::RowFusion {
+            residual: Some(residual),
+            ..Default::default()
+        };
+        return q4_kernel_row_product(f, x, w, fusion);
+    }
+    let product = linear(f, dm, x, w);
+    f.binary("add", residual, &product)
 }
 
 /// The largest 16-bit level of a row's block in [`q4_integer_row_product`].
@@ -751,15 +776,32 @@ fn masked_softmax(
     f.convert(&probs, dm.storage)
 }
 
-fn mlp(f: &mut Function, dm: &Dims, x: &Normed, gate_up: &Weight, down: &Weight) -> Val {
+/// `residual` plus the MLP (SwiGLU) of normed rows `x`.
+fn mlp_plus(
+    f: &mut Function,
+    dm: &Dims,
+    x: &Normed,
+    [gate_up, down]: [&Weight; 2],
+    residual: &Val,
+) -> Val {
     let both = linear_normed(f, dm, x, gate_up);
+    // kiln's q4 kernel reads the gate and up halves as SiLU(gate) · up and
+    // adds the residual: the SiLU's kernel and the sum's are spared.
+    if q4_kernel_takes(dm, &both, down) && both.ty == Ty::F32 {
+        let fusion = kernels::RowFusion {
+            swiglu: true,
+            residual: Some(residual),
+            ..Default::default()
+        };
+        return q4_kernel_row_product(f, &both, down, fusion);
+    }
     let i = both.shape[1] / 2;
     let g = columns(f, &both, 0, i);
     let u = columns(f, &both, i, 2 * i);
     let sig = f.unary("logistic", &g);
     let silu = f.binary("multiply", &g, &sig);
     let hidden = f.binary("multiply", &silu, &u);
-    linear(f, dm, &hidden, down)
+    linear_plus(f, dm, &hidden, down, residual)
 }
 
 /// Final norm and output projection of one row `[1, H]`; returns f32 `[V]`.
@@ -818,11 +860,9 @@ fn finish_layer(
     attended: &Val,
     w: &Layer,
 ) -> Val {
-    let projected = linear(f, dm, attended, &w.o);
-    let x = f.binary("add", x, &projected);
+    let x = linear_plus(f, dm, attended, &w.o, x);
     let normed = rms_norm(f, dm, &x, &w.mlp_norm, c.rms_norm_eps);
-    let m = mlp(f, dm, &normed, &w.gate_up, &w.down);
-    f.binary("add", &x, &m)
+    mlp_plus(f, dm, &normed, [&w.gate_up, &w.down], &x)
 }
 
 /// The prefill function for sequence bucket `seq` and context `context`.
@@ -1872,11 +1912,20 @@ mod tests {
             assert_eq!(module.matches(&entry).count(), products(c));
             assert_eq!(module.matches("kiln_q4_row: \"0x").count(), 1);
             assert!(!module.contains("linalg.generic"));
+            // The kernel takes in each layer's SiLU and both residual sums:
+            // o's product adds the residual (flags 2), down's reads the
+            // MLP's halves and adds it too (flags 3).
+            assert!(!module.contains("stablehlo.logistic"));
+            for flags in [2, 3] {
+                let constant = format!("c4 = arith.constant {flags} : i32");
+                assert_eq!(module.matches(&constant).count(), c.num_layers, "{flags}");
+            }
             cuda.push(module);
         }
         let cpu = GraphOptions::for_target(Target::LlvmCpu, Some(Precision::Q4), None);
         let cpu = decode_module(&wide, &cpu, 64);
         assert_eq!(cpu.matches("linalg.generic").count(), products(&wide));
+        assert_eq!(cpu.matches("stablehlo.logistic").count(), wide.num_layers);
         assert!(!cpu.contains("hal.dispatch.extern"));
         assert!(!cpu.contains("dialect_resources"));
         match crate::compiler::Compiler::from_env() {
