@@ -59,8 +59,15 @@ fn on_cpu(
 }
 
 /// An IREE `local-task` backend running `graph` (another target's choices
-/// included) on the CPU.
+/// included) on the CPU. CUDA's rotation and cache append is a kernel for
+/// the GPU only (`kernels/rope_append.cu`; its arithmetic is checked on the
+/// host by kiln-xla's tests, and on the GPU by the `cuda::` tests): here
+/// the graph's own arithmetic does it.
 fn with_graph_on_cpu(model: &Model, graph: GraphOptions, cache: ModuleCache) -> IreeBackend<'_> {
+    let graph = GraphOptions {
+        append_kernel: false,
+        ..graph
+    };
     open(model, "local-task", Target::LlvmCpu, graph, cache).unwrap_or_else(|e| panic!("{e}"))
 }
 

@@ -186,6 +186,9 @@ pub struct GraphOptions {
     pub q4_rows: Q4Rows,
     /// How decode steps attend (see [`decode_attention_for`]).
     pub decode_attention: DecodeAttention,
+    /// Decode steps rotate each row's q and k and append its k and v to the
+    /// caches with kiln's kernel (see [`append_kernel_for`]).
+    pub append_kernel: bool,
 }
 
 /// How a decode step's query rows attend to the KV cache.
@@ -269,6 +272,15 @@ pub fn decode_attention_for(target: Target) -> DecodeAttention {
         Target::LlvmCpu => DecodeAttention::Graph,
         Target::Cuda => DecodeAttention::Auto,
     }
+}
+
+/// Whether `target`'s decode steps rotate and append with kiln's kernel
+/// (`kernels/rope_append.cu`, where the caches are f16): on CUDA a step is
+/// bound by its small kernels, and IREE's graph runs three for this (the
+/// rotation and a scatter into each cache, about 4 µs each on an H100) in
+/// every layer.
+pub fn append_kernel_for(target: Target) -> bool {
+    matches!(target, Target::Cuda)
 }
 
 /// How a one-row q4 product is computed.
@@ -388,6 +400,7 @@ impl GraphOptions {
             fold_norms: fold_norms_for(target),
             q4_rows: q4_rows_for(target),
             decode_attention: decode_attention_for(target),
+            append_kernel: append_kernel_for(target),
         }
     }
 

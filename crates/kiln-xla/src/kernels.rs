@@ -6,7 +6,7 @@
 //! driver at load time, as IREE's own kernels are.
 
 use crate::q4::BLOCK;
-use crate::stablehlo::{ExternDispatch, ExternObject, Function, Ty, Val};
+use crate::stablehlo::{ExternDispatch, ExternObject, ExternResult, Function, Ty, Val};
 
 /// The one-row q4 product (`kernels/q4_row.cu`).
 pub static Q4_ROW: ExternObject = ExternObject {
@@ -36,9 +36,16 @@ pub static ATTEND_MERGE: ExternObject = ExternObject {
     ptx: include_str!("../kernels/attend_merge.ptx"),
 };
 
+/// A decode step's rotary embedding and cache append
+/// (`kernels/rope_append.cu`).
+pub static ROPE_APPEND: ExternObject = ExternObject {
+    name: "kiln_rope_append",
+    ptx: include_str!("../kernels/rope_append.ptx"),
+};
+
 /// Every object a module may dispatch: [`crate::stablehlo::module`] adds
 /// the ones its functions use (llama.rs hands it this list).
-pub static OBJECTS: [&ExternObject; 3] = [&Q4_ROW, &ATTEND_PART, &ATTEND_MERGE];
+pub static OBJECTS: [&ExternObject; 4] = [&Q4_ROW, &ATTEND_PART, &ATTEND_MERGE, &ROPE_APPEND];
 
 /// Warps in one of [`Q4_ROW`]'s workgroups (`WARPS` in the source).
 const Q4_ROW_WARPS: usize = 8;
@@ -307,6 +314,83 @@ pub fn decode_attention(f: &mut Function, q: &Val, caches: &DecodeCaches, positi
     )
 }
 
+/// Threads in a workgroup of [`ROPE_APPEND`] (`THREADS`): one a pair of a
+/// head's rotated elements, and one a value of a KV head.
+const ROPE_THREADS: usize = 128;
+
+/// Whether [`rope_append`] takes heads of width `d` into caches of
+/// `storage` elements.
+pub fn rope_append_fits(d: usize, storage: Ty) -> bool {
+    d.is_multiple_of(2) && d <= ROPE_THREADS && storage == Ty::F16
+}
+
+/// A decode step's rotary embedding and cache append in one kernel
+/// ([`ROPE_APPEND`]), where IREE's graph runs three (the rotation and a
+/// scatter into each cache): `qkv` `[rows, (heads + 2 kv) · d]` f32 (row r
+/// is slot r at `positions[r]`, `[rows]` i32), rounded to f16, q and k
+/// rotated with `cos` and `sin` (`[context, d / 2]` f32) at the row's
+/// position; k and v written into `caches`' layer in place. Returns the
+/// rotated queries `[rows, heads, d]` f16 and the updated keys and values.
+/// Needs [`rope_append_fits`].
+pub fn rope_append(
+    f: &mut Function,
+    qkv: &Val,
+    [cos, sin]: [&Val; 2],
+    positions: &Val,
+    caches: &DecodeCaches,
+    heads: usize,
+) -> (Val, Val, Val) {
+    let k = &caches.keys.shape;
+    let (slots, kv_heads, context, d) = match k.len() {
+        5 => (k[1], k[2], k[3], k[4]),
+        4 => (1, k[1], k[2], k[3]),
+        _ => panic!("rope_append: keys {k:?}"),
+    };
+    let rows = positions.shape[0];
+    assert!(
+        rope_append_fits(d, caches.keys.ty) && caches.values.ty == caches.keys.ty,
+        "rope_append: d {d}, {:?}",
+        caches.keys.ty
+    );
+    assert!(
+        rows <= slots && caches.layer < k[0],
+        "rope_append: rows {rows}, layer {}",
+        caches.layer
+    );
+    assert_eq!(
+        (&qkv.shape[..], qkv.ty),
+        (&[rows, (heads + 2 * kv_heads) * d][..], Ty::F32),
+        "rope_append: projections"
+    );
+    assert_eq!(cos.shape, [context, d / 2], "rope_append: cos table");
+    assert_eq!(sin.shape, [context, d / 2], "rope_append: sin table");
+    assert_eq!(positions.ty, Ty::I32, "rope_append: positions");
+    let results = f.dispatch_extern_results(
+        &ExternDispatch {
+            object: &ROPE_APPEND,
+            entry: "kiln_rope_append",
+            workgroups: rows * (heads + kv_heads),
+            workgroup_size: ROPE_THREADS,
+            constants: &[
+                caches.layer as u32,
+                slots as u32,
+                heads as u32,
+                kv_heads as u32,
+                context as u32,
+                d as u32,
+            ],
+        },
+        &[qkv, cos, sin, positions, caches.keys, caches.values],
+        &[
+            ExternResult::Tied(4),
+            ExternResult::Tied(5),
+            ExternResult::New(&[rows, heads, d], Ty::F16),
+        ],
+    );
+    let [keys, values, q]: [Val; 3] = results.try_into().expect("three results");
+    (q, keys, values)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -346,6 +430,14 @@ mod tests {
 
         /// The build run on `input` (its stdin): its stdout as f32s.
         fn run(&self, input: &[u8]) -> Vec<f32> {
+            self.run_bytes(input)
+                .chunks_exact(4)
+                .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
+                .collect()
+        }
+
+        /// The build run on `input`: its stdout.
+        fn run_bytes(&self, input: &[u8]) -> Vec<u8> {
             use std::io::Write;
             use std::process::{Command, Stdio};
             let mut child = Command::new(&self.exe)
@@ -357,9 +449,6 @@ mod tests {
             let out = child.wait_with_output().unwrap();
             assert!(out.status.success(), "{:?}", out.status);
             out.stdout
-                .chunks_exact(4)
-                .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
-                .collect()
         }
     }
 
@@ -632,6 +721,121 @@ mod tests {
         }
     }
 
+    /// `kernels/rope_append.cu` built for the host (`rope_host.cpp`, every
+    /// thread of the grid in turn) against the graph's arithmetic: the
+    /// projections rounded to f16, rotate-half in f32 with the position's
+    /// row of the tables, rounded again; q out, k and v in the caches at the
+    /// row's slot and position, bit for bit, and nothing else in the caches
+    /// touched (they hold NaN). One sequence's caches and slots' caches,
+    /// heads of 64 and 128, a position at the context's end, and one past
+    /// it (written nowhere, its q rotated with the last row of the tables).
+    #[test]
+    fn rope_append_on_the_host_is_the_graphs_arithmetic() {
+        use half::f16;
+        let host = HostBuild::new("rope_host", "c++20");
+        let mut seed = 0x9e37_79b9_7f4a_7c15_u64;
+        let mut random = move || {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            (seed >> 40) as f32 / (1u64 << 24) as f32 * 8.0 - 4.0
+        };
+        /// Rows; slots (0: one sequence's caches); layers, heads, KV heads,
+        /// context, head width, the layer; each row's position.
+        struct Case(
+            usize,
+            usize,
+            usize,
+            usize,
+            usize,
+            usize,
+            usize,
+            usize,
+            &'static [i32],
+        );
+        let cases = [
+            Case(1, 0, 2, 4, 2, 64, 64, 1, &[17]),
+            Case(3, 4, 1, 8, 2, 32, 128, 0, &[0, 31, 5]),
+            Case(2, 2, 3, 3, 1, 16, 64, 2, &[16, 15]),
+        ];
+        for Case(rows, slots, layers, heads, kv, context, d, layer, positions) in cases {
+            let s = slots.max(1);
+            let half = d / 2;
+            let qkv: Vec<f32> = (0..rows * (heads + 2 * kv) * d).map(|_| random()).collect();
+            let cos: Vec<f32> = (0..context * half).map(|_| random() / 4.0).collect();
+            let sin: Vec<f32> = (0..context * half).map(|_| random() / 4.0).collect();
+            let cache = layers * s * kv * context * d;
+            let mut input = Vec::new();
+            for v in [rows, s, layers, heads, kv, context, d, layer] {
+                input.extend((v as u32).to_le_bytes());
+            }
+            for p in positions {
+                input.extend(p.to_le_bytes());
+            }
+            for v in qkv.iter().chain(&cos).chain(&sin) {
+                input.extend(v.to_le_bytes());
+            }
+            for _ in 0..2 * cache {
+                input.extend(f16::NAN.to_bits().to_le_bytes());
+            }
+            let out = host.run_bytes(&input);
+            let halves: Vec<u16> = out
+                .chunks_exact(2)
+                .map(|b| u16::from_le_bytes([b[0], b[1]]))
+                .collect();
+            assert_eq!(halves.len(), rows * heads * d + 2 * cache);
+            let (q, caches) = halves.split_at(rows * heads * d);
+            let (keys, values) = caches.split_at(cache);
+            let mut written = 0;
+            for (r, &pos) in positions.iter().enumerate() {
+                let table = (pos as usize).min(context - 1);
+                let through = |v: f32| f16::from_f32(v).to_f32();
+                let rotated = |head: usize| -> Vec<u16> {
+                    let x = &qkv[(r * (heads + 2 * kv) + head) * d..][..d];
+                    let mut out = vec![0u16; d];
+                    for t in 0..half {
+                        let (x1, x2) = (through(x[t]), through(x[t + half]));
+                        let (c, s) = (cos[table * half + t], sin[table * half + t]);
+                        out[t] = f16::from_f32(x1 * c + x2 * -s).to_bits();
+                        out[t + half] = f16::from_f32(x2 * c + x1 * s).to_bits();
+                    }
+                    out
+                };
+                for h in 0..heads {
+                    assert_eq!(
+                        &q[(r * heads + h) * d..][..d],
+                        rotated(h),
+                        "row {r} q head {h}"
+                    );
+                }
+                if pos as usize >= context {
+                    continue;
+                }
+                for k in 0..kv {
+                    let base = ((layer * s + r) * kv + k) * d * context;
+                    let key = &keys[base + pos as usize * d..][..d];
+                    assert_eq!(key, rotated(heads + k), "row {r} key head {k}");
+                    let v = &qkv[(r * (heads + 2 * kv) + heads + kv + k) * d..][..d];
+                    for (j, &v) in v.iter().enumerate() {
+                        let got = values[base + j * context + pos as usize];
+                        assert_eq!(got, f16::from_f32(v).to_bits(), "row {r} value {k}, {j}");
+                    }
+                    written += 2 * d;
+                }
+            }
+            // Everything else still NaN.
+            let untouched = caches
+                .iter()
+                .filter(|&&h| f16::from_bits(h).is_nan())
+                .count();
+            assert_eq!(
+                untouched,
+                2 * cache - written,
+                "writes outside the rows' positions"
+            );
+        }
+    }
+
     /// Each object's PTX has exactly one entry point, the one its
     /// dispatches name (see [`Q4_ROW_ENTRY`]), and declares the PTX version
     /// and target the driver needs.
@@ -641,6 +845,7 @@ mod tests {
             (&Q4_ROW, Q4_ROW_ENTRY),
             (&ATTEND_PART, "kiln_attend_part"),
             (&ATTEND_MERGE, "kiln_attend_merge"),
+            (&ROPE_APPEND, "kiln_rope_append"),
         ] {
             let entries: Vec<&str> = object
                 .ptx

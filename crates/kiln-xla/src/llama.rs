@@ -251,6 +251,8 @@ struct Dims {
     q4_rows: Q4Rows,
     /// See [`GraphOptions::decode_attention`].
     decode_attention: DecodeAttention,
+    /// See [`GraphOptions::append_kernel`].
+    append_kernel: bool,
 }
 
 fn dims(c: &ModelConfig, g: &GraphOptions) -> Dims {
@@ -268,6 +270,7 @@ fn dims(c: &ModelConfig, g: &GraphOptions) -> Dims {
         rows_in_f32: true,
         q4_rows: g.q4_rows,
         decode_attention: g.decode_attention,
+        append_kernel: g.append_kernel,
     }
 }
 
@@ -831,14 +834,7 @@ fn project_qkv(
 ) -> (Val, Val, Val) {
     let n = normed.rows();
     let (q_width, kv_width) = (dm.heads * dm.d, dm.kv_heads * dm.d);
-    let mut qkv = linear_normed(f, dm, normed, &layer.qkv);
-    if let Some(bias) = &layer.qkv_bias {
-        // Added in f32, as the reference adds it to its f32 product.
-        let wide = f.convert(&qkv, Ty::F32);
-        let bias = f.convert(bias, Ty::F32);
-        let bias = f.broadcast(&bias, &wide.shape, &[1]);
-        qkv = f.binary("add", &wide, &bias);
-    }
+    let qkv = qkv_product(f, dm, normed, layer);
     let qkv = f.convert(&qkv, dm.storage);
     let qk = columns(f, &qkv, 0, q_width + kv_width);
     let v = columns(f, &qkv, q_width + kv_width, q_width + 2 * kv_width);
@@ -848,6 +844,69 @@ fn project_qkv(
     let k = f.slice(&qk, &[0, dm.heads, 0], &[n, dm.heads + dm.kv_heads, dm.d]);
     let v = f.reshape(&v, &[n, dm.kv_heads, dm.d]);
     (q, k, v)
+}
+
+/// The q, k and v projections of normed f32 rows, `[n, (heads + 2 kv) ·
+/// d]`, with their biases where the model has them (added in f32, as the
+/// reference adds them to its f32 product).
+fn qkv_product(f: &mut Function, dm: &Dims, normed: &Normed, layer: &Layer) -> Val {
+    let qkv = linear_normed(f, dm, normed, &layer.qkv);
+    match &layer.qkv_bias {
+        Some(bias) => {
+            let wide = f.convert(&qkv, Ty::F32);
+            let bias = f.convert(bias, Ty::F32);
+            let bias = f.broadcast(&bias, &wide.shape, &[1]);
+            f.binary("add", &wide, &bias)
+        }
+        None => qkv,
+    }
+}
+
+/// Whether a decode step rotates and appends with kiln's kernel
+/// ([`kernels::rope_append`]).
+fn uses_append_kernel(dm: &Dims) -> bool {
+    dm.append_kernel && kernels::rope_append_fits(dm.d, dm.storage)
+}
+
+/// One decode layer's attention inputs, one row a slot: the rows' q
+/// `[rows, heads, d]` at the storage precision, their k and v written into
+/// layer `l` of the caches at `positions` (`[rows]`; row r is slot r, or
+/// the one sequence where the caches have no slots dimension). With kiln's
+/// kernel one dispatch does the rotation and both writes; else IREE's graph
+/// rotates with `rope_tables` and scatters where `write_at` (every layer's
+/// flat indices) says.
+#[allow(clippy::too_many_arguments)]
+fn decode_qkv(
+    f: &mut Function,
+    dm: &Dims,
+    normed: &Normed,
+    layer: &Layer,
+    l: usize,
+    positions: &Val,
+    [cos, sin]: [&Val; 2],
+    rope_tables: &(Val, Val),
+    write_at: [&Val; 2],
+    [keys, values]: [&mut Val; 2],
+) -> Val {
+    if uses_append_kernel(dm) {
+        let qkv = qkv_product(f, dm, normed, layer);
+        let qkv = f.convert(&qkv, Ty::F32);
+        let caches = kernels::DecodeCaches {
+            keys,
+            values,
+            layer: l,
+        };
+        let (q, k, v) = kernels::rope_append(f, &qkv, [cos, sin], positions, &caches, dm.heads);
+        (*keys, *values) = (k, v);
+        return q;
+    }
+    let (q, k, v) = project_qkv(f, dm, normed, layer, rope_tables);
+    let d = k.shape[k.shape.len() - 1];
+    let at = layer_rows(f, write_at[0], l);
+    *keys = scatter_flat(f, keys, &at, &k, d);
+    let at = layer_rows(f, write_at[1], l);
+    *values = scatter_flat(f, values, &at, &v, 1);
+    q
 }
 
 /// The rest of a layer after attention: output projection, residual, MLP,
@@ -1013,6 +1072,7 @@ fn decode_one(
     // to the host, which makes the call wait for the step that computed the
     // position (and each step of a chain wait for the one before it).
     let positions = f.reshape(pos, &[1]);
+    let (cos_table, sin_table) = (cos, sin);
     let cos = f.take_rows(cos, &positions);
     let sin = f.take_rows(sin, &positions);
     let rope_tables = rope_factors(f, &cos, &sin);
@@ -1024,11 +1084,18 @@ fn decode_one(
     let mut x = embed(f, p, token);
     for (l, w) in p.layers.iter().enumerate() {
         let normed = rms_norm(f, dm, &x, &w.attn_norm, c.rms_norm_eps);
-        let (q, k, v) = project_qkv(f, dm, &normed, w, &rope_tables);
-        let at = layer_rows(f, &key_at, l);
-        caches.k = scatter_flat(f, &caches.k, &at, &k, d);
-        let at = layer_rows(f, &value_at, l);
-        caches.v = scatter_flat(f, &caches.v, &at, &v, 1);
+        let q = decode_qkv(
+            f,
+            dm,
+            &normed,
+            w,
+            l,
+            &positions,
+            [cos_table, sin_table],
+            &rope_tables,
+            [&key_at, &value_at],
+            [&mut caches.k, &mut caches.v],
+        );
         let attended = if uses_attention_kernels(dm, context) {
             let layer = kernels::DecodeCaches {
                 keys: &caches.k,
@@ -1133,6 +1200,7 @@ fn decode_batch(
     let sin = f.param(&[context, d / 2], Ty::F32);
     let p = weight_params(&mut f, c, g);
 
+    let (cos_table, sin_table) = (cos.clone(), sin.clone());
     let cos = f.take_rows(&cos, &positions);
     let sin = f.take_rows(&sin, &positions);
     let rope_tables = rope_factors(&mut f, &cos, &sin);
@@ -1144,8 +1212,18 @@ fn decode_batch(
     let mut x = embed(&mut f, &p, &tokens);
     for (l, w) in p.layers.iter().enumerate() {
         let normed = rms_norm(&mut f, &dm, &x, &w.attn_norm, c.rms_norm_eps);
-        let (q, k, v) = project_qkv(&mut f, &dm, &normed, w, &rope_tables);
-        caches.write_layer(&mut f, [&key_at, &value_at], l, &k, &v);
+        let q = decode_qkv(
+            &mut f,
+            &dm,
+            &normed,
+            w,
+            l,
+            &positions,
+            [&cos_table, &sin_table],
+            &rope_tables,
+            [&key_at, &value_at],
+            [&mut caches.k, &mut caches.v],
+        );
         let attended = if uses_attention_kernels(&dm, context) {
             let layer = kernels::DecodeCaches {
                 keys: &caches.k,
@@ -1876,6 +1954,62 @@ mod tests {
 
     /// CUDA's default for one-row q4 products is kiln's own kernel (the
     /// fastest measured, `graph::q4_rows_for`), the CPU's the integer form.
+    /// CUDA's decode steps with f16 caches (f16 and q4) rotate each row's
+    /// q and k and append its k and v with kiln's kernel, one dispatch a
+    /// layer where the graph has the rotation and two scatters; the caches
+    /// are tied to the kernel's results, so IREE writes them in place: the
+    /// compiled step copies no cache. f32 caches, heads too wide for the
+    /// kernel and the CPU keep the graph's scatters.
+    #[test]
+    fn cuda_decode_steps_rotate_and_append_with_kilns_kernel() {
+        let c = config(4, 2);
+        let append = "hal.dispatch.extern \"kiln_rope_append\"[";
+        let cuda = |precision| GraphOptions::for_target(Target::Cuda, Some(precision), None);
+        let mut compiled = Vec::new();
+        for precision in [Precision::F16, Precision::Q4] {
+            let g = cuda(precision);
+            for (module, appends) in [
+                (decode_module(&c, &g, 64), c.num_layers),
+                (decode_chain_module(&c, &g, 64, 3), 3 * c.num_layers),
+                (decode_batch_module(&c, &g, 64, 4, 8), c.num_layers),
+            ] {
+                assert_eq!(module.matches(append).count(), appends, "{precision}");
+                assert!(!module.contains("stablehlo.scatter"), "{precision}");
+                compiled.push(module);
+            }
+        }
+        let mut wide = config(4, 2);
+        wide.head_dim = 256;
+        for (c, g) in [
+            (&c, cuda(Precision::F32)),
+            (&wide, cuda(Precision::F16)),
+            (
+                &c,
+                GraphOptions::for_target(Target::LlvmCpu, Some(Precision::F16), None),
+            ),
+        ] {
+            let module = decode_module(c, &g, 64);
+            assert!(!module.contains(append));
+            assert!(module.contains("stablehlo.scatter"));
+        }
+        match crate::compiler::Compiler::from_env() {
+            Ok(compiler) => {
+                for module in &compiled {
+                    let stream = compiler
+                        .compile(module, Target::Cuda, &["--compile-to=stream"])
+                        .unwrap();
+                    let stream = String::from_utf8(stream).unwrap();
+                    assert!(stream.contains("kiln_rope_append"));
+                    for copy in ["stream.async.clone", "stream.async.copy"] {
+                        assert!(!stream.contains(copy), "the step has a {copy}");
+                    }
+                    compiler.compile(module, Target::Cuda, &[]).unwrap();
+                }
+            }
+            Err(e) => println!("skipped compiling the modules: {e}"),
+        }
+    }
+
     #[test]
     fn cuda_defaults_to_kilns_q4_kernel() {
         let q4 = |target| GraphOptions::for_target(target, Some(Precision::Q4), None);
@@ -1905,7 +2039,9 @@ mod tests {
         let mut cuda = Vec::new();
         for c in [&wide, &narrow] {
             let module = decode_module(c, &q4(Target::Cuda), 64);
-            assert_eq!(module.matches("hal.dispatch.extern").count(), products(c));
+            // The products, and each layer's rotation and cache append.
+            let dispatches = products(c) + c.num_layers;
+            assert_eq!(module.matches("hal.dispatch.extern").count(), dispatches);
             // Every dispatch names the one entry: IREE runs the first
             // dispatch's entry for all of them (`kernels::Q4_ROW_ENTRY`).
             let entry = format!("hal.dispatch.extern \"{}\"[", crate::kernels::Q4_ROW_ENTRY);

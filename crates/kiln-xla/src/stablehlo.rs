@@ -720,6 +720,21 @@ impl Function {
         shape: &[usize],
         ty: Ty,
     ) -> Val {
+        let mut results = self.dispatch_extern_results(d, inputs, &[ExternResult::New(shape, ty)]);
+        results.remove(0)
+    }
+
+    /// `d`'s kernel over `inputs`, with `results`: new tensors, bound after
+    /// the inputs in order, or inputs the kernel writes in place (bound
+    /// where they are among the inputs, read-write). IREE ties such a
+    /// result to its input's buffer, so a cache updated by the kernel is
+    /// not copied.
+    pub fn dispatch_extern_results(
+        &mut self,
+        d: &ExternDispatch,
+        inputs: &[&Val],
+        results: &[ExternResult],
+    ) -> Vec<Val> {
         let p = format!("%ext{}", self.next);
         let _ = writeln!(
             self.body,
@@ -735,16 +750,55 @@ impl Function {
             operands.push(format!("{p}c{i}"));
             types.push("i32".to_string());
         }
+        let tied = |i: usize| {
+            results
+                .iter()
+                .any(|r| matches!(r, ExternResult::Tied(t) if *t == i))
+        };
         // `Indirect`: the bindings may come from the call's binding table, so
         // that a module's command buffer is recorded once (memoized) and run
         // with each call's buffers. Without it IREE binds an extern
         // dispatch's buffers directly and records the step's command buffer
         // anew on every call.
-        let mut bindings =
-            vec![r#"#hal.pipeline.binding<storage_buffer, "ReadOnly|Indirect">"#; inputs.len()];
-        bindings.push("#hal.pipeline.binding<storage_buffer, Indirect>");
-        let rhs = format!(
-            "hal.dispatch.extern \"{entry}\"[{p}w]({operands}) : ({types}) -> {result}\n\
+        let mut bindings: Vec<&str> = (0..inputs.len())
+            .map(|i| match tied(i) {
+                true => "#hal.pipeline.binding<storage_buffer, Indirect>",
+                false => r#"#hal.pipeline.binding<storage_buffer, "ReadOnly|Indirect">"#,
+            })
+            .collect();
+        let mut vals = Vec::with_capacity(results.len());
+        let mut result_types = Vec::with_capacity(results.len());
+        let name = format!("%v{}", self.next);
+        self.next += 1;
+        for (i, r) in results.iter().enumerate() {
+            let (shape, ty) = match *r {
+                ExternResult::New(shape, ty) => {
+                    bindings.push("#hal.pipeline.binding<storage_buffer, Indirect>");
+                    result_types.push(tensor_type(shape, ty));
+                    (shape.to_vec(), ty)
+                }
+                ExternResult::Tied(input) => {
+                    let v = inputs[input];
+                    result_types.push(v.name.clone());
+                    (v.shape.clone(), v.ty)
+                }
+            };
+            let name = match results.len() {
+                1 => name.clone(),
+                _ => format!("{name}#{i}"),
+            };
+            vals.push(Val { name, shape, ty });
+        }
+        let (lhs, result_types) = match results.len() {
+            1 => (name, result_types.remove(0)),
+            n => (
+                format!("{name}:{n}"),
+                format!("({})", result_types.join(", ")),
+            ),
+        };
+        let _ = writeln!(
+            self.body,
+            "    {lhs} = hal.dispatch.extern \"{entry}\"[{p}w]({operands}) : ({types}) -> {result_types}\n\
              \x20     count({p}d: !hal.device, {p}n: index) -> (index, index, index) {{\n\
              \x20       {p}one = arith.constant 1 : index\n\
              \x20       hal.return {p}n, {p}one, {p}one : index, index, index\n\
@@ -756,13 +810,12 @@ impl Function {
             entry = d.entry,
             operands = operands.join(", "),
             types = types.join(", "),
-            result = tensor_type(shape, ty),
             constants = d.constants.len(),
             bindings = bindings.join(", "),
             object = d.object.reference(),
             size = d.workgroup_size,
         );
-        self.emit(shape, ty, rhs)
+        vals
     }
 
     /// `a` unchanged, but computed in a kernel of its own: IREE fuses no
@@ -891,6 +944,15 @@ impl ExternObject {
             self.ptx.len() + 1
         )
     }
+}
+
+/// A result of an extern dispatch
+/// ([`Function::dispatch_extern_results`]).
+pub enum ExternResult<'a> {
+    /// A new tensor of this shape and type.
+    New(&'a [usize], Ty),
+    /// The input of this index, written in place.
+    Tied(usize),
 }
 
 /// One dispatch of an [`ExternObject`]'s entry point.
