@@ -72,14 +72,11 @@ fn unpack_files(archive: &Path, dest: &Path, pins: &Pins) -> Result<()> {
 /// the pinned one (a compiler from another revision builds modules the
 /// runtime may reject, or worse, misread), then the whole version line.
 fn check_revision(binary: &Path, pins: &Pins) -> Result<String> {
-    let output = crate::process::output(Command::new(binary).arg("--version"))?;
-    let text = String::from_utf8_lossy(&output.stdout).into_owned()
-        + &String::from_utf8_lossy(&output.stderr);
-    if !output.status.success() {
+    let (status, text) = crate::process::output_text(Command::new(binary).arg("--version"))?;
+    if !status.success() {
         return Err(anyhow!(
-            "`{} --version` failed ({}):\n{text}",
-            binary.display(),
-            output.status
+            "`{} --version` failed ({status}):\n{text}",
+            binary.display()
         ));
     }
     let found = text

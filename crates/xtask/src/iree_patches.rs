@@ -79,7 +79,7 @@ pub fn patched_source(cache: &Cache, pins: &Pins) -> Result<PathBuf> {
 /// Applies one patch in `root`; a patch that does not apply cleanly (fuzz
 /// or a rejected hunk) is an error naming it.
 fn apply(root: &Path, patch: &Path) -> Result<()> {
-    let output = crate::process::output(
+    let (status, text) = crate::process::output_text(
         Command::new("patch")
             .args([
                 "-p1",
@@ -94,12 +94,10 @@ fn apply(root: &Path, patch: &Path) -> Result<()> {
             .arg(patch),
     )
     .with_context(|| format!("GNU patch; {}", crate::tools::install_hint("patch")))?;
-    if !output.status.success() {
+    if !status.success() {
         return Err(anyhow!(
-            "{} does not apply to the pinned IREE source; refresh it against that source:\n{}{}",
-            patch.display(),
-            String::from_utf8_lossy(&output.stdout),
-            String::from_utf8_lossy(&output.stderr)
+            "{} does not apply to the pinned IREE source; refresh it against that source:\n{text}",
+            patch.display()
         ));
     }
     Ok(())

@@ -36,7 +36,7 @@ fn sources(folder: &Path) -> Result<Vec<PathBuf>> {
 /// `ld.global.nc.L1::no_allocate`), no CUDA headers or libraries, and no
 /// contraction of a product and a sum into an FMA the source did not write.
 fn compile(source: &Path) -> Result<Vec<u8>> {
-    let output = crate::process::output(
+    crate::process::read_bytes(
         Command::new(CLANG)
             .args(["-x", "cuda", "--cuda-device-only", "--cuda-gpu-arch=sm_80"])
             .args(["-nocudainc", "-nocudalib", "-Xclang", "-target-feature"])
@@ -51,15 +51,7 @@ fn compile(source: &Path) -> Result<Vec<u8>> {
             ])
             .arg(source),
     )
-    .with_context(|| crate::tools::install_hint(CLANG))?;
-    if !output.status.success() {
-        return Err(anyhow!(
-            "{CLANG} failed on {}:\n{}",
-            source.display(),
-            String::from_utf8_lossy(&output.stderr)
-        ));
-    }
-    Ok(output.stdout)
+    .with_context(|| format!("{CLANG} failed on {}", source.display()))
 }
 
 /// Writes each kernel's PTX, or with `check` fails where a committed one

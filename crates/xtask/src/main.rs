@@ -20,6 +20,8 @@ mod process;
 mod ptxas;
 mod reference_files;
 mod repro;
+#[cfg(test)]
+mod rerun;
 mod setup;
 #[cfg(test)]
 mod setup_coverage;
@@ -29,8 +31,6 @@ mod test;
 mod tools;
 mod tree;
 mod unpack;
-#[cfg(test)]
-mod unprivileged;
 mod verify_pins;
 
 use std::path::PathBuf;

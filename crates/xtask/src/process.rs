@@ -1,6 +1,6 @@
 //! The one way xtask runs a program: [`run`] (its output the user's to see),
-//! [`read`] (its stdout captured), [`output`] (both captured, success the
-//! caller's to judge) and [`logged`] (a long build: a progress bar, the
+//! [`read`] (its stdout captured), [`output`] and [`output_text`] (both
+//! captured, success the caller's to judge) and [`logged`] (a long build: a progress bar, the
 //! output in a log). Each error names the program that could not start or
 //! failed, with its status. [`cargo`] is the cargo that runs xtask, and
 //! [`target_dir`] where its builds go.
@@ -8,7 +8,7 @@
 use std::collections::VecDeque;
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+use std::process::{Command, ExitStatus, Output};
 
 use anyhow::{Context, Result, anyhow};
 use indicatif::{ProgressBar, ProgressStyle};
@@ -48,9 +48,28 @@ pub fn output(command: &mut Command) -> Result<Output> {
         .with_context(|| format!("cannot run {:?}", command.get_program()))
 }
 
+/// Runs `command` with its output captured; its status, and its stdout then
+/// stderr as one text (for a tool that reports on either).
+pub fn output_text(command: &mut Command) -> Result<(ExitStatus, String)> {
+    let out = output(command)?;
+    Ok((out.status, text(&out)))
+}
+
+/// A finished command's stdout then stderr, as text.
+pub fn text(out: &Output) -> String {
+    String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr)
+}
+
 /// Runs `command`, which must succeed; its stdout, trimmed. A failure
 /// carries its stderr.
 pub fn read(command: &mut Command) -> Result<String> {
+    Ok(String::from_utf8_lossy(&read_bytes(command)?)
+        .trim()
+        .to_string())
+}
+
+/// [`read`], the stdout as it came (a listing of NUL-separated paths, PTX).
+pub fn read_bytes(command: &mut Command) -> Result<Vec<u8>> {
     let out = output(command)?;
     if !out.status.success() {
         return Err(anyhow!(
@@ -59,7 +78,7 @@ pub fn read(command: &mut Command) -> Result<String> {
             String::from_utf8_lossy(&out.stderr).trim()
         ));
     }
-    Ok(String::from_utf8_lossy(&out.stdout).trim().to_string())
+    Ok(out.stdout)
 }
 
 /// Reads `(done, total)` from a line of a tool's output, if it has one.

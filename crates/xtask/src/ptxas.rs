@@ -152,15 +152,13 @@ pub fn run(tools: &Tools, capabilities: &[String], out: &Path) -> Result<()> {
                 Ok(file) => file.display().to_string(),
                 Err(_) => format!("module{index}"),
             };
-            let output = crate::process::output(
+            let (status, text) = crate::process::output_text(
                 Command::new(&tools.ptxas)
                     .args(["-v", "--gpu-name", &gpu, "-o"])
                     .arg(work.path().join("out.cubin"))
                     .arg(ptx),
             )?;
-            let text = String::from_utf8_lossy(&output.stderr).into_owned()
-                + &String::from_utf8_lossy(&output.stdout);
-            if !output.status.success() {
+            if !status.success() {
                 rejected.push(format!("{gpu} {module}: {}", text.trim()));
                 continue;
             }

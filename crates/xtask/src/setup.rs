@@ -383,11 +383,7 @@ fn venv_python(cache: &Cache, venv: &Venv) -> Result<PathBuf> {
 /// The venv's folder, named by the requirements and the Python that runs it.
 fn venv_dir(cache: &Cache, venv: &Venv) -> Result<PathBuf> {
     let requirements = repo_root().join(venv.requirements);
-    let python = Command::new("python3")
-        .arg("--version")
-        .output()
-        .map(|out| String::from_utf8_lossy(&out.stdout).trim().to_string())
-        .unwrap_or_default();
+    let python = crate::process::read(Command::new("python3").arg("--version")).unwrap_or_default();
     let key = content_key(&serde_json::json!({
         "requirements": sha256_file(&requirements)?,
         "python": python,

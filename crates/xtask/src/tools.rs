@@ -203,9 +203,6 @@ mod tests {
         assert!(require_host_programs(&["sh"], "a test").is_ok());
     }
 
-    /// The environment variable that marks the re-run child of the test below.
-    const EMPTY_PATH_CHILD: &str = "KILN_XTASK_TEST_EMPTY_PATH";
-
     /// With no PATH to find them on, the programs of the table are reported
     /// missing with their package and `cargo xtask setup`: the test runs
     /// itself again in a child whose PATH holds nothing.
@@ -213,21 +210,13 @@ mod tests {
     fn a_program_of_the_table_missing_from_path_is_named_with_its_package() {
         let name =
             "tools::tests::a_program_of_the_table_missing_from_path_is_named_with_its_package";
-        if std::env::var_os(EMPTY_PATH_CHILD).is_none() {
+        if !crate::rerun::in_child() {
             let empty = tempfile::tempdir().unwrap();
-            let output = std::process::Command::new(std::env::current_exe().unwrap())
-                .args(["--exact", name, "--nocapture", "--test-threads=1"])
-                .env(EMPTY_PATH_CHILD, "1")
-                .env("PATH", empty.path())
-                .output()
-                .unwrap();
-            let text = String::from_utf8_lossy(&output.stdout).into_owned()
-                + &String::from_utf8_lossy(&output.stderr);
-            assert!(
-                output.status.success() && text.contains("1 passed"),
-                "{text}"
-            );
-            eprintln!("{text}");
+            crate::rerun::run_child(name, |exe| {
+                let mut child = Command::new(exe);
+                child.env("PATH", empty.path());
+                child
+            });
             return;
         }
         for (program, package) in [

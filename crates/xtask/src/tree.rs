@@ -16,27 +16,16 @@ use anyhow::{Context, Result, anyhow};
 /// along: it chooses the linker.)
 pub fn source_files(root: &Path) -> Result<Vec<PathBuf>> {
     if root.join(".git").exists() {
-        let listing = crate::process::output(
+        let listing = crate::process::read_bytes(
             Command::new("git")
-                .args([
-                    "ls-files",
-                    "-z",
-                    "--cached",
-                    "--others",
-                    "--exclude-standard",
-                ])
+                .args("ls-files -z --cached --others --exclude-standard".split(' '))
                 .current_dir(root),
         )
-        .with_context(|| crate::tools::install_hint("git"))?;
-        if !listing.status.success() {
-            return Err(anyhow!(
-                "git ls-files failed in {}: {}",
-                root.display(),
-                String::from_utf8_lossy(&listing.stderr).trim()
-            ));
-        }
+        .with_context(|| {
+            let hint = crate::tools::install_hint("git");
+            format!("cannot list the files of {} ({hint})", root.display())
+        })?;
         return Ok(listing
-            .stdout
             .split(|b| *b == 0)
             .filter(|n| !n.is_empty())
             .map(|n| PathBuf::from(String::from_utf8_lossy(n).into_owned()))

@@ -331,7 +331,7 @@ fn cargo(tree: &Path, build: &Build, prefix: &Path, args: &[&str]) -> Result<Out
         command.args(["--target", build.target.triple]);
     }
     command.envs(build.target.cargo_env());
-    let output = crate::process::output(
+    let (status, output) = crate::process::output_text(
         command
             .current_dir(tree)
             .env("KILN_IREE_PREFIX", prefix)
@@ -339,9 +339,8 @@ fn cargo(tree: &Path, build: &Build, prefix: &Path, args: &[&str]) -> Result<Out
             .env("CARGO_TERM_COLOR", "never"),
     )?;
     Ok(Outcome {
-        success: output.status.success(),
-        output: String::from_utf8_lossy(&output.stdout).into_owned()
-            + &String::from_utf8_lossy(&output.stderr),
+        success: status.success(),
+        output,
     })
 }
 
@@ -614,7 +613,7 @@ mod tests {
     /// a build user who cannot write through those modes.
     #[test]
     fn mutations_apply_to_copies_of_a_read_only_prefix_and_tree() {
-        if crate::unprivileged::rerun_without_dac_override(
+        if crate::rerun::rerun_without_dac_override(
             "gate::tests::mutations_apply_to_copies_of_a_read_only_prefix_and_tree",
         ) {
             return;
