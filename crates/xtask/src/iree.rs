@@ -205,6 +205,22 @@ pub fn build(cache: &Cache, pins: &Pins, variant: Variant, target: &Target) -> R
     Ok(dest)
 }
 
+/// The CUDA prefix the gate links against: for the host, `KILN_IREE_PREFIX`
+/// when the environment provides one (`nix develop`, the flake's checks);
+/// otherwise the one `cargo xtask iree --cuda [--target T]` builds for the
+/// current pins (an environment's prefix is the host's, never a cross one).
+pub fn gate_prefix(target: &Target) -> Result<PathBuf> {
+    match std::env::var_os("KILN_IREE_PREFIX") {
+        Some(prefix) if !prefix.is_empty() && !target.cross => Ok(PathBuf::from(prefix)),
+        _ => build(
+            &Cache::open()?,
+            &Pins::of_checkout()?,
+            Variant::Cuda,
+            target,
+        ),
+    }
+}
+
 /// `IREE_CUDA_DEPS_DIR`: `include/cuda.h`, nvcc's `include/crt`, CCCL's
 /// `include/nv` and `nvvm/libdevice`, assembled from the pinned CUDA wheels
 /// by the `layout` of each.

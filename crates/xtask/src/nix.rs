@@ -44,11 +44,26 @@ pub fn lint(tools: &Toolbox) -> Result<()> {
     nix_harness::lint::run(&root, &files, &nixpkgs_fmt, &deadnix)
 }
 
-pub struct BuildOptions<'a> {
-    pub inputs: Option<&'a Path>,
-    pub sandbox: bool,
-    pub shell: Option<String>,
-    pub attributes: Vec<String>,
+/// `cargo xtask nix-build`'s options.
+#[derive(clap::Args)]
+pub struct BuildOptions {
+    /// As for eval-nix: nixpkgs-lib/, crane/, rust-overlay/ at flake.lock's
+    /// revisions (default: downloaded from GitHub).
+    #[arg(long)]
+    inputs: Option<PathBuf>,
+    /// Build in Nix's sandbox (nixbld users; the host's tool folders
+    /// visible read-only, no network but for fixed-output downloads).
+    #[arg(long)]
+    sandbox: bool,
+    /// Enter the contributor's shell (devShells.default) with nix-shell,
+    /// after building its inputs, and run this command in it from the
+    /// checkout (e.g. "cargo build --release --features cuda,xla-iree &&
+    /// cargo xtask test --quick"); the shell is pure: only what it provides
+    /// is on PATH.
+    #[arg(long, value_name = "COMMAND", conflicts_with_all = ["attributes", "sandbox"])]
+    shell: Option<String>,
+    /// Outputs to build, e.g. checks.link (default: every package and check).
+    attributes: Vec<String>,
 }
 
 /// `cargo xtask nix-build`.
@@ -56,7 +71,7 @@ pub fn build(cache: &Cache, options: BuildOptions) -> Result<()> {
     // Every missing program named at once, so that one install fixes it.
     require_host_programs(&build::HOST_PROGRAMS, "the Nix build's host package set")?;
     let host = find_host(cache)?;
-    let inputs = inputs(cache, options.inputs)?;
+    let inputs = inputs(cache, options.inputs.as_deref())?;
     let system = crate::pins::host_system()?;
     let options = build::Options {
         sandbox: options.sandbox,

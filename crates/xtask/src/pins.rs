@@ -134,6 +134,11 @@ impl Pins {
             .with_context(|| format!("the pin file {} is malformed", path.display()))
     }
 
+    /// This checkout's pin file.
+    pub fn of_checkout() -> Result<Pins> {
+        Pins::load(&default_pin_file())
+    }
+
     /// The IREE CMake options of one variant: the common ones, plus the CUDA
     /// ones when `cuda` is set.
     pub fn cmake_options(&self, cuda: bool) -> BTreeMap<String, String> {

@@ -24,6 +24,8 @@ use std::path::{Path, PathBuf};
 use anyhow::{Context, Result, anyhow};
 use serde::Deserialize;
 
+use crate::pins::{Pins, default_pin_file};
+
 /// The pkg-config package the prefix describes; kiln-iree's build script asks
 /// for the same name.
 pub const PKG_CONFIG_NAME: &str = "iree-runtime";
@@ -42,6 +44,33 @@ pub struct Identity<'a> {
     pub revision: &'a str,
     /// The Rust target triple the archives were compiled for.
     pub target: &'a str,
+}
+
+/// `cargo xtask iree-prefix-install` (the Nix derivation's installer).
+#[derive(clap::Args)]
+pub struct InstallArgs {
+    #[arg(long)]
+    build: PathBuf,
+    #[arg(long)]
+    source: PathBuf,
+    #[arg(long)]
+    out: PathBuf,
+    #[arg(long)]
+    pins: Option<PathBuf>,
+    /// The Rust target triple the build compiled for (default: this machine's).
+    #[arg(long)]
+    target: Option<String>,
+}
+
+/// Installs the prefix `args` name, for the pins and target they name.
+pub fn install_from(args: InstallArgs) -> Result<()> {
+    let pins = Pins::load(&args.pins.unwrap_or_else(default_pin_file))?;
+    let id = Identity {
+        version: &pins.iree.version,
+        revision: &pins.iree.revision,
+        target: crate::target::Target::parse(args.target.as_deref())?.triple,
+    };
+    install(&args.build, &args.source, &args.out, &id)
 }
 
 pub fn install(build: &Path, iree_source: &Path, out: &Path, id: &Identity) -> Result<()> {

@@ -19,21 +19,38 @@ use serde::Serialize;
 
 use crate::cache::Cache;
 use crate::fetch::fetch;
-use crate::pins::{Pins, for_system, host_system};
+use crate::pins::{Pins, default_pin_file, for_system, host_system, repo_root};
+use crate::target::Target;
 
 /// The models whose modules are assembled: kiln's embedded model and
 /// TinyLlama-1.1B's shape (a random-weight model of kiln-bench-decode).
 const MODELS: [&str; 2] = ["embedded", "tinyllama-1.1b"];
 const PRECISIONS: [&str; 2] = ["f32", "f16"];
 
-/// What to run: kiln-bench-decode (its `--prepare` compiles every module a
-/// model needs), the compiler and ptxas; and the folder of kiln's own
-/// kernels, whose PTX the modules embed as it is.
-pub struct Tools {
-    pub bench: PathBuf,
-    pub compiler: PathBuf,
-    pub ptxas: PathBuf,
-    pub kernels: PathBuf,
+/// What to run, each built or pinned here unless given: kiln-bench-decode
+/// (its `--prepare` compiles every module a model needs), the compiler and
+/// ptxas; and the folder of kiln's own kernels, whose PTX the modules embed.
+#[derive(clap::Args, Default)]
+pub struct Args {
+    /// kiln-bench-decode built with cuda,xla-iree (default: built here).
+    #[arg(long)]
+    pub bench: Option<PathBuf>,
+    /// iree-compile (default: the pinned one, installed here).
+    #[arg(long)]
+    pub compiler: Option<PathBuf>,
+    /// ptxas (default: the pinned nvcc wheel's).
+    #[arg(long)]
+    pub ptxas: Option<PathBuf>,
+    /// The folder of kiln's own kernels and their PTX (default: this
+    /// checkout's crates/kiln-xla/kernels).
+    #[arg(long)]
+    pub kernels: Option<PathBuf>,
+    /// The pin file (default: this checkout's).
+    #[arg(long)]
+    pub pins: Option<PathBuf>,
+    /// Where report.json goes (default: target/ptxas).
+    #[arg(long)]
+    pub out: Option<PathBuf>,
 }
 
 #[derive(Serialize)]
@@ -76,7 +93,7 @@ pub fn build_bench(prefix: &Path) -> Result<PathBuf> {
         crate::process::cargo()
             .args(args)
             .args(["--bin", "kiln-bench-decode"])
-            .current_dir(crate::pins::repo_root())
+            .current_dir(repo_root())
             .env("CARGO_TARGET_DIR", &target)
             .env("KILN_IREE_PREFIX", prefix),
         "building kiln-bench-decode",
@@ -92,7 +109,22 @@ fn gpu_name(capability: &str) -> Result<String> {
     Ok(format!("sm_{major}{minor}"))
 }
 
-pub fn run(tools: &Tools, capabilities: &[String], out: &Path) -> Result<()> {
+pub fn run(args: Args) -> Result<()> {
+    let pins = Pins::load(&args.pins.unwrap_or_else(default_pin_file))?;
+    let bench = match args.bench {
+        Some(path) => path,
+        None => build_bench(&crate::iree::gate_prefix(&Target::host()?)?)?,
+    };
+    let compiler = match args.compiler {
+        Some(path) => path,
+        None => crate::compiler::install(&Cache::open()?, &pins)?.0,
+    };
+    let ptxas = match args.ptxas {
+        Some(path) => path,
+        None => pinned_ptxas(&Cache::open()?, &pins)?,
+    };
+    let kernels_dir = args.kernels.unwrap_or_else(crate::kernels::folder);
+    let out = args.out.unwrap_or_else(|| repo_root().join("target/ptxas"));
     let work = tempfile::tempdir()?;
     let dumps = work.path().join("dumps");
     std::fs::create_dir_all(&dumps)?;
@@ -104,13 +136,13 @@ pub fn run(tools: &Tools, capabilities: &[String], out: &Path) -> Result<()> {
         format!(
             "#!/bin/sh\ncase \"$1\" in --version) exec '{0}' \"$@\";; esac\n\
              dir='{1}'/$$\nmkdir -p \"$dir\"\nexec '{0}' \"$@\" --iree-hal-dump-executable-binaries-to=\"$dir\"\n",
-            tools.compiler.display(),
+            compiler.display(),
             dumps.display()
         ),
     )?;
     std::fs::set_permissions(&wrapper, std::fs::Permissions::from_mode(0o755))?;
 
-    let mut command = Command::new(&tools.bench);
+    let mut command = Command::new(&bench);
     command.args(["--prepare", "--backend", "iree-cuda"]);
     for model in MODELS {
         command.args(["--model", model]);
@@ -139,21 +171,21 @@ pub fn run(tools: &Tools, capabilities: &[String], out: &Path) -> Result<()> {
         ));
     }
     // kiln's own kernels, which the modules embed as they are.
-    ptx_files.extend(crate::kernels::committed_ptx(&tools.kernels)?);
+    ptx_files.extend(crate::kernels::committed_ptx(&kernels_dir)?);
 
     let mut kernels = Vec::new();
     let mut rejected = Vec::new();
-    for capability in capabilities {
+    for capability in &pins.cuda.capabilities {
         let gpu = gpu_name(capability)?;
         for (index, ptx) in ptx_files.iter().enumerate() {
             // Every module's file has the same name; number them. kiln's
             // own kernels go by their file's name.
-            let module = match ptx.strip_prefix(&tools.kernels) {
+            let module = match ptx.strip_prefix(&kernels_dir) {
                 Ok(file) => file.display().to_string(),
                 Err(_) => format!("module{index}"),
             };
             let (status, text) = crate::process::output_text(
-                Command::new(&tools.ptxas)
+                Command::new(&ptxas)
                     .args(["-v", "--gpu-name", &gpu, "-o"])
                     .arg(work.path().join("out.cubin"))
                     .arg(ptx),
@@ -166,7 +198,7 @@ pub fn run(tools: &Tools, capabilities: &[String], out: &Path) -> Result<()> {
         }
     }
 
-    std::fs::create_dir_all(out)?;
+    std::fs::create_dir_all(&out)?;
     std::fs::write(
         out.join("report.json"),
         serde_json::to_string_pretty(&kernels)?,

@@ -15,13 +15,22 @@ use crate::target::{AARCH64, Target};
 use crate::{compiler, disk, tools};
 
 /// What `cargo xtask test` runs.
+#[derive(clap::Args)]
 pub struct Plan {
-    /// The GB10's architecture too (cross-built, emulated).
-    pub with_aarch64: bool,
-    /// The developer loop: rustfmt, clippy, the CPU tests, the link check.
+    /// Leave out the GB10's architecture: the cross-built aarch64 prefix,
+    /// the aarch64 gate and the aarch64 tests under qemu (about 20 minutes
+    /// of a cold run on 2 cores). CI runs them; this is for a quicker local run.
+    #[arg(long)]
+    pub skip_aarch64: bool,
+    /// The developer loop (about 10 minutes warm): rustfmt, clippy, the CPU
+    /// tests and the link check, nothing else.
+    #[arg(long)]
     pub quick: bool,
-    /// Defer the deferrable steps that would end the run past this.
-    pub budget: Option<Duration>,
+    /// Defer (loudly; never reported as passed) the expensive steps that
+    /// would end the run past this many minutes: ptxas, the aarch64 steps,
+    /// repro. CI gives 80.
+    #[arg(long)]
+    pub budget_minutes: Option<u64>,
 }
 
 /// What a step reads, beyond the toolchain: the Nix files and the linter's
@@ -45,7 +54,8 @@ fn pin_files(path: &Path) -> bool {
 /// step's line says whether it ran, was reused or was deferred.
 pub fn run(cache: &Cache, pins: &Pins, plan: &Plan) -> Result<()> {
     disk::warn_if_short();
-    let mut steps = Runner::new(cache, plan.budget)?;
+    let budget = plan.budget_minutes.map(|m| Duration::from_secs(m * 60));
+    let mut steps = Runner::new(cache, budget)?;
     let toolbox = steps.run("setup: system packages and pinned tools", || {
         crate::setup::run(cache, crate::setup::Scope::Suite)
     })?;
@@ -64,7 +74,7 @@ pub fn run(cache: &Cache, pins: &Pins, plan: &Plan) -> Result<()> {
     // CUDA prefix serves both its gate and its emulated tests, which run the
     // gate's own test executables.
     let aarch64 = Target::parse(Some(AARCH64))?;
-    let aarch64_prefix = if plan.with_aarch64 && !plan.quick && aarch64.cross {
+    let aarch64_prefix = if !plan.skip_aarch64 && !plan.quick && aarch64.cross {
         Some(prefix(
             &mut steps,
             "IREE prefix, CUDA driver, aarch64 (cross)",
@@ -213,17 +223,11 @@ pub fn run(cache: &Cache, pins: &Pins, plan: &Plan) -> Result<()> {
             true,
         ),
         || {
-            let tools = crate::ptxas::Tools {
-                bench: crate::ptxas::build_bench(&cuda_prefix)?,
-                compiler: compiler.clone(),
-                ptxas: crate::ptxas::pinned_ptxas(cache, pins)?,
-                kernels: crate::kernels::folder(),
-            };
-            crate::ptxas::run(
-                &tools,
-                &pins.cuda.capabilities,
-                &repo_root().join("target/ptxas"),
-            )
+            crate::ptxas::run(crate::ptxas::Args {
+                bench: Some(crate::ptxas::build_bench(&cuda_prefix)?),
+                compiler: Some(compiler.clone()),
+                ..Default::default()
+            })
         },
     )?;
     steps.keyed(

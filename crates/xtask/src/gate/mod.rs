@@ -48,18 +48,21 @@ struct Build<'a> {
 }
 
 /// What one gate run does beyond the link check.
-#[derive(Default)]
-pub struct Options<'a> {
+#[derive(clap::Args, Default)]
+pub struct Options {
     /// Only the link check, no mutation suite.
+    #[arg(long)]
     pub link_only: bool,
-    /// Only the mutation of this name.
-    pub only: Option<&'a str>,
-    /// A folder that gets a copy of the report (the Nix check's `$out`), so
-    /// that no caller needs to know the report's file name.
-    pub out: Option<&'a Path>,
+    /// Run only the named mutation.
+    #[arg(long)]
+    pub mutation: Option<String>,
+    /// Also write the report (report-TRIPLE.json) into this folder, made if
+    /// absent: the Nix check's `$out` (no caller need know the report's name).
+    #[arg(long)]
+    pub out: Option<PathBuf>,
 }
 
-impl Options<'_> {
+impl Options {
     /// The link check alone.
     pub fn link_only() -> Self {
         Options {
@@ -77,11 +80,7 @@ pub fn report_name(target: &Target) -> String {
 /// Runs the link check and, unless `options.link_only`, the mutation suite;
 /// prints the report and writes it as JSON. Fails if any line failed.
 pub fn run(prefix: &Path, target: &Target, options: &Options) -> Result<()> {
-    let Options {
-        link_only,
-        only,
-        out,
-    } = *options;
+    let (only, out) = (options.mutation.as_deref(), options.out.as_deref());
     let root = repo_root();
     let target_dir = crate::process::target_dir();
     let work = target_dir.join("gate");
@@ -119,7 +118,7 @@ pub fn run(prefix: &Path, target: &Target, options: &Options) -> Result<()> {
         eprintln!("{}", tail(&link.output, 40));
     }
 
-    if ok && !link_only {
+    if ok && !options.link_only {
         let suite = (|| -> Result<()> {
             for mutation in MUTATIONS
                 .iter()
