@@ -74,16 +74,12 @@ pub fn run(cache: &Cache, pins: &Pins, plan: &Plan) -> Result<()> {
     // CUDA prefix serves both its gate and its emulated tests, which run the
     // gate's own test executables.
     let aarch64 = Target::parse(Some(AARCH64))?;
-    let aarch64_prefix = if !plan.skip_aarch64 && !plan.quick && aarch64.cross {
-        Some(prefix(
-            &mut steps,
-            "IREE prefix, CUDA driver, aarch64 (cross)",
-            Variant::Cuda,
-            &aarch64,
-        )?)
-    } else {
-        None
-    };
+    let aarch64_prefix = (!plan.skip_aarch64 && !plan.quick && aarch64.cross)
+        .then(|| {
+            let name = "IREE prefix, CUDA driver, aarch64 (cross)";
+            prefix(&mut steps, name, Variant::Cuda, &aarch64)
+        })
+        .transpose()?;
     let compiler_folder = compiler::compiler_dir(cache, pins)?;
     let (compiler, _) = steps.produce("iree-compile", &compiler_folder, || {
         compiler::install(cache, pins)
@@ -107,19 +103,20 @@ pub fn run(cache: &Cache, pins: &Pins, plan: &Plan) -> Result<()> {
     };
     // Steps that read the whole checkout, keyed by it and by the prefix and
     // compiler they use (folders named by their own content keys).
-    let whole = |name, prefix: &Path, cold_seconds, deferrable| Keyed {
+    let whole = |name, prefix: &Path, cold_seconds| Keyed {
         name,
         reads: Reads::Everything,
         extra: vec![prefix.display().to_string(), compiler.display().to_string()],
         cold_seconds,
-        deferrable,
+        deferrable: false,
         reusable: true,
     };
-    steps.run("rustfmt", || cargo(&["fmt", "--all", "--check"], &[]))?;
+    steps.run("rustfmt", || cargo("fmt --all --check", &[]))?;
     steps.run("kernels' PTX from their source", || {
         crate::kernels::run(true)
     })?;
     if !plan.quick {
+        // Lints, keyed by the files they read and the linters' folders.
         let lint = |name, reads| Keyed {
             name,
             reads: Reads::Only(reads),
@@ -151,43 +148,21 @@ pub fn run(cache: &Cache, pins: &Pins, plan: &Plan) -> Result<()> {
             || crate::verify_pins::run(cache, pins),
         )?;
     }
+    let clippy =
+        "clippy --workspace --all-targets --locked --features cuda,xla-iree -- -D warnings";
     steps.keyed(
-        whole(
-            "clippy (cuda,xla-iree, all targets)",
-            &cuda_prefix,
-            120,
-            false,
-        ),
-        || {
-            cargo(
-                &[
-                    "clippy",
-                    "--workspace",
-                    "--all-targets",
-                    "--locked",
-                    "--features",
-                    "cuda,xla-iree",
-                    "--",
-                    "-D",
-                    "warnings",
-                ],
-                &env(&cuda_prefix),
-            )
-        },
+        whole("clippy (cuda,xla-iree, all targets)", &cuda_prefix, 120),
+        || cargo(clippy, &env(&cuda_prefix)),
     )?;
     steps.keyed(
-        whole("tests on the CPU-only prefix", &cpu_prefix, 250, false),
-        || cargo(&["test", "--workspace", "--locked"], &env(&cpu_prefix)),
+        whole("tests on the CPU-only prefix", &cpu_prefix, 250),
+        || cargo("test --workspace --locked", &env(&cpu_prefix)),
     )?;
+    let link_only = crate::gate::Options::link_only;
     if plan.quick {
         steps.keyed(
-            whole(
-                "the link check (no mutation suite)",
-                &cuda_prefix,
-                512,
-                false,
-            ),
-            || crate::gate::run(&cuda_prefix, &host, &crate::gate::Options::link_only()),
+            whole("the link check (no mutation suite)", &cuda_prefix, 512),
+            || crate::gate::run(&cuda_prefix, &host, &link_only()),
         )?;
         eprintln!("{}", steps.summary());
         eprintln!(
@@ -196,32 +171,18 @@ pub fn run(cache: &Cache, pins: &Pins, plan: &Plan) -> Result<()> {
         return Ok(());
     }
     steps.keyed(
-        whole(
-            "tests with --features cuda,xla-iree",
-            &cuda_prefix,
-            385,
-            false,
-        ),
+        whole("tests with --features cuda,xla-iree", &cuda_prefix, 385),
         || {
-            cargo(
-                &[
-                    "test",
-                    "--workspace",
-                    "--locked",
-                    "--features",
-                    "cuda,xla-iree",
-                ],
-                &env(&cuda_prefix),
-            )
+            let test = "test --workspace --locked --features cuda,xla-iree";
+            cargo(test, &env(&cuda_prefix))
         },
     )?;
+    let ptxas = "ptxas: every prepared kernel for every pinned capability";
     steps.keyed(
-        whole(
-            "ptxas: every prepared kernel for every pinned capability",
-            &cuda_prefix,
-            330,
-            true,
-        ),
+        Keyed {
+            deferrable: true,
+            ..whole(ptxas, &cuda_prefix, 330)
+        },
         || {
             crate::ptxas::run(crate::ptxas::Args {
                 bench: Some(crate::ptxas::build_bench(&cuda_prefix)?),
@@ -235,17 +196,11 @@ pub fn run(cache: &Cache, pins: &Pins, plan: &Plan) -> Result<()> {
             "kiln-server with the official OpenAI Python client",
             &cpu_prefix,
             60,
-            false,
         ),
         || openai_client(cache),
     )?;
     steps.keyed(
-        whole(
-            "the gate: link check and mutation suite",
-            &cuda_prefix,
-            512,
-            false,
-        ),
+        whole("the gate: link check and mutation suite", &cuda_prefix, 512),
         || crate::gate::run(&cuda_prefix, &host, &Default::default()),
     )?;
     if let Some(prefix) = &aarch64_prefix {
@@ -253,15 +208,15 @@ pub fn run(cache: &Cache, pins: &Pins, plan: &Plan) -> Result<()> {
         // mutants: they share the link check's artifact names, so after them
         // the workspace crates would be rebuilt. One step, so that a deferral
         // leaves out all three or none.
+        let name = "aarch64: link check, tests under qemu-aarch64 (kiln-core, kiln-cpu, \
+                    xla_prepared_prefill on local-task), mutation suite";
         steps.keyed(
-            whole(
-                "aarch64: link check, tests under qemu-aarch64 (kiln-core, kiln-cpu, xla_prepared_prefill on local-task), mutation suite",
-                prefix,
-                630,
-                true,
-            ),
+            Keyed {
+                deferrable: true,
+                ..whole(name, prefix, 630)
+            },
             || {
-                crate::gate::run(prefix, &aarch64, &crate::gate::Options::link_only())?;
+                crate::gate::run(prefix, &aarch64, &link_only())?;
                 crate::emulated::run(prefix, &compiler, &aarch64)?;
                 crate::gate::run(prefix, &aarch64, &Default::default())
             },
@@ -269,8 +224,11 @@ pub fn run(cache: &Cache, pins: &Pins, plan: &Plan) -> Result<()> {
     }
     // Never reused: a verdict of identical builds must come from two builds
     // made now, sharing no cache (repro builds from two fresh checkouts).
-    let mut repro = whole("reproducible release binaries", &cuda_prefix, 460, true);
-    repro.reusable = false;
+    let repro = Keyed {
+        deferrable: true,
+        reusable: false,
+        ..whole("reproducible release binaries", &cuda_prefix, 460)
+    };
     steps.keyed(repro, || crate::repro::run(&cuda_prefix))?;
     eprintln!("{}", steps.summary());
     Ok(())
@@ -279,10 +237,7 @@ pub fn run(cache: &Cache, pins: &Pins, plan: &Plan) -> Result<()> {
 /// Builds `kiln` and `kiln-server` (default features) and runs
 /// tests/openai_client.py against them in the `openai` venv.
 fn openai_client(cache: &Cache) -> Result<()> {
-    cargo(
-        &["build", "--locked", "--bin", "kiln", "--bin", "kiln-server"],
-        &[],
-    )?;
+    cargo("build --locked --bin kiln --bin kiln-server", &[])?;
     let python = crate::setup::openai_python(cache)?;
     let root = repo_root();
     let bin = crate::process::target_dir().join("debug");
@@ -296,15 +251,15 @@ fn openai_client(cache: &Cache) -> Result<()> {
     )
 }
 
-/// Runs the cargo that runs xtask, in the repository root, building where
-/// xtask looks for what it built.
-fn cargo(args: &[&str], env: &[(&str, OsString)]) -> Result<()> {
+/// Runs the cargo that runs xtask with `args` (split at spaces), in the
+/// repository root, building where xtask looks for what it built.
+fn cargo(args: &str, env: &[(&str, OsString)]) -> Result<()> {
     crate::process::run(
         crate::process::cargo()
-            .args(args)
+            .args(args.split(' '))
             .envs(env.iter().map(|(k, v)| (k, v)))
             .env("CARGO_TARGET_DIR", crate::process::target_dir())
             .current_dir(repo_root()),
-        &format!("`cargo {}`", args.join(" ")),
+        &format!("`cargo {args}`"),
     )
 }
