@@ -85,11 +85,7 @@ impl Runner {
     /// A step that always runs (it is cheap, or its result is a value the
     /// next steps use and that it caches under its own key).
     pub fn run<T>(&mut self, name: &str, f: impl FnOnce() -> Result<T>) -> Result<T> {
-        self.begin(name);
-        let started = Instant::now();
-        let result = f();
-        self.end(name, started, result.is_ok(), Verdict::Ran);
-        result.with_context(|| format!("step failed: {name}"))
+        self.timed(name, Verdict::Ran, f)
     }
 
     /// A step whose product is a cache folder named by its content key:
@@ -118,16 +114,7 @@ impl Runner {
                     .unwrap_or_default(),
                 when: modified(folder),
             });
-        self.begin(name);
-        let started = Instant::now();
-        let result = f();
-        self.end(
-            name,
-            started,
-            result.is_ok(),
-            reused.unwrap_or(Verdict::Ran),
-        );
-        result.with_context(|| format!("step failed: {name}"))
+        self.timed(name, reused.unwrap_or(Verdict::Ran), f)
     }
 
     /// A step with a key: reused on a stamp with the same key, deferred when
@@ -137,26 +124,21 @@ impl Runner {
         let stamp = self
             .stamps
             .join(format!("{}-{}", slug(step.name), &key[..16]));
-        if step.reusable && std::fs::read_to_string(&stamp).is_ok_and(|held| held == key) {
-            let verdict = Verdict::Reused {
+        let verdict = if step.reusable && std::fs::read_to_string(&stamp).is_ok_and(|k| k == key) {
+            Some(Verdict::Reused {
                 key: key[..16].to_string(),
                 when: modified(&stamp),
-            };
+            })
+        } else {
+            self.no_room_for(&step).map(Verdict::Deferred)
+        };
+        // Reused or deferred: nothing runs, and no stamp is written.
+        if let Some(verdict) = verdict {
             self.report(step.name, 0.0, &verdict);
             self.done.push((step.name.to_string(), verdict));
             return Ok(());
         }
-        if let Some(why) = self.no_room_for(&step) {
-            let verdict = Verdict::Deferred(why);
-            self.report(step.name, 0.0, &verdict);
-            self.done.push((step.name.to_string(), verdict));
-            return Ok(());
-        }
-        self.begin(step.name);
-        let started = Instant::now();
-        let result = f();
-        self.end(step.name, started, result.is_ok(), Verdict::Ran);
-        result.with_context(|| format!("step failed: {}", step.name))?;
+        self.timed(step.name, Verdict::Ran, f)?;
         if !step.reusable {
             return Ok(());
         }
@@ -226,13 +208,19 @@ impl Runner {
         })
     }
 
-    fn begin(&self, name: &str) {
+    /// Runs `f` as the step `name`, between its two lines; `verdict` is what
+    /// it is recorded as if it succeeds.
+    fn timed<T>(
+        &mut self,
+        name: &str,
+        verdict: Verdict,
+        f: impl FnOnce() -> Result<T>,
+    ) -> Result<T> {
         eprintln!("==> {name}");
-    }
-
-    fn end(&mut self, name: &str, started: Instant, ok: bool, verdict: Verdict) {
+        let started = Instant::now();
+        let result = f();
         let seconds = started.elapsed().as_secs_f64();
-        if ok {
+        if result.is_ok() {
             self.report(name, seconds, &verdict);
             self.done.push((name.to_string(), verdict));
         } else {
@@ -242,6 +230,7 @@ impl Runner {
                 disk::free_space_line()
             );
         }
+        result.with_context(|| format!("step failed: {name}"))
     }
 
     fn report(&self, name: &str, seconds: f64, verdict: &Verdict) {
