@@ -18,11 +18,10 @@
 //! them and they are left out.
 
 use std::collections::BTreeSet;
-use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result, anyhow};
-use serde::Deserialize;
+use serde_json::Value;
 
 use crate::pins::{Pins, default_pin_file};
 
@@ -139,68 +138,34 @@ pub fn install(build: &Path, iree_source: &Path, out: &Path, id: &Identity) -> R
 /// The `.pc` text. `${pcfiledir}` keeps the prefix relocatable: the gate
 /// mutates copies of it.
 fn pkg_config_file(id: &Identity, drivers: &[String], libs: &[String]) -> String {
-    let mut pc = String::new();
-    let _ = writeln!(pc, "prefix=${{pcfiledir}}/../..");
-    let _ = writeln!(pc, "libdir=${{prefix}}/lib");
-    let _ = writeln!(pc, "includedir=${{prefix}}/include");
-    let _ = writeln!(pc, "iree_version={}", id.version);
-    let _ = writeln!(pc, "iree_revision={}", id.revision);
-    let _ = writeln!(pc, "target={}", id.target);
-    let _ = writeln!(pc, "hal_drivers={}", drivers.join(" "));
-    let _ = writeln!(pc);
-    let _ = writeln!(pc, "Name: {PKG_CONFIG_NAME}");
-    let _ = writeln!(
-        pc,
-        "Description: IREE runtime {} built from source for kiln",
-        id.version
-    );
-    let _ = writeln!(pc, "Version: {}", id.version);
-    let _ = writeln!(pc, "Cflags: -I${{includedir}}");
-    let _ = writeln!(pc, "Libs: -L${{libdir}} {}", libs.join(" "));
-    pc
-}
+    let Identity {
+        version,
+        revision,
+        target,
+    } = id;
+    format!(
+        "prefix=${{pcfiledir}}/../..
+libdir=${{prefix}}/lib
+includedir=${{prefix}}/include
+iree_version={version}
+iree_revision={revision}
+target={target}
+hal_drivers={}
 
-#[derive(Deserialize)]
-struct FileApiIndex {
-    reply: serde_json::Value,
-}
-
-#[derive(Deserialize)]
-struct Codemodel {
-    configurations: Vec<Configuration>,
-}
-
-#[derive(Deserialize)]
-struct Configuration {
-    targets: Vec<TargetRef>,
-}
-
-#[derive(Deserialize)]
-struct TargetRef {
-    name: String,
-    #[serde(rename = "jsonFile")]
-    json_file: String,
-}
-
-#[derive(Deserialize)]
-struct Target {
-    link: Option<Link>,
-}
-
-#[derive(Deserialize)]
-struct Link {
-    #[serde(rename = "commandFragments", default)]
-    fragments: Vec<Fragment>,
-}
-
-#[derive(Deserialize)]
-struct Fragment {
-    fragment: String,
-    role: String,
+Name: {PKG_CONFIG_NAME}
+Description: IREE runtime {version} built from source for kiln
+Version: {version}
+Cflags: -I${{includedir}}
+Libs: -L${{libdir}} {}
+",
+        drivers.join(" "),
+        libs.join(" ")
+    )
 }
 
 /// The probe's link libraries, in link order, from CMake's file API
-/// (codemodel v2), which nix/iree-prefix/CMakeLists.txt asks for.
+/// (codemodel v2, which nix/iree-prefix/CMakeLists.txt asks for): the
+/// reply's index names the code model, which names the probe's target file.
 fn probe_link_fragments(build: &Path) -> Result<Vec<String>> {
     let reply = build.join(".cmake/api/v1/reply");
     let index_path = std::fs::read_dir(&reply)
@@ -213,34 +178,31 @@ fn probe_link_fragments(build: &Path) -> Result<Vec<String>> {
         })
         .max()
         .ok_or_else(|| anyhow!("no index-*.json in {}", reply.display()))?;
-    let index: FileApiIndex = read_json(&index_path)?;
+    let index = read_json(&index_path)?;
     let codemodel_file = index
-        .reply
-        .pointer("/codemodel-v2/jsonFile")
-        .and_then(|v| v.as_str())
+        .pointer("/reply/codemodel-v2/jsonFile")
+        .and_then(Value::as_str)
         .ok_or_else(|| anyhow!("the CMake file-API reply has no codemodel-v2"))?;
-    let codemodel: Codemodel = read_json(&reply.join(codemodel_file))?;
-    let target_file = codemodel
-        .configurations
-        .iter()
-        .flat_map(|c| &c.targets)
-        .find(|t| t.name == PROBE)
-        .map(|t| t.json_file.clone())
-        .ok_or_else(|| anyhow!("the CMake code model has no target {PROBE}"))?;
-    let target: Target = read_json(&reply.join(target_file))?;
-    let link = target
-        .link
-        .ok_or_else(|| anyhow!("{PROBE} has no link step in the code model"))?;
-    Ok(link
-        .fragments
+    let codemodel = read_json(&reply.join(codemodel_file))?;
+    let target_file = codemodel["configurations"]
+        .as_array()
         .into_iter()
-        .filter(|f| f.role == "libraries")
-        .flat_map(|f| {
-            f.fragment
-                .split_whitespace()
-                .map(str::to_string)
-                .collect::<Vec<_>>()
-        })
+        .flatten()
+        .flat_map(|c| c["targets"].as_array().into_iter().flatten())
+        .find(|t| t["name"] == PROBE)
+        .and_then(|t| t["jsonFile"].as_str())
+        .ok_or_else(|| anyhow!("the CMake code model has no target {PROBE}"))?;
+    let target = read_json(&reply.join(target_file))?;
+    let fragments = target
+        .pointer("/link/commandFragments")
+        .ok_or_else(|| anyhow!("{PROBE} has no link step in the code model"))?;
+    Ok(fragments
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter(|f| f["role"] == "libraries")
+        .filter_map(|f| f["fragment"].as_str())
+        .flat_map(|fragment| fragment.split_whitespace().map(str::to_string))
         .collect())
 }
 
@@ -321,7 +283,7 @@ fn absolute(base: &Path, path: &str) -> PathBuf {
     joined.canonicalize().unwrap_or(joined)
 }
 
-fn read_json<T: serde::de::DeserializeOwned>(path: &Path) -> Result<T> {
+fn read_json(path: &Path) -> Result<Value> {
     let text =
         std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))?;
     serde_json::from_str(&text).with_context(|| format!("{} is malformed", path.display()))
