@@ -72,9 +72,7 @@ impl Cache {
             .with_context(|| format!("cannot move {} to {}", staged.display(), dest.display()))?;
         Ok(dest.to_path_buf())
     }
-}
 
-impl Cache {
     /// Whether `dest` may be reused: it exists and its tree hashes to the
     /// digest recorded when it was published. A damaged entry (no digest,
     /// or another tree) is moved out of the way and removed, with a line

@@ -9,14 +9,15 @@ use anyhow::{Result, anyhow};
 use crate::cache::Cache;
 use crate::digest::content_key;
 use crate::fetch::fetch;
-use crate::pins::{Download, Pins, for_system, host_system};
+use crate::pins::{Download, Pins, for_system};
+use crate::target::Target;
 use crate::unpack;
 
 /// The pinned compiler wheel of this machine.
 fn pinned_wheel(pins: &Pins) -> Result<&Download> {
     for_system(
         &pins.iree.compiler.wheels,
-        &host_system()?,
+        Target::host()?.system,
         "iree-base-compiler wheel",
     )
 }

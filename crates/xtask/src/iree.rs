@@ -11,7 +11,7 @@ use serde_json::json;
 use crate::cache::Cache;
 use crate::digest::content_key;
 use crate::fetch::fetch;
-use crate::pins::{Pins, for_system, host_system, repo_root};
+use crate::pins::{Pins, for_system, repo_root};
 use crate::prefix::{self, Identity};
 use crate::target::Target;
 use crate::tools::pinned_tool;
@@ -109,10 +109,10 @@ pub fn build(cache: &Cache, pins: &Pins, variant: Variant, target: &Target) -> R
     };
     let started = Instant::now();
     // The build tools run here; the CUDA headers are the target's.
-    let system = host_system()?;
+    let system = Target::host()?.system;
     let source = crate::iree_patches::patched_source(cache, pins)?;
-    let cmake = pinned_tool(cache, &pins.tools.cmake, "cmake", &system)?;
-    let ninja = pinned_tool(cache, &pins.tools.ninja, "ninja", &system)?;
+    let cmake = pinned_tool(cache, &pins.tools.cmake, "cmake", system)?;
+    let ninja = pinned_tool(cache, &pins.tools.ninja, "ninja", system)?;
     let cuda_deps = match variant {
         Variant::Cpu => None,
         Variant::Cuda => Some(cuda_deps_dir(cache, pins, target.system)?),

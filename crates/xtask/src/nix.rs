@@ -72,13 +72,13 @@ pub fn build(cache: &Cache, options: BuildOptions) -> Result<()> {
     require_host_programs(&build::HOST_PROGRAMS, "the Nix build's host package set")?;
     let host = find_host(cache)?;
     let inputs = inputs(cache, options.inputs.as_deref())?;
-    let system = crate::pins::host_system()?;
+    let system = crate::target::Target::host()?.system;
     let options = build::Options {
         sandbox: options.sandbox,
         shell: options.shell,
         attributes: options.attributes,
     };
-    with_checkout(|checkout| build::run(checkout, &inputs, &host, &system, options))
+    with_checkout(|checkout| build::run(checkout, &inputs, &host, system, options))
 }
 
 /// This checkout, copied for the harness as xtask copies it everywhere.

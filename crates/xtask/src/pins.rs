@@ -166,17 +166,6 @@ pub fn for_system<'a>(
     })
 }
 
-/// The Nix system name of the machine xtask runs on (`x86_64-linux`, …).
-pub fn host_system() -> Result<String> {
-    if std::env::consts::OS != "linux" {
-        return Err(anyhow!(
-            "kiln builds IREE on Linux only; this is {}",
-            std::env::consts::OS
-        ));
-    }
-    Ok(format!("{}-linux", std::env::consts::ARCH))
-}
-
 /// The repository root (xtask lives in `crates/xtask`).
 pub fn repo_root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))

@@ -19,7 +19,7 @@ use serde::Serialize;
 
 use crate::cache::Cache;
 use crate::fetch::fetch;
-use crate::pins::{Pins, default_pin_file, for_system, host_system, repo_root};
+use crate::pins::{Pins, default_pin_file, for_system, repo_root};
 use crate::target::Target;
 
 /// The models whose modules are assembled: kiln's embedded model and
@@ -53,7 +53,7 @@ pub struct Args {
     pub out: Option<PathBuf>,
 }
 
-#[derive(Serialize)]
+#[derive(Serialize, Default)]
 struct Kernel {
     capability: String,
     module: String,
@@ -75,7 +75,7 @@ pub fn pinned_ptxas(cache: &Cache, pins: &Pins) -> Result<PathBuf> {
     let member = wheel.ptxas.as_ref().ok_or_else(|| {
         anyhow!("nix/pins.json: cuda.wheels.nvcc.ptxas must name ptxas inside the wheel")
     })?;
-    let pin = for_system(&wheel.systems, &host_system()?, "CUDA nvcc wheel")?;
+    let pin = for_system(&wheel.systems, Target::host()?.system, "CUDA nvcc wheel")?;
     let dir = cache.path("ptxas").join(&pin.sha256[..16]);
     let dir = cache.publish(&dir, |staging| {
         let archive = fetch(cache, pin)?;
@@ -270,11 +270,7 @@ fn parse_verbose(text: &str, gpu: &str, module: &str) -> Vec<Kernel> {
                 capability: gpu.to_string(),
                 module: module.to_string(),
                 kernel: name,
-                registers: 0,
-                spill_stores: 0,
-                spill_loads: 0,
-                shared_bytes: 0,
-                stack_bytes: 0,
+                ..Default::default()
             });
         } else if let Some(kernel) = current.as_mut() {
             if line.contains("bytes stack frame") {

@@ -74,7 +74,7 @@ pub enum Scope {
 }
 
 /// A hash-pinned virtual environment: its folder's name and requirements.
-struct Venv {
+pub struct Venv {
     name: &'static str,
     requirements: &'static str,
 }
@@ -86,13 +86,13 @@ const LINT_VENV: Venv = Venv {
 };
 
 /// The `openai` package, for tests/openai_client.py.
-const OPENAI_VENV: Venv = Venv {
+pub const OPENAI_VENV: Venv = Venv {
     name: "openai-venv",
     requirements: ".ci/requirements-openai.txt",
 };
 
 /// Jinja2, for the released chat templates of tests/released_files.rs.
-const JINJA_VENV: Venv = Venv {
+pub const JINJA_VENV: Venv = Venv {
     name: "jinja-venv",
     requirements: ".ci/requirements-jinja.txt",
 };
@@ -177,9 +177,9 @@ pub fn run(cache: &Cache, scope: Scope) -> Result<Toolbox> {
         }
         install_cargo_tool(cache, tool)?;
     }
-    install_venv(cache, &LINT_VENV)?;
-    install_venv(cache, &OPENAI_VENV)?;
-    install_venv(cache, &JINJA_VENV)?;
+    for venv in [&LINT_VENV, &OPENAI_VENV, &JINJA_VENV] {
+        install_venv(cache, venv)?;
+    }
     let toolbox = Toolbox::installed(cache)?;
     eprintln!(
         "setup: system packages present; tools in {}",
@@ -230,26 +230,21 @@ fn system_packages() -> Result<()> {
         .filter(|p| missing.contains(&p.name))
         .map(|p| format!("  {}: {}", p.name, p.purpose))
         .collect();
-    let sudo = match privilege() {
-        Privilege::Root => None,
-        Privilege::Sudo => Some("sudo"),
-        Privilege::None => {
-            return Err(anyhow!(
-                "missing system packages:\n{}\nrun as root: {install}",
-                why.join("\n")
-            ));
-        }
-    };
+    // apt-get as root, else through password-less sudo, else a stop.
+    let root = std::fs::metadata("/proc/self").is_ok_and(|m| m.uid() == 0);
+    let sudo = !root && succeeds(Command::new("sudo").args(["-n", "true"]));
+    if !root && !sudo {
+        return Err(anyhow!(
+            "missing system packages:\n{}\nrun as root: {install}",
+            why.join("\n")
+        ));
+    }
     eprintln!("setup: installing {}", missing.join(" "));
     let apt = |args: &[&str]| -> Result<()> {
-        let mut command = match sudo {
-            Some(sudo) => {
-                let mut c = Command::new(sudo);
-                c.arg("-n").arg("apt-get");
-                c
-            }
-            None => Command::new("apt-get"),
-        };
+        let mut command = Command::new(if sudo { "sudo" } else { "apt-get" });
+        if sudo {
+            command.args(["-n", "apt-get"]);
+        }
         crate::process::run(
             command.args(args).env("DEBIAN_FRONTEND", "noninteractive"),
             &format!("`apt-get {}`", args.join(" ")),
@@ -269,25 +264,9 @@ fn dpkg_installed(package: &str) -> bool {
         .is_ok_and(|out| out.status.success() && out.stdout == b"installed")
 }
 
-enum Privilege {
-    Root,
-    Sudo,
-    None,
-}
-
-fn privilege() -> Privilege {
-    if std::fs::metadata("/proc/self").is_ok_and(|m| m.uid() == 0) {
-        return Privilege::Root;
-    }
-    let sudo_works = Command::new("sudo")
-        .args(["-n", "true"])
-        .output()
-        .is_ok_and(|out| out.status.success());
-    if sudo_works {
-        Privilege::Sudo
-    } else {
-        Privilege::None
-    }
+/// Whether `command` runs and exits 0 (its output unseen).
+fn succeeds(command: &mut Command) -> bool {
+    command.output().is_ok_and(|out| out.status.success())
 }
 
 fn cargo_tool_dir(cache: &Cache, tool: &CargoTool) -> PathBuf {
@@ -358,18 +337,8 @@ fn own_workspace(manifest: &Path) -> Result<()> {
     Ok(())
 }
 
-/// The Python of the OpenAI client's venv (installed by [`run`]).
-pub fn openai_python(cache: &Cache) -> Result<PathBuf> {
-    venv_python(cache, &OPENAI_VENV)
-}
-
-/// The Python of the Jinja2 venv (installed by [`run`]).
-pub fn jinja_python(cache: &Cache) -> Result<PathBuf> {
-    venv_python(cache, &JINJA_VENV)
-}
-
-/// The Python of `venv`, which must be installed.
-fn venv_python(cache: &Cache, venv: &Venv) -> Result<PathBuf> {
+/// The Python of `venv`, which must be installed (by [`run`]).
+pub fn venv_python(cache: &Cache, venv: &Venv) -> Result<PathBuf> {
     let python = venv_dir(cache, venv)?.join("bin/python");
     if !python.is_file() {
         return Err(anyhow!(

@@ -7,7 +7,7 @@ use std::process::Command;
 
 use anyhow::{Result, anyhow};
 
-use crate::tools::{host_c_toolchain, require_host_program};
+use crate::tools::require_host_program;
 
 /// The Rust target triples kiln builds for, with the Nix system that names
 /// their pins and the GNU triple of their C toolchain.
@@ -95,15 +95,17 @@ impl Target {
         }
     }
 
-    /// The C and C++ compilers that build for this target, with their
-    /// identities (part of a prefix's cache key).
+    /// The C and C++ compilers that build IREE for this target, with their
+    /// identities (part of a prefix's cache key: another compiler makes
+    /// another prefix).
     pub fn c_toolchain(&self) -> Result<Vec<String>> {
-        if !self.cross {
-            return host_c_toolchain();
-        }
+        let (cc, cxx) = match self.cross {
+            true => (self.cc(), self.cxx()),
+            false => ("cc".into(), "c++".into()),
+        };
         Ok(vec![
-            require_host_program(&self.cc(), "the cross C compiler")?,
-            require_host_program(&self.cxx(), "the cross C++ compiler")?,
+            require_host_program(&cc, "the C compiler that builds IREE's runtime")?,
+            require_host_program(&cxx, "the C++ compiler CMake requires for IREE")?,
         ])
     }
 

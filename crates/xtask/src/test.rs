@@ -85,7 +85,7 @@ pub fn run(cache: &Cache, pins: &Pins, plan: &Plan) -> Result<()> {
         compiler::install(cache, pins)
     })?;
 
-    let jinja_python = crate::setup::jinja_python(cache)?;
+    let jinja_python = crate::setup::venv_python(cache, &crate::setup::JINJA_VENV)?;
     let reference_folder = crate::reference_files::folder(cache, pins)?;
     let reference_files = steps.produce("reference files", &reference_folder, || {
         crate::reference_files::provide(cache, pins)
@@ -238,7 +238,7 @@ pub fn run(cache: &Cache, pins: &Pins, plan: &Plan) -> Result<()> {
 /// tests/openai_client.py against them in the `openai` venv.
 fn openai_client(cache: &Cache) -> Result<()> {
     cargo("build --locked --bin kiln --bin kiln-server", &[])?;
-    let python = crate::setup::openai_python(cache)?;
+    let python = crate::setup::venv_python(cache, &crate::setup::OPENAI_VENV)?;
     let root = repo_root();
     let bin = crate::process::target_dir().join("debug");
     crate::process::run(

@@ -164,15 +164,6 @@ pub fn require_host_programs(programs: &[&str], purpose: &str) -> Result<()> {
     ))
 }
 
-/// The host C and C++ compilers that build IREE, with their identities (part
-/// of the prefix's cache key: another compiler makes another prefix).
-pub fn host_c_toolchain() -> Result<Vec<String>> {
-    Ok(vec![
-        require_host_program("cc", "the C compiler that builds IREE's runtime")?,
-        require_host_program("c++", "the C++ compiler CMake requires for IREE")?,
-    ])
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
