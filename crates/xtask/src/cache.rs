@@ -11,7 +11,7 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result, anyhow};
 
-use crate::digest::tree_digest;
+use build_support::digest::tree_digest;
 
 pub struct Cache {
     root: PathBuf,

@@ -7,11 +7,11 @@ use std::process::Command;
 use anyhow::{Result, anyhow};
 
 use crate::cache::Cache;
-use crate::digest::content_key;
 use crate::fetch::fetch;
 use crate::pins::{Download, Pins, for_system};
 use crate::target::Target;
-use crate::unpack;
+use build_support::digest::content_key;
+use build_support::unpack;
 
 /// The pinned compiler wheel of this machine.
 fn pinned_wheel(pins: &Pins) -> Result<&Download> {

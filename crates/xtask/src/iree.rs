@@ -9,13 +9,13 @@ use anyhow::{Context, Result};
 use serde_json::json;
 
 use crate::cache::Cache;
-use crate::digest::content_key;
 use crate::fetch::fetch;
 use crate::pins::{Pins, for_system, repo_root};
 use crate::prefix::{self, Identity};
 use crate::target::Target;
 use crate::tools::pinned_tool;
-use crate::unpack;
+use build_support::digest::content_key;
+use build_support::unpack;
 
 /// Which runtime to build: CPU drivers only, or with the CUDA HAL driver.
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -234,7 +234,7 @@ fn cuda_deps_dir(cache: &Cache, pins: &Pins, system: &str) -> Result<PathBuf> {
             let unpacked = tempfile::tempdir_in(cache.path("staging"))?;
             unpack::wheel(&archive, unpacked.path())?;
             for (from, to) in &wheel.layout {
-                crate::tree::copy_tree(&unpacked.path().join(from), &staging.join(to))
+                build_support::tree::copy_tree(&unpacked.path().join(from), &staging.join(to))
                     .with_context(|| format!("CUDA {name} wheel: cannot copy {from} to {to}"))?;
             }
         }

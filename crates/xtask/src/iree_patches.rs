@@ -11,10 +11,10 @@ use anyhow::{Context, Result, anyhow};
 use serde_json::json;
 
 use crate::cache::Cache;
-use crate::digest::content_key;
 use crate::fetch::fetch;
 use crate::pins::{Pins, repo_root};
-use crate::unpack;
+use build_support::digest::content_key;
+use build_support::unpack;
 
 /// The folder the patches live in.
 fn patch_dir() -> PathBuf {

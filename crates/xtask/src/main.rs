@@ -4,7 +4,6 @@
 
 mod cache;
 mod compiler;
-mod digest;
 mod disk;
 mod emulated;
 mod env;
@@ -29,8 +28,6 @@ mod steps;
 mod target;
 mod test;
 mod tools;
-mod tree;
-mod unpack;
 mod verify_pins;
 
 use std::path::PathBuf;

@@ -16,7 +16,7 @@ use crate::cache::Cache;
 use crate::pins::repo_root;
 use crate::setup::Toolbox;
 use crate::tools::{package_hint, require_host_program, require_host_programs};
-use crate::tree::{copy_checkout, source_files};
+use build_support::tree::{copy_checkout, source_files};
 
 /// `cargo xtask eval-nix [--inputs DIR]`.
 pub fn eval(cache: &Cache, inputs_dir: Option<&Path>) -> Result<()> {
@@ -115,7 +115,7 @@ fn download(cache: &Cache) -> Result<Inputs> {
             );
             let tarball = crate::fetch::download_unverified(&url, &cache.path("staging"))?;
             let unpacked = staging.join("unpacked");
-            crate::unpack::tar_gz(tarball.path(), &unpacked)?;
+            build_support::unpack::tar_gz(tarball.path(), &unpacked)?;
             // GitHub's tarballs hold one top folder, `REPO-REV`.
             let top = std::fs::read_dir(&unpacked)?
                 .next()

@@ -79,7 +79,7 @@ pub fn pinned_ptxas(cache: &Cache, pins: &Pins) -> Result<PathBuf> {
     let dir = cache.path("ptxas").join(&pin.sha256[..16]);
     let dir = cache.publish(&dir, |staging| {
         let archive = fetch(cache, pin)?;
-        crate::unpack::wheel_members(&archive, staging, std::slice::from_ref(member))
+        build_support::unpack::wheel_members(&archive, staging, std::slice::from_ref(member))
     })?;
     Ok(dir.join(member))
 }

@@ -10,10 +10,10 @@ use std::path::PathBuf;
 use anyhow::Result;
 
 use crate::cache::Cache;
-use crate::digest::content_key;
 use crate::fetch::fetch;
 use crate::pins::Pins;
-use crate::unpack;
+use build_support::digest::content_key;
+use build_support::unpack;
 
 /// The folder the reference files of the current pins unpack to (it may
 /// not exist yet): named by what is in it.

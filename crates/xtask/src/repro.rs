@@ -7,9 +7,9 @@ use std::path::{Path, PathBuf};
 use anyhow::{Result, anyhow};
 use object::{Object, ObjectSection};
 
-use crate::digest::sha256_file;
 use crate::pins::repo_root;
-use crate::tree::copy_checkout;
+use build_support::digest::sha256_file;
+use build_support::tree::copy_checkout;
 
 /// The two builds' checkout folder names differ in length too, so a leaked
 /// path cannot hide by padding.

@@ -23,7 +23,7 @@ pub fn run_child(name: &str, launch: impl FnOnce(PathBuf) -> Command) {
     let output = command
         .output()
         .unwrap_or_else(|e| panic!("cannot run {:?}: {e}", command.get_program()));
-    let text = crate::process::text(&output);
+    let text = build_support::process::text(&output);
     assert!(
         output.status.success() && text.contains("1 passed"),
         "{name} failed in its child:\n{text}"

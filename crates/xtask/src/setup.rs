@@ -24,11 +24,11 @@ use std::process::Command;
 use anyhow::{Context, Result, anyhow};
 
 use crate::cache::Cache;
-use crate::digest::{content_key, sha256_file};
 use crate::fetch::fetch;
 use crate::pins::{Download, repo_root};
 use crate::tools::{SYSTEM_PACKAGES, package_of};
-use crate::unpack;
+use build_support::digest::{content_key, sha256_file};
+use build_support::unpack;
 
 /// A crates.io binary crate, pinned by version and the sha256 of its `.crate`
 /// (the `cksum` in the crates.io index).

@@ -17,11 +17,13 @@ fn literal_arguments<'a>(text: &'a str, function: &str) -> Vec<&'a str> {
         .collect()
 }
 
-/// xtask's source files, each without its tests (which call the checks
+/// The source files of xtask and of the plumbing it runs programs with
+/// (crates/build-support), each without its tests (which call the checks
 /// with programs that are not meant to exist).
 fn xtask_sources() -> Vec<(String, String)> {
-    walkdir::WalkDir::new(repo_root().join("crates/xtask/src"))
-        .into_iter()
+    ["crates/xtask/src", "crates/build-support/src"]
+        .iter()
+        .flat_map(|dir| walkdir::WalkDir::new(repo_root().join(dir)))
         .map(|entry| entry.unwrap().into_path())
         .filter(|path| path.extension().is_some_and(|e| e == "rs"))
         .map(|path| {
@@ -65,7 +67,7 @@ fn every_program_the_steps_check_for_is_in_a_package_setup_installs() {
                 .map(String::from),
         );
     }
-    // The scan found the literal calls (pkg-config's, git's, nix's, ...).
+    // The scan found the literal calls (pkg-config's, nix's, ...).
     assert!(programs.iter().any(|p| p == "pkg-config"), "{programs:?}");
     assert!(packages.iter().any(|p| p == "libclang-dev"), "{packages:?}");
     let unknown: Vec<&String> = programs

@@ -15,8 +15,8 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant, SystemTime};
 
-use crate::digest::{Digest, Sha256};
 use anyhow::{Context, Result, anyhow};
+use build_support::digest::{Digest, Sha256};
 
 use crate::cache::Cache;
 use crate::disk;
@@ -67,8 +67,8 @@ impl Runner {
     pub fn new(cache: &Cache, budget: Option<Duration>) -> Result<Runner> {
         let root = repo_root();
         let mut files = Vec::new();
-        for file in crate::tree::source_files(&root)? {
-            let hash = crate::digest::sha256_file(&root.join(&file))?;
+        for file in build_support::tree::source_files(&root)? {
+            let hash = build_support::digest::sha256_file(&root.join(&file))?;
             files.push((file, hash));
         }
         files.sort();
@@ -191,7 +191,7 @@ impl Runner {
         for (name, value) in result_env() {
             hash.update(format!("env {name}={value}\n"));
         }
-        crate::digest::hex(hash)
+        build_support::digest::hex(hash)
     }
 
     fn no_room_for(&self, step: &Keyed) -> Option<String> {

@@ -33,21 +33,25 @@ pub struct Plan {
     pub budget_minutes: Option<u64>,
 }
 
-/// What a step reads, beyond the toolchain: the Nix files and the linter's
-/// own code; the workflows, CI scripts and their linter; the pins and the
-/// code that fetches them.
+/// What a step reads, beyond the toolchain and xtask's own code (with the
+/// plumbing it runs on): the Nix files and the linter's code; the workflows,
+/// CI scripts and their linter; the pins.
+fn xtask_code(path: &Path) -> bool {
+    path.starts_with("crates/xtask") || path.starts_with("crates/build-support")
+}
 fn nix_files(path: &Path) -> bool {
     path.extension().is_some_and(|e| e == "nix")
         || path.starts_with("crates/nix-harness")
-        || path.starts_with("crates/xtask")
+        || xtask_code(path)
 }
 fn workflow_files(path: &Path) -> bool {
-    [".github", ".ci", "crates/workflow-lint", "crates/xtask"]
+    [".github", ".ci", "crates/workflow-lint"]
         .iter()
         .any(|folder| path.starts_with(folder))
+        || xtask_code(path)
 }
 fn pin_files(path: &Path) -> bool {
-    path == Path::new("nix/pins.json") || path.starts_with("crates/xtask")
+    path == Path::new("nix/pins.json") || xtask_code(path)
 }
 
 /// Every step of the suite, in order; the first failure stops it. Each

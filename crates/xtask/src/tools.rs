@@ -12,7 +12,7 @@ use anyhow::{Context, Result, anyhow};
 use crate::cache::Cache;
 use crate::fetch::fetch;
 use crate::pins::{Tool, for_system};
-use crate::unpack;
+use build_support::unpack;
 
 /// A Debian/Ubuntu package that kiln's build scripts and steps need.
 pub struct SystemPackage {

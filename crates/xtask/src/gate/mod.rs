@@ -371,7 +371,7 @@ fn run_mutation(
     // then differ only where the mutation edits.
     let tree = scratch.join("tree");
     let mutant_prefix = scratch.join("prefix");
-    crate::tree::copy_checkout(root, &tree)?;
+    build_support::tree::copy_checkout(root, &tree)?;
     copy_dir(build.prefix, &mutant_prefix)?;
     if let Err(error) = apply(mutation.edits, &tree, &mutant_prefix) {
         return Ok(line(
@@ -508,7 +508,7 @@ fn copy_dir(from: &Path, to: &Path) -> Result<()> {
     if to.exists() {
         std::fs::remove_dir_all(to)?;
     }
-    crate::tree::copy_tree(from, to)
+    build_support::tree::copy_tree(from, to)
 }
 
 /// The line that says why: an undefined symbol if there is one, else the
@@ -634,7 +634,7 @@ mod tests {
 
         let (prefix_copy, tree_copy) = (dir.path().join("prefix"), dir.path().join("tree"));
         copy_dir(&prefix, &prefix_copy).unwrap();
-        crate::tree::copy_checkout(&tree, &tree_copy).unwrap();
+        build_support::tree::copy_checkout(&tree, &tree_copy).unwrap();
         let edits = [
             Edit::Libs(LibsEdit::Drop(1)),
             Edit::Tree {

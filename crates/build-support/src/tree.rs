@@ -22,8 +22,11 @@ pub fn source_files(root: &Path) -> Result<Vec<PathBuf>> {
                 .current_dir(root),
         )
         .with_context(|| {
-            let hint = crate::tools::install_hint("git");
-            format!("cannot list the files of {} ({hint})", root.display())
+            let hint = "`cargo xtask setup` installs it (Debian/Ubuntu package git)";
+            format!(
+                "cannot list the files of {} with git ({hint})",
+                root.display()
+            )
         })?;
         return Ok(listing
             .split(|b| *b == 0)
