@@ -117,13 +117,12 @@ mod tests {
     use std::os::unix::fs::PermissionsExt;
 
     use super::*;
-    use crate::pins::default_pin_file;
 
     /// With exactly the pinned files (what Nix installs), iree-compile builds
     /// an llvm-cpu module: that target needs iree-lld beside the binary.
     #[test]
     fn the_pinned_files_compile_an_llvm_cpu_module() {
-        let pins = Pins::load(&default_pin_file()).unwrap();
+        let pins = Pins::of_checkout().unwrap();
         let wheel = pinned_wheel(&pins).unwrap();
         let cache = Cache::open().unwrap();
         let archive = cache
@@ -170,53 +169,30 @@ mod tests {
         );
     }
 
-    /// Serialises the tests that write and run a script: a fork by another
-    /// test thread while a script is still open for writing would hold its
-    /// descriptor and make the exec fail with ETXTBSY.
-    static EXEC: std::sync::Mutex<()> = std::sync::Mutex::new(());
-
-    /// A stand-in `iree-compile` that prints `version_output`.
-    fn fake_compiler(dir: &Path, version_output: &str) -> PathBuf {
-        let path = dir.join("iree-compile");
-        std::fs::write(&path, format!("#!/bin/sh\necho '{version_output}'\n")).unwrap();
-        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755)).unwrap();
-        path
-    }
-
+    /// The pinned version line is accepted; another revision is refused
+    /// with both revisions printed, and so is the pinned revision with
+    /// another version.
     #[test]
-    fn another_revision_is_refused_with_both_revisions_printed() {
-        let _serial = EXEC.lock().unwrap_or_else(|e| e.into_inner());
-        let pins = Pins::load(&default_pin_file()).unwrap();
+    fn only_the_pinned_version_line_is_accepted() {
+        let pins = Pins::of_checkout().unwrap();
         let dir = tempfile::tempdir().unwrap();
+        // A stand-in `iree-compile` named `name` that prints `line`.
+        let check = |name: &str, line: &str| {
+            let path = dir.path().join(name);
+            std::fs::write(&path, format!("#!/bin/sh\necho '{line}'\n")).unwrap();
+            std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755)).unwrap();
+            check_revision(&path, &pins)
+        };
+        let pinned = format!("IREE compiler version {}", pins.iree.compiler.version_line);
+        assert_eq!(check("pinned", &pinned).unwrap(), pinned);
         let other = "0123456789abcdef0123456789abcdef01234567";
-        let binary = fake_compiler(
-            dir.path(),
-            &format!("IREE compiler version 3.11.0 @ {other}"),
-        );
-        let error = check_revision(&binary, &pins).unwrap_err().to_string();
+        let line = format!("IREE compiler version 3.11.0 @ {other}");
+        let error = check("other-revision", &line).unwrap_err().to_string();
         assert!(error.contains("revision mismatch"), "{error}");
         assert!(error.contains(other), "{error}");
         assert!(error.contains(&pins.iree.revision), "{error}");
-    }
-
-    #[test]
-    fn the_pinned_version_line_is_accepted() {
-        let _serial = EXEC.lock().unwrap_or_else(|e| e.into_inner());
-        let pins = Pins::load(&default_pin_file()).unwrap();
-        let dir = tempfile::tempdir().unwrap();
-        let line = format!("IREE compiler version {}", pins.iree.compiler.version_line);
-        let binary = fake_compiler(dir.path(), &line);
-        assert_eq!(check_revision(&binary, &pins).unwrap(), line);
-    }
-
-    #[test]
-    fn the_same_revision_with_another_version_is_refused() {
-        let _serial = EXEC.lock().unwrap_or_else(|e| e.into_inner());
-        let pins = Pins::load(&default_pin_file()).unwrap();
-        let dir = tempfile::tempdir().unwrap();
         let line = format!("IREE compiler version 9.9.9 @ {}", pins.iree.revision);
-        let binary = fake_compiler(dir.path(), &line);
-        let error = check_revision(&binary, &pins).unwrap_err().to_string();
+        let error = check("other-version", &line).unwrap_err().to_string();
         assert!(error.contains("version mismatch"), "{error}");
     }
 }

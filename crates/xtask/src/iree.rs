@@ -263,14 +263,13 @@ fn parse_ninja_status(line: &str) -> Option<(u64, u64)> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::pins::default_pin_file;
     use crate::target::AARCH64;
 
     #[test]
     fn a_cross_prefix_has_a_key_and_folder_of_its_own() {
         let cache = tempfile::tempdir().unwrap();
         let cache = Cache::at(cache.path());
-        let pins = Pins::load(&default_pin_file()).unwrap();
+        let pins = Pins::of_checkout().unwrap();
         let host = Target::host().unwrap();
         let aarch64 = Target::parse(Some(AARCH64)).unwrap();
         if !aarch64.cross {
