@@ -22,6 +22,7 @@ use std::time::Instant;
 
 use anyhow::{Context, Result, anyhow};
 use serde::Serialize;
+use serde_json::Value;
 
 use crate::pins::repo_root;
 use crate::target::Target;
@@ -44,7 +45,21 @@ struct Line {
 struct Build<'a> {
     prefix: &'a Path,
     target: &'a Target,
-    target_dir: &'a Path,
+    /// Every target shares the one target folder: cargo keeps each target's
+    /// artifacts apart inside it (`target/TRIPLE/`), and the build scripts
+    /// and proc macros, built for the host, are shared.
+    target_dir: PathBuf,
+}
+
+impl<'a> Build<'a> {
+    fn new(prefix: &'a Path, target: &'a Target) -> Self {
+        let target_dir = crate::process::target_dir();
+        Build {
+            prefix,
+            target,
+            target_dir,
+        }
+    }
 }
 
 /// What one gate run does beyond the link check.
@@ -82,18 +97,10 @@ pub fn report_name(target: &Target) -> String {
 pub fn run(prefix: &Path, target: &Target, options: &Options) -> Result<()> {
     let (only, out) = (options.mutation.as_deref(), options.out.as_deref());
     let root = repo_root();
-    let target_dir = crate::process::target_dir();
-    let work = target_dir.join("gate");
+    let build = Build::new(prefix, target);
+    let work = build.target_dir.join("gate");
     std::fs::create_dir_all(&work)?;
     let scratch = scratch_folder()?;
-    // Every target shares the one target folder: cargo keeps each target's
-    // artifacts apart inside it (`target/TRIPLE/`), and the build scripts
-    // and proc macros, built for the host, are shared.
-    let build = Build {
-        prefix,
-        target,
-        target_dir: &target_dir,
-    };
     let mut report: Vec<Line> = Vec::new();
 
     let started = Instant::now();
@@ -197,16 +204,10 @@ pub struct TestExecutable {
 /// the link check's own command (so nothing is built that it did not build),
 /// asked to list what it made.
 pub fn test_executables(prefix: &Path, target: &Target) -> Result<Vec<TestExecutable>> {
-    let root = repo_root();
-    let target_dir = crate::process::target_dir();
-    let build = Build {
-        prefix,
-        target,
-        target_dir: &target_dir,
-    };
+    let build = Build::new(prefix, target);
     let mut args = link_check_args(Scope::Workspace, target);
     args.push("--message-format=json-render-diagnostics");
-    let outcome = cargo(&root, &build, prefix, &args)?;
+    let outcome = cargo(&repo_root(), &build, prefix, &args)?;
     if !outcome.success {
         return Err(anyhow!(
             "the link check for {} failed:\n{}",
@@ -219,43 +220,28 @@ pub fn test_executables(prefix: &Path, target: &Target) -> Result<Vec<TestExecut
 
 /// The test executables among cargo's JSON messages (one object a line).
 fn parse_test_executables(messages: &str) -> Result<Vec<TestExecutable>> {
-    #[derive(serde::Deserialize)]
-    struct Artifact {
-        reason: String,
-        target: Option<ArtifactTarget>,
-        profile: Option<ArtifactProfile>,
-        executable: Option<PathBuf>,
-        manifest_path: Option<PathBuf>,
-    }
-    #[derive(serde::Deserialize)]
-    struct ArtifactTarget {
-        kind: Vec<String>,
-        name: String,
-    }
-    #[derive(serde::Deserialize)]
-    struct ArtifactProfile {
-        test: bool,
-    }
     let mut found = Vec::new();
     for line in messages.lines().filter(|l| l.starts_with('{')) {
-        let artifact: Artifact = serde_json::from_str(line)
+        let message: Value = serde_json::from_str(line)
             .with_context(|| format!("cargo printed a message xtask cannot read: {line}"))?;
-        let (Some(target), Some(profile), Some(path), Some(manifest)) = (
-            artifact.target,
-            artifact.profile,
-            artifact.executable,
-            artifact.manifest_path,
+        let text = |pointer| message.pointer(pointer).and_then(Value::as_str);
+        let (Some(kind), Some(name), Some(path), Some(manifest)) = (
+            text("/target/kind/0"),
+            text("/target/name"),
+            text("/executable"),
+            text("/manifest_path"),
         ) else {
             continue;
         };
-        if artifact.reason != "compiler-artifact" || !profile.test {
+        // An executable of the test profile (a binary's is not a test).
+        if message["reason"] != "compiler-artifact" || message["profile"]["test"] != true {
             continue;
         }
         found.push(TestExecutable {
-            kind: target.kind.first().cloned().unwrap_or_default(),
-            name: target.name,
-            path,
-            package_dir: manifest.parent().map(Path::to_path_buf).unwrap_or_default(),
+            kind: kind.into(),
+            name: name.into(),
+            path: path.into(),
+            package_dir: Path::new(manifest).parent().unwrap_or(Path::new("")).into(),
         });
     }
     Ok(found)
@@ -334,7 +320,7 @@ fn cargo(tree: &Path, build: &Build, prefix: &Path, args: &[&str]) -> Result<Out
         command
             .current_dir(tree)
             .env("KILN_IREE_PREFIX", prefix)
-            .env("CARGO_TARGET_DIR", build.target_dir)
+            .env("CARGO_TARGET_DIR", &build.target_dir)
             .env("CARGO_TERM_COLOR", "never"),
     )?;
     Ok(Outcome {
