@@ -13,7 +13,7 @@ use std::time::Instant;
 
 use anyhow::{Context, Result, anyhow};
 
-use crate::gate::{TestExecutable, test_executables};
+use crate::gate::test_executables;
 use crate::target::Target;
 
 /// The tests run, each a cargo target (kind, name) and its test-name filters.
@@ -35,7 +35,12 @@ pub fn run(prefix: &Path, compiler: &Path, target: &Target) -> Result<()> {
     }
     let built = test_executables(prefix, target)?;
     for (kind, name, filters) in TESTS {
-        let test = find(&built, kind, name)?;
+        let test = built
+            .iter()
+            .find(|t| t.kind == kind && t.name == name)
+            .ok_or_else(|| {
+                anyhow!("the link check built no {kind} test named {name}; was it renamed? (crates/xtask/src/emulated.rs lists the tests run)")
+            })?;
         let started = Instant::now();
         let status = target
             .runner(&test.path)?
@@ -57,13 +62,4 @@ pub fn run(prefix: &Path, compiler: &Path, target: &Target) -> Result<()> {
         }
     }
     Ok(())
-}
-
-fn find<'a>(built: &'a [TestExecutable], kind: &str, name: &str) -> Result<&'a TestExecutable> {
-    built
-        .iter()
-        .find(|t| t.kind == kind && t.name == name)
-        .ok_or_else(|| {
-            anyhow!("the link check built no {kind} test named {name}; was it renamed? (crates/xtask/src/emulated.rs lists the tests run)")
-        })
 }

@@ -38,17 +38,9 @@ fn sources(folder: &Path) -> Result<Vec<PathBuf>> {
 fn compile(source: &Path) -> Result<Vec<u8>> {
     crate::process::read_bytes(
         Command::new(CLANG)
-            .args(["-x", "cuda", "--cuda-device-only", "--cuda-gpu-arch=sm_80"])
-            .args(["-nocudainc", "-nocudalib", "-Xclang", "-target-feature"])
-            .args([
-                "-Xclang",
-                "+ptx74",
-                "-O3",
-                "-ffp-contract=off",
-                "-S",
-                "-o",
-                "-",
-            ])
+            .args("-x cuda --cuda-device-only --cuda-gpu-arch=sm_80".split(' '))
+            .args("-nocudainc -nocudalib -Xclang -target-feature -Xclang +ptx74".split(' '))
+            .args("-O3 -ffp-contract=off -S -o -".split(' '))
             .arg(source),
     )
     .with_context(|| format!("{CLANG} failed on {}", source.display()))

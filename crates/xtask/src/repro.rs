@@ -23,19 +23,11 @@ pub fn run(prefix: &Path) -> Result<()> {
         let target = work.join(name).join(format!("{name}-target"));
         copy_checkout(&repo_root(), &checkout)?;
         eprintln!("building the release binaries in {}", checkout.display());
+        // kiln's own binaries; xtask embeds its checkout path by design.
+        let build = "build --release --locked --features cuda,xla-iree --package kiln --bins";
         crate::process::run(
             crate::process::cargo()
-                .args([
-                    "build",
-                    "--release",
-                    "--locked",
-                    "--features",
-                    "cuda,xla-iree",
-                    // kiln's own binaries; xtask embeds its checkout path by design.
-                    "--package",
-                    "kiln",
-                    "--bins",
-                ])
+                .args(build.split(' '))
                 .current_dir(&checkout)
                 .env("CARGO_TARGET_DIR", &target)
                 .env("KILN_IREE_PREFIX", prefix),

@@ -146,24 +146,21 @@ impl Toolbox {
 
     /// The path of `program`: from the cache's tools, else from `PATH`.
     pub fn find(&self, program: &str, purpose: &str) -> Result<PathBuf> {
-        self.bin_dirs
-            .iter()
-            .map(|dir| dir.join(program))
-            .find(|path| path.is_file())
-            .map(Ok)
-            .unwrap_or_else(|| {
-                let path = self
-                    .search_path
-                    .clone()
-                    .or_else(|| std::env::var_os("PATH"));
-                which::which_in(program, path, repo_root()).map_err(|_| {
-                    let how = match package_of(program) {
-                        Some(_) => crate::tools::install_hint(program),
-                        None => "`cargo xtask setup` installs it".to_string(),
-                    };
-                    anyhow!("`{program}` ({purpose}) is not installed; {how} (or put it on PATH)")
-                })
-            })
+        let mut installed = self.bin_dirs.iter().map(|dir| dir.join(program));
+        if let Some(path) = installed.find(|path| path.is_file()) {
+            return Ok(path);
+        }
+        let path = self
+            .search_path
+            .clone()
+            .or_else(|| std::env::var_os("PATH"));
+        which::which_in(program, path, repo_root()).map_err(|_| {
+            let how = match package_of(program) {
+                Some(_) => crate::tools::install_hint(program),
+                None => "`cargo xtask setup` installs it".to_string(),
+            };
+            anyhow!("`{program}` ({purpose}) is not installed; {how} (or put it on PATH)")
+        })
     }
 }
 

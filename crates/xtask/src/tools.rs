@@ -168,8 +168,10 @@ pub fn require_host_programs(programs: &[&str], purpose: &str) -> Result<()> {
 mod tests {
     use super::*;
 
+    /// The hint names the package and setup; a program that is not there,
+    /// or several, are named with setup.
     #[test]
-    fn the_hint_names_the_package_and_setup() {
+    fn a_missing_program_is_named_with_its_package_and_setup() {
         let hint = install_hint("patchelf");
         assert!(hint.contains("cargo xtask setup"), "{hint}");
         assert!(hint.contains("apt-get install -y patchelf"), "{hint}");
@@ -177,10 +179,6 @@ mod tests {
         assert!(hint.contains("gcc-aarch64-linux-gnu"), "{hint}");
         // A program in no package still points at setup.
         assert!(install_hint("kiln-no-such-program").contains("cargo xtask setup"));
-    }
-
-    #[test]
-    fn a_program_that_is_not_there_is_named_with_setup() {
         let error = require_host_program("kiln-no-such-program", "a test")
             .unwrap_err()
             .to_string();
