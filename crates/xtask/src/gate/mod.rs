@@ -104,7 +104,7 @@ pub fn run(prefix: &Path, target: &Target, options: &Options) -> Result<()> {
     let mut report: Vec<Line> = Vec::new();
 
     let started = Instant::now();
-    let link = link_check(&root, &build, prefix, Scope::Workspace)?;
+    let link = cargo(&root, &build, prefix, &Scope::Workspace.args(LINK, target))?;
     let ok = link.success;
     report.push(Line {
         name: "link-check".into(),
@@ -205,7 +205,7 @@ pub struct TestExecutable {
 /// asked to list what it made.
 pub fn test_executables(prefix: &Path, target: &Target) -> Result<Vec<TestExecutable>> {
     let build = Build::new(prefix, target);
-    let mut args = link_check_args(Scope::Workspace, target);
+    let mut args = Scope::Workspace.args(LINK, target);
     args.push("--message-format=json-render-diagnostics");
     let outcome = cargo(&repo_root(), &build, prefix, &args)?;
     if !outcome.success {
@@ -269,46 +269,36 @@ enum Scope {
     Mutant(&'static Targets),
 }
 
+/// The link check: `cargo test --release --no-run --locked [--target T]`
+/// over a scope, RUSTFLAGS untouched (over the workspace: `cargo test
+/// --release --features cuda,xla-iree --workspace --all-targets --no-run
+/// --locked`).
+const LINK: &[&str] = &["test", "--release", "--no-run", "--locked"];
+/// What a mutant must still pass: its regression is link-only.
+const CHECK: &[&str] = &["check", "--locked"];
+
 impl Scope {
-    fn args(self, target: &Target) -> Vec<&'static str> {
+    /// `command` ([`LINK`] or [`CHECK`]) over this scope.
+    fn args(self, command: &[&'static str], target: &Target) -> Vec<&'static str> {
+        let mut args = command.to_vec();
         match self {
-            // xtask is the build host's tool and is never built for another
-            // target: a cross link check leaves it (and its own
-            // dependencies) out.
-            Scope::Workspace if target.cross => vec![
-                "--features",
-                FEATURES,
-                "--workspace",
-                "--exclude",
-                "xtask",
-                "--all-targets",
-            ],
-            Scope::Workspace => vec!["--features", FEATURES, "--workspace", "--all-targets"],
-            Scope::Mutant(targets) => targets.select.to_vec(),
+            Scope::Workspace => {
+                args.extend(["--features", FEATURES, "--workspace", "--all-targets"]);
+                // xtask is the build host's tool and is never built for
+                // another target: a cross link check leaves it (and its own
+                // dependencies) out.
+                if target.cross {
+                    args.extend(["--exclude", "xtask"]);
+                }
+            }
+            Scope::Mutant(targets) => args.extend(targets.select),
         }
+        args
     }
 }
 
-/// `cargo test --release --locked --no-run [--target T]` over `scope`,
-/// RUSTFLAGS untouched: the link check over the workspace is
-/// `cargo test --release --features cuda,xla-iree --workspace --all-targets
-/// --no-run --locked`. `prefix` is the build's prefix or a mutant's copy.
-fn link_check(tree: &Path, build: &Build, prefix: &Path, scope: Scope) -> Result<Outcome> {
-    cargo(tree, build, prefix, &link_check_args(scope, build.target))
-}
-
-fn link_check_args(scope: Scope, target: &Target) -> Vec<&'static str> {
-    let mut args = vec!["test", "--release", "--no-run", "--locked"];
-    args.extend(scope.args(target));
-    args
-}
-
-fn check(tree: &Path, build: &Build, prefix: &Path, scope: Scope) -> Result<Outcome> {
-    let mut args = vec!["check", "--locked"];
-    args.extend(scope.args(build.target));
-    cargo(tree, build, prefix, &args)
-}
-
+/// Runs cargo with `args` in `tree`, for the build's target, against
+/// `prefix` (the build's prefix or a mutant's copy).
 fn cargo(tree: &Path, build: &Build, prefix: &Path, args: &[&str]) -> Result<Outcome> {
     let mut command = crate::process::cargo();
     command.args(args);
@@ -366,21 +356,18 @@ fn run_mutation(
             format!("{error:#}"),
         ));
     }
-    let checked = check(
+    let scope = Scope::Mutant(mutation.targets);
+    let checked = cargo(
         &tree,
         build,
         &mutant_prefix,
-        Scope::Mutant(mutation.targets),
+        &scope.args(CHECK, build.target),
     )?;
     let verdict = if !checked.success {
         line("NOT LINK-ONLY", 0.0, first_error_line(&checked.output))
     } else {
-        let linked = link_check(
-            &tree,
-            build,
-            &mutant_prefix,
-            Scope::Mutant(mutation.targets),
-        )?;
+        let link = scope.args(LINK, build.target);
+        let linked = cargo(&tree, build, &mutant_prefix, &link)?;
         let logs = work.join("logs");
         std::fs::create_dir_all(&logs)?;
         std::fs::write(
@@ -388,7 +375,7 @@ fn run_mutation(
             format!(
                 "{}'s targets: cargo {}\n{}",
                 mutation.targets.package,
-                link_check_args(Scope::Mutant(mutation.targets), build.target).join(" "),
+                link.join(" "),
                 linked.output
             ),
         )?;
