@@ -10,7 +10,6 @@ use std::process::Command;
 use anyhow::{Context, Result, anyhow};
 use nix_harness::inputs::{Inputs, locked, verify};
 use nix_harness::{Checkout, build, eval};
-use serde_json::json;
 
 use crate::cache::Cache;
 use crate::pins::repo_root;
@@ -102,7 +101,7 @@ fn inputs(cache: &Cache, dir: Option<&Path>) -> Result<Inputs> {
 /// each unpacked into the cache and checked against its NAR hash; nixpkgs
 /// is the whole tree, of which the evaluation reads `lib/`.
 fn download(cache: &Cache) -> Result<Inputs> {
-    let mut dirs = Vec::new();
+    let (mut dirs, mut provenance) = (Vec::new(), serde_json::Map::new());
     for name in ["nixpkgs", "crane", "rust-overlay"] {
         let lock = locked(&repo_root(), name)?;
         let dest = cache
@@ -125,24 +124,16 @@ fn download(cache: &Cache) -> Result<Inputs> {
             std::fs::remove_dir_all(&unpacked)?;
             verify(name, &staging.join("tree"), &lock)
         })?;
-        dirs.push((name, dest.join("tree"), lock));
+        let how = "downloaded, NAR hash verified against flake.lock";
+        let (owner, repo, rev) = (&lock.owner, &lock.repo, &lock.rev);
+        provenance.insert(name.into(), format!("{owner}/{repo} {rev} ({how})").into());
+        dirs.push(dest.join("tree"));
     }
-    let provenance = json!(
-        dirs.iter()
-            .map(|(name, _, l)| (
-                name.to_string(),
-                format!(
-                    "{}/{} {} (downloaded, NAR hash verified against flake.lock)",
-                    l.owner, l.repo, l.rev
-                )
-            ))
-            .collect::<std::collections::BTreeMap<_, _>>()
-    );
     Ok(Inputs {
-        nixpkgs_lib: dirs[0].1.clone(),
-        crane: dirs[1].1.clone(),
-        rust_overlay: dirs[2].1.clone(),
-        provenance,
+        nixpkgs_lib: dirs[0].clone(),
+        crane: dirs[1].clone(),
+        rust_overlay: dirs[2].clone(),
+        provenance: provenance.into(),
     })
 }
 

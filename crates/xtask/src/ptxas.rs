@@ -88,11 +88,10 @@ pub fn pinned_ptxas(cache: &Cache, pins: &Pins) -> Result<PathBuf> {
 /// modules) against `prefix`; returns its path.
 pub fn build_bench(prefix: &Path) -> Result<PathBuf> {
     let target = crate::process::target_dir();
-    let args = ["build", "--locked", "--features", "cuda,xla-iree"];
+    let build = "build --locked --features cuda,xla-iree --bin kiln-bench-decode";
     crate::process::run(
         crate::process::cargo()
-            .args(args)
-            .args(["--bin", "kiln-bench-decode"])
+            .args(build.split(' '))
             .current_dir(repo_root())
             .env("CARGO_TARGET_DIR", &target)
             .env("KILN_IREE_PREFIX", prefix),

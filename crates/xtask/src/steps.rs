@@ -334,13 +334,14 @@ mod tests {
         }
     }
 
-    fn step(name: &str, deferrable: bool, cold_seconds: u64) -> Keyed<'_> {
+    /// A reusable step of a second, never deferred.
+    fn step(name: &str) -> Keyed<'_> {
         Keyed {
             name,
             reads: Reads::Everything,
             extra: vec!["prefix-abc".into()],
-            cold_seconds,
-            deferrable,
+            cold_seconds: 1,
+            deferrable: false,
             reusable: true,
         }
     }
@@ -352,16 +353,14 @@ mod tests {
         let mut steps = runner(dir.path(), None);
         let folder = cache.path("iree-runtime/cpu-0123");
         let fill = |staging: &Path| std::fs::write(staging.join("lib.a"), b"a").map_err(Into::into);
-        steps
-            .produce("prefix", &folder, || cache.publish(&folder, fill))
-            .unwrap();
-        steps
-            .produce("prefix", &folder, || cache.publish(&folder, fill))
-            .unwrap();
-        std::fs::write(folder.join("lib.a"), b"edited").unwrap();
-        steps
-            .produce("prefix", &folder, || cache.publish(&folder, fill))
-            .unwrap();
+        // Made, reused, then made again after an edit.
+        for edit in [false, false, true] {
+            if edit {
+                std::fs::write(folder.join("lib.a"), b"edited").unwrap();
+            }
+            let publish = || cache.publish(&folder, fill);
+            steps.produce("prefix", &folder, publish).unwrap();
+        }
         let verdicts: Vec<bool> = steps
             .done
             .iter()
@@ -397,24 +396,18 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let runs = RefCell::new(Vec::new());
         let mut first = runner(dir.path(), None);
-        first
-            .keyed(step("tests", false, 1), work(&runs, "1"))
-            .unwrap();
-        first
-            .keyed(step("tests", false, 1), work(&runs, "2"))
-            .unwrap();
+        first.keyed(step("tests"), work(&runs, "1")).unwrap();
+        first.keyed(step("tests"), work(&runs, "2")).unwrap();
         assert_eq!(*runs.borrow(), ["1"], "the second run had the first's key");
         assert!(matches!(first.done[1].1, Verdict::Reused { .. }));
         // Another file content, another key: it runs.
         let mut edited = runner(dir.path(), None);
         edited.files[0].1 = "changed".into();
-        edited
-            .keyed(step("tests", false, 1), work(&runs, "3"))
-            .unwrap();
+        edited.keyed(step("tests"), work(&runs, "3")).unwrap();
         // A step reading only the Nix files is not rerun by the Rust edit.
         let nix = |name| Keyed {
             reads: Reads::Only(|p| p.extension().is_some_and(|e| e == "nix")),
-            ..step(name, false, 1)
+            ..step(name)
         };
         runner(dir.path(), None)
             .keyed(nix("lint"), work(&runs, "4"))
@@ -423,7 +416,7 @@ mod tests {
         // A step that is never reused runs every time.
         let repro = || Keyed {
             reusable: false,
-            ..step("repro", false, 1)
+            ..step("repro")
         };
         edited.keyed(repro(), work(&runs, "6")).unwrap();
         edited.keyed(repro(), work(&runs, "7")).unwrap();
@@ -434,9 +427,9 @@ mod tests {
     fn a_failed_step_leaves_no_stamp_and_a_forged_stamp_is_not_reused() {
         let dir = tempfile::tempdir().unwrap();
         let mut runner = runner(dir.path(), None);
-        let failed = runner.keyed(step("gate", false, 1), || Err(anyhow!("red")));
+        let failed = runner.keyed(step("gate"), || Err(anyhow!("red")));
         assert!(failed.is_err());
-        let key = runner.key(&step("gate", false, 1));
+        let key = runner.key(&step("gate"));
         let stamp = dir
             .path()
             .join("steps")
@@ -446,9 +439,7 @@ mod tests {
         std::fs::create_dir_all(stamp.parent().unwrap()).unwrap();
         std::fs::write(&stamp, &key[..16]).unwrap();
         let runs = RefCell::new(Vec::new());
-        runner
-            .keyed(step("gate", false, 1), work(&runs, "gate"))
-            .unwrap();
+        runner.keyed(step("gate"), work(&runs, "gate")).unwrap();
         assert_eq!(*runs.borrow(), ["gate"]);
         assert_eq!(std::fs::read_to_string(&stamp).unwrap(), key);
     }
@@ -458,15 +449,19 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let mut runner = runner(dir.path(), Some(Duration::from_secs(60)));
         let runs = RefCell::new(Vec::new());
-        runner
-            .keyed(step("repro", true, 3_600), work(&runs, "repro"))
-            .unwrap();
-        runner
-            .keyed(step("gate", false, 3_600), work(&runs, "gate"))
-            .unwrap();
-        runner
-            .keyed(step("ptxas", true, 1), work(&runs, "ptxas"))
-            .unwrap();
+        let cold = |name, deferrable, cold_seconds| Keyed {
+            deferrable,
+            cold_seconds,
+            ..step(name)
+        };
+        for (name, deferrable, cold_seconds) in [
+            ("repro", true, 3_600),
+            ("gate", false, 3_600),
+            ("ptxas", true, 1),
+        ] {
+            let step = cold(name, deferrable, cold_seconds);
+            runner.keyed(step, work(&runs, name)).unwrap();
+        }
         assert_eq!(*runs.borrow(), ["gate", "ptxas"]);
         let summary = runner.summary();
         assert!(summary.contains("2 steps ran and passed"), "{summary}");
