@@ -50,11 +50,3 @@ fn download_verified(pin: &Download, dir: &Path, dest: &Path) -> Result<()> {
     eprintln!("fetched {} (sha256 verified)", pin.name);
     Ok(())
 }
-
-/// Downloads `url` into a temporary file in `dir` whose content the caller
-/// must verify before use (for inputs pinned by the hash of what they unpack
-/// to, as flake.lock's NAR hashes).
-pub fn download_unverified(url: &str, dir: &Path) -> Result<tempfile::NamedTempFile> {
-    std::fs::create_dir_all(dir)?;
-    Ok(stream_to_temp(url, url, dir)?.0)
-}

@@ -24,24 +24,20 @@ fn patch_dir() -> PathBuf {
 /// Every patch as (file name, text), in the order they apply.
 pub fn list() -> Result<Vec<(String, String)>> {
     let dir = patch_dir();
-    let mut names = Vec::new();
+    let mut patches = Vec::new();
     for entry in
         std::fs::read_dir(&dir).with_context(|| format!("cannot list {}", dir.display()))?
     {
         let name = entry?.file_name().to_string_lossy().into_owned();
         if name.ends_with(".patch") {
-            names.push(name);
-        }
-    }
-    names.sort();
-    names
-        .into_iter()
-        .map(|name| {
             let text = std::fs::read_to_string(dir.join(&name))
                 .with_context(|| format!("cannot read nix/iree-patches/{name}"))?;
-            Ok((name, text))
-        })
-        .collect()
+            patches.push((name, text));
+        }
+    }
+    // By name (names are unique, so the text never decides).
+    patches.sort();
+    Ok(patches)
 }
 
 /// The pinned IREE source with the patches applied: the tarball's `subdir`

@@ -21,8 +21,8 @@ pub fn folder() -> PathBuf {
     repo_root().join("crates/kiln-xla/kernels")
 }
 
-/// Every kernel source in `folder`, sorted.
-fn sources(folder: &Path) -> Result<Vec<PathBuf>> {
+/// Every kernel source in `folder`, sorted (its PTX: `with_extension("ptx")`).
+pub fn sources(folder: &Path) -> Result<Vec<PathBuf>> {
     let mut sources: Vec<PathBuf> = std::fs::read_dir(folder)
         .with_context(|| format!("cannot read {}", folder.display()))?
         .map(|entry| entry.map(|e| e.path()))
@@ -70,12 +70,4 @@ pub fn run(check: bool) -> Result<()> {
         ));
     }
     Ok(())
-}
-
-/// The committed PTX of every kernel in `folder`, for `cargo xtask ptxas`.
-pub fn committed_ptx(folder: &Path) -> Result<Vec<PathBuf>> {
-    Ok(sources(folder)?
-        .into_iter()
-        .map(|source| source.with_extension("ptx"))
-        .collect())
 }

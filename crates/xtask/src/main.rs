@@ -228,12 +228,7 @@ mod tests {
         };
         let summary: serde_json::Value = serde_json::from_str(&text).unwrap();
         let phase = &summary["systems"]["x86_64-linux"]["checks.mutations"]["env"][name];
-        Some(
-            phase
-                .as_str()
-                .expect("the mutations check's phase")
-                .to_string(),
-        )
+        Some(phase.as_str().expect("the mutations check's phase").into())
     }
 
     /// The `mutations` check must find the gate's report where the gate writes

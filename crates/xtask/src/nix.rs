@@ -8,6 +8,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use anyhow::{Context, Result, anyhow};
+use build_support::download::stream_to_temp;
 use nix_harness::inputs::{Inputs, locked, verify};
 use nix_harness::{Checkout, build, eval};
 
@@ -112,7 +113,9 @@ fn download(cache: &Cache) -> Result<Inputs> {
                 "https://github.com/{}/{}/archive/{}.tar.gz",
                 lock.owner, lock.repo, lock.rev
             );
-            let tarball = crate::fetch::download_unverified(&url, &cache.path("staging"))?;
+            // Its hash is not pinned: flake.lock pins what it unpacks to
+            // (the NAR hash), which `verify` checks below.
+            let (tarball, _) = stream_to_temp(&url, &url, &cache.path("staging"))?;
             let unpacked = staging.join("unpacked");
             build_support::unpack::tar_gz(tarball.path(), &unpacked)?;
             // GitHub's tarballs hold one top folder, `REPO-REV`.

@@ -170,7 +170,8 @@ pub fn run(args: Args) -> Result<()> {
         ));
     }
     // kiln's own kernels, which the modules embed as they are.
-    ptx_files.extend(crate::kernels::committed_ptx(&kernels_dir)?);
+    let own = crate::kernels::sources(&kernels_dir)?.into_iter();
+    ptx_files.extend(own.map(|source| source.with_extension("ptx")));
 
     let mut kernels = Vec::new();
     let mut rejected = Vec::new();
