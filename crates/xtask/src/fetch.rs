@@ -1,4 +1,5 @@
-//! Downloads, each checked against its pinned sha256 before anything uses it.
+//! Downloads, each checked against its pinned sha256 before anything uses
+//! it; and `cargo xtask verify-pins`, every pinned input fetched so.
 
 use std::path::{Path, PathBuf};
 
@@ -7,7 +8,7 @@ use build_support::digest::sha256_file;
 use build_support::download::stream_to_temp;
 
 use crate::cache::Cache;
-use crate::pins::Download;
+use crate::pins::{Download, Pins};
 
 /// Returns the local path of a pinned download, fetching it if needed. A file
 /// already in the cache is hashed again before it is handed out.
@@ -48,5 +49,24 @@ fn download_verified(pin: &Download, dir: &Path, dest: &Path) -> Result<()> {
     tmp.persist(dest)
         .with_context(|| format!("cannot store {}", dest.display()))?;
     eprintln!("fetched {} (sha256 verified)", pin.name);
+    Ok(())
+}
+
+/// Downloads every pinned input for every system and checks its hash.
+pub fn verify_pins(cache: &Cache, pins: &Pins) -> Result<()> {
+    let mut all: Vec<&Download> = vec![&pins.iree.source.download];
+    all.extend(pins.iree.compiler.wheels.values());
+    for wheel in pins.cuda.wheels.values() {
+        all.extend(wheel.systems.values());
+    }
+    all.extend(pins.tools.cmake.systems.values());
+    all.extend(pins.tools.ninja.systems.values());
+    let archives = pins.reference_archives()?;
+    all.extend(archives.iter().map(|(_, archive)| &archive.download));
+    for pin in &all {
+        fetch(cache, pin)?;
+        println!("ok  {}  {}", pin.sha256, pin.name);
+    }
+    println!("{} pinned inputs verified", all.len());
     Ok(())
 }

@@ -28,7 +28,6 @@ mod steps;
 mod target;
 mod test;
 mod tools;
-mod verify_pins;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -176,7 +175,7 @@ fn run(cli: Cli) -> Result<()> {
                 env::exports(&Cache::open()?, &Pins::of_checkout()?, variant, &target)?
             );
         }
-        Task::VerifyPins => verify_pins::run(&Cache::open()?, &Pins::of_checkout()?)?,
+        Task::VerifyPins => fetch::verify_pins(&Cache::open()?, &Pins::of_checkout()?)?,
         Task::ReferenceFiles => {
             let folder = reference_files::provide(&Cache::open()?, &Pins::of_checkout()?)?;
             println!("{}", folder.display());

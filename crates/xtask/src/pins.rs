@@ -35,22 +35,6 @@ pub struct ReferenceArchive {
     pub members: BTreeMap<String, String>,
 }
 
-impl Pins {
-    /// The archives of reference files, by name.
-    pub fn reference_archives(&self) -> Result<Vec<(&str, ReferenceArchive)>> {
-        self.reference_files
-            .iter()
-            .filter(|(name, _)| !name.starts_with('_'))
-            .map(|(name, value)| {
-                let archive = serde_json::from_value(value.clone()).with_context(|| {
-                    format!("reference_files.{name} in nix/pins.json is malformed")
-                })?;
-                Ok((name.as_str(), archive))
-            })
-            .collect()
-    }
-}
-
 #[derive(Debug, Deserialize)]
 pub struct Iree {
     pub version: String,
@@ -126,6 +110,20 @@ pub struct Tool {
 }
 
 impl Pins {
+    /// The archives of reference files, by name.
+    pub fn reference_archives(&self) -> Result<Vec<(&str, ReferenceArchive)>> {
+        self.reference_files
+            .iter()
+            .filter(|(name, _)| !name.starts_with('_'))
+            .map(|(name, value)| {
+                let archive = serde_json::from_value(value.clone()).with_context(|| {
+                    format!("reference_files.{name} in nix/pins.json is malformed")
+                })?;
+                Ok((name.as_str(), archive))
+            })
+            .collect()
+    }
+
     /// Reads and parses a pin file.
     pub fn load(path: &Path) -> Result<Pins> {
         let text = std::fs::read_to_string(path)

@@ -149,7 +149,7 @@ pub fn run(cache: &Cache, pins: &Pins, plan: &Plan) -> Result<()> {
                 "every pinned input, every system: download and sha256",
                 pin_files,
             ),
-            || crate::verify_pins::run(cache, pins),
+            || crate::fetch::verify_pins(cache, pins),
         )?;
     }
     let clippy =
