@@ -110,18 +110,13 @@ fn gpu_name(capability: &str) -> Result<String> {
 
 pub fn run(args: Args) -> Result<()> {
     let pins = Pins::load(&args.pins.unwrap_or_else(default_pin_file))?;
-    let bench = match args.bench {
-        Some(path) => path,
-        None => build_bench(&crate::iree::gate_prefix(&Target::host()?)?)?,
-    };
-    let compiler = match args.compiler {
-        Some(path) => path,
-        None => crate::compiler::install(&Cache::open()?, &pins)?.0,
-    };
-    let ptxas = match args.ptxas {
-        Some(path) => path,
-        None => pinned_ptxas(&Cache::open()?, &pins)?,
-    };
+    // Each tool as given, else built or installed here (in this order).
+    let build = || build_bench(&crate::iree::gate_prefix(&Target::host()?)?);
+    let install = || crate::compiler::install(&Cache::open()?, &pins).map(|(path, _)| path);
+    let unpack = || pinned_ptxas(&Cache::open()?, &pins);
+    let bench = args.bench.map_or_else(build, Ok)?;
+    let compiler = args.compiler.map_or_else(install, Ok)?;
+    let ptxas = args.ptxas.map_or_else(unpack, Ok)?;
     let kernels_dir = args.kernels.unwrap_or_else(crate::kernels::folder);
     let out = args.out.unwrap_or_else(|| repo_root().join("target/ptxas"));
     let work = tempfile::tempdir()?;

@@ -115,6 +115,11 @@ pub fn run(cache: &Cache, pins: &Pins, plan: &Plan) -> Result<()> {
         deferrable: false,
         reusable: true,
     };
+    // The expensive steps a short budget may leave out.
+    let deferrable = |step: Keyed<'static>| Keyed {
+        deferrable: true,
+        ..step
+    };
     steps.run("rustfmt", || cargo("fmt --all --check", &[]))?;
     steps.run("kernels' PTX from their source", || {
         crate::kernels::run(true)
@@ -182,27 +187,15 @@ pub fn run(cache: &Cache, pins: &Pins, plan: &Plan) -> Result<()> {
         },
     )?;
     let ptxas = "ptxas: every prepared kernel for every pinned capability";
-    steps.keyed(
-        Keyed {
-            deferrable: true,
-            ..whole(ptxas, &cuda_prefix, 330)
-        },
-        || {
-            crate::ptxas::run(crate::ptxas::Args {
-                bench: Some(crate::ptxas::build_bench(&cuda_prefix)?),
-                compiler: Some(compiler.clone()),
-                ..Default::default()
-            })
-        },
-    )?;
-    steps.keyed(
-        whole(
-            "kiln-server with the official OpenAI Python client",
-            &cpu_prefix,
-            60,
-        ),
-        || openai_client(cache),
-    )?;
+    steps.keyed(deferrable(whole(ptxas, &cuda_prefix, 330)), || {
+        crate::ptxas::run(crate::ptxas::Args {
+            bench: Some(crate::ptxas::build_bench(&cuda_prefix)?),
+            compiler: Some(compiler.clone()),
+            ..Default::default()
+        })
+    })?;
+    let openai = "kiln-server with the official OpenAI Python client";
+    steps.keyed(whole(openai, &cpu_prefix, 60), || openai_client(cache))?;
     steps.keyed(
         whole("the gate: link check and mutation suite", &cuda_prefix, 512),
         || crate::gate::run(&cuda_prefix, &host, &Default::default()),
@@ -214,24 +207,17 @@ pub fn run(cache: &Cache, pins: &Pins, plan: &Plan) -> Result<()> {
         // leaves out all three or none.
         let name = "aarch64: link check, tests under qemu-aarch64 (kiln-core, kiln-cpu, \
                     xla_prepared_prefill on local-task), mutation suite";
-        steps.keyed(
-            Keyed {
-                deferrable: true,
-                ..whole(name, prefix, 630)
-            },
-            || {
-                crate::gate::run(prefix, &aarch64, &link_only())?;
-                crate::emulated::run(prefix, &compiler, &aarch64)?;
-                crate::gate::run(prefix, &aarch64, &Default::default())
-            },
-        )?;
+        steps.keyed(deferrable(whole(name, prefix, 630)), || {
+            crate::gate::run(prefix, &aarch64, &link_only())?;
+            crate::emulated::run(prefix, &compiler, &aarch64)?;
+            crate::gate::run(prefix, &aarch64, &Default::default())
+        })?;
     }
     // Never reused: a verdict of identical builds must come from two builds
     // made now, sharing no cache (repro builds from two fresh checkouts).
     let repro = Keyed {
-        deferrable: true,
         reusable: false,
-        ..whole("reproducible release binaries", &cuda_prefix, 460)
+        ..deferrable(whole("reproducible release binaries", &cuda_prefix, 460))
     };
     steps.keyed(repro, || crate::repro::run(&cuda_prefix))?;
     eprintln!("{}", steps.summary());
