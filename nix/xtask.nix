@@ -1,8 +1,8 @@
 # xtask alone (it needs no IREE): the IREE derivations run its prefix
 # installer, the same code `cargo xtask iree` runs. Its source is crane's
 # dummy workspace (every crate stubbed; it depends on the Cargo files only)
-# with the real crates/xtask and the crates it links, crates/nix-harness and
-# crates/workflow-lint, copied in, so that an edit to kiln's other Rust
+# with the real crates/xtask and the crates it links, crates/nix-harness,
+# crates/workflow-lint and crates/build-support, copied in, so that an edit to kiln's other Rust
 # sources rebuilds neither xtask nor IREE (`cargo xtask eval-nix` checks it).
 { lib
 , craneLib
@@ -28,10 +28,11 @@ craneLib.buildPackage (
     src = craneLib.mkDummySrc {
       inherit src;
       extraDummyScript = ''
-        rm -rf $out/crates/xtask $out/crates/nix-harness $out/crates/workflow-lint
+        rm -rf $out/crates/xtask $out/crates/nix-harness $out/crates/workflow-lint $out/crates/build-support
         cp -r --no-preserve=mode ${crateSources "xtask"} $out/crates/xtask
         cp -r --no-preserve=mode ${crateSources "nix-harness"} $out/crates/nix-harness
         cp -r --no-preserve=mode ${crateSources "workflow-lint"} $out/crates/workflow-lint
+        cp -r --no-preserve=mode ${crateSources "build-support"} $out/crates/build-support
       '';
     };
     cargoArtifacts = craneLib.buildDepsOnly (common // { inherit src; });
