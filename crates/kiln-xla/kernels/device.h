@@ -48,6 +48,13 @@ static __device__ __forceinline__ float half_to_float(u16 h) {
     asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
     return f;
 }
+
+// To the nearest f16, ties to even.
+static __device__ __forceinline__ u16 float_to_half(float f) {
+    u16 h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
+    return h;
+}
 #endif
 
 static __device__ __forceinline__ float warp_max(float v) {

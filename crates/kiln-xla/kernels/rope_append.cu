@@ -20,15 +20,6 @@
 
 #define THREADS 128
 
-#ifndef KILN_HOST_CHECK
-// cvt.rn.f16.f32: round to nearest even.
-static __device__ __forceinline__ u16 float_to_half(float f) {
-    u16 h;
-    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
-    return h;
-}
-#endif
-
 // f32 through f16 and back: the value the caches' precision keeps.
 static __device__ __forceinline__ float through_half(float f) {
     return half_to_float(float_to_half(f));

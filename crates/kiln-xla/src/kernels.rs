@@ -452,6 +452,17 @@ mod tests {
         }
     }
 
+    /// Values uniform in `[-scale, scale)` from a xorshift of `seed`: the
+    /// same inputs every run.
+    fn uniform(mut seed: u64, scale: f32) -> impl FnMut() -> f32 {
+        move || {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            ((seed >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0) * scale
+        }
+    }
+
     /// The products of the shapes kiln serves get at least two workgroups
     /// an SM where they have the rows for it, and the most rows a warp
     /// that allows.
@@ -601,13 +612,7 @@ mod tests {
     #[test]
     fn decode_attention_on_the_host_matches_attention_in_f64() {
         let host = HostBuild::new("attend_host", "c++20");
-        let mut seed = 0x2545_f491_4f6c_dd1d_u64;
-        let mut random = move || {
-            seed ^= seed << 13;
-            seed ^= seed >> 7;
-            seed ^= seed << 17;
-            (seed >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0
-        };
+        let mut random = uniform(0x2545_f491_4f6c_dd1d, 1.0);
         /// Rows; slots (0: one sequence's caches, without the dimension);
         /// layers, KV heads, context, head width, group, the layer
         /// attended; each row's position.
@@ -733,13 +738,7 @@ mod tests {
     fn rope_append_on_the_host_is_the_graphs_arithmetic() {
         use half::f16;
         let host = HostBuild::new("rope_host", "c++20");
-        let mut seed = 0x9e37_79b9_7f4a_7c15_u64;
-        let mut random = move || {
-            seed ^= seed << 13;
-            seed ^= seed >> 7;
-            seed ^= seed << 17;
-            (seed >> 40) as f32 / (1u64 << 24) as f32 * 8.0 - 4.0
-        };
+        let mut random = uniform(0x9e37_79b9_7f4a_7c15, 4.0);
         /// Rows; slots (0: one sequence's caches); layers, heads, KV heads,
         /// context, head width, the layer; each row's position.
         struct Case(
