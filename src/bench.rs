@@ -69,15 +69,7 @@ pub fn q8_0(mut model: Model) -> Result<Model> {
     };
     let w = &mut model.weights;
     for l in &mut w.layers {
-        for m in [
-            &mut l.wq,
-            &mut l.wk,
-            &mut l.wv,
-            &mut l.wo,
-            &mut l.w_gate,
-            &mut l.w_up,
-            &mut l.w_down,
-        ] {
+        for m in l.matrices_mut() {
             round(m)?;
         }
     }

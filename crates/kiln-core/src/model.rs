@@ -163,10 +163,7 @@ impl Model {
             .map(|l| {
                 l.attn_norm.len()
                     + l.mlp_norm.len()
-                    + [&l.wq, &l.wk, &l.wv, &l.wo, &l.w_gate, &l.w_up, &l.w_down]
-                        .iter()
-                        .map(|m| m.data.len())
-                        .sum::<usize>()
+                    + l.matrices().iter().map(|m| m.data.len()).sum::<usize>()
             })
             .sum();
         w.embed.data.len()

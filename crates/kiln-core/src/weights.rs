@@ -51,6 +51,34 @@ pub struct LayerWeights {
     pub qkv_bias: Option<Vec<f32>>,
 }
 
+impl LayerWeights {
+    /// The layer's seven matrices: q, k, v, o, gate, up, down.
+    pub fn matrices(&self) -> [&Matrix; 7] {
+        [
+            &self.wq,
+            &self.wk,
+            &self.wv,
+            &self.wo,
+            &self.w_gate,
+            &self.w_up,
+            &self.w_down,
+        ]
+    }
+
+    /// [`LayerWeights::matrices`], to change.
+    pub fn matrices_mut(&mut self) -> [&mut Matrix; 7] {
+        [
+            &mut self.wq,
+            &mut self.wk,
+            &mut self.wv,
+            &mut self.wo,
+            &mut self.w_gate,
+            &mut self.w_up,
+            &mut self.w_down,
+        ]
+    }
+}
+
 /// How a model file stores its layers' weight matrices: the model's own
 /// precision, which kiln changes only when asked (`--precision`, or a
 /// backend that rounds, named by the user).

@@ -17,17 +17,11 @@ pub fn shared_products_model() -> Model {
 
 /// Every layer matrix of `model`, for a test to replace its values.
 pub fn layer_matrices(model: &mut Model) -> impl Iterator<Item = &mut Matrix> {
-    model.weights.layers.iter_mut().flat_map(|l| {
-        [
-            &mut l.wq,
-            &mut l.wk,
-            &mut l.wv,
-            &mut l.wo,
-            &mut l.w_gate,
-            &mut l.w_up,
-            &mut l.w_down,
-        ]
-    })
+    model
+        .weights
+        .layers
+        .iter_mut()
+        .flat_map(|l| l.matrices_mut())
 }
 
 /// Twelve greedy decode steps of `reference` and `other` from `token`
