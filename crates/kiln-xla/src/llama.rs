@@ -868,45 +868,100 @@ fn uses_append_kernel(dm: &Dims) -> bool {
     dm.append_kernel && kernels::rope_append_fits(dm.d, dm.storage)
 }
 
-/// One decode layer's attention inputs, one row a slot: the rows' q
-/// `[rows, heads, d]` at the storage precision, their k and v written into
-/// layer `l` of the caches at `positions` (`[rows]`; row r is slot r, or
-/// the one sequence where the caches have no slots dimension). With kiln's
-/// kernel one dispatch does the rotation and both writes; else IREE's graph
-/// rotates with `rope_tables` and scatters where `write_at` (every layer's
-/// flat indices) says.
-#[allow(clippy::too_many_arguments)]
-fn decode_qkv(
-    f: &mut Function,
-    dm: &Dims,
-    normed: &Normed,
-    layer: &Layer,
-    l: usize,
-    positions: &Val,
-    [cos, sin]: [&Val; 2],
-    rope_tables: &(Val, Val),
-    write_at: [&Val; 2],
-    [keys, values]: [&mut Val; 2],
-) -> Val {
-    if uses_append_kernel(dm) {
-        let qkv = qkv_product(f, dm, normed, layer);
-        let qkv = f.convert(&qkv, Ty::F32);
-        let caches = kernels::DecodeCaches {
-            keys,
-            values,
-            layer: l,
-        };
-        let (q, k, v) = kernels::rope_append(f, &qkv, [cos, sin], positions, &caches, dm.heads);
-        (*keys, *values) = (k, v);
-        return q;
+/// How a decode step rotates each row's q and k and appends its k and v
+/// to the caches, with what each way needs, made once a step: kiln's
+/// kernel takes the tables and the positions as they are; IREE's graph the
+/// rotation factors of the rows' positions and every layer's flat indices
+/// into the caches.
+enum DecodeAppend {
+    Kernel {
+        cos: Val,
+        sin: Val,
+        positions: Val,
+    },
+    Graph {
+        rope_tables: (Val, Val),
+        key_at: Val,
+        value_at: Val,
+    },
+}
+
+impl DecodeAppend {
+    /// The append of rows at `positions` (`[rows]` i32; row r is slot r of
+    /// `slots`, or the one sequence where `slots` is 1 and the caches have
+    /// no slots dimension) with RoPE tables `cos` and `sin` (`[context, d /
+    /// 2]`).
+    fn new(
+        f: &mut Function,
+        dm: &Dims,
+        [cos, sin]: [&Val; 2],
+        positions: &Val,
+        slots: usize,
+        context: usize,
+    ) -> DecodeAppend {
+        if uses_append_kernel(dm) {
+            return DecodeAppend::Kernel {
+                cos: cos.clone(),
+                sin: sin.clone(),
+                positions: positions.clone(),
+            };
+        }
+        let cos = f.take_rows(cos, positions);
+        let sin = f.take_rows(sin, positions);
+        let rope_tables = rope_factors(f, &cos, &sin);
+        let (key_at, value_at) = cache_write_indices(f, dm, positions, slots, context);
+        DecodeAppend::Graph {
+            rope_tables,
+            key_at,
+            value_at,
+        }
     }
-    let (q, k, v) = project_qkv(f, dm, normed, layer, rope_tables);
-    let d = k.shape[k.shape.len() - 1];
-    let at = layer_rows(f, write_at[0], l);
-    *keys = scatter_flat(f, keys, &at, &k, d);
-    let at = layer_rows(f, write_at[1], l);
-    *values = scatter_flat(f, values, &at, &v, 1);
-    q
+
+    /// One decode layer's attention inputs: the rows' q `[rows, heads, d]`
+    /// at the storage precision, their k and v written into layer `l` of
+    /// the caches. With kiln's kernel one dispatch does the rotation and
+    /// both writes.
+    fn qkv(
+        &self,
+        f: &mut Function,
+        dm: &Dims,
+        normed: &Normed,
+        (layer, l): (&Layer, usize),
+        [keys, values]: [&mut Val; 2],
+    ) -> Val {
+        match self {
+            DecodeAppend::Kernel {
+                cos,
+                sin,
+                positions,
+            } => {
+                let qkv = qkv_product(f, dm, normed, layer);
+                let qkv = f.convert(&qkv, Ty::F32);
+                let caches = kernels::DecodeCaches {
+                    keys,
+                    values,
+                    layer: l,
+                };
+                let (q, k, v) =
+                    kernels::rope_append(f, &qkv, [cos, sin], positions, &caches, dm.heads);
+                (*keys, *values) = (k, v);
+                q
+            }
+            DecodeAppend::Graph {
+                rope_tables,
+                key_at,
+                value_at,
+            } => {
+                let (q, k, v) = project_qkv(f, dm, normed, layer, rope_tables);
+                let d = k.shape[k.shape.len() - 1];
+                let at = layer_rows(f, key_at, l);
+                *keys = scatter_flat(f, keys, &at, &k, d);
+                let at = layer_rows(f, value_at, l);
+                *values = scatter_flat(f, values, &at, &v, 1);
+                q
+            }
+        }
+    }
 }
 
 /// The rest of a layer after attention: output projection, residual, MLP,
@@ -1072,30 +1127,15 @@ fn decode_one(
     // to the host, which makes the call wait for the step that computed the
     // position (and each step of a chain wait for the one before it).
     let positions = f.reshape(pos, &[1]);
-    let (cos_table, sin_table) = (cos, sin);
-    let cos = f.take_rows(cos, &positions);
-    let sin = f.take_rows(sin, &positions);
-    let rope_tables = rope_factors(f, &cos, &sin);
+    let append = DecodeAppend::new(f, dm, [cos, sin], &positions, 1, context);
     let cols = f.iota(&[1, context], 1);
     let pos_row = f.broadcast(pos, &[1, context], &[]);
     let visible = f.compare_i32("LE", &cols, &pos_row);
-    let (key_at, value_at) = cache_write_indices(f, dm, &positions, 1, context);
 
     let mut x = embed(f, p, token);
     for (l, w) in p.layers.iter().enumerate() {
         let normed = rms_norm(f, dm, &x, &w.attn_norm, c.rms_norm_eps);
-        let q = decode_qkv(
-            f,
-            dm,
-            &normed,
-            w,
-            l,
-            &positions,
-            [cos_table, sin_table],
-            &rope_tables,
-            [&key_at, &value_at],
-            [&mut caches.k, &mut caches.v],
-        );
+        let q = append.qkv(f, dm, &normed, (w, l), [&mut caches.k, &mut caches.v]);
         let attended = if uses_attention_kernels(dm, context) {
             let layer = kernels::DecodeCaches {
                 keys: &caches.k,
@@ -1200,30 +1240,15 @@ fn decode_batch(
     let sin = f.param(&[context, d / 2], Ty::F32);
     let p = weight_params(&mut f, c, g);
 
-    let (cos_table, sin_table) = (cos.clone(), sin.clone());
-    let cos = f.take_rows(&cos, &positions);
-    let sin = f.take_rows(&sin, &positions);
-    let rope_tables = rope_factors(&mut f, &cos, &sin);
+    let append = DecodeAppend::new(&mut f, &dm, [&cos, &sin], &positions, slots, context);
     let cols = f.iota(&[rows, context], 1);
     let position_cols = f.broadcast(&positions, &[rows, context], &[0]);
     let visible = f.compare_i32("LE", &cols, &position_cols);
-    let (key_at, value_at) = cache_write_indices(&mut f, &dm, &positions, slots, context);
 
     let mut x = embed(&mut f, &p, &tokens);
     for (l, w) in p.layers.iter().enumerate() {
         let normed = rms_norm(&mut f, &dm, &x, &w.attn_norm, c.rms_norm_eps);
-        let q = decode_qkv(
-            &mut f,
-            &dm,
-            &normed,
-            w,
-            l,
-            &positions,
-            [&cos_table, &sin_table],
-            &rope_tables,
-            [&key_at, &value_at],
-            [&mut caches.k, &mut caches.v],
-        );
+        let q = append.qkv(&mut f, &dm, &normed, (w, l), [&mut caches.k, &mut caches.v]);
         let attended = if uses_attention_kernels(&dm, context) {
             let layer = kernels::DecodeCaches {
                 keys: &caches.k,
