@@ -42,6 +42,10 @@ prepare --precision q4 --q4-rows configured
 prepare --precision q4 --q4-rows kernel
 "$bin/kiln-bench-decode" --prepare --backend iree-cuda --model random-100m --max-context 64 \
     --precision q4 --q4-rows kernel > /dev/null
+# 8-bit blocks (GGUF's Q8_0), on both models.
+prepare --precision q8
+"$bin/kiln-bench-decode" --prepare --backend iree-cuda --model random-100m --max-context 64 \
+    --precision q8 > /dev/null
 # Decode attention through kiln's kernels, whichever is CUDA's default.
 "$bin/kiln-bench-decode" --prepare --backend iree-cuda --model random-100m --max-context 64 \
     --precision f16 --precision q4 --decode-attention kernel > /dev/null

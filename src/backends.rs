@@ -175,9 +175,12 @@ pub struct BackendOptions {
     #[arg(long, default_value_t = 256)]
     pub max_context: usize,
     /// Precision of the weights and KV cache on the device: f32, f16, bf16,
-    /// or q4 (matrices in 4-bit blocks of 32 with f16 scales and offsets,
-    /// the KV cache in f16). Matrix products accumulate in f32 at each.
-    /// Default: f16 for iree-cuda, f32 for iree-cpu.
+    /// q4 (matrices in 4-bit blocks of 32 with f16 scales and offsets, the
+    /// KV cache in f16) or q8 (matrices in 8-bit blocks of 32 with an f16
+    /// scale, GGUF's Q8_0; the KV cache in f16). Matrix products accumulate
+    /// in f32 at each. Default: the precision that keeps a GGUF file's
+    /// Q4_0/Q4_1 (q4) or Q8_0 (q8) blocks as stored; otherwise f16 for
+    /// iree-cuda, f32 for iree-cpu.
     #[arg(long)]
     pub precision: Option<String>,
     /// Layout of weight matrices on the device: in-out or out-in. Default:
@@ -364,7 +367,7 @@ pub fn open_iree<'m>(
         model,
         uri,
         target,
-        graph(target, options)?,
+        graph(target, options, Some(model.weights.stored))?,
         compiler()?,
         ModuleCache::default_location()?,
         buckets(model, options)?,
@@ -431,10 +434,43 @@ pub fn target(kind: BackendKind) -> Result<kiln_xla::Target> {
     }
 }
 
-/// The graph choices of `target` with the user's overrides.
+/// The IREE precision that keeps a model file's matrices as they are
+/// stored: q4 for Q4_0 and Q4_1 blocks (taken bit for bit, kiln_xla::q4),
+/// q8 for Q8_0 (kiln_xla::q8); `None` for anything else, where the
+/// target's default applies (K-quants and mixed files would be rounded
+/// again at q4).
 #[cfg(feature = "xla-iree")]
-pub fn graph(target: kiln_xla::Target, options: &BackendOptions) -> Result<kiln_xla::GraphOptions> {
-    let precision = parse_option("--precision", options.precision.as_deref())?;
+pub fn stored_precision(stored: Stored) -> Option<kiln_xla::Precision> {
+    match stored {
+        Stored::Blocks("Q4_0" | "Q4_1") => Some(kiln_xla::Precision::Q4),
+        Stored::Blocks("Q8_0") => Some(kiln_xla::Precision::Q8),
+        _ => None,
+    }
+}
+
+/// The graph choices of `target` with the user's overrides. Without
+/// `--precision`, a model stored in blocks an IREE graph keeps as they
+/// are (`stored`, see [`stored_precision`]; `None` where the model's
+/// matrices cannot be such blocks) runs at that precision: a Q4_0 file
+/// reads its 4-bit blocks on the GPU, not f16 weights 3.5 times the size;
+/// said on stderr.
+#[cfg(feature = "xla-iree")]
+pub fn graph(
+    target: kiln_xla::Target,
+    options: &BackendOptions,
+    stored: Option<Stored>,
+) -> Result<kiln_xla::GraphOptions> {
+    let mut precision = parse_option("--precision", options.precision.as_deref())?;
+    if precision.is_none()
+        && let Some(stored) = stored
+        && let Some(kept) = stored_precision(stored)
+    {
+        eprintln!(
+            "kiln: precision {kept}: the model's matrices are {stored} blocks, which {kept} keeps \
+             as stored; --precision f16 widens them"
+        );
+        precision = Some(kept);
+    }
     let layout = parse_option("--weight-layout", options.weight_layout.as_deref())?;
     let q4_rows: Option<kiln_xla::Q4Rows> = parse_option("--q4-rows", options.q4_rows.as_deref())?;
     let mut graph = kiln_xla::GraphOptions::for_target(target, precision, layout);
@@ -541,5 +577,48 @@ mod tests {
             ("local-sync", user.clone())
         );
         assert_eq!(iree_device(Target::Cuda, None, &[]), ("cuda", Vec::new()));
+    }
+
+    /// Without --precision, a GGUF file's Q4_0, Q4_1 or Q8_0 blocks run at
+    /// the IREE precision that keeps them (on either target); K-quants,
+    /// mixed files and dense matrices take the target's default; the
+    /// user's --precision wins.
+    #[test]
+    fn a_files_blocks_choose_the_precision_that_keeps_them() {
+        use clap::Parser;
+        use kiln_xla::Precision;
+        #[derive(Parser)]
+        struct Cli {
+            #[command(flatten)]
+            options: BackendOptions,
+        }
+        let options = |args: &[&str]| {
+            Cli::try_parse_from(std::iter::once("kiln").chain(args.iter().copied()))
+                .unwrap()
+                .options
+        };
+        let chosen = |target, args: &[&str], stored| {
+            graph(target, &options(args), stored).unwrap().precision
+        };
+        for target in [Target::Cuda, Target::LlvmCpu] {
+            let default = Precision::default_for(target);
+            for (stored, want) in [
+                (Some(Stored::Blocks("Q4_0")), Precision::Q4),
+                (Some(Stored::Blocks("Q4_1")), Precision::Q4),
+                (Some(Stored::Blocks("Q8_0")), Precision::Q8),
+                (Some(Stored::Blocks("Q4_K")), default),
+                (Some(Stored::Mixed), default),
+                (Some(Stored::F16), default),
+                (None, default),
+            ] {
+                assert_eq!(chosen(target, &[], stored), want, "{stored:?}");
+            }
+            let f16 = chosen(
+                target,
+                &["--precision", "f16"],
+                Some(Stored::Blocks("Q8_0")),
+            );
+            assert_eq!(f16, Precision::F16);
+        }
     }
 }

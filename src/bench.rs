@@ -5,6 +5,7 @@ use std::path::Path;
 
 use anyhow::Result;
 use kiln_core::tokenizer::ByteTokenizer;
+use kiln_core::weights::Stored;
 use kiln_core::{Model, ModelConfig, Tokenizer};
 
 /// A benchmark's exit: success, or its error printed with its causes.
@@ -77,8 +78,33 @@ pub fn q8_0(mut model: Model) -> Result<Model> {
     if let Some(head) = &mut w.lm_head {
         round(head)?;
     }
-    w.stored = kiln_core::weights::Stored::Blocks("Q8_0");
+    w.stored = Stored::Blocks("Q8_0");
     Ok(model)
+}
+
+/// How the model `spec` names stores its matrices, where that is known
+/// without loading it: a GGUF file's blocks (read from its tensor types), a
+/// `-q8_0` preset's Q8_0, a preset's f32; `None` for a folder (safetensors,
+/// whose f32, f16 or bf16 matrices no precision keeps as blocks).
+pub fn stored(spec: &str) -> Result<Option<Stored>> {
+    if q8_0_preset(spec).is_some() {
+        return Ok(Some(Stored::Blocks("Q8_0")));
+    }
+    Ok(match (spec, kiln_core::model::preset(spec)) {
+        ("embedded", _) => Some(Model::embedded().weights.stored),
+        (_, Some(_)) => Some(Stored::F32),
+        (spec, None) => {
+            let path = kiln_core::pinned::resolve(Path::new(spec))?;
+            match path.is_file() {
+                true => {
+                    let file = kiln_core::gguf::GgufFile::open(&path)?;
+                    let layers = kiln_core::gguf::model_config(&file)?.num_layers;
+                    Some(kiln_core::gguf::stored_kind(&file, layers))
+                }
+                false => None,
+            }
+        }
+    })
 }
 
 /// The configuration of a model spec, without making its weights.

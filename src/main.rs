@@ -310,7 +310,7 @@ fn prepare(args: &ModelArgs, batch_slots: usize, draft_tokens: Option<usize>) ->
     let model = load(args.model.as_ref())?;
     let target = backends::target(kind)?;
     let buckets = backends::buckets(&model, &args.options)?;
-    let graph = backends::graph(target, &args.options)?;
+    let graph = backends::graph(target, &args.options, Some(model.weights.stored))?;
     let compiler = kiln_xla::Compiler::from_env()?;
     let cache = kiln_xla::ModuleCache::default_location()?;
     let started = Instant::now();

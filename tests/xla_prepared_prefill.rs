@@ -501,9 +501,58 @@ fn qwen2_at_q4_matches_the_reference_on_its_dequantized_weights() {
     }
 }
 
+/// The model with the weights a q8 graph computes with on `model`'s
+/// (`kiln_xla::q8::device_weights`).
+fn q8_reference(model: &Model) -> Model {
+    let weights = kiln_xla::q8::device_weights(&model.weights).unwrap();
+    with_weights(model, "q8 weights", weights)
+}
+
+/// q8 weights (8-bit blocks, GGUF's Q8_0, dequantized inside the
+/// products), in the CPU target's graph and in CUDA's (norms folded, rows
+/// in f32), on the embedded model and on Qwen2's biases, against the CPU
+/// reference on the dequantized weights, within [`Q8_BOUND`]; greedy tokens
+/// match. The quantization is real: on the embedded model the reference's
+/// logits move from the unquantized model's by more than twice the bound,
+/// so a graph that left the weights unquantized would fail.
+#[test]
+fn q8_weights_agree_with_the_reference_on_their_dequantized_weights() {
+    for (model, visible) in [
+        (Model::embedded(), true),
+        (fixture("qwen2-tied-bias"), false),
+    ] {
+        let model = rounded_to_f16(&model);
+        let reference = q8_reference(&model);
+        let prompt = [3, 1, 4, 1, 5];
+        let moved = max_abs_diff(
+            &CpuBackend::new(&model).prefill(&prompt).unwrap(),
+            &CpuBackend::new(&reference).prefill(&prompt).unwrap(),
+        );
+        assert!(
+            moved > 0.0 && (!visible || moved > 2.0 * Q8_BOUND),
+            "quantizing to 8 bits moved the logits by only {moved}"
+        );
+        for target in [Target::LlvmCpu, Target::Cuda] {
+            let graph = GraphOptions::for_target(target, Some(Precision::Q8), None);
+            assert!(!graph.folds_norm_weights());
+            let mut xla = with_graph_on_cpu(&model, graph, default_cache());
+            let worst = agrees(&reference, &mut xla, Q8_BOUND, 16);
+            println!(
+                "{} q8, {target:?}'s graph: worst |iree - cpu| = {worst:e}; quantizing moved {moved:e}",
+                model.name
+            );
+        }
+    }
+}
+
 /// The bound for the q4 graph against the reference on its dequantized
 /// weights: 5x the worst measured (see the test's output).
 const Q4_BOUND: f32 = 5e-3;
+
+/// The bound for the q8 graph against the reference on its dequantized
+/// weights: 2.6x the worst measured on the CPU (1.15e-3, the embedded
+/// model; the f16 embedding and caches, not the blocks).
+const Q8_BOUND: f32 = 3e-3;
 
 /// The bound for the f16 graph against the reference on f16-rounded
 /// weights: 5x the worst measured (1.0e-3 on the H200, embedded model;
@@ -681,6 +730,30 @@ mod cuda {
             }
             Err(error) if error.to_string().contains("is not available") => no_device(&error),
             Err(error) => panic!("{error}"),
+        }
+    }
+
+    /// q8 on the GPU: the embedded model and random-100m (a 32,000-token
+    /// vocabulary, 768-wide rows) within [`Q8_BOUND`] of the reference on
+    /// their dequantized weights. Modules: `kiln prepare --backend
+    /// iree-cuda --max-context 64 --precision q8` and `kiln-bench-decode
+    /// --prepare --model random-100m --max-context 64 --precision q8`.
+    #[test]
+    fn q8_weights_on_the_gpu_match_the_reference_on_their_dequantized_weights() {
+        for (model, steps) in [(Model::embedded(), 32), (wide_vocabulary_model(), 8)] {
+            let model = rounded_to_f16(&model);
+            let graph = GraphOptions::for_target(Target::Cuda, Some(Precision::Q8), None);
+            match open(&model, "cuda", Target::Cuda, graph, default_cache()) {
+                Ok(mut xla) => {
+                    let worst = agrees(&q8_reference(&model), &mut xla, Q8_BOUND, steps);
+                    println!("{}: q8 worst |gpu - cpu| = {worst:e}", model.name);
+                }
+                Err(error) if error.to_string().contains("is not available") => {
+                    no_device(&error);
+                    return;
+                }
+                Err(error) => panic!("{error}"),
+            }
         }
     }
 

@@ -215,7 +215,7 @@ struct Row {
 
 /// Bytes a decode step reads from the weights at `bits_per_weight`: all but
 /// the embedding table, of which one row.
-fn decode_weight_bytes(model: &Model, bits_per_weight: u64) -> u64 {
+fn decode_weight_bytes(model: &Model, bits_per_weight: f64) -> u64 {
     let c = &model.config;
     let mut weights =
         (model.parameter_count() - c.vocab_size * c.hidden_size + c.hidden_size) as u64;
@@ -223,7 +223,7 @@ fn decode_weight_bytes(model: &Model, bits_per_weight: u64) -> u64 {
         // The tied table is read whole as the output projection.
         weights += (c.vocab_size * c.hidden_size) as u64;
     }
-    weights * bits_per_weight / 8
+    (weights as f64 * bits_per_weight / 8.0) as u64
 }
 
 fn write_model(args: &Args, dir: &Path) -> Result<()> {
@@ -251,6 +251,7 @@ fn prepare(args: &Args) -> Result<()> {
     let cache = ModuleCache::default_location()?;
     for spec in &args.model {
         let config = kiln::bench::config(spec)?;
+        let stored = kiln::bench::stored(spec)?;
         let context = config.context_limit().min(args.max_context);
         for &kind in args
             .backend
@@ -260,7 +261,7 @@ fn prepare(args: &Args) -> Result<()> {
             let target = backends::target(kind)?;
             let buckets = Buckets::for_context(context);
             for options in args.variants(kind) {
-                let graph = backends::graph(target, &options)?;
+                let graph = backends::graph(target, &options, stored)?;
                 kiln_xla::check_steps_per_call(options.steps_per_call)?;
                 let kinds = prepared::module_kinds(&buckets, options.steps_per_call);
                 if let Some(dir) = &args.export {
@@ -403,23 +404,23 @@ fn describe(
     kind: BackendKind,
     options: &BackendOptions,
     model: &Model,
-) -> Result<(String, String, u64)> {
+) -> Result<(String, String, f64)> {
     match kind {
         BackendKind::Auto => unreachable!("auto is resolved for each model first"),
-        BackendKind::Cpu => return Ok(("f32".into(), "out-in".into(), 32)),
+        BackendKind::Cpu => return Ok(("f32".into(), "out-in".into(), 32.0)),
         // The model's own precision: its stored matrices' bits (Q8_0's
-        // 34 bytes a block of 32, 8.5 bits, rounded up; other blocks are
-        // multiplied as f32); Q8_0's activations after `x`.
+        // 34 bytes a block of 32, 8.5 bits; other blocks are multiplied as
+        // f32); Q8_0's activations after `x`.
         BackendKind::CpuSimd => {
             use kiln_core::weights::Stored;
             let stored = model.weights.stored;
             let (bits, precision) = match stored {
-                Stored::F16 | Stored::BF16 => (16, stored.to_string()),
+                Stored::F16 | Stored::BF16 => (16.0, stored.to_string()),
                 Stored::Blocks("Q8_0") => {
                     let activations = backends::simd_activations(options);
-                    (9, format!("q8_0 x {}", activations.name()))
+                    (8.5, format!("q8_0 x {}", activations.name()))
                 }
-                _ => (32, stored.to_string()),
+                _ => (32.0, stored.to_string()),
             };
             return Ok((precision, "out-in".into(), bits));
         }
@@ -430,16 +431,21 @@ fn describe(
                 .activations
                 .map_or_else(kiln_cpu::Activations::fastest, Into::into);
             let precision = format!("q4 x {}", kiln_cpu::Activations::name(activations));
-            return Ok((precision, "out-in".into(), 6));
+            return Ok((precision, "out-in".into(), 6.0));
         }
         BackendKind::IreeCpu | BackendKind::IreeCuda => {}
     }
-    iree_graph(kind, options)
+    iree_graph(kind, options, model)
 }
 
 #[cfg(feature = "xla-iree")]
-fn iree_graph(kind: BackendKind, options: &BackendOptions) -> Result<(String, String, u64)> {
-    let graph = backends::graph(backends::target(kind)?, options)?;
+fn iree_graph(
+    kind: BackendKind,
+    options: &BackendOptions,
+    model: &Model,
+) -> Result<(String, String, f64)> {
+    let target = backends::target(kind)?;
+    let graph = backends::graph(target, options, Some(model.weights.stored))?;
     // A q4 variant names its row products where they are not the default.
     let mut precision = match options.q4_rows {
         Some(_) => format!("{}/{}", graph.precision, graph.q4_rows),
@@ -452,12 +458,16 @@ fn iree_graph(kind: BackendKind, options: &BackendOptions) -> Result<(String, St
     Ok((
         precision,
         graph.layout.to_string(),
-        graph.precision.bits_per_weight() as u64,
+        graph.precision.bits_per_weight(),
     ))
 }
 
 #[cfg(not(feature = "xla-iree"))]
-fn iree_graph(kind: BackendKind, options: &BackendOptions) -> Result<(String, String, u64)> {
+fn iree_graph(
+    kind: BackendKind,
+    options: &BackendOptions,
+    _model: &Model,
+) -> Result<(String, String, f64)> {
     // Opening reports that the backend is not compiled in.
     let _ = (kind, options);
     bail!("IREE backends need `--features xla-iree`")

@@ -358,6 +358,7 @@ static iree_hal_element_type_t kiln_iree_to_hal_type(kiln_iree_element_type t) {
     // MLIR's i32 is signless; so is the element type the module asserts.
     case KILN_IREE_I32: return IREE_HAL_ELEMENT_TYPE_INT_32;
     case KILN_IREE_I4: return IREE_HAL_ELEMENT_TYPE_INT_4;
+    case KILN_IREE_I8: return IREE_HAL_ELEMENT_TYPE_INT_8;
   }
   return IREE_HAL_ELEMENT_TYPE_NONE;
 }
@@ -544,6 +545,8 @@ kiln_iree_error* kiln_iree_tensor_element_type(const kiln_iree_tensor* tensor,
     case IREE_HAL_ELEMENT_TYPE_UINT_32: *out_type = KILN_IREE_I32; return NULL;
     case IREE_HAL_ELEMENT_TYPE_INT_4:
     case IREE_HAL_ELEMENT_TYPE_SINT_4: *out_type = KILN_IREE_I4; return NULL;
+    case IREE_HAL_ELEMENT_TYPE_INT_8:
+    case IREE_HAL_ELEMENT_TYPE_SINT_8: *out_type = KILN_IREE_I8; return NULL;
     default: {
       char detail[64];
       snprintf(detail, sizeof(detail), "unsupported element type 0x%08x",

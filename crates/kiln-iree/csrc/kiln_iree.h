@@ -33,6 +33,8 @@ typedef enum kiln_iree_element_type {
   // Signed 4-bit integers, two per byte, element 2k in the low nibble (the
   // packing IREE's modules use for i4 tensors).
   KILN_IREE_I4 = 4,
+  // Signed 8-bit integers, one per byte.
+  KILN_IREE_I8 = 5,
 } kiln_iree_element_type;
 
 // The IREE status code (iree_status_code_t) of an error.

@@ -15,6 +15,8 @@ pub enum ElementType {
     /// Signed 4-bit integers, two per byte, element 2k in the low nibble:
     /// how IREE's modules pack an `i4` tensor.
     I4,
+    /// Signed 8-bit integers, one per byte.
+    I8,
 }
 
 impl ElementType {
@@ -25,6 +27,7 @@ impl ElementType {
             ElementType::BF16 => ffi::kiln_iree_element_type::KILN_IREE_BF16,
             ElementType::I32 => ffi::kiln_iree_element_type::KILN_IREE_I32,
             ElementType::I4 => ffi::kiln_iree_element_type::KILN_IREE_I4,
+            ElementType::I8 => ffi::kiln_iree_element_type::KILN_IREE_I8,
         }
     }
 
@@ -35,6 +38,7 @@ impl ElementType {
             ffi::kiln_iree_element_type::KILN_IREE_BF16 => Ok(ElementType::BF16),
             ffi::kiln_iree_element_type::KILN_IREE_I32 => Ok(ElementType::I32),
             ffi::kiln_iree_element_type::KILN_IREE_I4 => Ok(ElementType::I4),
+            ffi::kiln_iree_element_type::KILN_IREE_I8 => Ok(ElementType::I8),
             other => Err(Error::Tensor(format!("unknown element type {other}"))),
         }
     }
@@ -44,6 +48,7 @@ impl ElementType {
         match self {
             ElementType::F32 | ElementType::I32 => 32,
             ElementType::F16 | ElementType::BF16 => 16,
+            ElementType::I8 => 8,
             ElementType::I4 => 4,
         }
     }
@@ -63,6 +68,7 @@ pub enum TensorData {
     I32(Vec<i32>),
     /// Packed [`ElementType::I4`] elements: `(n + 1) / 2` bytes for `n`.
     I4(Vec<u8>),
+    I8(Vec<i8>),
 }
 
 /// A dense row-major host tensor.
@@ -81,6 +87,7 @@ impl Tensor {
             TensorData::F16(v) => v.len(),
             TensorData::BF16(v) => v.len(),
             TensorData::I32(v) => v.len(),
+            TensorData::I8(v) => v.len(),
             TensorData::I4(v) => {
                 let bytes = ElementType::I4.byte_length(expected);
                 if v.len() != bytes {
@@ -124,6 +131,10 @@ impl Tensor {
         Tensor::new(shape, TensorData::I4(data))
     }
 
+    pub fn i8(shape: &[i64], data: Vec<i8>) -> Result<Tensor> {
+        Tensor::new(shape, TensorData::I8(data))
+    }
+
     pub fn shape(&self) -> &[i64] {
         &self.shape
     }
@@ -139,6 +150,7 @@ impl Tensor {
             TensorData::BF16(_) => ElementType::BF16,
             TensorData::I32(_) => ElementType::I32,
             TensorData::I4(_) => ElementType::I4,
+            TensorData::I8(_) => ElementType::I8,
         }
     }
 
@@ -186,6 +198,7 @@ impl Tensor {
             TensorData::BF16(v) => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
             TensorData::I32(v) => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
             TensorData::I4(v) => v.clone(),
+            TensorData::I8(v) => v.iter().map(|&x| x as u8).collect(),
         }
     }
 
@@ -197,6 +210,7 @@ impl Tensor {
             ElementType::F16 => TensorData::F16(decode(bytes, f16::from_le_bytes)),
             ElementType::BF16 => TensorData::BF16(decode(bytes, bf16::from_le_bytes)),
             ElementType::I4 => TensorData::I4(bytes.to_vec()),
+            ElementType::I8 => TensorData::I8(bytes.iter().map(|&b| b as i8).collect()),
         };
         Tensor::new(&shape, data)
     }
@@ -243,6 +257,7 @@ mod tests {
             Tensor::bf16(&[1, 2], vec![bf16::from_f32(3.0), bf16::MIN_POSITIVE]).unwrap(),
             Tensor::i32(&[3], vec![i32::MIN, 0, i32::MAX]).unwrap(),
             Tensor::i4_packed(&[3], vec![0x7f, 0x08]).unwrap(),
+            Tensor::i8(&[3], vec![i8::MIN, -1, i8::MAX]).unwrap(),
         ];
         for tensor in tensors {
             let bytes = tensor.bytes();

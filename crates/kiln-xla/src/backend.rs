@@ -18,6 +18,7 @@ use crate::module_cache::{ModuleCache, Origin};
 use crate::plan::{self, APPEND_ROWS, Buckets, ModuleKind};
 use crate::prepared;
 use crate::q4::Q4Matrix;
+use crate::q8::Q8Matrix;
 
 /// The weight arguments, in [`crate::llama::weight_shapes`] order, at the graph's
 /// layout (precision is applied on upload). kiln-core holds matrices `[out,
@@ -102,20 +103,23 @@ fn stack_rows(ms: &[&Matrix]) -> Matrix {
 
 /// The weight buffers the modules take (see `weight_params` in
 /// [`crate::llama`]): every weight argument concatenated in order and
-/// rounded to the graph's precision; at q4, that buffer in f16 with each
-/// quantized matrix's block scales and offsets in its place, and a second
-/// buffer of the matrices' packed 4-bit values.
+/// rounded to the graph's precision; at q4 and q8, that buffer in f16 with
+/// each quantized matrix's block scales (and q4's offsets) in its place,
+/// and a second buffer of the matrices' values (packed 4-bit, or 8-bit).
 fn packed_weights(model: &Model, graph: &GraphOptions) -> kiln_core::Result<Vec<Tensor>> {
     let parts = weight_arguments(&model.weights, graph);
-    if graph.precision != Precision::Q4 {
+    if !graph.precision.is_blocked() {
         let total: usize = parts.iter().map(|p| p.len()).sum();
         let values = parts.iter().flat_map(|p| p.iter().copied());
         return Ok(vec![
             stored(graph.precision, &[total as i64], values).map_err(to_core)?,
         ]);
     }
+    let invalid = |e: &dyn std::fmt::Display| {
+        kiln_core::Error::Invalid(format!("{} weights: {e}", graph.precision))
+    };
     let shapes = crate::llama::weight_shapes(&model.config, graph.layout);
-    let (mut dense, mut quants) = (Vec::new(), Vec::new());
+    let (mut dense, mut q4, mut q8) = (Vec::new(), Vec::new(), Vec::new());
     for (i, (part, shape)) in parts.iter().zip(&shapes).enumerate() {
         let shape = &crate::llama::stored_shape(i, shape, graph);
         if !crate::llama::is_quantized(i, shape) {
@@ -127,15 +131,23 @@ fn packed_weights(model: &Model, graph: &GraphOptions) -> kiln_core::Result<Vec<
             cols: shape[1],
             data: part.to_vec(),
         };
-        let q = Q4Matrix::quantize(&m)
-            .map_err(|e| kiln_core::Error::Invalid(format!("q4 weights: {e}")))?;
-        dense.extend(q.scales.iter().chain(&q.offsets));
-        quants.extend(q.quants);
+        if graph.precision == Precision::Q4 {
+            let q = Q4Matrix::quantize(&m).map_err(|e| invalid(&e))?;
+            dense.extend(q.scales.iter().chain(&q.offsets));
+            q4.extend(q.quants);
+        } else {
+            let q = Q8Matrix::quantize(&m).map_err(|e| invalid(&e))?;
+            dense.extend(q.scales);
+            q8.extend(q.quants);
+        }
     }
-    let count = 2 * quants.len() as i64;
+    let values = match graph.precision {
+        Precision::Q4 => Tensor::i4_packed(&[2 * q4.len() as i64], q4),
+        _ => Tensor::i8(&[q8.len() as i64], q8),
+    };
     Ok(vec![
         Tensor::f16(&[dense.len() as i64], dense).map_err(to_core)?,
-        Tensor::i4_packed(&[count], quants).map_err(to_core)?,
+        values.map_err(to_core)?,
     ])
 }
 
@@ -147,7 +159,9 @@ fn stored(
 ) -> kiln_iree::Result<Tensor> {
     match precision {
         Precision::F32 => Tensor::f32(shape, values.collect()),
-        Precision::F16 | Precision::Q4 => Tensor::f16(shape, values.map(f16::from_f32).collect()),
+        Precision::F16 | Precision::Q4 | Precision::Q8 => {
+            Tensor::f16(shape, values.map(f16::from_f32).collect())
+        }
         Precision::Bf16 => Tensor::bf16(shape, values.map(bf16::from_f32).collect()),
     }
 }

@@ -21,15 +21,25 @@ pub enum Precision {
     /// norms and KV cache in f16. Needs the out-in layout (blocks run along
     /// each output's inputs).
     Q4,
+    /// Weight matrices in 8-bit blocks with an f16 scale each ([`crate::q8`],
+    /// GGUF's Q8_0), dequantized inside the products; the rest as at q4.
+    Q8,
 }
 
 impl Precision {
-    pub const ALL: [Precision; 4] = [
+    pub const ALL: [Precision; 5] = [
         Precision::F32,
         Precision::F16,
         Precision::Bf16,
         Precision::Q4,
+        Precision::Q8,
     ];
+
+    /// Whether the weight matrices are stored in blocks of integers with
+    /// their own scales (q4, q8), which the products dequantize.
+    pub fn is_blocked(self) -> bool {
+        matches!(self, Precision::Q4 | Precision::Q8)
+    }
 
     /// The precision a target runs at unless told otherwise: f16 on CUDA
     /// (half the bytes per decode step; its error against the f32 reference
@@ -45,16 +55,16 @@ impl Precision {
     pub(crate) fn storage(self) -> Ty {
         match self {
             Precision::F32 => Ty::F32,
-            Precision::F16 | Precision::Q4 => Ty::F16,
+            Precision::F16 | Precision::Q4 | Precision::Q8 => Ty::F16,
             Precision::Bf16 => Ty::BF16,
         }
     }
 
-    /// Bytes per stored weight element (q4's scales and offsets are f16).
+    /// Bytes per stored weight element (q4's and q8's scales are f16).
     pub fn storage_bytes(self) -> usize {
         match self {
             Precision::F32 => 4,
-            Precision::F16 | Precision::Bf16 | Precision::Q4 => 2,
+            Precision::F16 | Precision::Bf16 | Precision::Q4 | Precision::Q8 => 2,
         }
     }
 
@@ -64,16 +74,19 @@ impl Precision {
             Precision::F16 => "f16",
             Precision::Bf16 => "bf16",
             Precision::Q4 => "q4",
+            Precision::Q8 => "q8",
         }
     }
 
     /// Bits of one stored weight of a matrix: at q4, 4 plus its share of
-    /// its block's f16 scale and offset.
-    pub fn bits_per_weight(self) -> usize {
+    /// its block's f16 scale and offset; at q8, 8 plus its share of the
+    /// block's f16 scale.
+    pub fn bits_per_weight(self) -> f64 {
         match self {
-            Precision::F32 => 32,
-            Precision::F16 | Precision::Bf16 => 16,
-            Precision::Q4 => 4 + 32 / crate::q4::BLOCK,
+            Precision::F32 => 32.0,
+            Precision::F16 | Precision::Bf16 => 16.0,
+            Precision::Q4 => 4.0 + 32.0 / crate::q4::BLOCK as f64,
+            Precision::Q8 => 8.0 + 16.0 / crate::q8::BLOCK as f64,
         }
     }
 }
@@ -377,7 +390,7 @@ impl GraphOptions {
     /// weight multiplies the row instead, inside kiln's q4 kernel for one
     /// row.
     pub fn folds_norm_weights(&self) -> bool {
-        self.fold_norms && self.precision != Precision::Q4
+        self.fold_norms && !self.precision.is_blocked()
     }
 
     /// The given choices, each defaulting to `target`'s (the layout to
@@ -390,7 +403,7 @@ impl GraphOptions {
         let precision = precision.unwrap_or_else(|| Precision::default_for(target));
         let layout = match (layout, precision) {
             (Some(layout), _) => layout,
-            (None, Precision::Q4) => WeightLayout::OutIn,
+            (None, Precision::Q4 | Precision::Q8) => WeightLayout::OutIn,
             (None, _) => WeightLayout::default_for(target),
         };
         GraphOptions {
@@ -406,12 +419,13 @@ impl GraphOptions {
 
     /// An error for choices that do not go together.
     pub fn check(&self) -> Result<(), String> {
-        if self.precision == Precision::Q4 && self.layout != WeightLayout::OutIn {
+        if self.precision.is_blocked() && self.layout != WeightLayout::OutIn {
             return Err(format!(
-                "q4 weights are blocked along each output's inputs: use the {} layout (the \
-                 default at q4), not {}",
+                "{p} weights are blocked along each output's inputs: use the {} layout (the \
+                 default at {p}), not {}",
                 WeightLayout::OutIn,
-                self.layout
+                self.layout,
+                p = self.precision,
             ));
         }
         Ok(())
@@ -444,18 +458,23 @@ mod tests {
     }
 
     #[test]
-    fn q4_takes_the_out_in_layout_and_refuses_the_other() {
-        let q4 = GraphOptions::for_target(Target::LlvmCpu, Some(Precision::Q4), None);
-        assert_eq!(q4.layout, WeightLayout::OutIn);
-        assert_eq!(q4.check(), Ok(()));
-        let in_out = GraphOptions {
-            layout: WeightLayout::InOut,
-            ..q4
-        };
-        let error = in_out.check().unwrap_err();
-        assert!(
-            error.contains("out-in") && error.contains("in-out"),
-            "{error}"
-        );
+    fn blocked_precisions_take_the_out_in_layout_and_refuse_the_other() {
+        for precision in [Precision::Q4, Precision::Q8] {
+            let blocked = GraphOptions::for_target(Target::LlvmCpu, Some(precision), None);
+            assert_eq!(blocked.layout, WeightLayout::OutIn);
+            assert_eq!(blocked.check(), Ok(()));
+            assert!(!blocked.folds_norm_weights());
+            let in_out = GraphOptions {
+                layout: WeightLayout::InOut,
+                ..blocked
+            };
+            let error = in_out.check().unwrap_err();
+            assert!(
+                error.contains("out-in")
+                    && error.contains("in-out")
+                    && error.contains(precision.name()),
+                "{error}"
+            );
+        }
     }
 }

@@ -14,6 +14,7 @@ mod module_cache;
 mod plan;
 pub mod prepared;
 pub mod q4;
+pub mod q8;
 mod stablehlo;
 
 pub use backend::{IreeBackend, MAX_STEPS_PER_CALL, check_steps_per_call};

@@ -44,6 +44,9 @@ use kiln_core::ModelConfig;
 use crate::graph::{DecodeAttention, GraphOptions, Precision, Q4Rows, WeightLayout, padded_row};
 use crate::kernels;
 use crate::q4::BLOCK;
+
+// q4's and q8's blocks are sliced alike.
+const _: () = assert!(crate::q4::BLOCK == crate::q8::BLOCK);
 use crate::stablehlo::{Function, Ty, Val};
 
 /// The shapes of the weight arguments, in order: embedding `[V, H]`; per
@@ -104,6 +107,12 @@ enum Weight {
         scales: Val,
         offsets: Val,
     },
+    /// `[out, in]` as 8-bit blocks: `quants` `[out, in / BLOCK, BLOCK]` i8,
+    /// `scales` `[out, in / BLOCK]` f16.
+    Q8 {
+        quants: Val,
+        scales: Val,
+    },
 }
 
 impl Weight {
@@ -116,7 +125,7 @@ impl Weight {
                 scales,
                 offsets,
             } => (quants, scales, offsets),
-            Weight::Dense(_) => unreachable!("{what} is called on q4 weights"),
+            _ => unreachable!("{what} is called on q4 weights"),
         }
     }
 
@@ -124,7 +133,9 @@ impl Weight {
     fn dense(self) -> Val {
         match self {
             Weight::Dense(v) => v,
-            Weight::Q4 { .. } => unreachable!("is_quantized keeps vectors and the embedding dense"),
+            Weight::Q4 { .. } | Weight::Q8 { .. } => {
+                unreachable!("is_quantized keeps vectors and the embedding dense")
+            }
         }
     }
 }
@@ -152,13 +163,19 @@ struct Params {
 /// The packed weight parameters, sliced and reshaped into the weights. At
 /// q4: an f16 buffer holding, in [`weight_shapes`] order, each unquantized
 /// weight, or a quantized matrix's scales then offsets; and an i4 buffer of
-/// the quantized matrices' values, in the same order.
+/// the quantized matrices' values, in the same order. At q8 the same with
+/// scales only and an i8 buffer.
 fn weight_params(f: &mut Function, c: &ModelConfig, g: &GraphOptions) -> Params {
     let shapes = weight_shapes(c, g.layout);
-    let q4 = g.precision == Precision::Q4;
-    let quantized = |i: usize, s: &[usize]| q4 && is_quantized(i, s);
+    let blocked = g.precision.is_blocked();
+    let quantized = |i: usize, s: &[usize]| blocked && is_quantized(i, s);
+    // f16 numbers a quantized matrix keeps per block: scale (and offset).
+    let per_block = match g.precision {
+        Precision::Q4 => 2,
+        _ => 1,
+    };
     let dense_size = |i: usize, s: &Vec<usize>| match quantized(i, s) {
-        true => 2 * s[0] * s[1] / BLOCK,
+        true => per_block * s[0] * s[1] / BLOCK,
         false => s.iter().product(),
     };
     let total: usize = shapes
@@ -167,10 +184,14 @@ fn weight_params(f: &mut Function, c: &ModelConfig, g: &GraphOptions) -> Params 
         .map(|(i, s)| dense_size(i, &stored_shape(i, s, g)))
         .sum();
     let dense = f.param(&[total], g.precision.storage());
-    let quants = q4.then(|| {
+    let quants = blocked.then(|| {
         let count = shapes.iter().enumerate().filter(|(i, s)| quantized(*i, s));
         let total: usize = count.map(|(_, s)| s[0] * s[1]).sum();
-        f.param(&[total], Ty::I4)
+        let ty = match g.precision {
+            Precision::Q4 => Ty::I4,
+            _ => Ty::I8,
+        };
+        f.param(&[total], ty)
     });
     let (mut offset, mut q_offset) = (0, 0);
     let take = |f: &mut Function, all: &Val, at: &mut usize, shape: &[usize]| {
@@ -185,12 +206,15 @@ fn weight_params(f: &mut Function, c: &ModelConfig, g: &GraphOptions) -> Params 
             (Some(all_quants), true) => {
                 let blocks = [s[0], s[1] / BLOCK];
                 let scales = take(f, &dense, &mut offset, &blocks);
-                let offsets = take(f, &dense, &mut offset, &blocks);
+                let offsets = (per_block == 2).then(|| take(f, &dense, &mut offset, &blocks));
                 let quants = take(f, all_quants, &mut q_offset, &[s[0], s[1] / BLOCK, BLOCK]);
-                Weight::Q4 {
-                    quants,
-                    scales,
-                    offsets,
+                match offsets {
+                    Some(offsets) => Weight::Q4 {
+                        quants,
+                        scales,
+                        offsets,
+                    },
+                    None => Weight::Q8 { quants, scales },
                 }
             }
             _ => {
@@ -366,6 +390,7 @@ fn linear_normed(f: &mut Function, dm: &Dims, normed: &Normed, w: &Weight) -> Va
     if dm.rows_in_f32 && dm.layout == WeightLayout::OutIn {
         let out = match w {
             Weight::Q4 { .. } if x.shape[0] == 1 => q4_row_product(f, dm, x, w),
+            Weight::Q8 { .. } if x.shape[0] == 1 => blocked_row_product(f, x, w),
             _ => {
                 let wide = dense_weight(f, dm, w);
                 let wide = f.convert(&wide, Ty::F32);
@@ -388,22 +413,24 @@ fn linear_normed(f: &mut Function, dm: &Dims, normed: &Normed, w: &Weight) -> Va
 /// precision and the product accumulates in f32. One row against q4
 /// weights stays in f32 (see [`q4_row_product`]).
 fn linear(f: &mut Function, dm: &Dims, x: &Val, w: &Weight) -> Val {
-    if matches!(w, Weight::Q4 { .. }) && x.shape[0] == 1 {
-        return q4_row_product(f, dm, x, w);
+    match w {
+        Weight::Q4 { .. } if x.shape[0] == 1 => return q4_row_product(f, dm, x, w),
+        Weight::Q8 { .. } if x.shape[0] == 1 => return blocked_row_product(f, x, w),
+        _ => {}
     }
     let w = dense_weight(f, dm, w);
     let x = f.convert(x, dm.storage);
     product(f, dm.layout, &x, &w)
 }
 
-/// `w` as one `[out, in]` matrix at the storage precision: at q4, the
-/// blocks dequantized (in f32, then rounded), a kernel of its own; for
+/// `w` as one `[out, in]` matrix at the storage precision: at q4 and q8,
+/// the blocks dequantized (in f32, then rounded), a kernel of its own; for
 /// products of several rows (prefill, multi-token steps), whose cost is
 /// not the weights' bytes.
 fn dense_weight(f: &mut Function, dm: &Dims, w: &Weight) -> Val {
     match w {
         Weight::Dense(v) => v.clone(),
-        Weight::Q4 { quants, .. } => {
+        Weight::Q4 { quants, .. } | Weight::Q8 { quants, .. } => {
             let (out, inputs) = (quants.shape[0], quants.shape[1] * BLOCK);
             let values = dequantized(f, w);
             let values = f.reshape(&values, &[out, inputs]);
@@ -412,19 +439,30 @@ fn dense_weight(f: &mut Function, dm: &Dims, w: &Weight) -> Val {
     }
 }
 
-/// The f32 weights of q4 `w`, `[out, in / BLOCK, BLOCK]`: `q · scale +
-/// offset`. Elementwise with the scales broadcast along each block, which
-/// IREE takes as a dequantization and fuses into the kernel that consumes
-/// it.
+/// The f32 weights of q4 or q8 `w`, `[out, in / BLOCK, BLOCK]`: `q · scale
+/// (+ offset at q4)`. Elementwise with the scales broadcast along each
+/// block, which IREE takes as a dequantization and fuses into the kernel
+/// that consumes it.
 fn dequantized(f: &mut Function, w: &Weight) -> Val {
-    let (quants, scales, offsets) = w.q4_parts("dequantized");
+    let (quants, scales, offsets) = match w {
+        Weight::Q4 {
+            quants,
+            scales,
+            offsets,
+        } => (quants, scales, Some(offsets)),
+        Weight::Q8 { quants, scales } => (quants, scales, None),
+        Weight::Dense(_) => unreachable!("dequantized is called on blocked weights"),
+    };
     let shape = quants.shape.clone();
     let q = f.convert(quants, Ty::F32);
     let scale = f.convert(scales, Ty::F32);
     let scale = f.broadcast(&scale, &shape, &[0, 1]);
+    let scaled = f.binary("multiply", &q, &scale);
+    let Some(offsets) = offsets else {
+        return scaled;
+    };
     let offset = f.convert(offsets, Ty::F32);
     let offset = f.broadcast(&offset, &shape, &[0, 1]);
-    let scaled = f.binary("multiply", &q, &scale);
     f.binary("add", &scaled, &offset)
 }
 
@@ -445,7 +483,7 @@ fn q4_row_product(f: &mut Function, dm: &Dims, x: &Val, w: &Weight) -> Val {
                 let product = f.q4_row_product(quants, scales, offsets, &row, &info);
                 f.reshape(&product, &[1, out])
             }
-            None => q4_row_product_untuned(f, x, w),
+            None => blocked_row_product(f, x, w),
         },
     }
 }
@@ -581,11 +619,12 @@ fn q4_row_kernel(out: usize, groups: usize) -> Option<String> {
     ))
 }
 
-/// [`q4_row_product`] as StableHLO, for CUDA shapes [`q4_row_kernel`] has
-/// no configuration for: a product and a reduction over both block
-/// dimensions, which IREE fuses with the dequantization into one kernel
-/// that reads the packed values (one 4-bit value per lane per load).
-fn q4_row_product_untuned(f: &mut Function, x: &Val, w: &Weight) -> Val {
+/// One f32 row `x` `[1, in]` times q4 or q8 `w` as StableHLO: a product and
+/// a reduction over both block dimensions, which IREE fuses with the
+/// dequantization into one kernel that reads the stored values. q8's
+/// one-row products, and q4's on CUDA shapes [`q4_row_kernel`] has no
+/// configuration for.
+fn blocked_row_product(f: &mut Function, x: &Val, w: &Weight) -> Val {
     let values = dequantized(f, w);
     let shape = values.shape.clone();
     let row = f.reshape(x, &[shape[1], shape[2]]);
@@ -1991,7 +2030,7 @@ mod tests {
         let append = "hal.dispatch.extern \"kiln_rope_append\"[";
         let cuda = |precision| GraphOptions::for_target(Target::Cuda, Some(precision), None);
         let mut compiled = Vec::new();
-        for precision in [Precision::F16, Precision::Q4] {
+        for precision in [Precision::F16, Precision::Q4, Precision::Q8] {
             let g = cuda(precision);
             for (module, appends) in [
                 (decode_module(&c, &g, 64), c.num_layers),
@@ -2115,6 +2154,48 @@ mod tests {
         for rows in [4, 8] {
             let module = decode_batch_module(&c, &cuda, 64, rows, 8);
             assert!(!module.contains(widened), "{rows} rows");
+        }
+    }
+
+    /// q8 modules take the matrices' 8-bit values in an i8 buffer beside
+    /// the f16 one (embedding, norms, one scale a block): a one-row step
+    /// multiplies the blocks where they lie, widening no whole matrix,
+    /// while prefill's rows multiply the dequantized matrix. The modules
+    /// compile for both targets.
+    #[test]
+    fn q8_steps_read_the_8_bit_blocks() {
+        let c = config(4, 2);
+        let (h, qkv) = (
+            c.hidden_size,
+            (c.num_heads + 2 * c.num_kv_heads) * c.head_dim,
+        );
+        let values: usize = c.num_layers
+            * (h * qkv + c.num_heads * c.head_dim * h + 3 * h * c.intermediate_size)
+            + c.vocab_size * h * usize::from(!c.tie_word_embeddings);
+        let scales = values / BLOCK;
+        let dense = c.vocab_size * h + (2 * c.num_layers + 1) * h + scales;
+        let mut compiled = Vec::new();
+        for target in [Target::LlvmCpu, Target::Cuda] {
+            let g = GraphOptions::for_target(target, Some(Precision::Q8), None);
+            let step = decode_module(&c, &g, 64);
+            assert!(step.contains(&format!("tensor<{values}xi8>")), "{step}");
+            assert!(step.contains(&format!("tensor<{dense}xf16>")));
+            // The qkv matrix whole, widened or at f16, is what a step must
+            // not make; prefill makes it for its product.
+            let whole = format!("tensor<{qkv}x{h}x");
+            assert!(!step.contains(&whole), "{target:?}'s step widens a matrix");
+            let prefill = prefill_module(&c, &g, 16, 64);
+            assert!(prefill.contains(&format!("{whole}f16>")), "{target:?}");
+            compiled.push((target, step));
+            compiled.push((target, prefill));
+        }
+        match crate::compiler::Compiler::from_env() {
+            Ok(compiler) => {
+                for (target, module) in &compiled {
+                    compiler.compile(module, *target, &[]).unwrap();
+                }
+            }
+            Err(e) => println!("skipped compiling the modules: {e}"),
         }
     }
 

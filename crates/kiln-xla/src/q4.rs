@@ -60,6 +60,11 @@ impl Q4Matrix {
             offsets: Vec::with_capacity(blocks),
         };
         for block in m.data.chunks_exact(BLOCK) {
+            // min and max pass over NaN: without this, a NaN weight would
+            // become a level in range.
+            if let Some(&w) = block.iter().find(|w| !w.is_finite()) {
+                return Err(Q4Error::Range { min: w, max: w });
+            }
             if let Some((scale, levels)) = symmetric_levels(block) {
                 let nibble = |q: i8| (q as u8) & 0x0f;
                 q.quants.extend(
@@ -154,20 +159,21 @@ fn symmetric_levels(block: &[f32]) -> Option<(f16, [i8; BLOCK])> {
 /// f16), since no q4 graph folds a norm's weight into its matrices
 /// ([`crate::GraphOptions::folds_norm_weights`]).
 pub fn device_weights(w: &Weights) -> Result<Weights, Q4Error> {
-    let round_trip = |m: &Matrix| Q4Matrix::quantize(m).map(|q| q.dequantize());
+    with_matrices(w, |m| Q4Matrix::quantize(m).map(|q| q.dequantize()))
+}
+
+/// `w` with every matrix but the embedding replaced by `f` of it: the
+/// weights a blocked graph computes with, where `f` quantizes and
+/// dequantizes.
+pub(crate) fn with_matrices<E>(
+    w: &Weights,
+    f: impl Fn(&Matrix) -> Result<Matrix, E>,
+) -> Result<Weights, E> {
     let mut layers = Vec::with_capacity(w.layers.len());
     for l in &w.layers {
         let mut layer = l.clone();
-        for m in [
-            &mut layer.wq,
-            &mut layer.wk,
-            &mut layer.wv,
-            &mut layer.wo,
-            &mut layer.w_gate,
-            &mut layer.w_up,
-            &mut layer.w_down,
-        ] {
-            *m = round_trip(m)?;
+        for m in layer.matrices_mut() {
+            *m = f(m)?;
         }
         layers.push(layer);
     }
@@ -175,7 +181,7 @@ pub fn device_weights(w: &Weights) -> Result<Weights, Q4Error> {
         embed: w.embed.clone(),
         layers,
         final_norm: w.final_norm.clone(),
-        lm_head: Some(round_trip(w.output())?),
+        lm_head: Some(f(w.output())?),
         stored: w.stored,
     })
 }
@@ -470,5 +476,11 @@ mod tests {
         assert_eq!(error, Q4Error::Width { cols: 48 });
         let error = Q4Matrix::quantize(&matrix(1, 32, |i| i as f32 * 1e5)).unwrap_err();
         assert!(error.to_string().contains("--precision f32"), "{error}");
+        // A NaN or infinite weight is refused, not rounded to a level.
+        for bad in [f32::NAN, f32::INFINITY] {
+            let m = matrix(1, 32, |i| if i == 5 { bad } else { 0.5 });
+            let error = Q4Matrix::quantize(&m).unwrap_err();
+            assert!(matches!(error, Q4Error::Range { .. }), "{error}");
+        }
     }
 }

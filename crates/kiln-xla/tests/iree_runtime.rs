@@ -44,6 +44,11 @@ module {
     %1 = stablehlo.negate %a : tensor<2x3xi4>
     return %0, %1 : tensor<2x3xi32>, tensor<2x3xi4>
   }
+  func.func @widen_i8(%a: tensor<4xi8>) -> (tensor<4xi32>, tensor<4xi8>) {
+    %0 = stablehlo.convert %a : (tensor<4xi8>) -> tensor<4xi32>
+    %1 = stablehlo.negate %a : tensor<4xi8>
+    return %0, %1 : tensor<4xi32>, tensor<4xi8>
+  }
 }
 "#;
 
@@ -113,6 +118,14 @@ fn exact_results_on(uri: &str) {
     assert_eq!(
         out[1].data(),
         &kiln_iree::TensorData::I4(vec![0x91, 0x80, 0xef])
+    );
+    // Signed 8-bit, both ways; -128 negated wraps.
+    let a = Tensor::i8(&[4], vec![-128, -1, 0, 127]).unwrap();
+    let out = module.call("widen_i8", &[a]).unwrap();
+    assert_eq!(out[0].as_i32().unwrap(), &[-128, -1, 0, 127]);
+    assert_eq!(
+        out[1].data(),
+        &kiln_iree::TensorData::I8(vec![-128, 1, 0, -127])
     );
 }
 

@@ -225,6 +225,31 @@ pub fn unpermute_rows(m: &mut Matrix, heads: usize) {
     m.data = out;
 }
 
+/// How a file of `layers` layers stores its layers' matrices (read from
+/// their types, nothing loaded): what a backend that keeps the model's
+/// precision keeps.
+pub fn stored_kind(file: &GgufFile, layers: usize) -> Stored {
+    Stored::of_all((0..layers).flat_map(|l| {
+        [
+            "attn_q",
+            "attn_k",
+            "attn_v",
+            "attn_output",
+            "ffn_gate",
+            "ffn_up",
+            "ffn_down",
+        ]
+        .into_iter()
+        .filter_map(move |name| file.tensor(&format!("blk.{l}.{name}.weight")))
+        .map(|info| match info.ty {
+            GgmlType::F32 => Stored::F32,
+            GgmlType::F16 => Stored::F16,
+            GgmlType::BF16 => Stored::BF16,
+            blocks => Stored::Blocks(blocks.name()),
+        })
+    }))
+}
+
 fn weights(file: &GgufFile, c: &ModelConfig) -> Result<Weights> {
     let (h, i, v) = (c.hidden_size, c.intermediate_size, c.vocab_size);
     let q = c.num_heads * c.head_dim;
@@ -270,27 +295,7 @@ fn weights(file: &GgufFile, c: &ModelConfig) -> Result<Weights> {
         true => None,
         false => Some(matrix(file, "output.weight", v, h)?),
     };
-    // The layers' matrices' own types: what a backend that keeps the
-    // model's precision keeps.
-    let stored = Stored::of_all((0..c.num_layers).flat_map(|l| {
-        [
-            "attn_q",
-            "attn_k",
-            "attn_v",
-            "attn_output",
-            "ffn_gate",
-            "ffn_up",
-            "ffn_down",
-        ]
-        .into_iter()
-        .filter_map(move |name| file.tensor(&format!("blk.{l}.{name}.weight")))
-        .map(|info| match info.ty {
-            GgmlType::F32 => Stored::F32,
-            GgmlType::F16 => Stored::F16,
-            GgmlType::BF16 => Stored::BF16,
-            blocks => Stored::Blocks(blocks.name()),
-        })
-    }));
+    let stored = stored_kind(file, c.num_layers);
     Ok(Weights {
         embed,
         layers,
