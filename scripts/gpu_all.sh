@@ -16,7 +16,7 @@
 #   llamacpp  llama.cpp's CUDA build (scripts/llama_cpp_cuda.sh, built or
 #           reused) runs `llama-bench -ngl 99 -p 128 -n 128 -r 3` on the
 #           pinned SmolLM2 (Q4_1, $KILN_CACHE_DIR/models) and on an 8B-shaped
-#           random Q4_0 file (scripts/write_q4_0_gguf.py; $Q4_0_GGUF, default
+#           random Q4_0 file (scripts/write_llama_gguf.py; $Q4_0_GGUF, default
 #           /tmp/kiln-llama-8b-q4_0.gguf, written when missing): prefill (pp)
 #           and decode (tg) tok/s; then, where BIN is set, kiln on the same
 #           files (`kiln-bench-decode --precision q4`, prompt 128, 128 decoded
@@ -121,7 +121,7 @@ print(json.load(open(sys.argv[1]))["models"]["smollm2-135m-instruct"]["member_sh
         [ "$(sha256sum "$smol" 2>/dev/null | cut -d' ' -f1)" = "$want" ] ||
             { fail "$smol is missing or not the pinned file"; smol=; }
         q4_0=${Q4_0_GGUF:-/tmp/kiln-llama-8b-q4_0.gguf}
-        [ -f "$q4_0" ] || python3 "$here/write_q4_0_gguf.py" "$q4_0" ||
+        [ -f "$q4_0" ] || python3 "$here/write_llama_gguf.py" "$q4_0" ||
             { fail "writing $q4_0"; q4_0=; }
         for model in $smol $q4_0; do
             json=/tmp/llama-bench-$(basename "$model" .gguf).json

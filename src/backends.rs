@@ -466,8 +466,8 @@ pub fn graph(
         && let Some(kept) = stored_precision(stored)
     {
         eprintln!(
-            "kiln: precision {kept}: the model's matrices are {stored} blocks, which {kept} keeps \
-             as stored; --precision f16 widens them"
+            "kiln: precision {kept}: the model's matrices are {stored}, which {kept} keeps as \
+             stored; --precision f16 widens them"
         );
         precision = Some(kept);
     }

@@ -1,15 +1,18 @@
 #!/usr/bin/env python3
-"""Writes a GGUF file of Llama-3.1-8B's shape with random Q4_0 weights, for
-comparing kiln with llama.cpp (scripts/gpu_all.sh, part `llamacpp`) on the
-very same file.
+"""Writes a GGUF file of Llama-3.1-8B's shape with random Q4_0 (or, with
+`--type q8_0`, Q8_0) weights, for comparing kiln with llama.cpp
+(scripts/gpu_all.sh, part `llamacpp`) on the very same file.
 
-    python3 scripts/write_q4_0_gguf.py /tmp/llama-8b-q4_0.gguf
+    python3 scripts/write_llama_gguf.py /tmp/llama-8b-q4_0.gguf
+    python3 scripts/write_llama_gguf.py --type q8_0 /tmp/llama-8b-q8_0.gguf
 
 Needs numpy alone: the GGUF (version 3) is written by hand. Tensor types are
 those `llama-quantize ... Q4_0` gives a Llama: every matrix Q4_0, the token
 embedding too, but `output.weight` Q6_K (`--output-type q4_0` makes it Q4_0),
-norms F32 (all ones). Scales are random around 1/sqrt(columns) / 4.6, so a
-product of a unit vector stays near unit size; quants are random bytes.
+norms F32 (all ones). As `llama-quantize ... Q8_0` gives: every matrix Q8_0,
+`output.weight` too. Scales are random around 1/sqrt(columns) over the
+levels' spread (4.6 for Q4_0's, 73 for Q8_0's), so a product of a unit vector
+stays near unit size; quants are random bytes.
 Unlike Meta's Llama-3.1-8B files it has no `rope_freqs.weight` (Llama 3.1's
 RoPE frequency factors), which kiln does not read yet: the RoPE is Llama 3's.
 
@@ -19,7 +22,7 @@ llama-bpe, as Llama 3's): the 256 byte symbols, 65,536 two-symbol tokens and
 special tokens (`<|begin_of_text|>` 128000 is BOS, `<|eot_id|>` 128009 EOS),
 128,256 in all. llama.cpp and kiln (crates/kiln-core/src/gguf/tokenizer.rs)
 both build a working tokenizer from it. `--check` reads the header back.
-About 4.6 GB; a few seconds of numpy plus the disk.
+About 4.6 GB at Q4_0, 8.5 GB at Q8_0; seconds of numpy plus the disk.
 """
 
 import argparse
@@ -36,12 +39,13 @@ ALIGNMENT = 32
 # GGUF metadata value types.
 T_UINT32, T_INT32, T_FLOAT32, T_BOOL, T_STRING, T_ARRAY, T_UINT64 = 4, 5, 6, 7, 8, 9, 10
 # ggml tensor types, and their (elements, bytes) per block.
-F32, Q4_0, Q6_K = 0, 2, 14
-BLOCK = {F32: (1, 4), Q4_0: (32, 18), Q6_K: (256, 210)}
+F32, Q4_0, Q8_0, Q6_K = 0, 2, 8, 14
+BLOCK = {F32: (1, 4), Q4_0: (32, 18), Q8_0: (32, 34), Q6_K: (256, 210)}
 # llama.cpp's token types.
 NORMAL, CONTROL = 1, 3
-# general.file_type: LLAMA_FTYPE_MOSTLY_Q4_0.
-FTYPE_MOSTLY_Q4_0 = 2
+# general.file_type of each: LLAMA_FTYPE_MOSTLY_Q4_0, _Q8_0.
+FILE_TYPE = {Q4_0: 2, Q8_0: 7}
+TYPES = {"q4_0": Q4_0, "q8_0": Q8_0}
 
 
 def gstr(s):
@@ -126,6 +130,19 @@ def q4_0_blocks(rng, rows, cols):
     return blocks
 
 
+def q8_0_blocks(rng, rows, cols):
+    """Random Q8_0 rows: per 32 weights an f16 scale d and 32 int8 q (w = d q)."""
+    nb = rows * cols // 32
+    blocks = np.empty((nb, 34), dtype=np.uint8)
+    blocks[:, 2:] = np.frombuffer(rng.bytes(nb * 32), dtype=np.uint8).reshape(nb, 32)
+    # -128 is a valid value the reference quantizer never writes.
+    blocks[:, 2:][blocks[:, 2:] == 0x80] = 0x81
+    scale = 1.0 / (np.sqrt(cols) * 73.0)
+    d = (scale * (0.5 + rng.random(nb, dtype=np.float32))).astype(np.float16)
+    blocks[:, :2] = d.view(np.uint8).reshape(nb, 2)
+    return blocks
+
+
 def q6_k_blocks(rng, rows, cols):
     """Random Q6_K rows: per 256 weights ql[128], qh[64], 16 int8 scales, f16 d
     (w = d scale (q - 32), q of 6 bits)."""
@@ -144,23 +161,31 @@ def tensor_plan(a):
     h, i, v = a.hidden, a.intermediate, a.vocab
     hd = h // a.heads
     q, kvd = a.heads * hd, a.kv_heads * hd
-    plan = [("token_embd.weight", (h, v), Q4_0)]
+    m = TYPES[a.type]
+    plan = [("token_embd.weight", (h, v), m)]
     for l in range(a.layers):
         p = f"blk.{l}."
         plan += [
             (p + "attn_norm.weight", (h,), F32),
-            (p + "attn_q.weight", (h, q), Q4_0),
-            (p + "attn_k.weight", (h, kvd), Q4_0),
-            (p + "attn_v.weight", (h, kvd), Q4_0),
-            (p + "attn_output.weight", (q, h), Q4_0),
+            (p + "attn_q.weight", (h, q), m),
+            (p + "attn_k.weight", (h, kvd), m),
+            (p + "attn_v.weight", (h, kvd), m),
+            (p + "attn_output.weight", (q, h), m),
             (p + "ffn_norm.weight", (h,), F32),
-            (p + "ffn_gate.weight", (h, i), Q4_0),
-            (p + "ffn_up.weight", (h, i), Q4_0),
-            (p + "ffn_down.weight", (i, h), Q4_0),
+            (p + "ffn_gate.weight", (h, i), m),
+            (p + "ffn_up.weight", (h, i), m),
+            (p + "ffn_down.weight", (i, h), m),
         ]
     plan += [("output_norm.weight", (h,), F32),
-             ("output.weight", (h, v), Q6_K if a.output_type == "q6_k" else Q4_0)]
+             ("output.weight", (h, v), output_type(a))]
     return plan
+
+
+def output_type(a):
+    """llama-quantize keeps Q8_0's output Q8_0 and gives Q4_0's Q6_K."""
+    if a.output_type:
+        return TYPES.get(a.output_type, Q6_K)
+    return Q8_0 if a.type == "q8_0" else Q6_K
 
 
 def nbytes(dims, ty):
@@ -180,8 +205,8 @@ def metadata(a):
     hd = a.hidden // a.heads
     items = [
         kv("general.architecture", T_STRING, "llama"),
-        kv("general.name", T_STRING, "kiln random Llama-3.1-8B shape Q4_0"),
-        kv("general.file_type", T_UINT32, FTYPE_MOSTLY_Q4_0),
+        kv("general.name", T_STRING, f"kiln random Llama-3.1-8B shape {a.type.upper()}"),
+        kv("general.file_type", T_UINT32, FILE_TYPE[TYPES[a.type]]),
         kv("general.quantization_version", T_UINT32, 2),
         kv("llama.context_length", T_UINT32, a.context),
         kv("llama.embedding_length", T_UINT32, a.hidden),
@@ -229,7 +254,7 @@ def write(a):
             if ty == F32:
                 data = np.ones(cols * rows, dtype="<f4")
             else:
-                make = q4_0_blocks if ty == Q4_0 else q6_k_blocks
+                make = {Q4_0: q4_0_blocks, Q8_0: q8_0_blocks, Q6_K: q6_k_blocks}[ty]
                 data = make(rng, rows, cols)
             f.write(memoryview(data).cast("B"))
             f.write(b"\0" * pad(data.nbytes))
@@ -309,7 +334,10 @@ def main():
     p.add_argument("--vocab", type=int, default=128256)
     p.add_argument("--context", type=int, default=131072)
     p.add_argument("--rope-theta", type=float, default=500000.0)
-    p.add_argument("--output-type", choices=["q6_k", "q4_0"], default="q6_k")
+    p.add_argument("--type", choices=sorted(TYPES), default="q4_0",
+                   help="the matrices' block type")
+    p.add_argument("--output-type", choices=["q6_k", "q4_0", "q8_0"],
+                   help="output.weight's type (default: what llama-quantize gives)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--check", action="store_true", help="only read PATH's header back")
     a = p.parse_args()
