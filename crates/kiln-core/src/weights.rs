@@ -20,6 +20,15 @@ pub struct Matrix {
 }
 
 impl Matrix {
+    /// `rows × cols` with element `i` (row-major) `value(i)`.
+    pub fn from_fn(rows: usize, cols: usize, value: impl Fn(usize) -> f32) -> Matrix {
+        Matrix {
+            rows,
+            cols,
+            data: (0..rows * cols).map(value).collect(),
+        }
+    }
+
     pub fn row(&self, i: usize) -> &[f32] {
         &self.data[i * self.cols..(i + 1) * self.cols]
     }

@@ -227,18 +227,10 @@ mod tests {
     use super::*;
     use proptest::prelude::*;
 
-    fn matrix(rows: usize, cols: usize, f: impl Fn(usize) -> f32) -> Matrix {
-        Matrix {
-            rows,
-            cols,
-            data: (0..rows * cols).map(f).collect(),
-        }
-    }
-
     /// Widening any whole blocks of a row gives the dequantized values.
     #[test]
     fn a_widened_run_of_blocks_is_the_dequantized_row() {
-        let m = matrix(3, 4 * BLOCK, |i| (i as f32 * 0.37).sin() * 3.0);
+        let m = Matrix::from_fn(3, 4 * BLOCK, |i| (i as f32 * 0.37).sin() * 3.0);
         let q = Q8Blocks::quantize(&m).unwrap();
         let back = q.dequantize();
         for r in 0..3 {
@@ -278,7 +270,7 @@ mod tests {
     #[test]
     fn q4_1_blocks_come_back() {
         let (d, m) = (0.0123f32, -0.07f32);
-        let m = matrix(2, 64, |i| f32::from(((i * 7) % 16) as u8) * d + m);
+        let m = Matrix::from_fn(2, 64, |i| f32::from(((i * 7) % 16) as u8) * d + m);
         let back = Q4Blocks::quantize(&m).unwrap().dequantize();
         for (w, g) in m.data.iter().zip(&back.data) {
             assert!((w - g).abs() <= 1e-6, "{w} came back as {g}");
@@ -287,8 +279,8 @@ mod tests {
 
     #[test]
     fn stacking_keeps_the_rows_in_order() {
-        let a = matrix(2, 32, |i| i as f32);
-        let b = matrix(3, 32, |i| -(i as f32));
+        let a = Matrix::from_fn(2, 32, |i| i as f32);
+        let b = Matrix::from_fn(3, 32, |i| -(i as f32));
         let stacked = Q4Blocks::stack(&[&a, &b]).unwrap();
         assert_eq!((stacked.rows, stacked.cols), (5, 32));
         let parts = [
@@ -300,7 +292,7 @@ mod tests {
             [parts[0].levels.clone(), parts[1].levels.clone()].concat()
         );
         assert_eq!(
-            Q4Blocks::stack(&[&a, &matrix(1, 64, |_| 0.0)]),
+            Q4Blocks::stack(&[&a, &Matrix::from_fn(1, 64, |_| 0.0)]),
             Err(BlockError::Mismatch(32, 64))
         );
     }
@@ -308,7 +300,7 @@ mod tests {
     /// 8-bit blocks: within half a step, and Q8_0's blocks come back.
     #[test]
     fn eight_bit_blocks() {
-        let m = matrix(2, 64, |i| ((i * 37) % 101) as f32 / 50.0 - 1.0);
+        let m = Matrix::from_fn(2, 64, |i| ((i * 37) % 101) as f32 / 50.0 - 1.0);
         let back = Q8Blocks::quantize(&m).unwrap().dequantize();
         for (block, (want, got)) in m
             .data
@@ -325,20 +317,20 @@ mod tests {
             }
         }
         let d = 0.0031f32;
-        let q8_0 = matrix(1, 32, |i| (i as f32 * 8.0 - 127.0).clamp(-127.0, 127.0) * d);
+        let q8_0 = Matrix::from_fn(1, 32, |i| (i as f32 * 8.0 - 127.0).clamp(-127.0, 127.0) * d);
         let back = Q8Blocks::quantize(&q8_0).unwrap().dequantize();
         assert!(kiln_core::testing::max_abs_diff(&q8_0.data, &back.data) <= 1e-6);
         assert_eq!(
-            Q8Blocks::quantize(&matrix(1, 40, |_| 1.0)),
+            Q8Blocks::quantize(&Matrix::from_fn(1, 40, |_| 1.0)),
             Err(BlockError::Width { cols: 40 })
         );
     }
 
     #[test]
     fn constant_blocks_and_bad_widths() {
-        let flat = matrix(1, 32, |_| 0.5);
+        let flat = Matrix::from_fn(1, 32, |_| 0.5);
         assert_eq!(Q4Blocks::quantize(&flat).unwrap().dequantize(), flat);
-        let error = Q4Blocks::quantize(&matrix(2, 48, |_| 0.0)).unwrap_err();
+        let error = Q4Blocks::quantize(&Matrix::from_fn(2, 48, |_| 0.0)).unwrap_err();
         assert_eq!(error, BlockError::Width { cols: 48 });
         assert!(error.to_string().contains("--backend cpu"), "{error}");
     }

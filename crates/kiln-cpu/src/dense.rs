@@ -226,14 +226,6 @@ mod tests {
     use super::*;
     use proptest::prelude::*;
 
-    fn matrix(rows: usize, cols: usize, value: impl Fn(usize) -> f32) -> Matrix {
-        Matrix {
-            rows,
-            cols,
-            data: (0..rows * cols).map(value).collect(),
-        }
-    }
-
     /// The exact product in f64, for the bound.
     fn reference(m: &Matrix, x: &[f32], n: usize) -> Vec<f64> {
         let mut out = vec![0.0; m.rows * n];
@@ -249,9 +241,9 @@ mod tests {
 
     #[test]
     fn each_matrix_is_kept_at_the_narrowest_exact_precision() {
-        let halves = matrix(3, 5, |i| f16::from_f32(i as f32 * 0.37).to_f32());
-        let brains = matrix(3, 5, |i| bf16::from_f32(1e20 * (i as f32 + 1.0)).to_f32());
-        let singles = matrix(3, 5, |i| 0.1 + i as f32 * 1e-7);
+        let halves = Matrix::from_fn(3, 5, |i| f16::from_f32(i as f32 * 0.37).to_f32());
+        let brains = Matrix::from_fn(3, 5, |i| bf16::from_f32(1e20 * (i as f32 + 1.0)).to_f32());
+        let singles = Matrix::from_fn(3, 5, |i| 0.1 + i as f32 * 1e-7);
         assert_eq!(Dense::stack(&[&halves]).precision(), "f16");
         assert_eq!(Dense::stack(&[&brains]).precision(), "bf16");
         assert_eq!(Dense::stack(&[&singles]).precision(), "f32");
@@ -285,7 +277,7 @@ mod tests {
                     _ => v,
                 }
             };
-            let m = matrix(rows, cols, value);
+            let m = Matrix::from_fn(rows, cols, value);
             let x: Vec<f32> = (0..n * cols).map(|i| uniform(i + 7919) * 2.0).collect();
             let dense = Dense::stack(&[&m]);
             // The narrowest exact precision: the values' own, or narrower

@@ -260,14 +260,6 @@ pub(crate) mod row_check {
 mod tests {
     use super::*;
 
-    fn matrix(rows: usize, cols: usize, f: impl Fn(usize) -> f32) -> Matrix {
-        Matrix {
-            rows,
-            cols,
-            data: (0..rows * cols).map(f).collect(),
-        }
-    }
-
     /// Each block of `m` beside what `q`, its quantization, gives back.
     fn round_trip_blocks(m: &Matrix, q: &Q4Matrix) -> Vec<(usize, Vec<f32>, Vec<f32>)> {
         let back = q.dequantize();
@@ -283,7 +275,7 @@ mod tests {
 
     #[test]
     fn each_weight_is_within_half_a_step_of_its_block() {
-        let m = matrix(3, 64, |i| ((i * 7919) % 1000) as f32 / 250.0 - 2.0);
+        let m = Matrix::from_fn(3, 64, |i| ((i * 7919) % 1000) as f32 / 250.0 - 2.0);
         let q = Q4Matrix::quantize(&m).unwrap();
         assert_eq!((q.quants.len(), q.scales.len()), (96, 6));
         for (b, orig, deq) in round_trip_blocks(&m, &q) {
@@ -301,7 +293,7 @@ mod tests {
     fn q4_1_blocks_come_back_exactly() {
         // A Q4_1 block: d · u + m with u over 0..16, both ends present.
         let (d, m) = (f16::from_f32(0.0625).to_f32(), f16::from_f32(-0.5).to_f32());
-        let w = matrix(1, 32, |i| d * (i % 16) as f32 + m);
+        let w = Matrix::from_fn(1, 32, |i| d * (i % 16) as f32 + m);
         assert_eq!(Q4Matrix::quantize(&w).unwrap().dequantize(), w);
         // Packing: element 2k low, 2k + 1 high; u = 0 is q = −8 (0x8).
         let q = Q4Matrix::quantize(&w).unwrap();
@@ -429,7 +421,7 @@ mod tests {
             (GgmlType::Q4K, q4_k, steps_k),
         ] {
             let file = dequantize(ty, &data, weights.len()).unwrap();
-            let m = matrix(blocks, BLOCK, |i| file[i]);
+            let m = Matrix::from_fn(blocks, BLOCK, |i| file[i]);
             let q = Q4Matrix::quantize(&m).unwrap();
             let (mut exact, mut identical, mut worst) = (0, 0, 0.0f32);
             for (b, orig, deq) in round_trip_blocks(&m, &q) {
@@ -470,15 +462,15 @@ mod tests {
 
     #[test]
     fn constant_blocks_and_bad_shapes() {
-        let m = matrix(1, 32, |_| 0.25);
+        let m = Matrix::from_fn(1, 32, |_| 0.25);
         assert_eq!(Q4Matrix::quantize(&m).unwrap().dequantize(), m);
-        let error = Q4Matrix::quantize(&matrix(2, 48, |_| 0.0)).unwrap_err();
+        let error = Q4Matrix::quantize(&Matrix::from_fn(2, 48, |_| 0.0)).unwrap_err();
         assert_eq!(error, Q4Error::Width { cols: 48 });
-        let error = Q4Matrix::quantize(&matrix(1, 32, |i| i as f32 * 1e5)).unwrap_err();
+        let error = Q4Matrix::quantize(&Matrix::from_fn(1, 32, |i| i as f32 * 1e5)).unwrap_err();
         assert!(error.to_string().contains("--precision f32"), "{error}");
         // A NaN or infinite weight is refused, not rounded to a level.
         for bad in [f32::NAN, f32::INFINITY] {
-            let m = matrix(1, 32, |i| if i == 5 { bad } else { 0.5 });
+            let m = Matrix::from_fn(1, 32, |i| if i == 5 { bad } else { 0.5 });
             let error = Q4Matrix::quantize(&m).unwrap_err();
             assert!(matches!(error, Q4Error::Range { .. }), "{error}");
         }

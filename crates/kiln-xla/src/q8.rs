@@ -132,21 +132,13 @@ pub fn device_weights(w: &Weights) -> Result<Weights, Q8Error> {
 mod tests {
     use super::*;
 
-    fn matrix(rows: usize, cols: usize, f: impl Fn(usize) -> f32) -> Matrix {
-        Matrix {
-            rows,
-            cols,
-            data: (0..rows * cols).map(f).collect(),
-        }
-    }
-
     /// Blocks written the way llama.cpp's reference Q8_0 quantizer writes
     /// them (d = largest magnitude / 127 in f32, q = round(w / d), d stored
     /// as f16), then dequantized as a GGUF reader does: the device's blocks
     /// are the file's, bit for bit.
     #[test]
     fn q8_0_blocks_come_back_exactly() {
-        let original = matrix(4, 96, |i| ((i * 7919 % 1000) as f32 / 300.0 - 1.6) * 0.03);
+        let original = Matrix::from_fn(4, 96, |i| ((i * 7919 % 1000) as f32 / 300.0 - 1.6) * 0.03);
         let mut file_values = Vec::new();
         let mut file_blocks = Vec::new();
         for block in original.data.chunks_exact(BLOCK) {
@@ -178,7 +170,7 @@ mod tests {
     #[test]
     fn a_block_reaching_minus_128_steps_is_kept() {
         let step = f16::from_f32(0.01).to_f32();
-        let w = matrix(1, 32, |i| (i as f32 * 8.0 - 128.0).min(127.0) * step);
+        let w = Matrix::from_fn(1, 32, |i| (i as f32 * 8.0 - 128.0).min(127.0) * step);
         let q = Q8Matrix::quantize(&w).unwrap();
         assert_eq!(q.quants[0], -128);
         assert_eq!(q.dequantize(), w);
@@ -186,7 +178,7 @@ mod tests {
 
     #[test]
     fn other_weights_move_by_at_most_half_a_step() {
-        let m = matrix(3, 64, |i| ((i * 7919) % 1000) as f32 / 250.0 - 2.0);
+        let m = Matrix::from_fn(3, 64, |i| ((i * 7919) % 1000) as f32 / 250.0 - 2.0);
         let q = Q8Matrix::quantize(&m).unwrap();
         let back = q.dequantize();
         for (b, (orig, deq)) in m
@@ -206,20 +198,20 @@ mod tests {
             }
         }
         // A block of zeros stays zeros.
-        let zeros = matrix(1, 32, |_| 0.0);
+        let zeros = Matrix::from_fn(1, 32, |_| 0.0);
         assert_eq!(Q8Matrix::quantize(&zeros).unwrap().dequantize(), zeros);
     }
 
     #[test]
     fn unfit_matrices_are_refused_with_the_way_out() {
         assert_eq!(
-            Q8Matrix::quantize(&matrix(2, 48, |_| 1.0)),
+            Q8Matrix::quantize(&Matrix::from_fn(2, 48, |_| 1.0)),
             Err(Q8Error::Width { cols: 48 })
         );
-        let error = Q8Matrix::quantize(&matrix(1, 32, |_| 1e9)).unwrap_err();
+        let error = Q8Matrix::quantize(&Matrix::from_fn(1, 32, |_| 1e9)).unwrap_err();
         assert!(matches!(error, Q8Error::Range { .. }));
         assert!(error.to_string().contains("--precision f32"), "{error}");
-        let error = Q8Matrix::quantize(&matrix(1, 32, |_| f32::NAN)).unwrap_err();
+        let error = Q8Matrix::quantize(&Matrix::from_fn(1, 32, |_| f32::NAN)).unwrap_err();
         assert!(matches!(error, Q8Error::Range { .. }), "{error}");
     }
 }
