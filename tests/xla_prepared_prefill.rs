@@ -66,6 +66,7 @@ fn on_cpu(
 fn with_graph_on_cpu(model: &Model, graph: GraphOptions, cache: ModuleCache) -> IreeBackend<'_> {
     let graph = GraphOptions {
         append_kernel: false,
+        q8_kernel: false,
         ..graph
     };
     open(model, "local-task", Target::LlvmCpu, graph, cache).unwrap_or_else(|e| panic!("{e}"))

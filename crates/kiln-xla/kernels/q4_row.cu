@@ -44,6 +44,15 @@
 
 typedef unsigned int u32;
 typedef unsigned short u16;
+// q8_row.cu builds this file for 8-bit blocks (Q8_ROW): 32 signed bytes a
+// block, no offsets. WORDS is a block's 32-bit words of values.
+#ifdef Q8_ROW
+#define WORDS 8
+#define ENTRY kiln_q8_row
+#else
+#define WORDS 4
+#define ENTRY kiln_q4_row
+#endif
 // WARPS, IN_FLIGHT and MIN_WORKGROUPS_AN_SM may be set from the command line
 // to build variants for scripts/q4_kernel_bench.cu; kernels.rs launches the
 // defaults.
@@ -97,6 +106,19 @@ static __device__ __forceinline__ u32 dp2a_hi(u32 levels, u32 bytes, u32 acc) {
     return d;
 }
 
+// The same with the bytes signed (8-bit values).
+static __device__ __forceinline__ u32 dp2a_lo_signed(u32 levels, u32 bytes, u32 acc) {
+    u32 d;
+    asm("dp2a.lo.s32.s32 %0, %1, %2, %3;" : "=r"(d) : "r"(levels), "r"(bytes), "r"(acc));
+    return d;
+}
+
+static __device__ __forceinline__ u32 dp2a_hi_signed(u32 levels, u32 bytes, u32 acc) {
+    u32 d;
+    asm("dp2a.hi.s32.s32 %0, %1, %2, %3;" : "=r"(d) : "r"(levels), "r"(bytes), "r"(acc));
+    return d;
+}
+
 // The low halves of a and b: (a & 0xffff) | (b << 16).
 static __device__ __forceinline__ u32 pack_low_halves(u32 a, u32 b) {
     u32 d;
@@ -142,7 +164,9 @@ struct __attribute__((aligned(16))) Words {
 // One block of x as levels packed for dp2a against a word of values w
 // (elements 8j..8j+7, element 8j+2k in the low nibble of byte k): levels[4j]
 // pairs elements 8j and 8j+2 (against bytes 0, 1 of the even nibbles),
-// [4j+1] 8j+4 and 8j+6 (bytes 2, 3), [4j+2] and [4j+3] the odd ones.
+// [4j+1] 8j+4 and 8j+6 (bytes 2, 3), [4j+2] and [4j+3] the odd ones. At
+// 8 bits a word holds elements 4j..4j+3 as bytes, and levels[2j] pairs
+// elements 4j and 4j+1 (bytes 0, 1), [2j+1] 4j+2 and 4j+3.
 struct Block {
     u32 levels[16];
     float step;     // the f32 value of one level
@@ -230,10 +254,17 @@ static __device__ __forceinline__ int quarter_levels(const Quarter &q, float fac
 #pragma unroll
     for (int i = 0; i < 8; i++)
         e[i] = __builtin_bit_cast(u32, q.v[i] * factor + ROUNDING_MAGIC);
+#ifdef Q8_ROW
+    levels[0] = pack_low_halves(e[0], e[1]);
+    levels[1] = pack_low_halves(e[2], e[3]);
+    levels[2] = pack_low_halves(e[4], e[5]);
+    levels[3] = pack_low_halves(e[6], e[7]);
+#else
     levels[0] = pack_low_halves(e[0], e[2]);
     levels[1] = pack_low_halves(e[4], e[6]);
     levels[2] = pack_low_halves(e[1], e[3]);
     levels[3] = pack_low_halves(e[5], e[7]);
+#endif
     int level_sum = 0;
 #pragma unroll
     for (int k = 0; k < 4; k++)
@@ -264,9 +295,18 @@ static __device__ __forceinline__ void round_block(const float *x, u32 up, const
 
 // Σ q·level over one block of values. Each nibble is a signed q in
 // two's complement; xor with 8 makes it q + 8 in 0..15, which dp2a takes
-// as an unsigned byte, so Σ (q + 8)·level − 8 · Σ level.
-static __device__ __forceinline__ int block_dot(const u32 w[4], const Block &block) {
+// as an unsigned byte, so Σ (q + 8)·level − 8 · Σ level. At 8 bits, dp2a
+// takes the signed bytes as they are.
+static __device__ __forceinline__ int block_dot(const u32 w[WORDS], const Block &block) {
     u32 acc = 0;
+#ifdef Q8_ROW
+#pragma unroll
+    for (int j = 0; j < 8; j++) {
+        acc = dp2a_lo_signed(block.levels[2 * j], w[j], acc);
+        acc = dp2a_hi_signed(block.levels[2 * j + 1], w[j], acc);
+    }
+    return (int)acc;
+#endif
 #pragma unroll
     for (int j = 0; j < 4; j++) {
         u32 biased = w[j] ^ 0x88888888u;
@@ -284,10 +324,10 @@ static __device__ __forceinline__ int block_dot(const u32 w[4], const Block &blo
 // offsets as loaded (f16): they are widened where they are used, so that a
 // load's first use is the block's product and the loads of the next blocks
 // stay in flight while a lane works on these. A row past the end reads the
-// last one's and is not written.
+// last one's and is not written. (At 8 bits the offsets are not read.)
 template <int ROWS>
 struct Values {
-    u32 w[ROWS][4];
+    u32 w[ROWS][WORDS];
     u16 scale[ROWS], offset[ROWS];
 };
 
@@ -301,9 +341,16 @@ static __device__ __forceinline__ void load_block(const u32 *quants, const u16 *
         // In 32 bits (a matrix has fewer than 2^32 blocks: kernels.rs
         // asserts it), so that an address is one multiply-add from it.
         u32 at = row * blocks + b;
-        load_values(quants + 4 * (size_t)at, v.w[r]);
+        load_values(quants + WORDS * (size_t)at, v.w[r]);
+#ifdef Q8_ROW
+        load_values(quants + WORDS * (size_t)at + 4, v.w[r] + 4);
+#endif
         v.scale[r] = scales[at];
+#ifdef Q8_ROW
+        v.offset[r] = 0;
+#else
         v.offset[r] = offsets[at];
+#endif
     }
 }
 
@@ -326,8 +373,12 @@ static __device__ __forceinline__ void add_block(const Values<ROWS> &v, const Bl
 #pragma unroll
     for (int r = 0; r < ROWS; r++) {
         float dot = (float)block_dot(v.w[r], block);
+#ifdef Q8_ROW
+        acc[r] += (dot * block.step) * half_to_float(v.scale[r]);
+#else
         acc[r] += (dot * block.step) * half_to_float(v.scale[r]) +
                   half_to_float(v.offset[r]) * block.sum;
+#endif
     }
 }
 
@@ -561,7 +612,7 @@ static __device__ __forceinline__ void q4_row(const u32 *quants, const u16 *scal
 // of a module's dispatches of one object a single executable exporting the
 // first dispatch's entry, so entries per row count ran the one-row code
 // over a grid made for more rows and left outputs unwritten.
-GLOBAL void kiln_q4_row(const u32 *quants, const u16 *scales, const u16 *offsets,
+GLOBAL void ENTRY(const u32 *quants, const u16 *scales, const u16 *offsets,
                         const float *x, const u16 *norm_weight, const float *residual, float *y,
                         u32 outputs, u32 blocks, u32 rows, u32 eps_bits, u32 flags) {
 #define Q4_ROW(ROWS)                                                                      \

@@ -4,7 +4,7 @@
 // kernel's shuffles sum them (in another order). Reads from stdin, as
 // little-endian u32s, rows a warp, outputs, blocks a row, the RMSNorm's
 // eps (f32 bits; 0 for none) and the flags, then the values (16 bytes a
-// block), scales and offsets (f16 bits), x (f32; twice the row with
+// block; 32 with Q8_ROW), scales and offsets (f16 bits), x (f32; twice the row with
 // INPUT_SWIGLU), with an eps the norm's weight (f16 bits, one an input) and
 // with OUTPUT_RESIDUAL the residual row (f32, one an output); writes the
 // outputs (f32) to stdout.
@@ -73,7 +73,7 @@ int main() {
     std::vector<u16> scales, offsets;
     std::vector<float4> x(width / 4);
     std::vector<float> xs;
-    if (!read(quants, 4 * n) || !read(scales, n) || !read(offsets, n) || !read(xs, width))
+    if (!read(quants, WORDS * n) || !read(scales, n) || !read(offsets, n) || !read(xs, width))
         return 2;
     std::memcpy(x.data(), xs.data(), xs.size() * 4);
     // 16-byte aligned, as the kernel reads it.

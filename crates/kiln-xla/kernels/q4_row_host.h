@@ -24,6 +24,20 @@ static inline u32 dp2a(u32 levels, u32 bytes, u32 acc, int first_byte) {
 static inline u32 dp2a_lo(u32 levels, u32 bytes, u32 acc) { return dp2a(levels, bytes, acc, 0); }
 static inline u32 dp2a_hi(u32 levels, u32 bytes, u32 acc) { return dp2a(levels, bytes, acc, 2); }
 
+// dp2a.{lo,hi}.s32.s32: the same with the bytes signed.
+static inline u32 dp2a_signed(u32 levels, u32 bytes, u32 acc, int first_byte) {
+    int32_t sum = (int32_t)acc;
+    sum += (int32_t)(int16_t)(levels & 0xffff) * (int32_t)(int8_t)(bytes >> (8 * first_byte));
+    sum += (int32_t)(int16_t)(levels >> 16) * (int32_t)(int8_t)(bytes >> (8 * first_byte + 8));
+    return (u32)sum;
+}
+static inline u32 dp2a_lo_signed(u32 levels, u32 bytes, u32 acc) {
+    return dp2a_signed(levels, bytes, acc, 0);
+}
+static inline u32 dp2a_hi_signed(u32 levels, u32 bytes, u32 acc) {
+    return dp2a_signed(levels, bytes, acc, 2);
+}
+
 // prmt.b32 d, a, b, 0x5410.
 static inline u32 pack_low_halves(u32 a, u32 b) { return (a & 0xffff) | (b << 16); }
 

@@ -202,6 +202,8 @@ pub struct GraphOptions {
     /// Decode steps rotate each row's q and k and append its k and v to the
     /// caches with kiln's kernel (see [`append_kernel_for`]).
     pub append_kernel: bool,
+    /// One-row q8 products are kiln's kernel (see [`q8_kernel_for`]).
+    pub q8_kernel: bool,
 }
 
 /// How a decode step's query rows attend to the KV cache.
@@ -293,6 +295,15 @@ pub fn decode_attention_for(target: Target) -> DecodeAttention {
 /// rotation and a scatter into each cache, about 4 µs each on an H100) in
 /// every layer.
 pub fn append_kernel_for(target: Target) -> bool {
+    matches!(target, Target::Cuda)
+}
+
+/// Whether `target`'s one-row q8 products are kiln's kernel
+/// (`kernels/q8_row.cu`, the q4 kernel built for 8-bit blocks): on CUDA,
+/// IREE's own code for the dequantizing product read the 8B's Q8_0 blocks
+/// at a quarter of the bandwidth llama.cpp's did (73.3 tok/s against
+/// 236.0, H100, 2026-12-07, docs/perf-notes.md).
+pub fn q8_kernel_for(target: Target) -> bool {
     matches!(target, Target::Cuda)
 }
 
@@ -414,6 +425,7 @@ impl GraphOptions {
             q4_rows: q4_rows_for(target),
             decode_attention: decode_attention_for(target),
             append_kernel: append_kernel_for(target),
+            q8_kernel: q8_kernel_for(target),
         }
     }
 

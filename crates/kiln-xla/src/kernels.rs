@@ -23,6 +23,14 @@ pub static Q4_ROW: ExternObject = ExternObject {
 /// H100, 2026-12-05: NaN and infinite logits on random-100m).
 pub const Q4_ROW_ENTRY: &str = "kiln_q4_row";
 
+/// The one-row q8 product (`kernels/q8_row.cu`: `q4_row.cu` built for 8-bit
+/// blocks), and its only entry point.
+pub static Q8_ROW: ExternObject = ExternObject {
+    name: "kiln_q8_row",
+    ptx: include_str!("../kernels/q8_row.ptx"),
+};
+pub const Q8_ROW_ENTRY: &str = "kiln_q8_row";
+
 /// The first half of decode attention (`kernels/attend_part.cu`): each
 /// split of a row's positions attended by one workgroup.
 pub static ATTEND_PART: ExternObject = ExternObject {
@@ -45,7 +53,8 @@ pub static ROPE_APPEND: ExternObject = ExternObject {
 
 /// Every object a module may dispatch: [`crate::stablehlo::module`] adds
 /// the ones its functions use (llama.rs hands it this list).
-pub static OBJECTS: [&ExternObject; 4] = [&Q4_ROW, &ATTEND_PART, &ATTEND_MERGE, &ROPE_APPEND];
+pub static OBJECTS: [&ExternObject; 5] =
+    [&Q4_ROW, &Q8_ROW, &ATTEND_PART, &ATTEND_MERGE, &ROPE_APPEND];
 
 /// Warps in one of [`Q4_ROW`]'s workgroups (`WARPS` in the source).
 const Q4_ROW_WARPS: usize = 8;
@@ -111,13 +120,54 @@ pub fn q4_row(
     x: &Val,
     fusion: RowFusion,
 ) -> Val {
-    let (out, blocks) = (quants.shape[0], quants.shape[1]);
+    assert_eq!(quants.ty, Ty::I4, "q4_row: values");
+    assert_eq!(quants.shape[2], BLOCK, "q4_row: block width");
+    let bytes = f.i4_as_bytes(quants);
+    block_row(
+        f,
+        (&Q4_ROW, Q4_ROW_ENTRY),
+        &bytes,
+        scales,
+        offsets,
+        x,
+        fusion,
+    )
+}
+
+/// [`q4_row`] for q8 weights (`quants` `[out, in / BLOCK, BLOCK]` i8,
+/// `scales` `[out, in / BLOCK]` f16) with [`Q8_ROW`], the same kernel built
+/// for 8-bit blocks: the same rounding of the row and the same fusions.
+pub fn q8_row(f: &mut Function, quants: &Val, scales: &Val, x: &Val, fusion: RowFusion) -> Val {
+    assert_eq!(quants.ty, Ty::I8, "q8_row: values");
+    assert_eq!(quants.shape[2], BLOCK, "q8_row: block width");
+    // No offsets: the binding is not read, the scales stand in for it.
+    block_row(
+        f,
+        (&Q8_ROW, Q8_ROW_ENTRY),
+        quants,
+        scales,
+        scales,
+        x,
+        fusion,
+    )
+}
+
+/// The dispatch of [`q4_row`] and [`q8_row`]: `bytes` the values as bytes.
+fn block_row(
+    f: &mut Function,
+    (object, entry): (&'static ExternObject, &'static str),
+    bytes: &Val,
+    scales: &Val,
+    offsets: &Val,
+    x: &Val,
+    fusion: RowFusion,
+) -> Val {
+    let (out, blocks) = (bytes.shape[0], bytes.shape[1]);
     let RowFusion {
         norm,
         swiglu,
         residual,
     } = fusion;
-    assert_eq!(quants.shape[2], BLOCK, "q4_row: block width");
     let halves = if swiglu { 2 } else { 1 };
     assert_eq!(x.shape, [halves * blocks * BLOCK], "q4_row: row shape");
     assert_eq!(x.ty, Ty::F32, "q4_row: row type");
@@ -148,17 +198,16 @@ pub fn q4_row(
     };
     let flags = residual_flag | if swiglu { Q4_ROW_SWIGLU } else { 0 };
     let rows = q4_rows_per_warp(out);
-    let bytes = f.i4_as_bytes(quants);
     f.dispatch_extern(
         &ExternDispatch {
-            object: &Q4_ROW,
+            object,
             // One entry for every row count (see `Q4_ROW_ENTRY`).
-            entry: Q4_ROW_ENTRY,
+            entry,
             workgroups: out.div_ceil(rows * Q4_ROW_WARPS),
             workgroup_size: Q4_ROW_WARPS * 32,
             constants: &[out as u32, blocks as u32, rows as u32, eps_bits, flags],
         },
-        &[&bytes, scales, offsets, x, weight, residual],
+        &[bytes, scales, offsets, x, weight, residual],
         &[out],
         Ty::F32,
     )
@@ -488,11 +537,23 @@ mod tests {
     /// and lanes with two, blocks of very different magnitudes and of zeros;
     /// plain, with the RMSNorm, and with an MLP's halves in and the residual
     /// out (the down product's fusion) or the residual alone (o's).
+    /// The same for `kernels/q8_row.cu` (`q8_row_host.cpp`), the kernel
+    /// built for 8-bit blocks, on the same weights in Q8_0 blocks.
     /// The instructions themselves run on a GPU only
-    /// (`cuda::q4_kernel_on_the_gpu_matches_the_reference`).
+    /// (`cuda::q4_kernel_on_the_gpu_matches_the_reference`,
+    /// `cuda::q8_weights_on_the_gpu_match_the_reference_on_their_dequantized_weights`).
     #[test]
     fn q4_row_arithmetic_on_the_host_is_within_the_rows_rounding() {
-        let host = HostBuild::new("q4_row_host", "c++17");
+        row_arithmetic_on_the_host(false);
+    }
+
+    #[test]
+    fn q8_row_arithmetic_on_the_host_is_within_the_rows_rounding() {
+        row_arithmetic_on_the_host(true);
+    }
+
+    fn row_arithmetic_on_the_host(q8: bool) {
+        let host = HostBuild::new(if q8 { "q8_row_host" } else { "q4_row_host" }, "c++17");
         for (rows_per_warp, outputs, blocks) in [
             (1, 37, 3),
             (2, 300, 40),
@@ -503,6 +564,16 @@ mod tests {
             (1, 10, 300),
         ] {
             let (q, x) = crate::q4::row_check::case(outputs, blocks);
+            // At 8 bits: the same weights in Q8_0 blocks (the offsets
+            // passed, and not read).
+            let (values, scales, weights) = match q8 {
+                false => (q.quants.clone(), q.scales.clone(), q.dequantize()),
+                true => {
+                    let q8 = crate::q8::Q8Matrix::quantize(&q.dequantize()).unwrap();
+                    let bytes = q8.quants.iter().map(|&v| v as u8).collect();
+                    (bytes, q8.scales.clone(), q8.dequantize())
+                }
+            };
             // Without the norm, then with it (both paths: the shared row's
             // and the per-lane one's 449 blocks).
             // The norm's weights: f16 values from 0.25 to 1.75.
@@ -532,8 +603,8 @@ mod tests {
                     ] {
                         input.extend(v.to_le_bytes());
                     }
-                    input.extend(&q.quants);
-                    for v in q.scales.iter().chain(&q.offsets) {
+                    input.extend(&values);
+                    for v in scales.iter().chain(&q.offsets) {
                         input.extend(v.to_bits().to_le_bytes());
                     }
                     let halves: &[&[f32]] = if swiglu { &[&x, &up] } else { &[&x] };
@@ -591,9 +662,10 @@ mod tests {
                     (None, false) => x.clone(),
                 };
                 // LEVELS in the source.
-                let worst = crate::q4::row_check::worst_error(&q, &weighted, &unscaled, 32767.0);
+                let worst =
+                    crate::q4::row_check::worst_error(&weights, &weighted, &unscaled, 32767.0);
                 println!(
-                    "{rows_per_warp} rows a warp, {outputs}x{blocks} blocks, eps {eps:?}, \
+                    "q8 {q8}, {rows_per_warp} rows a warp, {outputs}x{blocks} blocks, eps {eps:?}, \
                      swiglu {swiglu}: worst {worst:e}"
                 );
             }

@@ -277,6 +277,8 @@ struct Dims {
     decode_attention: DecodeAttention,
     /// See [`GraphOptions::append_kernel`].
     append_kernel: bool,
+    /// See [`GraphOptions::q8_kernel`].
+    q8_kernel: bool,
 }
 
 fn dims(c: &ModelConfig, g: &GraphOptions) -> Dims {
@@ -295,6 +297,7 @@ fn dims(c: &ModelConfig, g: &GraphOptions) -> Dims {
         q4_rows: g.q4_rows,
         decode_attention: g.decode_attention,
         append_kernel: g.append_kernel,
+        q8_kernel: g.q8_kernel,
     }
 }
 
@@ -365,16 +368,15 @@ fn linear_normed(f: &mut Function, dm: &Dims, normed: &Normed, w: &Weight) -> Va
     };
     // The kernel normalises: the graph's sum of squares and 1/rms go
     // unused, and IREE drops them.
-    if let (Weight::Q4 { .. }, Some(weight)) = (w, weight)
-        && x.shape[0] == 1
+    if let Some(weight) = weight
+        && row_kernel_takes(dm, x, w)
         && dm.rows_in_f32
-        && dm.q4_rows == Q4Rows::Kernel
     {
         let fusion = kernels::RowFusion {
             norm: Some(kernels::RowNorm { eps, weight }),
             ..Default::default()
         };
-        return q4_kernel_row_product(f, x, w, fusion);
+        return kernel_row_product(f, x, w, fusion);
     }
     // The norm's weight, where the matrix does not hold it, on the rows.
     let weighted;
@@ -389,8 +391,9 @@ fn linear_normed(f: &mut Function, dm: &Dims, normed: &Normed, w: &Weight) -> Va
     };
     if dm.rows_in_f32 && dm.layout == WeightLayout::OutIn {
         let out = match w {
-            Weight::Q4 { .. } if x.shape[0] == 1 => q4_row_product(f, dm, x, w),
-            Weight::Q8 { .. } if x.shape[0] == 1 => blocked_row_product(f, x, w),
+            Weight::Q4 { .. } | Weight::Q8 { .. } if x.shape[0] == 1 => {
+                blocked_one_row(f, dm, x, w)
+            }
             _ => {
                 let wide = dense_weight(f, dm, w);
                 let wide = f.convert(&wide, Ty::F32);
@@ -413,10 +416,8 @@ fn linear_normed(f: &mut Function, dm: &Dims, normed: &Normed, w: &Weight) -> Va
 /// precision and the product accumulates in f32. One row against q4
 /// weights stays in f32 (see [`q4_row_product`]).
 fn linear(f: &mut Function, dm: &Dims, x: &Val, w: &Weight) -> Val {
-    match w {
-        Weight::Q4 { .. } if x.shape[0] == 1 => return q4_row_product(f, dm, x, w),
-        Weight::Q8 { .. } if x.shape[0] == 1 => return blocked_row_product(f, x, w),
-        _ => {}
+    if matches!(w, Weight::Q4 { .. } | Weight::Q8 { .. }) && x.shape[0] == 1 {
+        return blocked_one_row(f, dm, x, w);
     }
     let w = dense_weight(f, dm, w);
     let x = f.convert(x, dm.storage);
@@ -473,7 +474,7 @@ fn q4_row_product(f: &mut Function, dm: &Dims, x: &Val, w: &Weight) -> Val {
     let (out, groups) = (quants.shape[0], quants.shape[1]);
     match dm.q4_rows {
         Q4Rows::Integer => q4_integer_row_product(f, x, w),
-        Q4Rows::Kernel => q4_kernel_row_product(f, x, w, Default::default()),
+        Q4Rows::Kernel => kernel_row_product(f, x, w, Default::default()),
         // The row rounded to f16: half the bytes each lane reads beside
         // its weights.
         Q4Rows::Configured => match q4_row_kernel(out, groups) {
@@ -488,37 +489,62 @@ fn q4_row_product(f: &mut Function, dm: &Dims, x: &Val, w: &Weight) -> Val {
     }
 }
 
-/// Whether `x · w` is kiln's q4 kernel's: one row against q4 weights
-/// where [`Dims::q4_rows`] chooses it, as [`q4_row_product`] does.
-fn q4_kernel_takes(dm: &Dims, x: &Val, w: &Weight) -> bool {
-    matches!(w, Weight::Q4 { .. }) && x.shape[0] == 1 && dm.q4_rows == Q4Rows::Kernel
+/// One f32 row `x` `[1, in]` times q4 or q8 `w`: `[1, out]`, in f32, by
+/// kiln's kernel where [`row_kernel_takes`] it, else as
+/// [`q4_row_product`] says (q4) or the graph's product (q8).
+fn blocked_one_row(f: &mut Function, dm: &Dims, x: &Val, w: &Weight) -> Val {
+    match w {
+        Weight::Q4 { .. } => q4_row_product(f, dm, x, w),
+        _ if row_kernel_takes(dm, x, w) => kernel_row_product(f, x, w, Default::default()),
+        _ => blocked_row_product(f, x, w),
+    }
+}
+
+/// Whether `x · w` is kiln's kernel's: one row against q4 weights where
+/// [`Dims::q4_rows`] chooses it (as [`q4_row_product`] does), or against q8
+/// weights where [`Dims::q8_kernel`] does.
+fn row_kernel_takes(dm: &Dims, x: &Val, w: &Weight) -> bool {
+    let chosen = match w {
+        Weight::Q4 { .. } => dm.q4_rows == Q4Rows::Kernel,
+        Weight::Q8 { .. } => dm.q8_kernel,
+        Weight::Dense(_) => false,
+    };
+    chosen && x.shape[0] == 1
 }
 
 /// One f32 row `x` `[1, in]` (`[1, 2 · in]` with `fusion.swiglu`) times q4
-/// `w` with kiln's kernel ([`kernels::q4_row`], with what `fusion` adds;
-/// its residual `[1, out]`): `[1, out]`.
-fn q4_kernel_row_product(f: &mut Function, x: &Val, w: &Weight, fusion: kernels::RowFusion) -> Val {
-    let (quants, scales, offsets) = w.q4_parts("q4_kernel_row_product");
-    let out = quants.shape[0];
+/// or q8 `w` with kiln's kernel ([`kernels::q4_row`], [`kernels::q8_row`],
+/// with what `fusion` adds; its residual `[1, out]`): `[1, out]`.
+fn kernel_row_product(f: &mut Function, x: &Val, w: &Weight, fusion: kernels::RowFusion) -> Val {
     let row = f.reshape(x, &[x.shape[1]]);
+    let out = match w {
+        Weight::Q4 { quants, .. } | Weight::Q8 { quants, .. } => quants.shape[0],
+        Weight::Dense(_) => unreachable!("kiln's row kernels take blocked weights"),
+    };
     let residual = fusion.residual.map(|r| f.reshape(r, &[out]));
     let fusion = kernels::RowFusion {
         residual: residual.as_ref(),
         ..fusion
     };
-    let product = kernels::q4_row(f, quants, scales, offsets, &row, fusion);
+    let product = match w {
+        Weight::Q8 { quants, scales } => kernels::q8_row(f, quants, scales, &row, fusion),
+        _ => {
+            let (quants, scales, offsets) = w.q4_parts("kernel_row_product");
+            kernels::q4_row(f, quants, scales, offsets, &row, fusion)
+        }
+    };
     f.reshape(&product, &[1, out])
 }
 
 /// `residual + x · w` for f32 rows: kiln's q4 kernel adds the residual as
 /// it writes its outputs, a kernel fewer than the product and the sum.
 fn linear_plus(f: &mut Function, dm: &Dims, x: &Val, w: &Weight, residual: &Val) -> Val {
-    if q4_kernel_takes(dm, x, w) {
+    if row_kernel_takes(dm, x, w) {
         let fusion = kernels::RowFusion {
             residual: Some(residual),
             ..Default::default()
         };
-        return q4_kernel_row_product(f, x, w, fusion);
+        return kernel_row_product(f, x, w, fusion);
     }
     let product = linear(f, dm, x, w);
     f.binary("add", residual, &product)
@@ -829,13 +855,13 @@ fn mlp_plus(
     let both = linear_normed(f, dm, x, gate_up);
     // kiln's q4 kernel reads the gate and up halves as SiLU(gate) · up and
     // adds the residual: the SiLU's kernel and the sum's are spared.
-    if q4_kernel_takes(dm, &both, down) && both.ty == Ty::F32 {
+    if row_kernel_takes(dm, &both, down) && both.ty == Ty::F32 {
         let fusion = kernels::RowFusion {
             swiglu: true,
             residual: Some(residual),
             ..Default::default()
         };
-        return q4_kernel_row_product(f, &both, down, fusion);
+        return kernel_row_product(f, &both, down, fusion);
     }
     let i = both.shape[1] / 2;
     let g = columns(f, &both, 0, i);
@@ -1888,7 +1914,7 @@ mod tests {
         ];
         let out = module.call("row", &inputs).unwrap();
         let got = out[0].as_f32().unwrap();
-        let worst = crate::q4::row_check::worst_error(&q, &x, got, ROW_LEVELS);
+        let worst = crate::q4::row_check::worst_error(&q.dequantize(), &x, got, ROW_LEVELS);
         println!("worst error relative to Σ|w·x|: {worst:e}");
     }
 
@@ -2160,8 +2186,10 @@ mod tests {
     /// q8 modules take the matrices' 8-bit values in an i8 buffer beside
     /// the f16 one (embedding, norms, one scale a block): a one-row step
     /// multiplies the blocks where they lie, widening no whole matrix,
-    /// while prefill's rows multiply the dequantized matrix. The modules
-    /// compile for both targets.
+    /// while prefill's rows multiply the dequantized matrix. On CUDA every
+    /// one-row product of a step is kiln's q8 kernel, with the q4 kernel's
+    /// fusions (no SiLU left in the graph); the CPU's are IREE's. The
+    /// modules compile for both targets.
     #[test]
     fn q8_steps_read_the_8_bit_blocks() {
         let c = config(4, 2);
@@ -2186,6 +2214,18 @@ mod tests {
             assert!(!step.contains(&whole), "{target:?}'s step widens a matrix");
             let prefill = prefill_module(&c, &g, 16, 64);
             assert!(prefill.contains(&format!("{whole}f16>")), "{target:?}");
+            // A step: qkv, o, gate-up, down a layer and the head; prefill
+            // (by ids and by embeddings): the head's product of the last
+            // row only.
+            let kernels = |m: &str| m.matches("hal.dispatch.extern \"kiln_q8_row\"[").count();
+            match target {
+                Target::Cuda => {
+                    assert_eq!(kernels(&step), 4 * c.num_layers + 1);
+                    assert_eq!(kernels(&prefill), 2);
+                    assert!(!step.contains("stablehlo.logistic"));
+                }
+                Target::LlvmCpu => assert_eq!(kernels(&step) + kernels(&prefill), 0),
+            }
             compiled.push((target, step));
             compiled.push((target, prefill));
         }

@@ -216,20 +216,19 @@ pub(crate) mod row_check {
     }
 
     /// Asserts each of `got` is the exact product of the dequantized
-    /// weights and `x` within what rounding the row to 16-bit levels allows
+    /// weights `w` and `x` within what rounding the row to 16-bit levels allows
     /// (half a level of each block's largest magnitude per input, times the
     /// weight; `levels` the largest level); returns the worst error relative
     /// to `Σ|w·x|`. A swapped nibble, a wrong sign or a missing offset term
     /// is orders of magnitude beyond.
-    pub fn worst_error(q: &Q4Matrix, x: &[f32], got: &[f32], levels: f64) -> f64 {
-        assert_eq!(got.len(), q.rows, "one output a row");
-        let w = q.dequantize();
+    pub fn worst_error(w: &Matrix, x: &[f32], got: &[f32], levels: f64) -> f64 {
+        assert_eq!(got.len(), w.rows, "one output a row");
         let largest: Vec<f64> = x
             .chunks(BLOCK)
             .map(|b| b.iter().fold(0.0f64, |a, v| a.max(v.abs() as f64)))
             .collect();
         let mut worst = 0.0f64;
-        for (n, (weights, &value)) in w.data.chunks(q.cols).zip(got).enumerate() {
+        for (n, (weights, &value)) in w.data.chunks(w.cols).zip(got).enumerate() {
             let exact: f64 = weights
                 .iter()
                 .zip(x)
