@@ -222,7 +222,7 @@ fn bad_iree_options_are_named() {
         return println!("skipped: built without the xla-iree feature");
     }
     let cases: &[(&[&str], &str)] = &[
-        (&["--precision", "fp8"], "f32, f16, bf16 or q4"),
+        (&["--precision", "fp8"], "f32, f16, bf16, q4 or q8"),
         (&["--weight-layout", "rows"], "in-out or out-in"),
         // 4-bit blocks run along a row's inputs, which only out-in keeps together.
         (
