@@ -15,14 +15,16 @@
 #           transformers (400 s, most of it writing the 16 GB folder)
 #   llamacpp  llama.cpp's CUDA build (scripts/llama_cpp_cuda.sh, built or
 #           reused) runs `llama-bench -ngl 99 -p 128 -n 128 -r 3` on the
-#           pinned SmolLM2 (Q4_1, $KILN_CACHE_DIR/models) and on an 8B-shaped
-#           random Q4_0 file (scripts/write_llama_gguf.py; $Q4_0_GGUF, default
-#           /tmp/kiln-llama-8b-q4_0.gguf, written when missing): prefill (pp)
-#           and decode (tg) tok/s; then, where BIN is set, kiln on the same
-#           files (`kiln-bench-decode --precision q4`, prompt 128, 128 decoded
-#           tokens; modules: `kiln-bench-decode --prepare --backend iree-cuda
-#           --model FILE --precision q4 --prompt-tokens 128 --max-context 640`
-#           for each file, the 8B file's being the `llama-3.1-8b` preset's).
+#           pinned SmolLM2 (Q4_1, $KILN_CACHE_DIR/models) and on 8B-shaped
+#           random Q4_0 and Q8_0 files (scripts/write_llama_gguf.py;
+#           $Q4_0_GGUF, $Q8_0_GGUF, default /tmp/kiln-llama-8b-q4_0.gguf and
+#           -q8_0.gguf, written when missing): prefill (pp) and decode (tg)
+#           tok/s; then, where BIN is set, kiln on the same files at each
+#           file's own precision (q4, q4, q8: kiln's default for them; prompt
+#           128, 128 decoded tokens; modules: `kiln-bench-decode --prepare
+#           --backend iree-cuda --model FILE --prompt-tokens 128 --max-context
+#           640` for each file, the 8B files' being the `llama-3.1-8b`
+#           preset's at `--precision q4` and `--precision q8`).
 #           Needs LLAMA_CPP_SRC, the pinned llama-cpp-python sdist or what
 #           `llama_cpp_cuda.sh pack` made of it; a default part when that is
 #           set.
@@ -123,7 +125,10 @@ print(json.load(open(sys.argv[1]))["models"]["smollm2-135m-instruct"]["member_sh
         q4_0=${Q4_0_GGUF:-/tmp/kiln-llama-8b-q4_0.gguf}
         [ -f "$q4_0" ] || python3 "$here/write_llama_gguf.py" "$q4_0" ||
             { fail "writing $q4_0"; q4_0=; }
-        for model in $smol $q4_0; do
+        q8_0=${Q8_0_GGUF:-/tmp/kiln-llama-8b-q8_0.gguf}
+        [ -f "$q8_0" ] || python3 "$here/write_llama_gguf.py" --type q8_0 "$q8_0" ||
+            { fail "writing $q8_0"; q8_0=; }
+        for model in $smol $q4_0 $q8_0; do
             json=/tmp/llama-bench-$(basename "$model" .gguf).json
             "$bench" -m "$model" -ngl 99 -p 128 -n 128 -r 3 -o json >"$json" 2>"${json%.json}.log" ||
                 { tail -20 "${json%.json}.log"; fail "llama-bench on $model"; continue; }
@@ -142,7 +147,7 @@ EOF
             # kiln on the very same file, in the same call.
             [ -n "${BIN:-}" ] || continue
             timeout 300 "$BIN/kiln-bench-decode" --backend iree-cuda --model "$model" \
-                --max-context 640 --prompt-tokens 128 --decode-tokens 128 --precision q4 |
+                --max-context 640 --prompt-tokens 128 --decode-tokens 128 |
                 grep -v '^[][{} ]' || fail "kiln on $model"
         done
         ;;
