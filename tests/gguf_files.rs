@@ -501,3 +501,34 @@ fn a_qwen2_file_missing_a_bias_names_it() {
     bytes[at + name.len() - 1] = b'z';
     assert_rejected(&bytes, "tensor blk.1.attn_k.bias is missing");
 }
+
+/// A Q8_0 tensor as llama.cpp writes it, read by kiln's GGUF loader and
+/// stored for the IREE backends' q8 (`kiln_xla::q8`): every block's scale
+/// and values are the file's, bit for bit, so `--precision q8` (a Q8_0
+/// file's default there) computes with the file's own blocks.
+#[cfg(feature = "xla-iree")]
+#[test]
+fn a_q8_0_files_blocks_reach_the_device_as_written() {
+    let (rows, cols) = (3u64, 96u64);
+    let values: Vec<f32> = (0..rows * cols)
+        .map(|i| ((i * 7919 % 1000) as f32 / 500.0 - 1.0) * 0.02)
+        .collect();
+    let mut w = Writer::default();
+    w.kv("general.architecture", V::Str("llama"));
+    let written = w.tensor_q8_0("m", &[cols, rows], &values);
+    let dir = tempfile::tempdir().unwrap();
+    let path = write(dir.path(), "q8_0.gguf", &w.bytes());
+    let file = GgufFile::open(&path).unwrap();
+    let info = file.tensor("m").unwrap();
+    assert_eq!(info.ty.name(), "Q8_0");
+    let m = kiln_core::weights::Matrix {
+        rows: rows as usize,
+        cols: cols as usize,
+        data: file.tensor_f32(info).unwrap(),
+    };
+    let q = kiln_xla::q8::Q8Matrix::quantize(&m).unwrap();
+    for (b, (d, levels)) in written.iter().enumerate() {
+        assert_eq!(q.scales[b].to_bits(), d.to_bits(), "block {b}'s scale");
+        assert_eq!(&q.quants[32 * b..][..32], levels, "block {b}'s values");
+    }
+}

@@ -95,6 +95,42 @@ impl Writer {
         self
     }
 
+    /// A Q8_0 tensor of GGUF dims `dims` (rows of a whole number of 32)
+    /// written as llama.cpp's reference quantizer writes `values`: per
+    /// block d = largest magnitude / 127, q = round(value / d), d stored as
+    /// f16. Returns each block's (d, q) as written.
+    pub fn tensor_q8_0(
+        &mut self,
+        name: &str,
+        dims: &[u64],
+        values: &[f32],
+    ) -> Vec<(half::f16, [i8; 32])> {
+        while !self.data.len().is_multiple_of(32) {
+            self.data.push(0);
+        }
+        string(&mut self.infos, name);
+        self.infos.extend((dims.len() as u32).to_le_bytes());
+        dims.iter().for_each(|d| self.infos.extend(d.to_le_bytes()));
+        self.infos.extend(8u32.to_le_bytes());
+        self.infos.extend((self.data.len() as u64).to_le_bytes());
+        let mut blocks = Vec::new();
+        for block in values.chunks_exact(32) {
+            let largest = block.iter().fold(0.0f32, |a, v| a.max(v.abs()));
+            let d = largest / 127.0;
+            let inverse = if d > 0.0 { 1.0 / d } else { 0.0 };
+            let mut q = [0i8; 32];
+            for (q, v) in q.iter_mut().zip(block) {
+                *q = (v * inverse).round() as i8;
+            }
+            let stored = half::f16::from_f32(d);
+            self.data.extend(stored.to_bits().to_le_bytes());
+            self.data.extend(q.iter().map(|&v| v as u8));
+            blocks.push((stored, q));
+        }
+        self.tensor_count += 1;
+        blocks
+    }
+
     pub fn bytes(&self) -> Vec<u8> {
         let mut out = b"GGUF".to_vec();
         out.extend(3u32.to_le_bytes());
