@@ -363,6 +363,7 @@ pub fn open_iree<'m>(
     // while this one is open, never a silent mix of both.
     let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
     kiln_iree::set_flags(&flags)?;
+    say_stored_precision(options, model.weights.stored);
     let mut backend = IreeBackend::new(
         model,
         uri,
@@ -434,6 +435,20 @@ pub fn target(kind: BackendKind) -> Result<kiln_xla::Target> {
     }
 }
 
+/// Says on stderr when [`graph`] takes the precision from the model's
+/// blocks, and how to choose another.
+#[cfg(feature = "xla-iree")]
+pub fn say_stored_precision(options: &BackendOptions, stored: Stored) {
+    if options.precision.is_none()
+        && let Some(kept) = stored_precision(stored)
+    {
+        eprintln!(
+            "kiln: precision {kept}: the model's matrices are {stored}, which {kept} keeps as \
+             stored; --precision f16 widens them"
+        );
+    }
+}
+
 /// The IREE precision that keeps a model file's matrices as they are
 /// stored: q4 for Q4_0 and Q4_1 blocks (taken bit for bit, kiln_xla::q4),
 /// q8 for Q8_0 (kiln_xla::q8); `None` for anything else, where the
@@ -452,25 +467,16 @@ pub fn stored_precision(stored: Stored) -> Option<kiln_xla::Precision> {
 /// `--precision`, a model stored in blocks an IREE graph keeps as they
 /// are (`stored`, see [`stored_precision`]; `None` where the model's
 /// matrices cannot be such blocks) runs at that precision: a Q4_0 file
-/// reads its 4-bit blocks on the GPU, not f16 weights 3.5 times the size;
-/// said on stderr.
+/// reads its 4-bit blocks on the GPU, not f16 weights 3.5 times the size
+/// ([`say_stored_precision`] says so).
 #[cfg(feature = "xla-iree")]
 pub fn graph(
     target: kiln_xla::Target,
     options: &BackendOptions,
     stored: Option<Stored>,
 ) -> Result<kiln_xla::GraphOptions> {
-    let mut precision = parse_option("--precision", options.precision.as_deref())?;
-    if precision.is_none()
-        && let Some(stored) = stored
-        && let Some(kept) = stored_precision(stored)
-    {
-        eprintln!(
-            "kiln: precision {kept}: the model's matrices are {stored}, which {kept} keeps as \
-             stored; --precision f16 widens them"
-        );
-        precision = Some(kept);
-    }
+    let precision = parse_option("--precision", options.precision.as_deref())?
+        .or_else(|| stored.and_then(stored_precision));
     let layout = parse_option("--weight-layout", options.weight_layout.as_deref())?;
     let q4_rows: Option<kiln_xla::Q4Rows> = parse_option("--q4-rows", options.q4_rows.as_deref())?;
     let mut graph = kiln_xla::GraphOptions::for_target(target, precision, layout);

@@ -311,6 +311,7 @@ fn prepare(args: &ModelArgs, batch_slots: usize, draft_tokens: Option<usize>) ->
     let target = backends::target(kind)?;
     let buckets = backends::buckets(&model, &args.options)?;
     let graph = backends::graph(target, &args.options, Some(model.weights.stored))?;
+    backends::say_stored_precision(&args.options, model.weights.stored);
     let compiler = kiln_xla::Compiler::from_env()?;
     let cache = kiln_xla::ModuleCache::default_location()?;
     let started = Instant::now();
