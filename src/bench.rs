@@ -82,44 +82,31 @@ pub fn q8_0(mut model: Model) -> Result<Model> {
     Ok(model)
 }
 
-/// How the model `spec` names stores its matrices, where that is known
-/// without loading it: a GGUF file's blocks (read from its tensor types), a
-/// `-q8_0` preset's Q8_0, a preset's f32; `None` for a folder (safetensors,
-/// whose f32, f16 or bf16 matrices no precision keeps as blocks).
-pub fn stored(spec: &str) -> Result<Option<Stored>> {
-    if q8_0_preset(spec).is_some() {
-        return Ok(Some(Stored::Blocks("Q8_0")));
+/// The configuration of a model spec, without making its weights, and how
+/// it stores its matrices where that is known without loading them: a GGUF
+/// file's blocks (read from its tensor types), a `-q8_0` preset's Q8_0, a
+/// preset's f32; `None` for a folder (safetensors, whose f32, f16 or bf16
+/// matrices no precision keeps as blocks).
+pub fn header(spec: &str) -> Result<(ModelConfig, Option<Stored>)> {
+    if let Some((config, _)) = q8_0_preset(spec) {
+        return Ok((config, Some(Stored::Blocks("Q8_0"))));
     }
     Ok(match (spec, kiln_core::model::preset(spec)) {
-        ("embedded", _) => Some(Model::embedded().weights.stored),
-        (_, Some(_)) => Some(Stored::F32),
+        ("embedded", _) => {
+            let model = Model::embedded();
+            (model.config, Some(model.weights.stored))
+        }
+        (_, Some((config, _))) => (config, Some(Stored::F32)),
         (spec, None) => {
             let path = kiln_core::pinned::resolve(Path::new(spec))?;
             match path.is_file() {
                 true => {
                     let file = kiln_core::gguf::GgufFile::open(&path)?;
-                    let layers = kiln_core::gguf::model_config(&file)?.num_layers;
-                    Some(kiln_core::gguf::stored_kind(&file, layers))
+                    let config = kiln_core::gguf::model_config(&file)?;
+                    let stored = kiln_core::gguf::stored_kind(&file, config.num_layers);
+                    (config, Some(stored))
                 }
-                false => None,
-            }
-        }
-    })
-}
-
-/// The configuration of a model spec, without making its weights.
-pub fn config(spec: &str) -> Result<ModelConfig> {
-    if let Some((config, _)) = q8_0_preset(spec) {
-        return Ok(config);
-    }
-    Ok(match (spec, kiln_core::model::preset(spec)) {
-        ("embedded", _) => Model::embedded().config,
-        (_, Some((config, _))) => config,
-        (spec, None) => {
-            let path = kiln_core::pinned::resolve(Path::new(spec))?;
-            match path.is_file() {
-                true => kiln_core::gguf::model_config(&kiln_core::gguf::GgufFile::open(&path)?)?,
-                false => ModelConfig::from_file(&path.join("config.json"))?,
+                false => (ModelConfig::from_file(&path.join("config.json"))?, None),
             }
         }
     })

@@ -250,8 +250,7 @@ fn prepare(args: &Args) -> Result<()> {
     let compiler = Compiler::from_env()?;
     let cache = ModuleCache::default_location()?;
     for spec in &args.model {
-        let config = kiln::bench::config(spec)?;
-        let stored = kiln::bench::stored(spec)?;
+        let (config, stored) = kiln::bench::header(spec)?;
         let context = config.context_limit().min(args.max_context);
         for &kind in args
             .backend

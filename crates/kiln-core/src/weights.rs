@@ -145,6 +145,26 @@ impl Weights {
     pub fn output(&self) -> &Matrix {
         self.lm_head.as_ref().unwrap_or(&self.embed)
     }
+
+    /// These weights with every product's matrix (each layer's seven and
+    /// the output projection, untied) replaced by `f` of it; the embedding
+    /// and norms as they are.
+    pub fn try_map_products<E>(
+        &self,
+        f: impl Fn(&Matrix) -> std::result::Result<Matrix, E>,
+    ) -> std::result::Result<Weights, E> {
+        let mut layers = self.layers.clone();
+        for m in layers.iter_mut().flat_map(|l| l.matrices_mut()) {
+            *m = f(m)?;
+        }
+        Ok(Weights {
+            embed: self.embed.clone(),
+            layers,
+            final_norm: self.final_norm.clone(),
+            lm_head: Some(f(self.output())?),
+            stored: self.stored,
+        })
+    }
 }
 
 /// The tensors of a model's safetensors files, by name. Each file is mapped

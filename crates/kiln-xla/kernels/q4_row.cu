@@ -306,7 +306,7 @@ static __device__ __forceinline__ int block_dot(const u32 w[WORDS], const Block 
         acc = dp2a_hi_signed(block.levels[2 * j + 1], w[j], acc);
     }
     return (int)acc;
-#endif
+#else
 #pragma unroll
     for (int j = 0; j < 4; j++) {
         u32 biased = w[j] ^ 0x88888888u;
@@ -318,17 +318,21 @@ static __device__ __forceinline__ int block_dot(const u32 w[WORDS], const Block 
         acc = dp2a_hi(block.levels[4 * j + 3], odd, acc);
     }
     return (int)acc - 8 * block.level_sum;
+#endif
 }
 
 // One block of values of each of a warp's ROWS rows, with its scales and
 // offsets as loaded (f16): they are widened where they are used, so that a
 // load's first use is the block's product and the loads of the next blocks
 // stay in flight while a lane works on these. A row past the end reads the
-// last one's and is not written. (At 8 bits the offsets are not read.)
+// last one's and is not written. (8-bit blocks have no offsets.)
 template <int ROWS>
 struct Values {
     u32 w[ROWS][WORDS];
-    u16 scale[ROWS], offset[ROWS];
+    u16 scale[ROWS];
+#ifndef Q8_ROW
+    u16 offset[ROWS];
+#endif
 };
 
 template <int ROWS>
@@ -344,11 +348,9 @@ static __device__ __forceinline__ void load_block(const u32 *quants, const u16 *
         load_values(quants + WORDS * (size_t)at, v.w[r]);
 #ifdef Q8_ROW
         load_values(quants + WORDS * (size_t)at + 4, v.w[r] + 4);
-#endif
         v.scale[r] = scales[at];
-#ifdef Q8_ROW
-        v.offset[r] = 0;
 #else
+        v.scale[r] = scales[at];
         v.offset[r] = offsets[at];
 #endif
     }

@@ -44,10 +44,10 @@ use kiln_core::ModelConfig;
 use crate::graph::{DecodeAttention, GraphOptions, Precision, Q4Rows, WeightLayout, padded_row};
 use crate::kernels;
 use crate::q4::BLOCK;
+use crate::stablehlo::{Function, Ty, Val};
 
 // q4's and q8's blocks are sliced alike.
 const _: () = assert!(crate::q4::BLOCK == crate::q8::BLOCK);
-use crate::stablehlo::{Function, Ty, Val};
 
 /// The shapes of the weight arguments, in order: embedding `[V, H]`; per
 /// layer the attention norm, the fused q/k/v projection, o, the MLP norm,
@@ -129,13 +129,25 @@ impl Weight {
         }
     }
 
+    /// A blocked (q4 or q8) matrix's `(quants, scales, offsets)`, offsets
+    /// at q4 only; `None` for a dense one.
+    fn blocks(&self) -> Option<(&Val, &Val, Option<&Val>)> {
+        match self {
+            Weight::Dense(_) => None,
+            Weight::Q4 {
+                quants,
+                scales,
+                offsets,
+            } => Some((quants, scales, Some(offsets))),
+            Weight::Q8 { quants, scales } => Some((quants, scales, None)),
+        }
+    }
+
     /// A weight that is never quantized (a vector, the embedding).
     fn dense(self) -> Val {
         match self {
             Weight::Dense(v) => v,
-            Weight::Q4 { .. } | Weight::Q8 { .. } => {
-                unreachable!("is_quantized keeps vectors and the embedding dense")
-            }
+            _ => unreachable!("is_quantized keeps vectors and the embedding dense"),
         }
     }
 }
@@ -391,9 +403,7 @@ fn linear_normed(f: &mut Function, dm: &Dims, normed: &Normed, w: &Weight) -> Va
     };
     if dm.rows_in_f32 && dm.layout == WeightLayout::OutIn {
         let out = match w {
-            Weight::Q4 { .. } | Weight::Q8 { .. } if x.shape[0] == 1 => {
-                blocked_one_row(f, dm, x, w)
-            }
+            _ if w.blocks().is_some() && x.shape[0] == 1 => blocked_one_row(f, dm, x, w),
             _ => {
                 let wide = dense_weight(f, dm, w);
                 let wide = f.convert(&wide, Ty::F32);
@@ -416,7 +426,7 @@ fn linear_normed(f: &mut Function, dm: &Dims, normed: &Normed, w: &Weight) -> Va
 /// precision and the product accumulates in f32. One row against q4
 /// weights stays in f32 (see [`q4_row_product`]).
 fn linear(f: &mut Function, dm: &Dims, x: &Val, w: &Weight) -> Val {
-    if matches!(w, Weight::Q4 { .. } | Weight::Q8 { .. }) && x.shape[0] == 1 {
+    if w.blocks().is_some() && x.shape[0] == 1 {
         return blocked_one_row(f, dm, x, w);
     }
     let w = dense_weight(f, dm, w);
@@ -431,9 +441,9 @@ fn linear(f: &mut Function, dm: &Dims, x: &Val, w: &Weight) -> Val {
 fn dense_weight(f: &mut Function, dm: &Dims, w: &Weight) -> Val {
     match w {
         Weight::Dense(v) => v.clone(),
-        Weight::Q4 { quants, .. } | Weight::Q8 { quants, .. } => {
-            let (out, inputs) = (quants.shape[0], quants.shape[1] * BLOCK);
+        _ => {
             let values = dequantized(f, w);
+            let (out, inputs) = (values.shape[0], values.shape[1] * BLOCK);
             let values = f.reshape(&values, &[out, inputs]);
             f.convert(&values, dm.storage)
         }
@@ -445,15 +455,9 @@ fn dense_weight(f: &mut Function, dm: &Dims, w: &Weight) -> Val {
 /// block, which IREE takes as a dequantization and fuses into the kernel
 /// that consumes it.
 fn dequantized(f: &mut Function, w: &Weight) -> Val {
-    let (quants, scales, offsets) = match w {
-        Weight::Q4 {
-            quants,
-            scales,
-            offsets,
-        } => (quants, scales, Some(offsets)),
-        Weight::Q8 { quants, scales } => (quants, scales, None),
-        Weight::Dense(_) => unreachable!("dequantized is called on blocked weights"),
-    };
+    let (quants, scales, offsets) = w
+        .blocks()
+        .expect("dequantized is called on blocked weights");
     let shape = quants.shape.clone();
     let q = f.convert(quants, Ty::F32);
     let scale = f.convert(scales, Ty::F32);
@@ -516,22 +520,17 @@ fn row_kernel_takes(dm: &Dims, x: &Val, w: &Weight) -> bool {
 /// or q8 `w` with kiln's kernel ([`kernels::q4_row`], [`kernels::q8_row`],
 /// with what `fusion` adds; its residual `[1, out]`): `[1, out]`.
 fn kernel_row_product(f: &mut Function, x: &Val, w: &Weight, fusion: kernels::RowFusion) -> Val {
+    let (quants, scales, offsets) = w.blocks().expect("kiln's row kernels take blocked weights");
+    let out = quants.shape[0];
     let row = f.reshape(x, &[x.shape[1]]);
-    let out = match w {
-        Weight::Q4 { quants, .. } | Weight::Q8 { quants, .. } => quants.shape[0],
-        Weight::Dense(_) => unreachable!("kiln's row kernels take blocked weights"),
-    };
     let residual = fusion.residual.map(|r| f.reshape(r, &[out]));
     let fusion = kernels::RowFusion {
         residual: residual.as_ref(),
         ..fusion
     };
-    let product = match w {
-        Weight::Q8 { quants, scales } => kernels::q8_row(f, quants, scales, &row, fusion),
-        _ => {
-            let (quants, scales, offsets) = w.q4_parts("kernel_row_product");
-            kernels::q4_row(f, quants, scales, offsets, &row, fusion)
-        }
+    let product = match offsets {
+        Some(offsets) => kernels::q4_row(f, quants, scales, offsets, &row, fusion),
+        None => kernels::q8_row(f, quants, scales, &row, fusion),
     };
     f.reshape(&product, &[1, out])
 }

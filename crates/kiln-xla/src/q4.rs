@@ -159,31 +159,7 @@ fn symmetric_levels(block: &[f32]) -> Option<(f16, [i8; BLOCK])> {
 /// f16), since no q4 graph folds a norm's weight into its matrices
 /// ([`crate::GraphOptions::folds_norm_weights`]).
 pub fn device_weights(w: &Weights) -> Result<Weights, Q4Error> {
-    with_matrices(w, |m| Q4Matrix::quantize(m).map(|q| q.dequantize()))
-}
-
-/// `w` with every matrix but the embedding replaced by `f` of it: the
-/// weights a blocked graph computes with, where `f` quantizes and
-/// dequantizes.
-pub(crate) fn with_matrices<E>(
-    w: &Weights,
-    f: impl Fn(&Matrix) -> Result<Matrix, E>,
-) -> Result<Weights, E> {
-    let mut layers = Vec::with_capacity(w.layers.len());
-    for l in &w.layers {
-        let mut layer = l.clone();
-        for m in layer.matrices_mut() {
-            *m = f(m)?;
-        }
-        layers.push(layer);
-    }
-    Ok(Weights {
-        embed: w.embed.clone(),
-        layers,
-        final_norm: w.final_norm.clone(),
-        lm_head: Some(f(w.output())?),
-        stored: w.stored,
-    })
+    w.try_map_products(|m| Q4Matrix::quantize(m).map(|q| q.dequantize()))
 }
 
 /// A one-row q4 product's test case and its check, for every form of the

@@ -125,7 +125,7 @@ fn exact_levels(block: &[f32], step: f32) -> Option<(f16, Vec<i8>)> {
 /// reference: every matrix but the embedding quantized and dequantized
 /// (see [`crate::q4::device_weights`]).
 pub fn device_weights(w: &Weights) -> Result<Weights, Q8Error> {
-    crate::q4::with_matrices(w, |m| Q8Matrix::quantize(m).map(|q| q.dequantize()))
+    w.try_map_products(|m| Q8Matrix::quantize(m).map(|q| q.dequantize()))
 }
 
 #[cfg(test)]
