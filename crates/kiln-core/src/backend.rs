@@ -1,8 +1,10 @@
 //! The `Backend` trait every engine implements, and the CPU reference backend.
 
+use crate::config::ModelConfig;
 use crate::error::{Error, Result};
-use crate::forward::{self, ForwardWeights, KvCache, Logits};
+use crate::forward::{self, ForwardWeights, KvCache, Logits, Shard};
 use crate::model::Model;
+use crate::tensor_parallel::ShardPlan;
 
 /// A way to run a model: prefill a prompt, then decode one token at a time.
 /// Both return the logits of the last position (`vocab_size` values).
@@ -95,12 +97,20 @@ pub fn rewind_past_end(len: usize, held: usize) -> Error {
 }
 
 /// The CPU forward pass behind the same trait as every other backend: the
-/// f32 reference ([`CpuBackend::new`]), or the same pass over another
-/// backend's matrices ([`CpuBackend::with_weights`]).
+/// f32 reference ([`CpuBackend::new`]), the same pass over another
+/// backend's matrices ([`CpuBackend::with_weights`]), or the reference split
+/// in tensor-parallel ranks run one after another
+/// ([`CpuBackend::tensor_parallel`]).
 pub struct CpuBackend<'m> {
     model: &'m Model,
-    weights: Box<dyn ForwardWeights + 'm>,
+    ranks: Vec<Rank<'m>>,
     name: &'static str,
+}
+
+/// One rank's share of the model: the whole model where there is one.
+struct Rank<'m> {
+    config: ModelConfig,
+    weights: Box<dyn ForwardWeights + 'm>,
     cache: KvCache,
 }
 
@@ -120,9 +130,41 @@ impl<'m> CpuBackend<'m> {
     ) -> CpuBackend<'m> {
         CpuBackend {
             model,
-            weights,
+            ranks: vec![Rank {
+                config: model.config.clone(),
+                weights,
+                cache: KvCache::new(model.config.num_layers),
+            }],
             name,
-            cache: KvCache::new(model.config.num_layers),
+        }
+    }
+
+    /// The f32 reference in `plan`'s ranks, each holding its slice of the
+    /// weights, the all-reduces summed in memory: the oracle of the sharded
+    /// backends, and the check of the plan against [`CpuBackend::new`].
+    pub fn tensor_parallel(model: &'m Model, plan: &ShardPlan) -> CpuBackend<'m> {
+        let ranks = (0..plan.ranks())
+            .map(|r| Rank {
+                config: plan.rank_config(r),
+                weights: Box::new(plan.rank_weights(&model.weights, r)) as Box<dyn ForwardWeights>,
+                cache: KvCache::new(model.config.num_layers),
+            })
+            .collect();
+        CpuBackend {
+            model,
+            ranks,
+            name: "cpu",
+        }
+    }
+
+    fn cache_len(&self) -> usize {
+        self.ranks[0].cache.len()
+    }
+
+    /// Every rank's cache emptied.
+    fn clear(&mut self) {
+        for rank in &mut self.ranks {
+            rank.cache = KvCache::new(self.model.config.num_layers);
         }
     }
 
@@ -158,21 +200,23 @@ impl<'m> CpuBackend<'m> {
                 embeddings.len()
             )));
         }
-        let needed = self.cache.len() + embeddings.len() / hidden;
+        let needed = self.cache_len() + embeddings.len() / hidden;
         if needed > self.max_context() {
             return Err(Error::ContextFull {
                 needed,
                 limit: self.max_context(),
             });
         }
-        let logits = forward::forward_until(
-            &self.model.config,
-            self.weights.as_ref(),
-            embeddings,
-            &mut self.cache,
-            rows,
-            keep_going,
-        )?;
+        let mut shards: Vec<Shard> = self
+            .ranks
+            .iter_mut()
+            .map(|r| Shard {
+                config: &r.config,
+                weights: r.weights.as_ref(),
+                cache: &mut r.cache,
+            })
+            .collect();
+        let logits = forward::forward_shards(&mut shards, embeddings, rows, keep_going)?;
         // Finite weights can still overflow; greedy decoding would read NaN
         // logits as token 0. The IREE backends report the same.
         if logits.iter().any(|l| l.is_nan()) {
@@ -186,14 +230,9 @@ impl<'m> CpuBackend<'m> {
     /// Logits of every prompt position (`n * vocab`), for tests.
     pub fn prefill_all(&mut self, tokens: &[u32]) -> Result<Vec<f32>> {
         check_tokens(self.model, tokens)?;
-        self.cache = KvCache::new(self.model.config.num_layers);
+        self.clear();
         let embeddings = forward::embed(&self.model.weights, tokens);
-        forward::forward(
-            &self.model.config,
-            self.weights.as_ref(),
-            &embeddings,
-            &mut self.cache,
-        )
+        self.run_rows(&embeddings)
     }
 }
 
@@ -229,7 +268,7 @@ impl Backend for CpuBackend<'_> {
     }
 
     fn prefill_embeddings(&mut self, embeddings: &[f32]) -> Result<Vec<f32>> {
-        self.cache = KvCache::new(self.model.config.num_layers);
+        self.clear();
         self.run(embeddings)
     }
 
@@ -239,18 +278,18 @@ impl Backend for CpuBackend<'_> {
         keep_going: &mut dyn FnMut() -> bool,
     ) -> Result<Vec<f32>> {
         check_tokens(self.model, tokens)?;
-        self.cache = KvCache::new(self.model.config.num_layers);
+        self.clear();
         let embeddings = forward::embed(&self.model.weights, tokens);
         let result = self.run_until(&embeddings, keep_going);
         if result.is_err() {
             // A half-extended cache is no sequence.
-            self.cache = KvCache::new(self.model.config.num_layers);
+            self.clear();
         }
         result
     }
 
     fn decode(&mut self, token: u32) -> Result<Vec<f32>> {
-        if self.cache.is_empty() {
+        if self.cache_len() == 0 {
             return Err(Error::Invalid("decode before prefill".into()));
         }
         check_tokens(self.model, &[token])?;
@@ -259,11 +298,11 @@ impl Backend for CpuBackend<'_> {
     }
 
     fn sequence_len(&self) -> usize {
-        self.cache.len()
+        self.cache_len()
     }
 
     fn append(&mut self, tokens: &[u32]) -> Result<Vec<f32>> {
-        if self.cache.is_empty() {
+        if self.cache_len() == 0 {
             return Err(Error::Invalid("append before prefill".into()));
         }
         check_tokens(self.model, tokens)?;
@@ -272,10 +311,12 @@ impl Backend for CpuBackend<'_> {
     }
 
     fn rewind(&mut self, len: usize) -> Result<()> {
-        if len > self.cache.len() {
-            return Err(rewind_past_end(len, self.cache.len()));
+        if len > self.cache_len() {
+            return Err(rewind_past_end(len, self.cache_len()));
         }
-        self.cache.truncate(len);
+        for rank in &mut self.ranks {
+            rank.cache.truncate(len);
+        }
         Ok(())
     }
 }

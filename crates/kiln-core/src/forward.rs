@@ -358,108 +358,240 @@ pub fn forward_until(
     logits: Logits,
     keep_going: &mut dyn FnMut() -> bool,
 ) -> Result<Vec<f32>> {
+    let mut whole = [Shard {
+        config,
+        weights,
+        cache,
+    }];
+    forward_shards(&mut whole, embeddings, logits, keep_going)
+}
+
+/// One tensor-parallel rank's part of a forward pass: its slice of every
+/// layer (some attention heads, some MLP columns, some vocabulary rows of
+/// the output projection; see [`crate::tensor_parallel`]), the config of
+/// that slice, and the keys and values of its heads. The whole model is
+/// the one shard of itself.
+pub struct Shard<'a> {
+    pub config: &'a ModelConfig,
+    pub weights: &'a dyn ForwardWeights,
+    pub cache: &'a mut KvCache,
+}
+
+/// [`forward_until`] over the shards of one model, the all-reduce done
+/// here: each layer's attention output and MLP output are the sum, in rank
+/// order, of every shard's partial product, added to the residual that
+/// every rank holds whole; the logits are each shard's vocabulary rows
+/// side by side (the gather). One shard is the unsharded pass, bit for bit.
+pub fn forward_shards(
+    shards: &mut [Shard<'_>],
+    embeddings: &[f32],
+    logits: Logits,
+    keep_going: &mut dyn FnMut() -> bool,
+) -> Result<Vec<f32>> {
+    let Some(first) = shards.first() else {
+        return Err(crate::Error::Invalid(
+            "a forward pass needs at least one shard".into(),
+        ));
+    };
+    let (config, threads) = (first.config, first.weights);
     let h = config.hidden_size;
-    let d = config.head_dim;
-    let group = config.group_size();
     let n = embeddings.len() / h;
-    let start = cache.len;
+    let start = first.cache.len;
+    if shards.iter().any(|s| s.cache.len != start) {
+        return Err(crate::Error::Invalid(
+            "the shards' caches hold different positions".into(),
+        ));
+    }
     let (cos, sin) = config.rope_tables(start + n)?;
-    let half = d / 2;
-    let scale = 1.0 / (d as f32).sqrt();
-    let q_width = config.num_heads * d;
-    let kv_width = config.num_kv_heads * d;
+    let positions = Positions {
+        start,
+        half: config.head_dim / 2,
+        cos: &cos,
+        sin: &sin,
+    };
 
     let mut xs = embeddings.to_vec();
-    for l in 0..weights.num_layers() {
-        let layer = weights.layer(l);
-        // Project this chunk's rows and extend the cache first, so each row
-        // attends to every earlier position and to itself.
-        let normed = rms_norm_rows(weights, &xs, layer.attn_norm, config.rms_norm_eps);
-        let mut qkv = layer.qkv.apply(&normed, n);
-        if let Some(bias) = layer.qkv_bias {
-            for row in qkv.chunks_exact_mut(bias.len()) {
-                row.iter_mut().zip(bias).for_each(|(v, b)| *v += b);
-            }
+    for l in 0..threads.num_layers() {
+        let attn_norm = threads.layer(l).attn_norm;
+        let normed = rms_norm_rows(threads, &xs, attn_norm, config.rms_norm_eps);
+        let mut sum = Partials::default();
+        for s in shards.iter_mut() {
+            sum.add(attention_part(s, l, &normed, n, &positions, keep_going)?);
         }
-        let qkv_width = q_width + 2 * kv_width;
-        let rope_tables = |r: usize| {
-            let pos = start + r;
-            (&cos[pos * half..][..half], &sin[pos * half..][..half])
-        };
-        let queries = rows_on_threads(weights, n, q_width, &|r, q| {
-            q.copy_from_slice(&qkv[r * qkv_width..][..q_width]);
-            let (c, s) = rope_tables(r);
-            apply_rope(q, d, c, s);
-        });
-        for (r, row) in qkv.chunks_exact(qkv_width).enumerate() {
-            let (k, v) = row[q_width..].split_at(kv_width);
-            let mut k = k.to_vec();
-            let (c, s) = rope_tables(r);
-            apply_rope(&mut k, d, c, s);
-            cache.keys[l].extend_from_slice(&k);
-            cache.values[l].extend_from_slice(v);
+        sum.add_to(&mut xs);
+        let mlp_norm = threads.layer(l).mlp_norm;
+        let normed = rms_norm_rows(threads, &xs, mlp_norm, config.rms_norm_eps);
+        let mut sum = Partials::default();
+        for s in shards.iter() {
+            sum.add(mlp_part(s.weights, l, &normed, n));
         }
-        let mut attended = vec![0.0f32; n * q_width];
-        let (keys, values) = (&cache.keys[l], &cache.values[l]);
-        // Row `r`'s heads, into `out`.
-        let attend_row = |r: usize, out: &mut [f32]| {
-            let visible = start + r + 1;
-            let mut scores = Vec::with_capacity(visible);
-            for head in 0..config.num_heads {
-                let kv_head = head / group;
-                let head_cache = HeadCache {
-                    keys: &keys[..visible * kv_width],
-                    values: &values[..visible * kv_width],
-                    stride: kv_width,
-                    offset: kv_head * d,
-                };
-                let q = &queries[r * q_width + head * d..][..d];
-                attend(
-                    q,
-                    &head_cache,
-                    scale,
-                    &mut scores,
-                    &mut out[head * d..][..d],
-                );
-            }
-        };
-        // Rows in blocks, `keep_going` asked before each; a block's rows
-        // shared out over the backend's threads (a lone row, decode's, on
-        // this one: handing it over would cost more than it takes).
-        for (b, block) in attended.chunks_mut(ATTENTION_BLOCK * q_width).enumerate() {
-            if !keep_going() {
-                return Err(crate::Error::Interrupted);
-            }
-            let first = b * ATTENTION_BLOCK;
-            if n == 1 {
-                attend_row(first, block);
-            } else {
-                weights.for_each_chunk(block, q_width, &|i, out| attend_row(first + i, out));
-            }
-        }
-        for (xi, p) in xs.iter_mut().zip(layer.wo.apply(&attended, n)) {
-            *xi += p;
-        }
-        let normed = rms_norm_rows(weights, &xs, layer.mlp_norm, config.rms_norm_eps);
-        let gate_up = layer.gate_up.apply(&normed, n);
-        let inter = gate_up.len() / n / 2;
-        let hidden = rows_on_threads(weights, n, inter, &|r, out| {
-            let (gate, up) = gate_up[r * 2 * inter..][..2 * inter].split_at(inter);
-            for ((o, g), u) in out.iter_mut().zip(gate).zip(up) {
-                *o = silu(*g) * u;
-            }
-        });
-        for (xi, m) in xs.iter_mut().zip(layer.w_down.apply(&hidden, n)) {
-            *xi += m;
-        }
+        sum.add_to(&mut xs);
     }
-    cache.len += n;
+    for s in shards.iter_mut() {
+        s.cache.len += n;
+    }
     let (xs, rows) = match logits {
         Logits::EveryRow => (&xs[..], n),
         Logits::LastRow => (&xs[(n - 1) * h..], 1),
     };
-    let normed = rms_norm_rows(weights, xs, weights.final_norm(), config.rms_norm_eps);
-    Ok(weights.output().apply(&normed, rows))
+    let normed = rms_norm_rows(threads, xs, threads.final_norm(), config.rms_norm_eps);
+    let parts: Vec<Vec<f32>> = shards
+        .iter()
+        .map(|s| s.weights.output().apply(&normed, rows))
+        .collect();
+    Ok(gather_rows(parts, rows))
+}
+
+/// The rotary tables of a pass's positions, `start` the first.
+struct Positions<'t> {
+    start: usize,
+    half: usize,
+    cos: &'t [f32],
+    sin: &'t [f32],
+}
+
+impl Positions<'_> {
+    /// The tables of the pass's row `r`.
+    fn of_row(&self, r: usize) -> (&[f32], &[f32]) {
+        let at = (self.start + r) * self.half;
+        (&self.cos[at..][..self.half], &self.sin[at..][..self.half])
+    }
+}
+
+/// A running all-reduce: the first part taken as it is (so that one shard
+/// adds nothing, not even a zero), each later one added element by element.
+#[derive(Default)]
+struct Partials(Option<Vec<f32>>);
+
+impl Partials {
+    fn add(&mut self, part: Vec<f32>) {
+        match &mut self.0 {
+            None => self.0 = Some(part),
+            Some(sum) => sum.iter_mut().zip(part).for_each(|(s, p)| *s += p),
+        }
+    }
+
+    /// The residual update `xs += sum`.
+    fn add_to(self, xs: &mut [f32]) {
+        for (x, p) in xs.iter_mut().zip(self.0.into_iter().flatten()) {
+            *x += p;
+        }
+    }
+}
+
+/// Each row's columns from every part in turn: `parts[k]` is `[rows, w_k]`.
+fn gather_rows(mut parts: Vec<Vec<f32>>, rows: usize) -> Vec<f32> {
+    if parts.len() == 1 {
+        return parts.pop().unwrap_or_default();
+    }
+    let mut out = Vec::with_capacity(parts.iter().map(Vec::len).sum());
+    for r in 0..rows {
+        for part in &parts {
+            let width = part.len() / rows;
+            out.extend_from_slice(&part[r * width..][..width]);
+        }
+    }
+    out
+}
+
+/// One shard's attention over the `n` normed rows of layer `l`: its heads'
+/// queries, keys and values, the keys and values appended to its cache, and
+/// its slice of the output projection, `[n, hidden]` (to be summed over the
+/// shards).
+fn attention_part(
+    shard: &mut Shard<'_>,
+    l: usize,
+    normed: &[f32],
+    n: usize,
+    positions: &Positions,
+    keep_going: &mut dyn FnMut() -> bool,
+) -> Result<Vec<f32>> {
+    let (config, weights) = (shard.config, shard.weights);
+    let cache = &mut *shard.cache;
+    let d = config.head_dim;
+    let group = config.group_size();
+    let scale = 1.0 / (d as f32).sqrt();
+    let q_width = config.num_heads * d;
+    let kv_width = config.num_kv_heads * d;
+    let layer = weights.layer(l);
+    // Project this chunk's rows and extend the cache first, so each row
+    // attends to every earlier position and to itself.
+    let mut qkv = layer.qkv.apply(normed, n);
+    if let Some(bias) = layer.qkv_bias {
+        for row in qkv.chunks_exact_mut(bias.len()) {
+            row.iter_mut().zip(bias).for_each(|(v, b)| *v += b);
+        }
+    }
+    let qkv_width = q_width + 2 * kv_width;
+    let queries = rows_on_threads(weights, n, q_width, &|r, q| {
+        q.copy_from_slice(&qkv[r * qkv_width..][..q_width]);
+        let (c, s) = positions.of_row(r);
+        apply_rope(q, d, c, s);
+    });
+    for (r, row) in qkv.chunks_exact(qkv_width).enumerate() {
+        let (k, v) = row[q_width..].split_at(kv_width);
+        let mut k = k.to_vec();
+        let (c, s) = positions.of_row(r);
+        apply_rope(&mut k, d, c, s);
+        cache.keys[l].extend_from_slice(&k);
+        cache.values[l].extend_from_slice(v);
+    }
+    let mut attended = vec![0.0f32; n * q_width];
+    let (keys, values) = (&cache.keys[l], &cache.values[l]);
+    let start = positions.start;
+    // Row `r`'s heads, into `out`.
+    let attend_row = |r: usize, out: &mut [f32]| {
+        let visible = start + r + 1;
+        let mut scores = Vec::with_capacity(visible);
+        for head in 0..config.num_heads {
+            let kv_head = head / group;
+            let head_cache = HeadCache {
+                keys: &keys[..visible * kv_width],
+                values: &values[..visible * kv_width],
+                stride: kv_width,
+                offset: kv_head * d,
+            };
+            let q = &queries[r * q_width + head * d..][..d];
+            attend(
+                q,
+                &head_cache,
+                scale,
+                &mut scores,
+                &mut out[head * d..][..d],
+            );
+        }
+    };
+    // Rows in blocks, `keep_going` asked before each; a block's rows
+    // shared out over the backend's threads (a lone row, decode's, on
+    // this one: handing it over would cost more than it takes).
+    for (b, block) in attended.chunks_mut(ATTENTION_BLOCK * q_width).enumerate() {
+        if !keep_going() {
+            return Err(crate::Error::Interrupted);
+        }
+        let first = b * ATTENTION_BLOCK;
+        if n == 1 {
+            attend_row(first, block);
+        } else {
+            weights.for_each_chunk(block, q_width, &|i, out| attend_row(first + i, out));
+        }
+    }
+    Ok(layer.wo.apply(&attended, n))
+}
+
+/// One shard's MLP over the `n` normed rows of layer `l`: its columns of
+/// gate and up, SiLU, and its rows of down, `[n, hidden]` (to be summed
+/// over the shards).
+fn mlp_part(weights: &dyn ForwardWeights, l: usize, normed: &[f32], n: usize) -> Vec<f32> {
+    let layer = weights.layer(l);
+    let gate_up = layer.gate_up.apply(normed, n);
+    let inter = gate_up.len() / n / 2;
+    let hidden = rows_on_threads(weights, n, inter, &|r, out| {
+        let (gate, up) = gate_up[r * 2 * inter..][..2 * inter].split_at(inter);
+        for ((o, g), u) in out.iter_mut().zip(gate).zip(up) {
+            *o = silu(*g) * u;
+        }
+    });
+    layer.w_down.apply(&hidden, n)
 }
 
 /// [`rms_norm`] of each row of `xs`, on the backend's threads.

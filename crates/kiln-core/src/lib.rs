@@ -18,6 +18,7 @@ pub mod sampling;
 pub mod save;
 pub mod speculative;
 pub mod stream;
+pub mod tensor_parallel;
 pub mod tokenizer;
 pub mod weights;
 
