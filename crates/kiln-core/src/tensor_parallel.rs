@@ -142,9 +142,9 @@ impl ShardPlan {
 fn splits(config: &ModelConfig, ranks: usize) -> bool {
     let kv = config.num_kv_heads;
     ranks > 0
-        && config.num_heads % ranks == 0
-        && config.intermediate_size % ranks == 0
-        && (kv % ranks == 0 || ranks % kv == 0)
+        && config.num_heads.is_multiple_of(ranks)
+        && config.intermediate_size.is_multiple_of(ranks)
+        && (kv.is_multiple_of(ranks) || ranks.is_multiple_of(kv))
 }
 
 /// Part `r` of `0..total` cut in `ranks` equal parts.
