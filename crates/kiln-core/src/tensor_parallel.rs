@@ -78,12 +78,17 @@ impl ShardPlan {
         share(self.config.intermediate_size, self.ranks, r)
     }
 
-    /// Rank `r`'s rows of the output projection: the vocabulary in nearly
-    /// equal parts (it need not divide), the first ranks one row more.
+    /// Rank `r`'s rows of the output projection: [`ShardPlan::vocab_rows`]
+    /// each, the last rank the rest (a device graph pads it to the others'
+    /// count, so that the ranks' logits gather into equal parts).
     pub fn vocab(&self, r: usize) -> Range<usize> {
-        let (v, n) = (self.config.vocab_size, self.ranks);
-        let at = |r: usize| r * (v / n) + r.min(v % n);
-        at(r)..at(r + 1)
+        let (v, each) = (self.config.vocab_size, self.vocab_rows());
+        (r * each).min(v)..((r + 1) * each).min(v)
+    }
+
+    /// The most vocabulary rows a rank holds.
+    pub fn vocab_rows(&self) -> usize {
+        self.config.vocab_size.div_ceil(self.ranks)
     }
 
     /// The shape of rank `r`'s slice: its heads and MLP width (the rest as

@@ -118,7 +118,7 @@ fn packed_weights(model: &Model, graph: &GraphOptions) -> kiln_core::Result<Vec<
     let invalid = |e: &dyn std::fmt::Display| {
         kiln_core::Error::Invalid(format!("{} weights: {e}", graph.precision))
     };
-    let shapes = crate::llama::weight_shapes(&model.config, graph.layout);
+    let shapes = crate::llama::weight_shapes(&model.config, graph);
     let (mut dense, mut q4, mut q8) = (Vec::new(), Vec::new(), Vec::new());
     for (i, (part, shape)) in parts.iter().zip(&shapes).enumerate() {
         let shape = &crate::llama::stored_shape(i, shape, graph);

@@ -204,6 +204,13 @@ pub struct GraphOptions {
     pub append_kernel: bool,
     /// One-row q8 products are kiln's kernel (see [`q8_kernel_for`]).
     pub q8_kernel: bool,
+    /// The graph is one rank's of a tensor-parallel world of this many
+    /// ranks (`kiln_core::tensor_parallel`): its weights are the rank's
+    /// slice, each layer's attention and MLP outputs are summed over the
+    /// ranks (`all_reduce`), the logits gathered (`all_gather`). `Some(1)`
+    /// is a world of one, whose collectives still go through the device's
+    /// channel; `None` is the whole model without collectives.
+    pub tensor_parallel: Option<usize>,
 }
 
 /// How a decode step's query rows attend to the KV cache.
@@ -426,6 +433,17 @@ impl GraphOptions {
             decode_attention: decode_attention_for(target),
             append_kernel: append_kernel_for(target),
             q8_kernel: q8_kernel_for(target),
+            tensor_parallel: None,
+        }
+    }
+
+    /// Rows of the output projection this graph holds: the vocabulary, or
+    /// a rank's share of it rounded up (the last rank's padded with zero
+    /// rows, whose logits the gather drops).
+    pub fn output_rows(&self, vocab: usize) -> usize {
+        match self.tensor_parallel {
+            Some(ranks) => vocab.div_ceil(ranks),
+            None => vocab,
         }
     }
 

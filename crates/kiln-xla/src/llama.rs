@@ -55,8 +55,9 @@ const _: () = assert!(crate::q4::BLOCK == crate::q8::BLOCK);
 /// projection. Matrices are `[in, out]` or `[out, in]` as `layout` says.
 /// Fusing q/k/v and gate/up makes one larger matrix-vector product of each
 /// group per decode step instead of three or two small ones.
-pub fn weight_shapes(c: &ModelConfig, layout: WeightLayout) -> Vec<Vec<usize>> {
+pub fn weight_shapes(c: &ModelConfig, g: &GraphOptions) -> Vec<Vec<usize>> {
     let (h, i, v) = (c.hidden_size, c.intermediate_size, c.vocab_size);
+    let layout = g.layout;
     let q = c.num_heads * c.head_dim;
     let kv = c.num_kv_heads * c.head_dim;
     let matrix = |inputs: usize, outputs: usize| match layout {
@@ -72,7 +73,7 @@ pub fn weight_shapes(c: &ModelConfig, layout: WeightLayout) -> Vec<Vec<usize>> {
         shapes.extend([matrix(q, h), vec![h], matrix(h, 2 * i), matrix(i, h)]);
     }
     shapes.push(vec![h]);
-    shapes.push(matrix(h, v));
+    shapes.push(matrix(h, g.output_rows(v)));
     shapes
 }
 
@@ -178,7 +179,7 @@ struct Params {
 /// the quantized matrices' values, in the same order. At q8 the same with
 /// scales only and an i8 buffer.
 fn weight_params(f: &mut Function, c: &ModelConfig, g: &GraphOptions) -> Params {
-    let shapes = weight_shapes(c, g.layout);
+    let shapes = weight_shapes(c, g);
     let blocked = g.precision.is_blocked();
     let quantized = |i: usize, s: &[usize]| blocked && is_quantized(i, s);
     // f16 numbers a quantized matrix keeps per block: scale (and offset).
@@ -291,6 +292,10 @@ struct Dims {
     append_kernel: bool,
     /// See [`GraphOptions::q8_kernel`].
     q8_kernel: bool,
+    /// See [`GraphOptions::tensor_parallel`].
+    ranks: Option<usize>,
+    /// The model's vocabulary (the logits after the gather).
+    vocab: usize,
 }
 
 fn dims(c: &ModelConfig, g: &GraphOptions) -> Dims {
@@ -310,6 +315,8 @@ fn dims(c: &ModelConfig, g: &GraphOptions) -> Dims {
         decode_attention: g.decode_attention,
         append_kernel: g.append_kernel,
         q8_kernel: g.q8_kernel,
+        ranks: g.tensor_parallel,
+        vocab: c.vocab_size,
     }
 }
 
@@ -539,14 +546,45 @@ fn kernel_row_product(f: &mut Function, x: &Val, w: &Weight, fusion: kernels::Ro
 /// it writes its outputs, a kernel fewer than the product and the sum.
 fn linear_plus(f: &mut Function, dm: &Dims, x: &Val, w: &Weight, residual: &Val) -> Val {
     if row_kernel_takes(dm, x, w) {
-        let fusion = kernels::RowFusion {
-            residual: Some(residual),
-            ..Default::default()
-        };
-        return kernel_row_product(f, x, w, fusion);
+        return fused_plus(f, dm, x, w, false, residual);
     }
     let product = linear(f, dm, x, w);
-    f.binary("add", residual, &product)
+    plus_partial(f, dm, residual, &product)
+}
+
+/// `residual + product`, the product being a rank's partial sum where the
+/// graph is one of several ranks': summed over them first.
+fn plus_partial(f: &mut Function, dm: &Dims, residual: &Val, product: &Val) -> Val {
+    match dm.ranks {
+        Some(ranks) => {
+            let whole = f.all_reduce_sum(product, ranks);
+            f.binary("add", residual, &whole)
+        }
+        None => f.binary("add", residual, product),
+    }
+}
+
+/// `residual + x · w` by kiln's row kernel (of `SiLU(gate) · up` where
+/// `swiglu`): the kernel adds the residual itself, unless the product is a
+/// rank's partial sum, which meets the other ranks' first.
+fn fused_plus(
+    f: &mut Function,
+    dm: &Dims,
+    x: &Val,
+    w: &Weight,
+    swiglu: bool,
+    residual: &Val,
+) -> Val {
+    let fusion = kernels::RowFusion {
+        swiglu,
+        residual: dm.ranks.is_none().then_some(residual),
+        ..Default::default()
+    };
+    let product = kernel_row_product(f, x, w, fusion);
+    match dm.ranks {
+        Some(_) => plus_partial(f, dm, residual, &product),
+        None => product,
+    }
 }
 
 /// The largest 16-bit level of a row's block in [`q4_integer_row_product`].
@@ -855,12 +893,7 @@ fn mlp_plus(
     // kiln's q4 kernel reads the gate and up halves as SiLU(gate) · up and
     // adds the residual: the SiLU's kernel and the sum's are spared.
     if row_kernel_takes(dm, &both, down) && both.ty == Ty::F32 {
-        let fusion = kernels::RowFusion {
-            swiglu: true,
-            residual: Some(residual),
-            ..Default::default()
-        };
-        return kernel_row_product(f, &both, down, fusion);
+        return fused_plus(f, dm, &both, down, true, residual);
     }
     let i = both.shape[1] / 2;
     let g = columns(f, &both, 0, i);
@@ -874,8 +907,22 @@ fn mlp_plus(
 /// Final norm and output projection of one row `[1, H]`; returns f32 `[V]`.
 fn logits(f: &mut Function, c: &ModelConfig, dm: &Dims, p: &Params, row: &Val) -> Val {
     let normed = rms_norm(f, dm, row, &p.final_norm, c.rms_norm_eps);
-    let out = linear_normed(f, dm, &normed, &p.lm_head);
+    let out = output_product(f, dm, &normed, &p.lm_head);
     f.reshape(&out, &[c.vocab_size])
+}
+
+/// The logits of normed rows, `[n, V]`: where the graph is a rank's, its
+/// share of the vocabulary's rows gathered with the others' and the last
+/// rank's padding dropped.
+fn output_product(f: &mut Function, dm: &Dims, normed: &Normed, lm_head: &Weight) -> Val {
+    let share = linear_normed(f, dm, normed, lm_head);
+    match dm.ranks {
+        Some(ranks) => {
+            let all = f.all_gather(&share, 1, ranks);
+            f.slice(&all, &[0, 0], &[all.shape[0], dm.vocab])
+        }
+        None => share,
+    }
 }
 
 /// Embedding rows of `ids` (`[n]` i32), in f32.
@@ -1264,7 +1311,7 @@ fn append_tokens(c: &ModelConfig, g: &GraphOptions, context: usize, rows: usize)
         x = finish_layer(&mut f, c, &dm, &x, &attended, w);
     }
     let normed = rms_norm(&mut f, &dm, &x, &p.final_norm, c.rms_norm_eps);
-    let logits = linear_normed(&mut f, &dm, &normed, &p.lm_head);
+    let logits = output_product(&mut f, &dm, &normed, &p.lm_head);
     let next = f.argmax_rows(&logits);
     f.finish(&[&logits, &next, &k_cache, &v_cache])
 }
@@ -1330,7 +1377,7 @@ fn decode_batch(
         x = finish_layer(&mut f, c, &dm, &x, &attended, w);
     }
     let normed = rms_norm(&mut f, &dm, &x, &p.final_norm, c.rms_norm_eps);
-    let logits = linear_normed(&mut f, &dm, &normed, &p.lm_head);
+    let logits = output_product(&mut f, &dm, &normed, &p.lm_head);
     let next = f.argmax_rows(&logits);
     let ones = f.constant_i32(1, &[rows]);
     let next_positions = f.binary("add", &positions, &ones);
@@ -1408,7 +1455,7 @@ fn prefill_batch(
     let last = f.binary("add", &starts, &last);
     let last_rows = f.take_rows(&x, &last);
     let normed = rms_norm(&mut f, &dm, &last_rows, &p.final_norm, c.rms_norm_eps);
-    let logits = linear_normed(&mut f, &dm, &normed, &p.lm_head);
+    let logits = output_product(&mut f, &dm, &normed, &p.lm_head);
     f.finish(&[&logits, &caches.k, &caches.v])
 }
 
@@ -1774,7 +1821,7 @@ mod tests {
                 assert_eq!(g.layout, WeightLayout::InOut);
                 let bytes = precision.storage_bytes();
                 let mut padded = 0;
-                for (i, shape) in weight_shapes(&c, g.layout).iter().enumerate() {
+                for (i, shape) in weight_shapes(&c, &g).iter().enumerate() {
                     let stored = stored_shape(i, shape, &g);
                     if i == 0 || shape.len() != 2 {
                         assert_eq!(&stored, shape, "only product matrices are padded");
@@ -1799,7 +1846,7 @@ mod tests {
         let smollm2 = kiln_core::model::preset("smollm2-135m").unwrap().0;
         let g =
             GraphOptions::for_target(crate::compiler::Target::LlvmCpu, Some(Precision::F32), None);
-        let shapes = weight_shapes(&smollm2, g.layout);
+        let shapes = weight_shapes(&smollm2, &g);
         let padded: Vec<usize> = (0..shapes.len())
             .filter(|&i| stored_shape(i, &shapes[i], &g) != shapes[i])
             .collect();
@@ -2303,6 +2350,67 @@ mod tests {
                 execute.contains("_memoize_result_"),
                 "{kind:?} records its command buffer on every call: {execute}"
             );
+        }
+    }
+
+    /// A tensor-parallel rank's graphs (`GraphOptions::tensor_parallel`):
+    /// its own slice's shapes, one all-reduce after each layer's attention
+    /// and one after its MLP, and the logits gathered from every rank's
+    /// share of the vocabulary (the last rank's padded, the padding dropped
+    /// after the gather); the whole model's graphs have no collective. On
+    /// both targets, at f16 and at q4 (CUDA's row kernel then leaves the
+    /// residual to after the sum), the modules compile.
+    #[test]
+    fn a_ranks_graphs_sum_each_layers_partials_and_gather_the_logits() {
+        use kiln_core::tensor_parallel::ShardPlan;
+        let mut whole = config(8, 4);
+        (whole.hidden_size, whole.intermediate_size) = (64, 128);
+        (whole.num_layers, whole.vocab_size) = (3, 101);
+        let rank = ShardPlan::new(&whole, 2).unwrap().rank_config(1);
+        assert_eq!(
+            (rank.num_heads, rank.num_kv_heads, rank.intermediate_size),
+            (4, 2, 64)
+        );
+        let compiler = crate::compiler::Compiler::from_env();
+        for target in [Target::Cuda, Target::LlvmCpu] {
+            for precision in [Precision::F16, Precision::Q4] {
+                let plain = GraphOptions::for_target(target, Some(precision), None);
+                let ranked = GraphOptions {
+                    tensor_parallel: Some(2),
+                    ..plain
+                };
+                let shapes = weight_shapes(&rank, &ranked);
+                let head = shapes.last().unwrap();
+                assert!(head.contains(&51) && head.contains(&64), "{head:?}");
+                let step = decode_module(&rank, &ranked, 64);
+                let prompt = prefill_module(&rank, &ranked, 16, 64);
+                for module in [&step, &prompt] {
+                    let functions = module.matches("func.func").count();
+                    let count = |op: &str| module.matches(op).count();
+                    assert_eq!(count("\"stablehlo.all_reduce\""), functions * 2 * 3);
+                    assert_eq!(count("\"stablehlo.all_gather\""), functions);
+                    assert!(
+                        module.contains("-> tensor<1x102xf32>"),
+                        "the gather of 2 × 51 rows"
+                    );
+                }
+                for module in [
+                    decode_module(&whole, &plain, 64),
+                    prefill_module(&whole, &plain, 16, 64),
+                ] {
+                    assert!(!module.contains("stablehlo.all_"));
+                }
+                match &compiler {
+                    Ok(compiler) => {
+                        for module in [&step, &prompt] {
+                            compiler
+                                .compile(module, target, &[])
+                                .unwrap_or_else(|e| panic!("{target:?} {precision}: {e}"));
+                        }
+                    }
+                    Err(e) => println!("skipped compiling the ranks' modules: {e}"),
+                }
+            }
         }
     }
 }

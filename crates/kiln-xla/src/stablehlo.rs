@@ -89,6 +89,8 @@ pub struct Function {
     params: Vec<(Val, String)>,
     body: String,
     next: usize,
+    /// Collectives emitted so far (see [`Function::next_channel`]).
+    channels: usize,
 }
 
 impl Function {
@@ -98,6 +100,7 @@ impl Function {
             params: Vec::new(),
             body: String::new(),
             next: 0,
+            channels: 0,
         }
     }
 
@@ -557,6 +560,50 @@ impl Function {
         (result(0), result(1))
     }
 
+    /// The element-wise sum of `a` over the `ranks` ranks of a
+    /// tensor-parallel world (every rank gets the sum): each rank's partial
+    /// product meets the others' here. IREE lowers it to a collective on
+    /// the device's channel (NCCL on CUDA).
+    pub fn all_reduce_sum(&mut self, a: &Val, ranks: usize) -> Val {
+        let channel = self.next_channel();
+        let s = format!("tensor<{}>", a.ty.mlir());
+        let p = format!("%ar{channel}");
+        let rhs = format!(
+            "\"stablehlo.all_reduce\"({}) ({{\n\
+             ^bb0({p}a: {s}, {p}b: {s}):\n\
+             {p}s = stablehlo.add {p}a, {p}b : {s}\n\
+             stablehlo.return {p}s : {s}\n\
+             }}) {{{}}} : ({}) -> {}",
+            a.name,
+            collective_attributes(channel, ranks),
+            a.mlir_type(),
+            a.mlir_type()
+        );
+        self.emit(&a.shape, a.ty, rhs)
+    }
+
+    /// The ranks' `a` side by side along `dim`, rank 0's first (every rank
+    /// gets the whole).
+    pub fn all_gather(&mut self, a: &Val, dim: usize, ranks: usize) -> Val {
+        let channel = self.next_channel();
+        let mut shape = a.shape.clone();
+        shape[dim] *= ranks;
+        let rhs = format!(
+            "\"stablehlo.all_gather\"({}) {{all_gather_dim = {dim} : i64, {}}} : ({}) -> {}",
+            a.name,
+            collective_attributes(channel, ranks),
+            a.mlir_type(),
+            tensor_type(&shape, a.ty)
+        );
+        self.emit(&shape, a.ty, rhs)
+    }
+
+    /// A channel id of its own for each collective of the function.
+    fn next_channel(&mut self) -> usize {
+        self.channels += 1;
+        self.channels
+    }
+
     /// The largest of `values` along `dim` and its `indices` entry: one
     /// variadic reduction (the form JAX emits for argmax). Ties go to the
     /// lower index; NaN wins.
@@ -894,6 +941,17 @@ impl Function {
 /// Wraps functions into a module, with those of `objects` they dispatch
 /// once each as MLIR resources (the caller knows which kernels exist; this
 /// builder only writes text).
+/// The attributes of a collective over all `ranks` ranks (one group, the
+/// ranks by their global ids), on channel `channel`.
+fn collective_attributes(channel: usize, ranks: usize) -> String {
+    let ids: Vec<usize> = (0..ranks).collect();
+    format!(
+        "channel_handle = #stablehlo.channel_handle<handle = {channel}, type = 1>, \
+         replica_groups = dense<[[{}]]> : tensor<1x{ranks}xi64>, use_global_device_ids",
+        list(&ids)
+    )
+}
+
 pub fn module(functions: &[String], objects: &[&'static ExternObject]) -> String {
     let body = functions.concat();
     let used: Vec<&ExternObject> = objects
