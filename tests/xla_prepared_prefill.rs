@@ -560,6 +560,32 @@ const Q8_BOUND: f32 = 3e-3;
 /// 2.1e-4 on the CPU; docs/gpu.md).
 const F16_BOUND: f32 = 5e-3;
 
+/// A tensor-parallel rank's graphs need collectives, which IREE's CPU
+/// devices do not have: opening them there is a clear error that says
+/// where they run, not a failure inside IREE.
+#[test]
+fn tensor_parallel_graphs_on_the_cpu_are_a_clear_error() {
+    let model = Model::embedded();
+    let graph = GraphOptions {
+        tensor_parallel: Some(1),
+        ..GraphOptions::for_target(Target::LlvmCpu, None, None)
+    };
+    let error = open(
+        &model,
+        "local-task",
+        Target::LlvmCpu,
+        graph,
+        default_cache(),
+    )
+    .err()
+    .expect("tensor-parallel graphs opened on the CPU");
+    let message = error.to_string();
+    assert!(
+        message.contains("collectives") && message.contains("iree-cuda"),
+        "{message}"
+    );
+}
+
 #[test]
 fn a_prompt_longer_than_the_largest_bucket_is_a_clear_error() {
     let model = Model::embedded();
@@ -755,6 +781,66 @@ mod cuda {
                 }
                 Err(error) => panic!("{error}"),
             }
+        }
+    }
+
+    /// A tensor-parallel rank's graphs in a world of one
+    /// (`GraphOptions::tensor_parallel` 1): each layer's two all-reduces and
+    /// the logits' gather run as NCCL collectives on the device's channel,
+    /// which kiln's world (the C shim's channel provider) sets up; the
+    /// logits are the reference's within the bound of the plain graph and
+    /// the greedy tokens the same, at f16 and at q4 (where the row kernel
+    /// leaves the residual to after the sum). NCCL is loaded from
+    /// `libnccl.so` on the library path: without it the test skips and says
+    /// so, or fails with `KILN_REQUIRE_GPU=1`. The modules are compiled
+    /// wherever a compiler is (then carried in the cache).
+    #[test]
+    fn a_world_of_one_runs_its_collectives_through_nccl_and_matches_the_reference() {
+        let model = rounded_to_f16(&Model::embedded());
+        let q4 = q4_reference(&model);
+        for (precision, reference, bound) in [
+            (Precision::F16, &model, F16_BOUND),
+            (Precision::Q4, &q4, Q4_BOUND),
+        ] {
+            let graph = GraphOptions {
+                tensor_parallel: Some(1),
+                ..GraphOptions::for_target(Target::Cuda, Some(precision), None)
+            };
+            if let Ok(compiler) = Compiler::from_env() {
+                let buckets = Buckets::for_model(&model, 64);
+                let kinds = kiln_xla::prepared::module_kinds(&buckets, 1);
+                kiln_xla::prepared::prepare_kinds(
+                    &model.config,
+                    &graph,
+                    &kinds,
+                    &buckets,
+                    Target::Cuda,
+                    &compiler,
+                    &default_cache(),
+                    |_, _, _| {},
+                )
+                .unwrap();
+            }
+            let mut xla = match open(&model, "cuda", Target::Cuda, graph, default_cache()) {
+                Ok(xla) => xla,
+                Err(error) if error.to_string().contains("is not available") => {
+                    no_device(&error);
+                    return;
+                }
+                Err(error) => panic!("{error}"),
+            };
+            // The first module made loads NCCL and makes the channel.
+            match xla.prefill(&[1]) {
+                Err(error) if error.to_string().contains("NCCL") => {
+                    no_device(&error);
+                    return;
+                }
+                other => {
+                    other.unwrap();
+                }
+            }
+            let worst = agrees(reference, &mut xla, bound, 32);
+            println!("world of one, {precision}: worst |gpu - cpu| = {worst:e}");
         }
     }
 

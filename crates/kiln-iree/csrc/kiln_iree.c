@@ -4,14 +4,20 @@
 // every translation unit that includes iree/runtime/api.h must be.
 #include "kiln_iree.h"
 
+#include <errno.h>
+#include <fcntl.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
+#include <time.h>
+#include <unistd.h>
 #ifdef __GLIBC__
 #include <malloc.h>
 #endif
 
 #include "iree/base/tooling/flags.h"
+#include "iree/hal/channel_provider.h"
 #include "iree/modules/hal/types.h"
 #include "iree/runtime/api.h"
 
@@ -255,6 +261,149 @@ void kiln_iree_device_release(kiln_iree_device* device) {
   if (!device) return;
   iree_hal_device_release(device->device);
   free(device);
+}
+
+// A tensor-parallel world as IREE's devices ask for it: the rank and count
+// of the default channel, and the exchange of the root's NCCL id through a
+// file (see kiln_iree_device_join_world).
+typedef struct kiln_iree_world {
+  iree_hal_resource_t resource;
+  int32_t rank;
+  int32_t count;
+  char* rendezvous;  // NULL for a world of one
+  uint32_t timeout_ms;
+} kiln_iree_world;
+
+static const iree_hal_channel_provider_vtable_t kiln_iree_world_vtable;
+
+static void kiln_iree_world_destroy(iree_hal_channel_provider_t* provider) {
+  kiln_iree_world* world = (kiln_iree_world*)provider;
+  free(world->rendezvous);
+  free(world);
+}
+
+static iree_status_t kiln_iree_world_rank_and_count(
+    iree_hal_channel_provider_t* provider, int32_t* out_rank,
+    int32_t* out_count) {
+  kiln_iree_world* world = (kiln_iree_world*)provider;
+  *out_rank = world->rank;
+  *out_count = world->count;
+  return iree_ok_status();
+}
+
+static uint64_t kiln_iree_now_ms(void) {
+  struct timespec now;
+  clock_gettime(CLOCK_MONOTONIC, &now);
+  return (uint64_t)now.tv_sec * 1000 + (uint64_t)now.tv_nsec / 1000000;
+}
+
+// Rank 0: the id into a file of its own beside the rendezvous, renamed onto
+// it once whole, so that no rank reads half an id.
+static iree_status_t kiln_iree_world_publish(const kiln_iree_world* world,
+                                             iree_byte_span_t id) {
+  size_t length = strlen(world->rendezvous) + 32;
+  char* staging = malloc(length);
+  if (!staging) {
+    return iree_make_status(IREE_STATUS_RESOURCE_EXHAUSTED, "out of memory");
+  }
+  snprintf(staging, length, "%s.%ld", world->rendezvous, (long)getpid());
+  int fd = open(staging, O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC,
+                0600);
+  iree_status_t status = iree_ok_status();
+  if (fd < 0) {
+    status = iree_make_status(IREE_STATUS_PERMISSION_DENIED,
+                              "creating %s: %s", staging, strerror(errno));
+  } else {
+    ssize_t written = write(fd, id.data, id.data_length);
+    if (written != (ssize_t)id.data_length || close(fd) != 0) {
+      status = iree_make_status(IREE_STATUS_DATA_LOSS, "writing %s: %s",
+                                staging, strerror(errno));
+    } else if (rename(staging, world->rendezvous) != 0) {
+      status = iree_make_status(IREE_STATUS_PERMISSION_DENIED,
+                                "renaming %s to %s: %s", staging,
+                                world->rendezvous, strerror(errno));
+    }
+    if (!iree_status_is_ok(status)) unlink(staging);
+  }
+  free(staging);
+  return status;
+}
+
+// Every other rank: the root's id, once its file appears, or an error
+// naming the wait when it does not within the timeout.
+static iree_status_t kiln_iree_world_receive(const kiln_iree_world* world,
+                                             iree_byte_span_t id) {
+  uint64_t deadline = kiln_iree_now_ms() + world->timeout_ms;
+  for (;;) {
+    int fd = open(world->rendezvous, O_RDONLY | O_NOFOLLOW | O_CLOEXEC);
+    if (fd >= 0) {
+      ssize_t got = read(fd, id.data, id.data_length);
+      close(fd);
+      if (got != (ssize_t)id.data_length) {
+        return iree_make_status(IREE_STATUS_DATA_LOSS,
+                                "%s holds %ld bytes, not the %zu of an id",
+                                world->rendezvous, (long)got,
+                                (size_t)id.data_length);
+      }
+      return iree_ok_status();
+    }
+    if (errno != ENOENT) {
+      return iree_make_status(IREE_STATUS_PERMISSION_DENIED, "opening %s: %s",
+                              world->rendezvous, strerror(errno));
+    }
+    if (kiln_iree_now_ms() >= deadline) {
+      return iree_make_status(
+          IREE_STATUS_DEADLINE_EXCEEDED,
+          "rank %d waited %u ms for rank 0's id at %s: rank 0 did not start "
+          "its collectives",
+          world->rank, world->timeout_ms, world->rendezvous);
+    }
+    struct timespec pause = {0, 5 * 1000 * 1000};
+    nanosleep(&pause, NULL);
+  }
+}
+
+static iree_status_t kiln_iree_world_exchange_id(
+    iree_hal_channel_provider_t* provider, iree_byte_span_t id) {
+  kiln_iree_world* world = (kiln_iree_world*)provider;
+  if (world->count == 1) return iree_ok_status();
+  return world->rank == 0 ? kiln_iree_world_publish(world, id)
+                          : kiln_iree_world_receive(world, id);
+}
+
+static const iree_hal_channel_provider_vtable_t kiln_iree_world_vtable = {
+    .destroy = kiln_iree_world_destroy,
+    .query_default_rank_and_count = kiln_iree_world_rank_and_count,
+    .exchange_default_id = kiln_iree_world_exchange_id,
+};
+
+kiln_iree_error* kiln_iree_device_join_world(kiln_iree_device* device,
+                                             int32_t rank, int32_t count,
+                                             const char* rendezvous,
+                                             uint32_t timeout_ms) {
+  if (count < 1 || rank < 0 || rank >= count) {
+    return kiln_iree_error_new(IREE_STATUS_INVALID_ARGUMENT, "joining a world",
+                               "the rank must be 0 to count - 1");
+  }
+  if (count > 1 && (!rendezvous || !rendezvous[0])) {
+    return kiln_iree_error_new(IREE_STATUS_INVALID_ARGUMENT, "joining a world",
+                               "a world of several ranks needs a rendezvous");
+  }
+  kiln_iree_world* world = calloc(1, sizeof(*world));
+  if (!world || (count > 1 && !(world->rendezvous = strdup(rendezvous)))) {
+    free(world);
+    return kiln_iree_error_new(IREE_STATUS_RESOURCE_EXHAUSTED,
+                               "joining a world", "out of memory");
+  }
+  iree_hal_resource_initialize(&kiln_iree_world_vtable, &world->resource);
+  world->rank = rank;
+  world->count = count;
+  world->timeout_ms = timeout_ms;
+  iree_hal_channel_provider_t* provider =
+      (iree_hal_channel_provider_t*)world;
+  iree_hal_device_replace_channel_provider(device->device, provider);
+  iree_hal_channel_provider_release(provider);  // the device holds it now
+  return NULL;
 }
 
 kiln_iree_error* kiln_iree_module_load(kiln_iree_instance* instance,

@@ -72,6 +72,18 @@ kiln_iree_error* kiln_iree_device_create(kiln_iree_instance* instance,
                                          kiln_iree_device** out_device);
 void kiln_iree_device_release(kiln_iree_device* device);
 
+// Makes |device| rank |rank| of a tensor-parallel world of |count| ranks,
+// before any module that uses collectives is loaded on it: the modules'
+// default channel (NCCL on CUDA) then joins that world. The ranks meet at
+// |rendezvous|, a file path in a folder only this user can enter: rank 0
+// writes its NCCL id there (mode 0600, whole, by a rename), the other ranks
+// wait for it, up to |timeout_ms|, and read it. A world of one needs no
+// rendezvous (NULL).
+kiln_iree_error* kiln_iree_device_join_world(kiln_iree_device* device,
+                                             int32_t rank, int32_t count,
+                                             const char* rendezvous,
+                                             uint32_t timeout_ms);
+
 // A session on |device| holding one bytecode module (.vmfb). The bytes are
 // copied; the caller may free them on return.
 kiln_iree_error* kiln_iree_module_load(kiln_iree_instance* instance,

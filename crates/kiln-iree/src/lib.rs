@@ -23,7 +23,7 @@ mod tensor;
 
 pub use error::{Error, Result, StatusCode};
 pub use flags::{flags_in_effect, set_flags};
-pub use runtime::{Device, DeviceTensor, Fence, Instance, Module, PendingRead, Reader};
+pub use runtime::{Device, DeviceTensor, Fence, Instance, Module, PendingRead, Reader, World};
 pub use tensor::{ElementType, Tensor, TensorData};
 
 /// The IREE revision of the runtime this crate was linked against (from the

@@ -240,6 +240,30 @@ impl Device {
         Ok(DeviceTensor::new(raw, &self.raw))
     }
 
+    /// Makes this device rank `world.rank` of a tensor-parallel world
+    /// before any module with collectives is loaded on it: those modules'
+    /// default channel (NCCL on CUDA, which the driver loads from
+    /// `libnccl.so` when the channel is made) joins that world.
+    pub fn join_world(&self, world: &World) -> Result<()> {
+        let rendezvous = match &world.rendezvous {
+            Some(path) => Some(c_string("rendezvous path", &path.to_string_lossy())?),
+            None => None,
+        };
+        let timeout_ms = u32::try_from(world.timeout.as_millis()).unwrap_or(u32::MAX);
+        // SAFETY: the device is live; the path is NUL-terminated (or null)
+        // and copied before the call returns.
+        check(unsafe {
+            ffi::kiln_iree_device_join_world(
+                self.raw.0.as_ptr(),
+                world.rank,
+                world.count,
+                rendezvous.as_ref().map_or(std::ptr::null(), |p| p.as_ptr()),
+                timeout_ms,
+            )
+        })
+        .map_err(iree_error)
+    }
+
     /// Loads a `.vmfb` file.
     pub fn load_module_file(&self, path: &Path) -> Result<Module> {
         let bytes = std::fs::read(path).map_err(|error| Error::ReadModule {
@@ -247,6 +271,31 @@ impl Device {
             error,
         })?;
         self.load_module(&bytes)
+    }
+}
+
+/// A device's place in a tensor-parallel world (see [`Device::join_world`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct World {
+    pub rank: i32,
+    pub count: i32,
+    /// Where rank 0 leaves its NCCL id for the others: a path in a folder
+    /// only this user can enter. `None` for a world of one.
+    pub rendezvous: Option<std::path::PathBuf>,
+    /// How long a rank waits for rank 0's id.
+    pub timeout: std::time::Duration,
+}
+
+impl World {
+    /// A world of one rank: its collectives still go through the device's
+    /// channel.
+    pub fn alone() -> World {
+        World {
+            rank: 0,
+            count: 1,
+            rendezvous: None,
+            timeout: std::time::Duration::ZERO,
+        }
     }
 }
 

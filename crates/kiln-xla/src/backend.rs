@@ -10,7 +10,9 @@ use std::collections::BTreeMap;
 use half::{bf16, f16};
 use kiln_core::weights::{Matrix, Weights};
 use kiln_core::{Backend, Model};
-use kiln_iree::{Device, DeviceTensor, Fence, Instance, Module, PendingRead, Reader, Tensor};
+use kiln_iree::{
+    Device, DeviceTensor, Fence, Instance, Module, PendingRead, Reader, Tensor, World,
+};
 
 use crate::compiler::{Compiler, Target};
 use crate::graph::{GraphOptions, Precision, WeightLayout};
@@ -62,8 +64,25 @@ fn weight_arguments<'w>(w: &'w Weights, graph: &GraphOptions) -> Vec<Cow<'w, [f3
         ]);
     }
     args.push(Cow::Borrowed(w.final_norm.as_slice()));
-    args.push(after_norm(Cow::Borrowed(w.output()), &w.final_norm));
+    args.push(after_norm(output_rows(w, graph), &w.final_norm));
     args
+}
+
+/// The output projection with the rows the graph holds: a tensor-parallel
+/// rank's share of the vocabulary, the last rank's padded with zero rows
+/// to the others' count (their logits are dropped after the gather).
+fn output_rows<'w>(w: &'w Weights, graph: &GraphOptions) -> Cow<'w, Matrix> {
+    let (output, rows) = (w.output(), graph.output_rows(w.embed.rows));
+    if output.rows >= rows {
+        return Cow::Borrowed(output);
+    }
+    let mut data = output.data.clone();
+    data.resize(rows * output.cols, 0.0);
+    Cow::Owned(Matrix {
+        rows,
+        cols: output.cols,
+        data,
+    })
 }
 
 /// `[out, in]` `m` with input column i multiplied by `scale[i]`: `m ·
@@ -270,6 +289,26 @@ impl<'m> IreeBackend<'m> {
         let device = Instance::new()
             .and_then(|i| i.device(device_uri))
             .map_err(to_core)?;
+        match graph.tensor_parallel {
+            None => {}
+            Some(_) if target != Target::Cuda => {
+                return Err(kiln_core::Error::Invalid(
+                    "tensor-parallel graphs sum over their ranks with collectives, which IREE's \
+                     CPU devices do not have: run them on iree-cuda (NCCL), or check the split \
+                     on the CPU with the reference (CpuBackend::tensor_parallel)"
+                        .into(),
+                ));
+            }
+            // A world of one: the graph's collectives through the device's
+            // channel (NCCL on CUDA) with nobody else.
+            Some(1) => device.join_world(&World::alone()).map_err(to_core)?,
+            Some(ranks) => {
+                return Err(kiln_core::Error::Invalid(format!(
+                    "a rank of a {ranks}-rank world needs the other ranks' processes, which \
+                     kiln does not start yet: tensor-parallel graphs run in a world of one"
+                )));
+            }
+        }
         let upload = |shape: &[i64], data: Vec<f32>| {
             Tensor::f32(shape, data)
                 .and_then(|t| device.upload(&t))
