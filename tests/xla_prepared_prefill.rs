@@ -798,20 +798,21 @@ mod cuda {
     fn a_world_of_one_runs_its_collectives_through_nccl_and_matches_the_reference() {
         let model = rounded_to_f16(&Model::embedded());
         let q4 = q4_reference(&model);
-        for (precision, reference, bound) in [
+        let cases = [
             (Precision::F16, &model, F16_BOUND),
             (Precision::Q4, &q4, Q4_BOUND),
-        ] {
-            let graph = GraphOptions {
-                tensor_parallel: Some(1),
-                ..GraphOptions::for_target(Target::Cuda, Some(precision), None)
-            };
-            if let Ok(compiler) = Compiler::from_env() {
-                let buckets = Buckets::for_model(&model, 64);
-                let kinds = kiln_xla::prepared::module_kinds(&buckets, 1);
+        ];
+        let graph = |precision| GraphOptions {
+            tensor_parallel: Some(1),
+            ..GraphOptions::for_target(Target::Cuda, Some(precision), None)
+        };
+        if let Ok(compiler) = Compiler::from_env() {
+            let buckets = Buckets::for_model(&model, 64);
+            let kinds = kiln_xla::prepared::module_kinds(&buckets, 1);
+            for (precision, _, _) in cases {
                 kiln_xla::prepared::prepare_kinds(
                     &model.config,
-                    &graph,
+                    &graph(precision),
                     &kinds,
                     &buckets,
                     Target::Cuda,
@@ -821,6 +822,9 @@ mod cuda {
                 )
                 .unwrap();
             }
+        }
+        for (precision, reference, bound) in cases {
+            let graph = graph(precision);
             let mut xla = match open(&model, "cuda", Target::Cuda, graph, default_cache()) {
                 Ok(xla) => xla,
                 Err(error) if error.to_string().contains("is not available") => {
