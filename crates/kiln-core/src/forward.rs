@@ -78,15 +78,7 @@ pub struct Stacked<'a>(pub Vec<&'a dyn Linear>);
 
 impl Linear for Stacked<'_> {
     fn apply(&self, x: &[f32], rows: usize) -> Vec<f32> {
-        let parts: Vec<Vec<f32>> = self.0.iter().map(|m| m.apply(x, rows)).collect();
-        let mut out = Vec::with_capacity(parts.iter().map(Vec::len).sum());
-        for r in 0..rows {
-            for part in &parts {
-                let width = part.len() / rows;
-                out.extend_from_slice(&part[r * width..][..width]);
-            }
-        }
-        out
+        gather_rows(self.0.iter().map(|m| m.apply(x, rows)).collect(), rows)
     }
 }
 
@@ -479,7 +471,8 @@ impl Partials {
     }
 }
 
-/// Each row's columns from every part in turn: `parts[k]` is `[rows, w_k]`.
+/// Each row's columns from every part in turn: `parts[k]` is `[rows, w_k]`
+/// (a stacked product's outputs; the ranks' logits).
 fn gather_rows(mut parts: Vec<Vec<f32>>, rows: usize) -> Vec<f32> {
     if parts.len() == 1 {
         return parts.pop().unwrap_or_default();
