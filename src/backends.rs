@@ -220,6 +220,15 @@ pub struct BackendOptions {
     /// Sampling decodes one step per call whatever this is.
     #[arg(long, default_value_t = 1, value_name = "N")]
     pub steps_per_call: usize,
+    /// Split the model over N GPUs (iree-cuda: GPUs 0 to N-1, tensor
+    /// parallelism): each holds its share of every layer's heads and MLP
+    /// columns, and the shares' partial products are summed through NCCL
+    /// (loaded from `libnccl.so` on the library path). With `cpu`, the
+    /// reference split in N ranks run one after another, to check a split.
+    /// N must divide the model's heads and MLP width (an error lists the N
+    /// that do). docs/tensor-parallel.md.
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u16).range(1..=64))]
+    pub tensor_parallel: Option<u16>,
 }
 
 pub fn open<'m>(
@@ -229,6 +238,9 @@ pub fn open<'m>(
 ) -> Result<Box<dyn Backend + 'm>> {
     let kind = choose(Some(kind), model, options)?;
     check_threads(kind, options)?;
+    if let Some(ranks) = options.tensor_parallel {
+        return tensor_parallel(model, kind, options, usize::from(ranks));
+    }
     match kind {
         BackendKind::Auto => unreachable!("choose resolves auto"),
         BackendKind::Cpu => Ok(Box::new(CpuBackend::new(model))),
@@ -248,6 +260,127 @@ pub fn open<'m>(
             )?))
         }
         BackendKind::IreeCpu | BackendKind::IreeCuda => iree(model, kind, options),
+    }
+}
+
+/// `--tensor-parallel N`: the model split in N ranks, on GPUs 0 to N-1
+/// (iree-cuda), or the reference split on the CPU (cpu).
+#[cfg_attr(not(feature = "xla-iree"), allow(unused_variables))]
+fn tensor_parallel<'m>(
+    model: &'m Model,
+    kind: BackendKind,
+    options: &BackendOptions,
+    ranks: usize,
+) -> Result<Box<dyn Backend + 'm>> {
+    let plan = kiln_core::tensor_parallel::ShardPlan::new(&model.config, ranks)
+        .map_err(anyhow::Error::msg)?;
+    match kind {
+        BackendKind::Cpu => Ok(Box::new(CpuBackend::tensor_parallel(model, &plan))),
+        #[cfg(feature = "xla-iree")]
+        BackendKind::IreeCuda => Ok(Box::new(iree_ranks(model, &plan, options)?)),
+        other => bail!(
+            "--tensor-parallel splits a model over GPUs (iree-cuda), or checks the split on the \
+             reference (cpu); {} does not split",
+            other.name()
+        ),
+    }
+}
+
+/// How long the ranks may take to open (compiling the modules the cache
+/// lacks, loading every one, uploading the weights), and to answer a call.
+#[cfg(feature = "xla-iree")]
+const RANKS_OPEN_WITHIN: std::time::Duration = std::time::Duration::from_secs(3600);
+#[cfg(feature = "xla-iree")]
+const RANKS_ANSWER_WITHIN: std::time::Duration = std::time::Duration::from_secs(300);
+
+/// The ranks of `plan` on GPUs 0 to N-1, one thread each.
+#[cfg(feature = "xla-iree")]
+fn iree_ranks(
+    model: &Model,
+    plan: &kiln_core::tensor_parallel::ShardPlan,
+    options: &BackendOptions,
+) -> Result<kiln_core::ranks::Ranks> {
+    let target = kiln_xla::Target::Cuda;
+    let (_, flags) = iree_device(target, options.threads, &options.iree_flag);
+    let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
+    kiln_iree::set_flags(&flags)?;
+    say_stored_precision(options, model.weights.stored);
+    let mut graph = graph(target, options, Some(model.weights.stored))?;
+    graph.tensor_parallel = Some(plan.ranks());
+    // The folder the ranks meet in: created 0700, so that no other user
+    // can read rank 0's NCCL id (and join the world) or plant one.
+    let rendezvous = tempfile::Builder::new()
+        .prefix("kiln-ranks-")
+        .tempdir()
+        .map_err(|e| anyhow::anyhow!("a folder for the ranks to meet in: {e}"))?;
+    let opener = IreeRanks {
+        models: std::sync::Mutex::new((0..plan.ranks()).map(|r| Some(plan.rank_model(model, r))).collect()),
+        graph,
+        buckets: buckets(model, options)?,
+        rendezvous,
+        steps_per_call: options.steps_per_call,
+        pipelined: !options.no_pipeline,
+    };
+    Ok(kiln_core::ranks::Ranks::start(
+        plan.ranks(),
+        opener,
+        RANKS_OPEN_WITHIN,
+        RANKS_ANSWER_WITHIN,
+    )?)
+}
+
+/// Opens each rank's IREE backend on its own GPU, in its world.
+#[cfg(feature = "xla-iree")]
+struct IreeRanks {
+    /// Each rank's model, taken by its thread.
+    models: std::sync::Mutex<Vec<Option<Model>>>,
+    graph: kiln_xla::GraphOptions,
+    buckets: kiln_xla::Buckets,
+    rendezvous: tempfile::TempDir,
+    steps_per_call: usize,
+    pipelined: bool,
+}
+
+#[cfg(feature = "xla-iree")]
+impl kiln_core::ranks::RankOpener for IreeRanks {
+    fn with_rank(
+        &self,
+        rank: usize,
+        serve: &mut dyn FnMut(&mut dyn Backend),
+    ) -> kiln_core::Result<()> {
+        let to_core = |e: anyhow::Error| kiln_core::Error::Backend(format!("{e:#}"));
+        let model = self
+            .models
+            .lock()
+            .map_err(|_| kiln_core::Error::Backend("another rank panicked".into()))?
+            .get_mut(rank)
+            .and_then(Option::take)
+            .ok_or_else(|| kiln_core::Error::Backend(format!("rank {rank}'s model was taken")))?;
+        let ranks = self.graph.tensor_parallel.unwrap_or(1);
+        let mut backend = kiln_xla::IreeBackend::new(
+            &model,
+            &format!("cuda://{rank}"),
+            kiln_xla::Target::Cuda,
+            self.graph,
+            compiler().map_err(to_core)?,
+            kiln_xla::ModuleCache::default_location().map_err(|e| to_core(e.into()))?,
+            self.buckets.clone(),
+        )?;
+        backend.join_world(&kiln_iree::World {
+            rank: rank as i32,
+            count: ranks as i32,
+            rendezvous: Some(self.rendezvous.path().join("nccl-id")),
+            timeout: RANKS_OPEN_WITHIN,
+        })?;
+        backend.set_pipelined(self.pipelined);
+        backend.set_steps_per_call(self.steps_per_call)?;
+        // Every module now: a call must not wait on a compile in one rank
+        // while the others wait in a collective.
+        for kind in backend.module_kinds() {
+            backend.load(kind)?;
+        }
+        serve(&mut backend);
+        Ok(())
     }
 }
 
@@ -324,7 +457,9 @@ pub fn open_loaded<'m>(
     draft_tokens: Option<usize>,
 ) -> Result<Box<dyn Backend + 'm>> {
     #[cfg(feature = "xla-iree")]
-    if matches!(kind, BackendKind::IreeCpu | BackendKind::IreeCuda) {
+    if matches!(kind, BackendKind::IreeCpu | BackendKind::IreeCuda)
+        && options.tensor_parallel.is_none()
+    {
         let mut backend = open_iree(model, kind, options)?;
         let mut kinds = backend.module_kinds();
         if let Some(k) = draft_tokens {

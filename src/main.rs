@@ -310,8 +310,18 @@ fn prepare(args: &ModelArgs, batch_slots: usize, draft_tokens: Option<usize>) ->
     let model = load(args.model.as_ref())?;
     let target = backends::target(kind)?;
     let buckets = backends::buckets(&model, &args.options)?;
-    let graph = backends::graph(target, &args.options, Some(model.weights.stored))?;
+    let mut graph = backends::graph(target, &args.options, Some(model.weights.stored))?;
     backends::say_stored_precision(&args.options, model.weights.stored);
+    // A rank's modules (every rank's slice has the same shapes).
+    let config = match args.options.tensor_parallel {
+        Some(ranks) => {
+            let plan = kiln_core::tensor_parallel::ShardPlan::new(&model.config, ranks.into())
+                .map_err(anyhow::Error::msg)?;
+            graph.tensor_parallel = Some(plan.ranks());
+            plan.rank_config(0)
+        }
+        None => model.config.clone(),
+    };
     let compiler = kiln_xla::Compiler::from_env()?;
     let cache = kiln_xla::ModuleCache::default_location()?;
     let started = Instant::now();
@@ -331,7 +341,7 @@ fn prepare(args: &ModelArgs, batch_slots: usize, draft_tokens: Option<usize>) ->
     );
     bar.enable_steady_tick(std::time::Duration::from_millis(200));
     kiln_xla::prepared::prepare_kinds(
-        &model.config,
+        &config,
         &graph,
         &kinds,
         &buckets,

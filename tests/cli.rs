@@ -52,6 +52,49 @@ fn generate_streams_text_from_the_embedded_model() {
     );
 }
 
+/// `--tensor-parallel N` with the reference (`cpu`): the model split in N
+/// ranks prints the unsplit run's text (the embedded model's 4:2 heads and
+/// MLP 160 split in 2 and 4); a count that does not split the model names
+/// the counts that do; a backend that does not split says which do; the
+/// server refuses it, naming where it runs.
+#[test]
+fn the_reference_split_in_ranks_prints_the_same_text_and_bad_splits_are_named() {
+    let run = |extra: &[&str]| {
+        let mut args = vec!["generate", "--max-tokens", "16"];
+        args.extend_from_slice(extra);
+        args.push("Hello");
+        kiln(&args)
+    };
+    let plain = run(&["--backend", "cpu"]);
+    assert!(plain.status.success(), "{}", stderr(&plain));
+    for ranks in ["2", "4"] {
+        let split = run(&["--backend", "cpu", "--tensor-parallel", ranks]);
+        assert!(split.status.success(), "{}", stderr(&split));
+        assert_eq!(stdout(&split), stdout(&plain), "{ranks} ranks");
+    }
+    let odd = run(&["--backend", "cpu", "--tensor-parallel", "3"]);
+    assert!(!odd.status.success());
+    assert!(
+        stderr(&odd).contains("--tensor-parallel 3 does not split")
+            && stderr(&odd).contains("choose one of 1, 2, 4"),
+        "{}",
+        stderr(&odd)
+    );
+    let q4 = run(&["--backend", "cpu-q4", "--tensor-parallel", "2"]);
+    assert!(!q4.status.success());
+    assert!(stderr(&q4).contains("cpu-q4 does not split"), "{}", stderr(&q4));
+    let server = Command::new(env!("CARGO_BIN_EXE_kiln-server"))
+        .args(["--backend", "cpu", "--tensor-parallel", "2", "--port", "0"])
+        .output()
+        .unwrap();
+    assert!(!server.status.success());
+    assert!(
+        stderr(&server).contains("kiln-server does not split a model over GPUs yet"),
+        "{}",
+        stderr(&server)
+    );
+}
+
 /// `--speculate` prints what plain greedy decoding prints and its
 /// acceptance statistics on stderr.
 #[test]

@@ -89,6 +89,11 @@ struct Args {
     /// see `--steps-per-call`).
     #[arg(long, default_values_t = [1])]
     steps_per_call: Vec<usize>,
+    /// Split each model in N ranks on GPUs 0 to N-1 (iree-cuda; see `kiln
+    /// generate --tensor-parallel`). 1 runs a rank's graphs, collectives
+    /// and all, on one GPU: what they cost against the plain graphs.
+    #[arg(long, value_name = "N")]
+    tensor_parallel: Option<u16>,
     /// Only compile the IREE modules the run would need into the module cache
     /// (needs the compiler, not the device), then stop.
     #[arg(long)]
@@ -185,6 +190,7 @@ impl Args {
             iree_flag: Vec::new(),
             no_pipeline: false,
             steps_per_call: 1,
+            tensor_parallel: self.tensor_parallel,
         }
     }
 }
@@ -260,7 +266,17 @@ fn prepare(args: &Args) -> Result<()> {
             let target = backends::target(kind)?;
             let buckets = Buckets::for_context(context);
             for options in args.variants(kind) {
-                let graph = backends::graph(target, &options, stored)?;
+                let mut graph = backends::graph(target, &options, stored)?;
+                // A rank's modules: every rank's slice has the same shapes.
+                let config = match args.tensor_parallel {
+                    Some(ranks) => {
+                        let plan = kiln_core::tensor_parallel::ShardPlan::new(&config, ranks.into())
+                            .map_err(anyhow::Error::msg)?;
+                        graph.tensor_parallel = Some(plan.ranks());
+                        plan.rank_config(0)
+                    }
+                    None => config.clone(),
+                };
                 kiln_xla::check_steps_per_call(options.steps_per_call)?;
                 let kinds = prepared::module_kinds(&buckets, options.steps_per_call);
                 if let Some(dir) = &args.export {

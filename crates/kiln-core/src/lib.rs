@@ -14,6 +14,7 @@ pub mod generate;
 pub mod gguf;
 pub mod model;
 pub mod pinned;
+pub mod ranks;
 pub mod sampling;
 pub mod save;
 pub mod speculative;

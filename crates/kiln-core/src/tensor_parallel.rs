@@ -18,6 +18,7 @@
 use std::ops::Range;
 
 use crate::config::ModelConfig;
+use crate::model::Model;
 use crate::weights::{LayerWeights, Matrix, Weights};
 
 /// How a model's layers are shared out over `ranks` ranks.
@@ -102,6 +103,19 @@ impl ShardPlan {
         c
     }
 
+    /// Rank `r`'s model: its slice's config and weights under the model's
+    /// name, tokenizer and chat format (a rank's backend needs only the
+    /// first two; the others keep it a whole [`Model`]).
+    pub fn rank_model(&self, model: &Model, r: usize) -> Model {
+        Model {
+            name: format!("{} (rank {r} of {})", model.name, self.ranks),
+            config: self.rank_config(r),
+            weights: self.rank_weights(&model.weights, r),
+            tokenizer: model.tokenizer.clone(),
+            chat: model.chat.clone(),
+        }
+    }
+
     /// Rank `r`'s slice of `weights`.
     pub fn rank_weights(&self, weights: &Weights, r: usize) -> Weights {
         let d = self.config.head_dim;
@@ -182,7 +196,7 @@ fn columns(m: &Matrix, range: Range<usize>) -> Matrix {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::model::{Model, preset};
+    use crate::model::preset;
     use crate::sampling::argmax;
     use crate::{Backend, CpuBackend};
 

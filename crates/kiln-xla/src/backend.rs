@@ -268,6 +268,8 @@ pub struct IreeBackend<'m> {
     /// Greedy steps per call of the device (1: `decode_step` alone).
     steps_per_call: usize,
     chosen_ahead: Option<ChosenAhead>,
+    /// The device has joined its tensor-parallel world (or needs none).
+    in_world: bool,
 }
 
 impl<'m> IreeBackend<'m> {
@@ -289,6 +291,7 @@ impl<'m> IreeBackend<'m> {
         let device = Instance::new()
             .and_then(|i| i.device(device_uri))
             .map_err(to_core)?;
+        let mut in_world = false;
         match graph.tensor_parallel {
             None => {}
             Some(_) if target != Target::Cuda => {
@@ -301,13 +304,12 @@ impl<'m> IreeBackend<'m> {
             }
             // A world of one: the graph's collectives through the device's
             // channel (NCCL on CUDA) with nobody else.
-            Some(1) => device.join_world(&World::alone()).map_err(to_core)?,
-            Some(ranks) => {
-                return Err(kiln_core::Error::Invalid(format!(
-                    "a rank of a {ranks}-rank world needs the other ranks' processes, which \
-                     kiln does not start yet: tensor-parallel graphs run in a world of one"
-                )));
+            Some(1) => {
+                device.join_world(&World::alone()).map_err(to_core)?;
+                in_world = true;
             }
+            // The caller joins the world (`join_world`) before the first call.
+            Some(_) => {}
         }
         let upload = |shape: &[i64], data: Vec<f32>| {
             Tensor::f32(shape, data)
@@ -352,7 +354,28 @@ impl<'m> IreeBackend<'m> {
             pipelined: true,
             steps_per_call: 1,
             chosen_ahead: None,
+            in_world,
         })
+    }
+
+    /// Makes this backend's device rank `world.rank` of the world its
+    /// tensor-parallel graphs sum over; before the first module is loaded.
+    pub fn join_world(&mut self, world: &World) -> kiln_core::Result<()> {
+        let ranks = self.graph.tensor_parallel;
+        if ranks != Some(world.count as usize) {
+            return Err(kiln_core::Error::Invalid(format!(
+                "a world of {} ranks, but the graphs are for {ranks:?}",
+                world.count
+            )));
+        }
+        if !self.modules.is_empty() {
+            return Err(kiln_core::Error::Invalid(
+                "join the world before the first module is loaded".into(),
+            ));
+        }
+        self.device.join_world(world).map_err(to_core)?;
+        self.in_world = true;
+        Ok(())
     }
 
     pub fn buckets(&self) -> &Buckets {
@@ -414,6 +437,12 @@ impl<'m> IreeBackend<'m> {
     pub fn load(&mut self, kind: ModuleKind) -> kiln_core::Result<Origin> {
         if self.modules.contains_key(&kind) {
             return Ok(Origin::Cached);
+        }
+        if self.graph.tensor_parallel.is_some() && !self.in_world {
+            return Err(kiln_core::Error::Invalid(
+                "a rank's modules run in its tensor-parallel world: join it first (join_world)"
+                    .into(),
+            ));
         }
         let (vmfb, origin) = prepared::obtain(
             &self.model.config,

@@ -63,6 +63,12 @@ impl Loaded {
         slots: usize,
     ) -> Result<Decoder<'_>> {
         use crate::backends::open_loaded;
+        if args.options.tensor_parallel.is_some() {
+            anyhow::bail!(
+                "kiln-server does not split a model over GPUs yet: --tensor-parallel is for \
+                 kiln generate, chat and prefill (docs/tensor-parallel.md)"
+            );
+        }
         let model = &self.model;
         let backend_kind = args.choose(model)?;
         if let Some(kind) = speculation.speculate {

@@ -1,0 +1,436 @@
+//! Tensor-parallel ranks kept in step: one thread per rank, each owning its
+//! backend (a device and the rank's slice of the model, see
+//! [`crate::tensor_parallel`]), behind one [`Backend`] that hands every
+//! call to all of them and returns rank 0's answer.
+//!
+//! The ranks' graphs meet in collectives, so every rank must make the same
+//! calls in the same order: that is all this module does. A rank that fails
+//! ends the whole: its error is returned naming it, and every later call is
+//! refused. A rank that does not answer within the timeout (stuck in a
+//! collective whose partner died, say) is named the same way; its thread
+//! cannot be stopped from outside and is left behind, so the caller should
+//! end the process rather than start another world beside it.
+//!
+//! One process driving N devices rather than N processes: IREE's CUDA HAL
+//! makes a channel per device and NCCL takes one rank per thread of a
+//! process, so N threads need no launcher, no second copy of the weights in
+//! memory and no messages between processes, and die with the process.
+
+use std::sync::mpsc::{Receiver, RecvTimeoutError, Sender, channel};
+use std::time::{Duration, Instant};
+
+use crate::backend::Backend;
+use crate::error::{Error, Result};
+
+/// Opens rank `rank`'s backend on the rank's own thread and hands it to
+/// `serve`, which returns when the ranks are done; an error if the backend
+/// cannot be opened. The backend and what it borrows live on that thread.
+pub trait RankOpener: Send + Sync + 'static {
+    fn with_rank(&self, rank: usize, serve: &mut dyn FnMut(&mut dyn Backend)) -> Result<()>;
+}
+
+/// A call every rank makes.
+#[derive(Clone, Debug)]
+enum Call {
+    Prefill(Vec<u32>),
+    PrefillEmbeddings(Vec<f32>),
+    Decode(u32),
+    DecodeGreedy(u32),
+    Append(Vec<u32>),
+    AppendGreedy(Vec<u32>),
+    Rewind(usize),
+    /// Asked of rank 0 alone: no collective runs.
+    SequenceLen,
+}
+
+#[derive(Debug)]
+enum Reply {
+    Opened { name: String, max_context: usize },
+    Logits(Vec<f32>),
+    Tokens(Vec<u32>),
+    Len(usize),
+    Done,
+}
+
+/// The ranks of one tensor-parallel world, as one backend.
+pub struct Ranks {
+    calls: Vec<Sender<Call>>,
+    replies: Receiver<(usize, Result<Reply>)>,
+    timeout: Duration,
+    name: String,
+    max_context: usize,
+    /// Set by the first failure: the ranks are then out of step.
+    failed: Option<String>,
+}
+
+impl Ranks {
+    /// Starts `count` rank threads, each opening its backend with `opener`,
+    /// and waits (at most `open_within`) until every one is open; every
+    /// call after is answered within `answer_within` or fails.
+    pub fn start(
+        count: usize,
+        opener: impl RankOpener,
+        open_within: Duration,
+        answer_within: Duration,
+    ) -> Result<Ranks> {
+        let opener = std::sync::Arc::new(opener);
+        let (reply_to, replies) = channel();
+        let mut calls = Vec::with_capacity(count);
+        for rank in 0..count {
+            let (call_to, incoming) = channel();
+            calls.push(call_to);
+            let (opener, reply_to) = (opener.clone(), reply_to.clone());
+            std::thread::Builder::new()
+                .name(format!("kiln-rank-{rank}"))
+                .spawn(move || serve_rank(rank, opener.as_ref(), incoming, reply_to))
+                .map_err(|e| Error::Backend(format!("starting rank {rank}'s thread: {e}")))?;
+        }
+        let mut ranks = Ranks {
+            calls,
+            replies,
+            timeout: open_within,
+            name: String::new(),
+            max_context: 0,
+            failed: None,
+        };
+        let opened = ranks.collect(count, "opening its backend")?;
+        ranks.timeout = answer_within;
+        let Some(Reply::Opened { name, max_context }) = opened.into_iter().next() else {
+            unreachable!("every rank answers its opening with Opened");
+        };
+        ranks.name = format!("{name} ×{count}");
+        ranks.max_context = max_context;
+        Ok(ranks)
+    }
+
+    /// `call` to every rank; rank 0's reply.
+    fn all(&mut self, call: Call) -> Result<Reply> {
+        if let Some(failure) = &self.failed {
+            return Err(Error::Backend(format!(
+                "the tensor-parallel ranks stopped at an earlier failure ({failure})"
+            )));
+        }
+        let what = format!("{call:?}");
+        let what = what.split(['(', ' ']).next().unwrap_or("a call").to_string();
+        for (rank, to) in self.calls.iter().enumerate() {
+            if to.send(call.clone()).is_err() {
+                return Err(self.fail(format!("rank {rank} has stopped")));
+            }
+        }
+        Ok(self.collect(self.calls.len(), &what)?.swap_remove(0))
+    }
+
+    /// The replies of ranks `0..count` to one call, in rank order; the first
+    /// error (naming its rank), or the ranks that did not answer in time.
+    fn collect(&mut self, count: usize, what: &str) -> Result<Vec<Reply>> {
+        let deadline = Instant::now() + self.timeout;
+        let mut replies: Vec<Option<Reply>> = (0..count).map(|_| None).collect();
+        while replies.iter().any(Option::is_none) {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match self.replies.recv_timeout(left) {
+                Ok((rank, Ok(reply))) => replies[rank] = Some(reply),
+                Ok((rank, Err(e))) => return Err(self.fail(format!("rank {rank}, {what}: {e}"))),
+                Err(RecvTimeoutError::Timeout) | Err(RecvTimeoutError::Disconnected) => {
+                    let silent: Vec<String> = (0..count)
+                        .filter(|&r| replies[r].is_none())
+                        .map(|r| r.to_string())
+                        .collect();
+                    return Err(self.fail(format!(
+                        "rank {} did not answer {what} within {:.0?} (a rank that died leaves \
+                         the others waiting in a collective)",
+                        silent.join(", "),
+                        self.timeout
+                    )));
+                }
+            }
+        }
+        Ok(replies.into_iter().flatten().collect())
+    }
+
+    fn fail(&mut self, failure: String) -> Error {
+        self.failed = Some(failure.clone());
+        Error::Backend(failure)
+    }
+
+    fn logits(&mut self, call: Call) -> Result<Vec<f32>> {
+        match self.all(call)? {
+            Reply::Logits(logits) => Ok(logits),
+            other => unreachable!("a logits call answered {other:?}"),
+        }
+    }
+
+    fn tokens(&mut self, call: Call) -> Result<Vec<u32>> {
+        match self.all(call)? {
+            Reply::Tokens(tokens) => Ok(tokens),
+            other => unreachable!("a tokens call answered {other:?}"),
+        }
+    }
+}
+
+/// A rank's thread: open, say so, then answer calls until the ranks are
+/// dropped.
+fn serve_rank(
+    rank: usize,
+    opener: &dyn RankOpener,
+    incoming: Receiver<Call>,
+    reply_to: Sender<(usize, Result<Reply>)>,
+) {
+    let opened = opener.with_rank(rank, &mut |backend| {
+        let opened = Reply::Opened {
+            name: backend.name().to_string(),
+            max_context: backend.max_context(),
+        };
+        if reply_to.send((rank, Ok(opened))).is_err() {
+            return;
+        }
+        while let Ok(call) = incoming.recv() {
+            let reply = answer(backend, call);
+            if reply_to.send((rank, reply)).is_err() {
+                return;
+            }
+        }
+    });
+    if let Err(e) = opened {
+        let _ = reply_to.send((rank, Err(e)));
+    }
+}
+
+fn answer(backend: &mut dyn Backend, call: Call) -> Result<Reply> {
+    Ok(match call {
+        Call::Prefill(tokens) => Reply::Logits(backend.prefill(&tokens)?),
+        Call::PrefillEmbeddings(rows) => Reply::Logits(backend.prefill_embeddings(&rows)?),
+        Call::Decode(token) => Reply::Logits(backend.decode(token)?),
+        Call::DecodeGreedy(token) => Reply::Tokens(vec![backend.decode_greedy(token)?]),
+        Call::Append(tokens) => Reply::Logits(backend.append(&tokens)?),
+        Call::AppendGreedy(tokens) => Reply::Tokens(backend.append_greedy(&tokens)?),
+        Call::Rewind(len) => {
+            backend.rewind(len)?;
+            Reply::Done
+        }
+        Call::SequenceLen => Reply::Len(backend.sequence_len()),
+    })
+}
+
+impl Backend for Ranks {
+    fn name(&self) -> &str {
+        &self.name
+    }
+
+    fn max_context(&self) -> usize {
+        self.max_context
+    }
+
+    fn prefill(&mut self, tokens: &[u32]) -> Result<Vec<f32>> {
+        self.logits(Call::Prefill(tokens.to_vec()))
+    }
+
+    fn prefill_embeddings(&mut self, embeddings: &[f32]) -> Result<Vec<f32>> {
+        self.logits(Call::PrefillEmbeddings(embeddings.to_vec()))
+    }
+
+    /// A prefill runs to its end on every rank (they cannot stop at
+    /// different rows): `keep_going` is asked once, before it starts.
+    fn prefill_until(
+        &mut self,
+        tokens: &[u32],
+        keep_going: &mut dyn FnMut() -> bool,
+    ) -> Result<Vec<f32>> {
+        if !keep_going() {
+            return Err(Error::Interrupted);
+        }
+        self.prefill(tokens)
+    }
+
+    fn decode(&mut self, token: u32) -> Result<Vec<f32>> {
+        self.logits(Call::Decode(token))
+    }
+
+    fn decode_greedy(&mut self, token: u32) -> Result<u32> {
+        Ok(self.tokens(Call::DecodeGreedy(token))?[0])
+    }
+
+    fn sequence_len(&self) -> usize {
+        // Rank 0 alone, outside the lockstep: no collective runs.
+        let Some(to) = self.calls.first() else {
+            return 0;
+        };
+        if self.failed.is_some() || to.send(Call::SequenceLen).is_err() {
+            return 0;
+        }
+        match self.replies.recv_timeout(self.timeout) {
+            Ok((_, Ok(Reply::Len(len)))) => len,
+            _ => 0,
+        }
+    }
+
+    fn append(&mut self, tokens: &[u32]) -> Result<Vec<f32>> {
+        self.logits(Call::Append(tokens.to_vec()))
+    }
+
+    fn append_greedy(&mut self, tokens: &[u32]) -> Result<Vec<u32>> {
+        self.tokens(Call::AppendGreedy(tokens.to_vec()))
+    }
+
+    fn rewind(&mut self, len: usize) -> Result<()> {
+        self.all(Call::Rewind(len)).map(|_| ())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::Model;
+    use crate::sampling::SamplingParams;
+    use crate::{CpuBackend, generate};
+
+    /// Every rank serves the whole embedded model on the CPU reference:
+    /// the same answers as one backend alone, whatever the rank count.
+    struct Whole;
+
+    impl RankOpener for Whole {
+        fn with_rank(&self, _: usize, serve: &mut dyn FnMut(&mut dyn Backend)) -> Result<()> {
+            let model = Model::embedded();
+            serve(&mut CpuBackend::new(&model));
+            Ok(())
+        }
+    }
+
+    /// Rank `bad` fails as `how` says; the others serve the whole model.
+    struct Failing {
+        bad: usize,
+        how: How,
+    }
+
+    #[derive(Clone, Copy)]
+    enum How {
+        AtOpening,
+        /// Its decode steps return an error.
+        Erring,
+        /// Its decode steps never return.
+        Stuck,
+    }
+
+    /// The whole model, whose decode steps fail as `how` says.
+    struct Broken<'m> {
+        inner: CpuBackend<'m>,
+        how: How,
+    }
+
+    impl Backend for Broken<'_> {
+        fn name(&self) -> &str {
+            "broken"
+        }
+        fn max_context(&self) -> usize {
+            self.inner.max_context()
+        }
+        fn prefill(&mut self, tokens: &[u32]) -> Result<Vec<f32>> {
+            self.inner.prefill(tokens)
+        }
+        fn prefill_embeddings(&mut self, rows: &[f32]) -> Result<Vec<f32>> {
+            self.inner.prefill_embeddings(rows)
+        }
+        fn prefill_until(&mut self, t: &[u32], k: &mut dyn FnMut() -> bool) -> Result<Vec<f32>> {
+            self.inner.prefill_until(t, k)
+        }
+        fn decode(&mut self, token: u32) -> Result<Vec<f32>> {
+            match self.how {
+                How::Stuck => loop {
+                    std::thread::park();
+                },
+                _ => Err(Error::Backend(format!("step of {token} failed"))),
+            }
+        }
+        fn sequence_len(&self) -> usize {
+            self.inner.sequence_len()
+        }
+    }
+
+    impl RankOpener for Failing {
+        fn with_rank(&self, rank: usize, serve: &mut dyn FnMut(&mut dyn Backend)) -> Result<()> {
+            let model = Model::embedded();
+            if rank != self.bad {
+                serve(&mut CpuBackend::new(&model));
+                return Ok(());
+            }
+            if let How::AtOpening = self.how {
+                return Err(Error::Backend("no such device".into()));
+            }
+            serve(&mut Broken {
+                inner: CpuBackend::new(&model),
+                how: self.how,
+            });
+            Ok(())
+        }
+    }
+
+    const TIMEOUT: Duration = Duration::from_secs(20);
+
+    #[test]
+    fn ranks_in_step_answer_as_one_backend() {
+        let model = Model::embedded();
+        let prompt = [3, 1, 4, 1, 5];
+        let greedy = SamplingParams::default();
+        let mut alone = CpuBackend::new(&model);
+        let want = generate(&mut alone, &prompt, 12, greedy.clone(), &[], |_| Ok(())).unwrap();
+        let want_len = alone.sequence_len();
+        alone.rewind(3).unwrap();
+        let want_appended = alone.append(&[9, 2]).unwrap();
+        for count in [1, 2, 4] {
+            let mut ranks = Ranks::start(count, Whole, TIMEOUT, TIMEOUT).unwrap();
+            assert_eq!(ranks.name(), format!("cpu ×{count}"));
+            let got = generate(&mut ranks, &prompt, 12, greedy.clone(), &[], |_| Ok(())).unwrap();
+            assert_eq!(got, want, "{count} ranks");
+            assert_eq!(ranks.sequence_len(), want_len);
+            ranks.rewind(3).unwrap();
+            assert_eq!(ranks.append(&[9, 2]).unwrap(), want_appended);
+        }
+    }
+
+    #[test]
+    fn a_rank_that_cannot_open_is_named() {
+        let bad = Failing {
+            bad: 1,
+            how: How::AtOpening,
+        };
+        let error = Ranks::start(3, bad, TIMEOUT, TIMEOUT).err().unwrap().to_string();
+        assert!(error.contains("rank 1") && error.contains("no such device"), "{error}");
+    }
+
+    #[test]
+    fn a_failing_rank_is_named_and_the_ranks_stop() {
+        let mut ranks = Ranks::start(
+            3,
+            Failing {
+                bad: 2,
+                how: How::Erring,
+            },
+            TIMEOUT,
+            TIMEOUT,
+        )
+        .unwrap();
+        ranks.prefill(&[1, 2]).unwrap();
+        let error = ranks.decode(7).unwrap_err().to_string();
+        assert!(error.contains("rank 2") && error.contains("step of 7 failed"), "{error}");
+        let later = ranks.prefill(&[1]).unwrap_err().to_string();
+        assert!(later.contains("earlier failure"), "{later}");
+    }
+
+    #[test]
+    fn a_rank_that_does_not_answer_is_named_within_the_timeout() {
+        let mut ranks = Ranks::start(
+            2,
+            Failing {
+                bad: 1,
+                how: How::Stuck,
+            },
+            TIMEOUT,
+            Duration::from_millis(300),
+        )
+        .unwrap();
+        ranks.prefill(&[1, 2]).unwrap();
+        let started = Instant::now();
+        let error = ranks.decode(7).unwrap_err().to_string();
+        assert!(started.elapsed() < Duration::from_secs(5));
+        assert!(error.contains("rank 1 did not answer Decode"), "{error}");
+    }
+}
