@@ -314,7 +314,11 @@ fn iree_ranks(
         .tempdir()
         .map_err(|e| anyhow::anyhow!("a folder for the ranks to meet in: {e}"))?;
     let opener = IreeRanks {
-        models: std::sync::Mutex::new((0..plan.ranks()).map(|r| Some(plan.rank_model(model, r))).collect()),
+        models: std::sync::Mutex::new(
+            (0..plan.ranks())
+                .map(|r| Some(plan.rank_model(model, r)))
+                .collect(),
+        ),
         graph,
         buckets: buckets(model, options)?,
         rendezvous,

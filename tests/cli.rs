@@ -82,7 +82,11 @@ fn the_reference_split_in_ranks_prints_the_same_text_and_bad_splits_are_named() 
     );
     let q4 = run(&["--backend", "cpu-q4", "--tensor-parallel", "2"]);
     assert!(!q4.status.success());
-    assert!(stderr(&q4).contains("cpu-q4 does not split"), "{}", stderr(&q4));
+    assert!(
+        stderr(&q4).contains("cpu-q4 does not split"),
+        "{}",
+        stderr(&q4)
+    );
     let server = Command::new(env!("CARGO_BIN_EXE_kiln-server"))
         .args(["--backend", "cpu", "--tensor-parallel", "2", "--port", "0"])
         .output()

@@ -270,8 +270,9 @@ fn prepare(args: &Args) -> Result<()> {
                 // A rank's modules: every rank's slice has the same shapes.
                 let config = match args.tensor_parallel {
                     Some(ranks) => {
-                        let plan = kiln_core::tensor_parallel::ShardPlan::new(&config, ranks.into())
-                            .map_err(anyhow::Error::msg)?;
+                        let plan =
+                            kiln_core::tensor_parallel::ShardPlan::new(&config, ranks.into())
+                                .map_err(anyhow::Error::msg)?;
                         graph.tensor_parallel = Some(plan.ranks());
                         plan.rank_config(0)
                     }

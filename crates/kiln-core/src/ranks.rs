@@ -111,7 +111,11 @@ impl Ranks {
             )));
         }
         let what = format!("{call:?}");
-        let what = what.split(['(', ' ']).next().unwrap_or("a call").to_string();
+        let what = what
+            .split(['(', ' '])
+            .next()
+            .unwrap_or("a call")
+            .to_string();
         for (rank, to) in self.calls.iter().enumerate() {
             if to.send(call.clone()).is_err() {
                 return Err(self.fail(format!("rank {rank} has stopped")));
@@ -392,8 +396,14 @@ mod tests {
             bad: 1,
             how: How::AtOpening,
         };
-        let error = Ranks::start(3, bad, TIMEOUT, TIMEOUT).err().unwrap().to_string();
-        assert!(error.contains("rank 1") && error.contains("no such device"), "{error}");
+        let error = Ranks::start(3, bad, TIMEOUT, TIMEOUT)
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(
+            error.contains("rank 1") && error.contains("no such device"),
+            "{error}"
+        );
     }
 
     #[test]
@@ -410,7 +420,10 @@ mod tests {
         .unwrap();
         ranks.prefill(&[1, 2]).unwrap();
         let error = ranks.decode(7).unwrap_err().to_string();
-        assert!(error.contains("rank 2") && error.contains("step of 7 failed"), "{error}");
+        assert!(
+            error.contains("rank 2") && error.contains("step of 7 failed"),
+            "{error}"
+        );
         let later = ranks.prefill(&[1]).unwrap_err().to_string();
         assert!(later.contains("earlier failure"), "{later}");
     }
