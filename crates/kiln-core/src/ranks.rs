@@ -43,6 +43,22 @@ enum Call {
     SequenceLen,
 }
 
+impl Call {
+    /// What the call is, for errors.
+    fn name(&self) -> &'static str {
+        match self {
+            Call::Prefill(_) => "a prefill",
+            Call::PrefillEmbeddings(_) => "a prefill of embeddings",
+            Call::Decode(_) => "a decode step",
+            Call::DecodeGreedy(_) => "a greedy decode step",
+            Call::Append(_) => "an append",
+            Call::AppendGreedy(_) => "a greedy append",
+            Call::Rewind(_) => "a rewind",
+            Call::SequenceLen => "a length query",
+        }
+    }
+}
+
 #[derive(Debug)]
 enum Reply {
     Opened { name: String, max_context: usize },
@@ -110,18 +126,13 @@ impl Ranks {
                 "the tensor-parallel ranks stopped at an earlier failure ({failure})"
             )));
         }
-        let what = format!("{call:?}");
-        let what = what
-            .split(['(', ' '])
-            .next()
-            .unwrap_or("a call")
-            .to_string();
+        let what = call.name();
         for (rank, to) in self.calls.iter().enumerate() {
             if to.send(call.clone()).is_err() {
                 return Err(self.fail(format!("rank {rank} has stopped")));
             }
         }
-        Ok(self.collect(self.calls.len(), &what)?.swap_remove(0))
+        Ok(self.collect(self.calls.len(), what)?.swap_remove(0))
     }
 
     /// The replies of ranks `0..count` to one call, in rank order; the first
@@ -444,6 +455,9 @@ mod tests {
         let started = Instant::now();
         let error = ranks.decode(7).unwrap_err().to_string();
         assert!(started.elapsed() < Duration::from_secs(5));
-        assert!(error.contains("rank 1 did not answer Decode"), "{error}");
+        assert!(
+            error.contains("rank 1 did not answer a decode step"),
+            "{error}"
+        );
     }
 }
