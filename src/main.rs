@@ -314,6 +314,10 @@ fn prepare(args: &ModelArgs, batch_slots: usize, draft_tokens: Option<usize>) ->
     backends::say_stored_precision(&args.options, model.weights.stored);
     // A rank's modules (every rank's slice has the same shapes).
     let config = match args.options.tensor_parallel {
+        Some(_) if target != kiln_xla::Target::Cuda => anyhow::bail!(
+            "--tensor-parallel: a rank's modules sum over the ranks with collectives, which \
+             IREE's CPU devices do not have; prepare them for iree-cuda"
+        ),
         Some(ranks) => {
             let plan = kiln_core::tensor_parallel::ShardPlan::new(&model.config, ranks.into())
                 .map_err(anyhow::Error::msg)?;

@@ -269,6 +269,11 @@ fn prepare(args: &Args) -> Result<()> {
                 let mut graph = backends::graph(target, &options, stored)?;
                 // A rank's modules: every rank's slice has the same shapes.
                 let config = match args.tensor_parallel {
+                    Some(_) if target != kiln_xla::Target::Cuda => anyhow::bail!(
+                        "--tensor-parallel: a rank's modules sum over the ranks with \
+                         collectives, which IREE's CPU devices do not have; prepare them for \
+                         iree-cuda"
+                    ),
                     Some(ranks) => {
                         let plan =
                             kiln_core::tensor_parallel::ShardPlan::new(&config, ranks.into())
