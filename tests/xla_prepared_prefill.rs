@@ -595,7 +595,10 @@ fn preparing_tensor_parallel_modules_for_the_cpu_is_a_clear_error() {
         .unwrap();
     assert!(!out.status.success());
     let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(stderr.contains("collectives") && stderr.contains("iree-cuda"), "{stderr}");
+    assert!(
+        stderr.contains("collectives") && stderr.contains("iree-cuda"),
+        "{stderr}"
+    );
 }
 
 #[test]
