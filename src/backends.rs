@@ -236,10 +236,11 @@ pub fn open<'m>(
     kind: BackendKind,
     options: &BackendOptions,
 ) -> Result<Box<dyn Backend + 'm>> {
+    let auto_chose = kind == BackendKind::Auto;
     let kind = choose(Some(kind), model, options)?;
     check_threads(kind, options)?;
     if let Some(ranks) = options.tensor_parallel {
-        return tensor_parallel(model, kind, options, usize::from(ranks));
+        return tensor_parallel(model, kind, options, usize::from(ranks), auto_chose);
     }
     match kind {
         BackendKind::Auto => unreachable!("choose resolves auto"),
@@ -271,6 +272,7 @@ fn tensor_parallel<'m>(
     kind: BackendKind,
     options: &BackendOptions,
     ranks: usize,
+    auto_chose: bool,
 ) -> Result<Box<dyn Backend + 'm>> {
     let plan = kiln_core::tensor_parallel::ShardPlan::new(&model.config, ranks)
         .map_err(anyhow::Error::msg)?;
@@ -280,8 +282,13 @@ fn tensor_parallel<'m>(
         BackendKind::IreeCuda => Ok(Box::new(iree_ranks(model, &plan, options)?)),
         other => bail!(
             "--tensor-parallel splits a model over GPUs (iree-cuda), or checks the split on the \
-             reference (cpu); {} does not split",
-            other.name()
+             reference (cpu); {} does not split{}",
+            other.name(),
+            if auto_chose {
+                " (auto chose it: name --backend iree-cuda or cpu)"
+            } else {
+                ""
+            }
         ),
     }
 }
@@ -313,6 +320,25 @@ fn iree_ranks(
         .prefix("kiln-ranks-")
         .tempdir()
         .map_err(|e| anyhow::anyhow!("a folder for the ranks to meet in: {e}"))?;
+    let buckets = buckets(model, options)?;
+    // Every rank's modules are the same: compiled here once (where the
+    // cache lacks them and a compiler is), not by N ranks at once.
+    if let Some(compiler) = compiler()? {
+        let kinds = kiln_xla::prepared::module_kinds(&buckets, options.steps_per_call);
+        kiln_xla::prepared::prepare_kinds(
+            &plan.rank_config(0),
+            &graph,
+            &kinds,
+            &buckets,
+            target,
+            &compiler,
+            &kiln_xla::ModuleCache::default_location()?,
+            |_, _, _| {},
+        )?;
+    }
+    // Each rank's slice (with its own copy of the embedding), beside the
+    // whole model the caller holds: twice the weights in host memory
+    // while the ranks open.
     let opener = IreeRanks {
         models: std::sync::Mutex::new(
             (0..plan.ranks())
@@ -320,7 +346,7 @@ fn iree_ranks(
                 .collect(),
         ),
         graph,
-        buckets: buckets(model, options)?,
+        buckets,
         rendezvous,
         steps_per_call: options.steps_per_call,
         pipelined: !options.no_pipeline,

@@ -4,17 +4,19 @@
 //! call to all of them and returns rank 0's answer.
 //!
 //! The ranks' graphs meet in collectives, so every rank must make the same
-//! calls in the same order: that is all this module does. A rank that fails
-//! ends the whole: its error is returned naming it, and every later call is
-//! refused. A rank that does not answer within the timeout (stuck in a
+//! calls in the same order: that is all this module does. A call every rank
+//! refuses alike (checks made before any collective: a full context, a
+//! token outside the vocabulary) returns rank 0's error and the ranks go
+//! on. A rank that fails alone (or panics) ends the whole: its error is
+//! returned naming it, and every later call is refused. A rank that does not answer within the timeout (stuck in a
 //! collective whose partner died, say) is named the same way; its thread
 //! cannot be stopped from outside and is left behind, so the caller should
 //! end the process rather than start another world beside it.
 //!
 //! One process driving N devices rather than N processes: IREE's CUDA HAL
 //! makes a channel per device and NCCL takes one rank per thread of a
-//! process, so N threads need no launcher, no second copy of the weights in
-//! memory and no messages between processes, and die with the process.
+//! process, so N threads need no launcher and no messages between
+//! processes, and die with the process.
 
 use std::sync::mpsc::{Receiver, RecvTimeoutError, Sender, channel};
 use std::time::{Duration, Instant};
@@ -39,8 +41,6 @@ enum Call {
     Append(Vec<u32>),
     AppendGreedy(Vec<u32>),
     Rewind(usize),
-    /// Asked of rank 0 alone: no collective runs.
-    SequenceLen,
 }
 
 impl Call {
@@ -54,7 +54,6 @@ impl Call {
             Call::Append(_) => "an append",
             Call::AppendGreedy(_) => "a greedy append",
             Call::Rewind(_) => "a rewind",
-            Call::SequenceLen => "a length query",
         }
     }
 }
@@ -64,20 +63,30 @@ enum Reply {
     Opened { name: String, max_context: usize },
     Logits(Vec<f32>),
     Tokens(Vec<u32>),
-    Len(usize),
     Done,
 }
+
+/// A rank's answer to one call: the reply, or the error, and the positions
+/// its backend holds after it.
+type Answer = (usize, Result<Reply>, usize);
 
 /// The ranks of one tensor-parallel world, as one backend.
 pub struct Ranks {
     calls: Vec<Sender<Call>>,
-    replies: Receiver<(usize, Result<Reply>)>,
+    replies: Receiver<Answer>,
+    threads: Vec<std::thread::JoinHandle<()>>,
     timeout: Duration,
     name: String,
     max_context: usize,
-    /// Set by the first failure: the ranks are then out of step.
+    /// Rank 0's positions after the last call.
+    len: usize,
+    /// Set by the first failure that leaves the ranks out of step.
     failed: Option<String>,
 }
+
+/// How long dropping the ranks waits for their threads to let go of their
+/// devices.
+const THREADS_END_WITHIN: Duration = Duration::from_secs(30);
 
 impl Ranks {
     /// Starts `count` rank threads, each opening its backend with `opener`,
@@ -91,25 +100,30 @@ impl Ranks {
     ) -> Result<Ranks> {
         let opener = std::sync::Arc::new(opener);
         let (reply_to, replies) = channel();
-        let mut calls = Vec::with_capacity(count);
-        for rank in 0..count {
-            let (call_to, incoming) = channel();
-            calls.push(call_to);
-            let (opener, reply_to) = (opener.clone(), reply_to.clone());
-            std::thread::Builder::new()
-                .name(format!("kiln-rank-{rank}"))
-                .spawn(move || serve_rank(rank, opener.as_ref(), incoming, reply_to))
-                .map_err(|e| Error::Backend(format!("starting rank {rank}'s thread: {e}")))?;
-        }
         let mut ranks = Ranks {
-            calls,
+            calls: Vec::with_capacity(count),
             replies,
+            threads: Vec::with_capacity(count),
             timeout: open_within,
             name: String::new(),
             max_context: 0,
+            len: 0,
             failed: None,
         };
-        let opened = ranks.collect(count, "opening its backend")?;
+        for rank in 0..count {
+            let (call_to, incoming) = channel();
+            let (opener, reply_to) = (opener.clone(), reply_to.clone());
+            let thread = std::thread::Builder::new()
+                .name(format!("kiln-rank-{rank}"))
+                .spawn(move || serve_rank(rank, opener.as_ref(), incoming, reply_to))
+                .map_err(|e| Error::Backend(format!("starting rank {rank}'s thread: {e}")))?;
+            ranks.calls.push(call_to);
+            ranks.threads.push(thread);
+        }
+        // Only the ranks hold senders now: when every one has ended, the
+        // wait below ends too.
+        drop(reply_to);
+        let opened = ranks.collect("opening its backend")?;
         ranks.timeout = answer_within;
         let Some(Reply::Opened { name, max_context }) = opened.into_iter().next() else {
             unreachable!("every rank answers its opening with Opened");
@@ -126,28 +140,30 @@ impl Ranks {
                 "the tensor-parallel ranks stopped at an earlier failure ({failure})"
             )));
         }
-        let what = call.name();
         for (rank, to) in self.calls.iter().enumerate() {
             if to.send(call.clone()).is_err() {
                 return Err(self.fail(format!("rank {rank} has stopped")));
             }
         }
-        Ok(self.collect(self.calls.len(), what)?.swap_remove(0))
+        Ok(self.collect(call.name())?.swap_remove(0))
     }
 
-    /// The replies of ranks `0..count` to one call, in rank order; the first
-    /// error (naming its rank), or the ranks that did not answer in time.
-    fn collect(&mut self, count: usize, what: &str) -> Result<Vec<Reply>> {
+    /// Every rank's reply to one call, in rank order. Where every rank
+    /// refused it alike (a full context, a token outside the vocabulary:
+    /// checks made before any collective), rank 0's error as it is, the
+    /// ranks still in step; where only some failed, or some did not answer
+    /// in time, an error naming them, and the ranks stop.
+    fn collect(&mut self, what: &str) -> Result<Vec<Reply>> {
+        let count = self.calls.len();
         let deadline = Instant::now() + self.timeout;
-        let mut replies: Vec<Option<Reply>> = (0..count).map(|_| None).collect();
-        while replies.iter().any(Option::is_none) {
+        let mut answers: Vec<Option<(Result<Reply>, usize)>> = (0..count).map(|_| None).collect();
+        while answers.iter().any(Option::is_none) {
             let left = deadline.saturating_duration_since(Instant::now());
             match self.replies.recv_timeout(left) {
-                Ok((rank, Ok(reply))) => replies[rank] = Some(reply),
-                Ok((rank, Err(e))) => return Err(self.fail(format!("rank {rank}, {what}: {e}"))),
+                Ok((rank, reply, len)) => answers[rank] = Some((reply, len)),
                 Err(RecvTimeoutError::Timeout) | Err(RecvTimeoutError::Disconnected) => {
                     let silent: Vec<String> = (0..count)
-                        .filter(|&r| replies[r].is_none())
+                        .filter(|&r| answers[r].is_none())
                         .map(|r| r.to_string())
                         .collect();
                     return Err(self.fail(format!(
@@ -159,7 +175,24 @@ impl Ranks {
                 }
             }
         }
-        Ok(replies.into_iter().flatten().collect())
+        let answers: Vec<(Result<Reply>, usize)> = answers.into_iter().flatten().collect();
+        self.len = answers[0].1;
+        let failed: Vec<usize> = (0..count).filter(|&r| answers[r].0.is_err()).collect();
+        if failed.is_empty() {
+            return Ok(answers
+                .into_iter()
+                .map(|(r, _)| r.unwrap_or(Reply::Done))
+                .collect());
+        }
+        let mut errors = answers
+            .into_iter()
+            .enumerate()
+            .filter_map(|(r, (a, _))| a.err().map(|e| (r, e)));
+        let (first, error) = errors.next().expect("a failed rank");
+        if failed.len() == count {
+            return Err(error);
+        }
+        Err(self.fail(format!("rank {first}, {what}: {error}")))
     }
 
     fn fail(&mut self, failure: String) -> Error {
@@ -182,32 +215,66 @@ impl Ranks {
     }
 }
 
+impl Drop for Ranks {
+    /// Ends the ranks' threads and waits, within a bound, for them to let
+    /// go of their devices, so that a world opened next does not meet the
+    /// last one's memory; a thread stuck in a collective is left behind.
+    fn drop(&mut self) {
+        self.calls.clear();
+        let deadline = Instant::now() + THREADS_END_WITHIN;
+        for thread in std::mem::take(&mut self.threads) {
+            while !thread.is_finished() && Instant::now() < deadline {
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            if thread.is_finished() {
+                let _ = thread.join();
+            }
+        }
+    }
+}
+
 /// A rank's thread: open, say so, then answer calls until the ranks are
-/// dropped.
+/// dropped. A panic in the rank's backend is answered as an error naming
+/// it, not left for the others to time out on.
 fn serve_rank(
     rank: usize,
     opener: &dyn RankOpener,
     incoming: Receiver<Call>,
-    reply_to: Sender<(usize, Result<Reply>)>,
+    reply_to: Sender<Answer>,
 ) {
-    let opened = opener.with_rank(rank, &mut |backend| {
-        let opened = Reply::Opened {
-            name: backend.name().to_string(),
-            max_context: backend.max_context(),
-        };
-        if reply_to.send((rank, Ok(opened))).is_err() {
-            return;
-        }
-        while let Ok(call) = incoming.recv() {
-            let reply = answer(backend, call);
-            if reply_to.send((rank, reply)).is_err() {
+    let run = std::panic::AssertUnwindSafe(|| {
+        opener.with_rank(rank, &mut |backend| {
+            let opened = Reply::Opened {
+                name: backend.name().to_string(),
+                max_context: backend.max_context(),
+            };
+            if reply_to.send((rank, Ok(opened), 0)).is_err() {
                 return;
             }
-        }
+            while let Ok(call) = incoming.recv() {
+                let reply = answer(backend, call);
+                if reply_to
+                    .send((rank, reply, backend.sequence_len()))
+                    .is_err()
+                {
+                    return;
+                }
+            }
+        })
     });
-    if let Err(e) = opened {
-        let _ = reply_to.send((rank, Err(e)));
-    }
+    let error = match std::panic::catch_unwind(run) {
+        Ok(Ok(())) => return,
+        Ok(Err(e)) => e,
+        Err(panic) => {
+            let what = panic
+                .downcast_ref::<&str>()
+                .map(|s| s.to_string())
+                .or_else(|| panic.downcast_ref::<String>().cloned())
+                .unwrap_or_default();
+            Error::Backend(format!("rank {rank} panicked: {what}"))
+        }
+    };
+    let _ = reply_to.send((rank, Err(error), 0));
 }
 
 fn answer(backend: &mut dyn Backend, call: Call) -> Result<Reply> {
@@ -222,7 +289,6 @@ fn answer(backend: &mut dyn Backend, call: Call) -> Result<Reply> {
             backend.rewind(len)?;
             Reply::Done
         }
-        Call::SequenceLen => Reply::Len(backend.sequence_len()),
     })
 }
 
@@ -265,17 +331,7 @@ impl Backend for Ranks {
     }
 
     fn sequence_len(&self) -> usize {
-        // Rank 0 alone, outside the lockstep: no collective runs.
-        let Some(to) = self.calls.first() else {
-            return 0;
-        };
-        if self.failed.is_some() || to.send(Call::SequenceLen).is_err() {
-            return 0;
-        }
-        match self.replies.recv_timeout(self.timeout) {
-            Ok((_, Ok(Reply::Len(len)))) => len,
-            _ => 0,
-        }
+        self.len
     }
 
     fn append(&mut self, tokens: &[u32]) -> Result<Vec<f32>> {
@@ -457,6 +513,48 @@ mod tests {
         assert!(started.elapsed() < Duration::from_secs(5));
         assert!(
             error.contains("rank 1 did not answer a decode step"),
+            "{error}"
+        );
+        // Dropping would wait out the stuck thread's bound.
+        std::mem::forget(ranks);
+    }
+
+    #[test]
+    fn a_call_every_rank_refuses_alike_keeps_its_error_and_the_ranks_go_on() {
+        let mut ranks = Ranks::start(2, Whole, TIMEOUT, TIMEOUT).unwrap();
+        let error = ranks.decode(7).unwrap_err();
+        assert!(matches!(error, Error::Invalid(_)), "{error}");
+        let error = ranks.prefill(&[1, 100_000]).unwrap_err();
+        assert!(matches!(error, Error::Invalid(_)), "{error}");
+        ranks.prefill(&[1, 2]).unwrap();
+        assert_eq!(ranks.sequence_len(), 2);
+        ranks.decode(3).unwrap();
+        assert_eq!(ranks.sequence_len(), 3);
+    }
+
+    #[test]
+    fn a_rank_that_panics_is_named_at_once() {
+        struct Panicking;
+        impl RankOpener for Panicking {
+            fn with_rank(
+                &self,
+                rank: usize,
+                serve: &mut dyn FnMut(&mut dyn Backend),
+            ) -> Result<()> {
+                assert_ne!(rank, 1, "no device for rank 1");
+                let model = Model::embedded();
+                serve(&mut CpuBackend::new(&model));
+                Ok(())
+            }
+        }
+        let started = Instant::now();
+        let error = Ranks::start(2, Panicking, TIMEOUT, TIMEOUT)
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(started.elapsed() < Duration::from_secs(10));
+        assert!(
+            error.contains("rank 1 panicked") && error.contains("no device for rank 1"),
             "{error}"
         );
     }

@@ -272,6 +272,11 @@ typedef struct kiln_iree_world {
   int32_t count;
   char* rendezvous;  // NULL for a world of one
   uint32_t timeout_ms;
+  // Channels made so far: each (one per module that uses collectives) has
+  // its own NCCL id, exchanged through its own file, "<rendezvous>.<n>".
+  // Every rank loads the same modules in the same order, so the counts
+  // agree.
+  uint32_t exchanges;
 } kiln_iree_world;
 
 static const iree_hal_channel_provider_vtable_t kiln_iree_world_vtable;
@@ -297,16 +302,16 @@ static uint64_t kiln_iree_now_ms(void) {
   return (uint64_t)now.tv_sec * 1000 + (uint64_t)now.tv_nsec / 1000000;
 }
 
-// Rank 0: the id into a file of its own beside the rendezvous, renamed onto
-// it once whole, so that no rank reads half an id.
-static iree_status_t kiln_iree_world_publish(const kiln_iree_world* world,
+// Rank 0: the id into a file of its own beside |path|, renamed onto it once
+// whole, so that no rank reads half an id.
+static iree_status_t kiln_iree_world_publish(const char* path,
                                              iree_byte_span_t id) {
-  size_t length = strlen(world->rendezvous) + 32;
+  size_t length = strlen(path) + 32;
   char* staging = malloc(length);
   if (!staging) {
     return iree_make_status(IREE_STATUS_RESOURCE_EXHAUSTED, "out of memory");
   }
-  snprintf(staging, length, "%s.%ld", world->rendezvous, (long)getpid());
+  snprintf(staging, length, "%s.%ld", path, (long)getpid());
   int fd = open(staging, O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC,
                 0600);
   iree_status_t status = iree_ok_status();
@@ -315,13 +320,21 @@ static iree_status_t kiln_iree_world_publish(const kiln_iree_world* world,
                               "creating %s: %s", staging, strerror(errno));
   } else {
     ssize_t written = write(fd, id.data, id.data_length);
-    if (written != (ssize_t)id.data_length || close(fd) != 0) {
+    int write_errno = errno;
+    int closed = close(fd);
+    if (written < 0 || closed != 0) {
       status = iree_make_status(IREE_STATUS_DATA_LOSS, "writing %s: %s",
-                                staging, strerror(errno));
-    } else if (rename(staging, world->rendezvous) != 0) {
+                                staging,
+                                strerror(written < 0 ? write_errno : errno));
+    } else if (written != (ssize_t)id.data_length) {
+      status = iree_make_status(IREE_STATUS_DATA_LOSS,
+                                "writing %s: %ld of %zu bytes written",
+                                staging, (long)written,
+                                (size_t)id.data_length);
+    } else if (rename(staging, path) != 0) {
       status = iree_make_status(IREE_STATUS_PERMISSION_DENIED,
-                                "renaming %s to %s: %s", staging,
-                                world->rendezvous, strerror(errno));
+                                "renaming %s to %s: %s", staging, path,
+                                strerror(errno));
     }
     if (!iree_status_is_ok(status)) unlink(staging);
   }
@@ -329,34 +342,34 @@ static iree_status_t kiln_iree_world_publish(const kiln_iree_world* world,
   return status;
 }
 
-// Every other rank: the root's id, once its file appears, or an error
-// naming the wait when it does not within the timeout.
+// Every other rank: the root's id, once |path| appears, or an error naming
+// the wait when it does not within the timeout.
 static iree_status_t kiln_iree_world_receive(const kiln_iree_world* world,
+                                             const char* path,
                                              iree_byte_span_t id) {
   uint64_t deadline = kiln_iree_now_ms() + world->timeout_ms;
   for (;;) {
-    int fd = open(world->rendezvous, O_RDONLY | O_NOFOLLOW | O_CLOEXEC);
+    int fd = open(path, O_RDONLY | O_NOFOLLOW | O_CLOEXEC);
     if (fd >= 0) {
       ssize_t got = read(fd, id.data, id.data_length);
       close(fd);
       if (got != (ssize_t)id.data_length) {
         return iree_make_status(IREE_STATUS_DATA_LOSS,
                                 "%s holds %ld bytes, not the %zu of an id",
-                                world->rendezvous, (long)got,
-                                (size_t)id.data_length);
+                                path, (long)got, (size_t)id.data_length);
       }
       return iree_ok_status();
     }
     if (errno != ENOENT) {
       return iree_make_status(IREE_STATUS_PERMISSION_DENIED, "opening %s: %s",
-                              world->rendezvous, strerror(errno));
+                              path, strerror(errno));
     }
     if (kiln_iree_now_ms() >= deadline) {
       return iree_make_status(
           IREE_STATUS_DEADLINE_EXCEEDED,
           "rank %d waited %u ms for rank 0's id at %s: rank 0 did not start "
           "its collectives",
-          world->rank, world->timeout_ms, world->rendezvous);
+          world->rank, world->timeout_ms, path);
     }
     struct timespec pause = {0, 5 * 1000 * 1000};
     nanosleep(&pause, NULL);
@@ -367,8 +380,17 @@ static iree_status_t kiln_iree_world_exchange_id(
     iree_hal_channel_provider_t* provider, iree_byte_span_t id) {
   kiln_iree_world* world = (kiln_iree_world*)provider;
   if (world->count == 1) return iree_ok_status();
-  return world->rank == 0 ? kiln_iree_world_publish(world, id)
-                          : kiln_iree_world_receive(world, id);
+  size_t length = strlen(world->rendezvous) + 16;
+  char* path = malloc(length);
+  if (!path) {
+    return iree_make_status(IREE_STATUS_RESOURCE_EXHAUSTED, "out of memory");
+  }
+  snprintf(path, length, "%s.%u", world->rendezvous, world->exchanges++);
+  iree_status_t status = world->rank == 0
+                             ? kiln_iree_world_publish(path, id)
+                             : kiln_iree_world_receive(world, path, id);
+  free(path);
+  return status;
 }
 
 static const iree_hal_channel_provider_vtable_t kiln_iree_world_vtable = {

@@ -75,10 +75,11 @@ void kiln_iree_device_release(kiln_iree_device* device);
 // Makes |device| rank |rank| of a tensor-parallel world of |count| ranks,
 // before any module that uses collectives is loaded on it: the modules'
 // default channel (NCCL on CUDA) then joins that world. The ranks meet at
-// |rendezvous|, a file path in a folder only this user can enter: rank 0
-// writes its NCCL id there (mode 0600, whole, by a rename), the other ranks
-// wait for it, up to |timeout_ms|, and read it. A world of one needs no
-// rendezvous (NULL).
+// |rendezvous|, a file path in a folder only this user can enter: for each
+// channel (one per module with collectives) rank 0 writes that channel's
+// NCCL id to "<rendezvous>.<n>" (mode 0600, whole, by a rename), and the
+// other ranks wait for it, up to |timeout_ms|, and read it. A world of one
+// needs no rendezvous (NULL).
 kiln_iree_error* kiln_iree_device_join_world(kiln_iree_device* device,
                                              int32_t rank, int32_t count,
                                              const char* rendezvous,

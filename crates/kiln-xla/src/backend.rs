@@ -317,6 +317,14 @@ impl<'m> IreeBackend<'m> {
                 .map_err(to_core)
         };
         graph.check().map_err(kiln_core::Error::Invalid)?;
+        let rows = graph.output_rows(model.config.vocab_size);
+        if model.weights.output().rows > rows {
+            return Err(kiln_core::Error::Invalid(format!(
+                "a tensor-parallel rank's graphs hold {rows} rows of the output projection, \
+                 not the model's {}: open a rank's slice (ShardPlan::rank_model)",
+                model.weights.output().rows
+            )));
+        }
         let weights = packed_weights(model, &graph)?
             .into_iter()
             .map(|t| device.upload(&t).map_err(to_core))

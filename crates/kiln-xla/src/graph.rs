@@ -442,7 +442,7 @@ impl GraphOptions {
     /// rows, whose logits the gather drops).
     pub fn output_rows(&self, vocab: usize) -> usize {
         match self.tensor_parallel {
-            Some(ranks) => vocab.div_ceil(ranks),
+            Some(ranks) => vocab.div_ceil(ranks.max(1)),
             None => vocab,
         }
     }
@@ -457,6 +457,9 @@ impl GraphOptions {
                 self.layout,
                 p = self.precision,
             ));
+        }
+        if self.tensor_parallel == Some(0) {
+            return Err("a tensor-parallel world has at least one rank".into());
         }
         Ok(())
     }
