@@ -299,6 +299,11 @@ fn tensor_parallel<'m>(
 const RANKS_OPEN_WITHIN: std::time::Duration = std::time::Duration::from_secs(3600);
 #[cfg(feature = "xla-iree")]
 const RANKS_ANSWER_WITHIN: std::time::Duration = std::time::Duration::from_secs(300);
+/// How long a rank waits for rank 0's NCCL id of a module: rank 0 uploads
+/// its weights first; well within the opening's bound, so that a rank 0
+/// that died is reported by the rank that waited for it.
+#[cfg(feature = "xla-iree")]
+const RANKS_ID_WITHIN: std::time::Duration = std::time::Duration::from_secs(600);
 
 /// The ranks of `plan` on GPUs 0 to N-1, one thread each.
 #[cfg(feature = "xla-iree")]
@@ -400,7 +405,7 @@ impl kiln_core::ranks::RankOpener for IreeRanks {
             rank: rank as i32,
             count: ranks as i32,
             rendezvous: Some(self.rendezvous.path().join("nccl-id")),
-            timeout: RANKS_OPEN_WITHIN,
+            timeout: RANKS_ID_WITHIN,
         })?;
         backend.set_pipelined(self.pipelined);
         backend.set_steps_per_call(self.steps_per_call)?;

@@ -66,14 +66,24 @@ enum Reply {
     Done,
 }
 
-/// A rank's answer to one call: the reply, or the error, and the positions
-/// its backend holds after it.
-type Answer = (usize, Result<Reply>, usize);
+/// A rank's answer to one call.
+struct Answered {
+    rank: usize,
+    /// The reply, or the error.
+    reply: Result<Reply>,
+    /// The positions the rank's backend holds after the call.
+    len: usize,
+    /// The rank's thread has ended (it could not open, or panicked).
+    ended: bool,
+}
+
+/// How long the other ranks have to fail alike once one has failed.
+const ALIKE_WITHIN: Duration = Duration::from_secs(5);
 
 /// The ranks of one tensor-parallel world, as one backend.
 pub struct Ranks {
     calls: Vec<Sender<Call>>,
-    replies: Receiver<Answer>,
+    replies: Receiver<Answered>,
     threads: Vec<std::thread::JoinHandle<()>>,
     timeout: Duration,
     name: String,
@@ -98,6 +108,11 @@ impl Ranks {
         open_within: Duration,
         answer_within: Duration,
     ) -> Result<Ranks> {
+        if count == 0 {
+            return Err(Error::Invalid(
+                "a tensor-parallel world has at least one rank".into(),
+            ));
+        }
         let opener = std::sync::Arc::new(opener);
         let (reply_to, replies) = channel();
         let mut ranks = Ranks {
@@ -149,50 +164,80 @@ impl Ranks {
     }
 
     /// Every rank's reply to one call, in rank order. Where every rank
-    /// refused it alike (a full context, a token outside the vocabulary:
-    /// checks made before any collective), rank 0's error as it is, the
-    /// ranks still in step; where only some failed, or some did not answer
-    /// in time, an error naming them, and the ranks stop.
+    /// refused it alike (the same check, made before any collective: a full
+    /// context, a token outside the vocabulary), rank 0's error as it is,
+    /// the ranks still in step. Otherwise (some failed, a rank's thread
+    /// ended, the ranks' positions disagree, some did not answer in time)
+    /// an error naming the ranks, and the ranks stop. Once one rank has
+    /// failed, the others get [`ALIKE_WITHIN`] to fail alike: a rank that
+    /// failed alone leaves them in a collective that never ends.
     fn collect(&mut self, what: &str) -> Result<Vec<Reply>> {
         let count = self.calls.len();
-        let deadline = Instant::now() + self.timeout;
-        let mut answers: Vec<Option<(Result<Reply>, usize)>> = (0..count).map(|_| None).collect();
+        let mut deadline = Instant::now() + self.timeout;
+        let mut answers: Vec<Option<Answered>> = (0..count).map(|_| None).collect();
         while answers.iter().any(Option::is_none) {
             let left = deadline.saturating_duration_since(Instant::now());
             match self.replies.recv_timeout(left) {
-                Ok((rank, reply, len)) => answers[rank] = Some((reply, len)),
+                Ok(answer) => {
+                    if answer.reply.is_err() {
+                        deadline = deadline.min(Instant::now() + ALIKE_WITHIN);
+                    }
+                    let rank = answer.rank;
+                    answers[rank] = Some(answer);
+                }
                 Err(RecvTimeoutError::Timeout) | Err(RecvTimeoutError::Disconnected) => {
+                    let errors: Vec<String> = answers
+                        .iter()
+                        .flatten()
+                        .filter_map(|a| {
+                            let e = a.reply.as_ref().err()?;
+                            Some(format!("rank {}, {what}: {e}; ", a.rank))
+                        })
+                        .collect();
                     let silent: Vec<String> = (0..count)
                         .filter(|&r| answers[r].is_none())
                         .map(|r| r.to_string())
                         .collect();
+                    let waited = match errors.is_empty() {
+                        true => self.timeout,
+                        false => ALIKE_WITHIN,
+                    };
                     return Err(self.fail(format!(
-                        "rank {} did not answer {what} within {:.0?} (a rank that died leaves \
-                         the others waiting in a collective)",
+                        "{}rank {} did not answer {what} within {waited:.0?} (a rank that failed \
+                         or died leaves the others waiting in a collective)",
+                        errors.concat(),
                         silent.join(", "),
-                        self.timeout
                     )));
                 }
             }
         }
-        let answers: Vec<(Result<Reply>, usize)> = answers.into_iter().flatten().collect();
-        self.len = answers[0].1;
-        let failed: Vec<usize> = (0..count).filter(|&r| answers[r].0.is_err()).collect();
-        if failed.is_empty() {
-            return Ok(answers
-                .into_iter()
-                .map(|(r, _)| r.unwrap_or(Reply::Done))
-                .collect());
+        let answers: Vec<Answered> = answers.into_iter().flatten().collect();
+        let lengths_agree = answers.iter().all(|a| a.len == answers[0].len);
+        let ended = answers.iter().any(|a| a.ended);
+        self.len = answers[0].len;
+        let errors: Vec<(usize, String, bool)> = answers
+            .iter()
+            .filter_map(|a| {
+                let e = a.reply.as_ref().err()?;
+                let pre_collective = matches!(e, Error::Invalid(_) | Error::ContextFull { .. });
+                Some((a.rank, e.to_string(), pre_collective))
+            })
+            .collect();
+        let Some((first, message, _)) = errors.first().cloned() else {
+            if !lengths_agree {
+                return Err(self.fail(format!("after {what} the ranks hold different positions")));
+            }
+            return Ok(answers.into_iter().filter_map(|a| a.reply.ok()).collect());
+        };
+        let alike = errors.len() == count && errors.iter().all(|(_, m, pre)| *pre && *m == message);
+        if alike
+            && lengths_agree
+            && !ended
+            && let Some(Answered { reply: Err(e), .. }) = answers.into_iter().next()
+        {
+            return Err(e);
         }
-        let mut errors = answers
-            .into_iter()
-            .enumerate()
-            .filter_map(|(r, (a, _))| a.err().map(|e| (r, e)));
-        let (first, error) = errors.next().expect("a failed rank");
-        if failed.len() == count {
-            return Err(error);
-        }
-        Err(self.fail(format!("rank {first}, {what}: {error}")))
+        Err(self.fail(format!("rank {first}, {what}: {message}")))
     }
 
     fn fail(&mut self, failure: String) -> Error {
@@ -240,7 +285,7 @@ fn serve_rank(
     rank: usize,
     opener: &dyn RankOpener,
     incoming: Receiver<Call>,
-    reply_to: Sender<Answer>,
+    reply_to: Sender<Answered>,
 ) {
     let run = std::panic::AssertUnwindSafe(|| {
         opener.with_rank(rank, &mut |backend| {
@@ -248,15 +293,24 @@ fn serve_rank(
                 name: backend.name().to_string(),
                 max_context: backend.max_context(),
             };
-            if reply_to.send((rank, Ok(opened), 0)).is_err() {
+            let opened = Answered {
+                rank,
+                reply: Ok(opened),
+                len: 0,
+                ended: false,
+            };
+            if reply_to.send(opened).is_err() {
                 return;
             }
             while let Ok(call) = incoming.recv() {
                 let reply = answer(backend, call);
-                if reply_to
-                    .send((rank, reply, backend.sequence_len()))
-                    .is_err()
-                {
+                let answered = Answered {
+                    rank,
+                    reply,
+                    len: backend.sequence_len(),
+                    ended: false,
+                };
+                if reply_to.send(answered).is_err() {
                     return;
                 }
             }
@@ -274,7 +328,12 @@ fn serve_rank(
             Error::Backend(format!("rank {rank} panicked: {what}"))
         }
     };
-    let _ = reply_to.send((rank, Err(error), 0));
+    let _ = reply_to.send(Answered {
+        rank,
+        reply: Err(error),
+        len: 0,
+        ended: true,
+    });
 }
 
 fn answer(backend: &mut dyn Backend, call: Call) -> Result<Reply> {
@@ -516,6 +575,40 @@ mod tests {
             "{error}"
         );
         // Dropping would wait out the stuck thread's bound.
+        std::mem::forget(ranks);
+    }
+
+    /// Rank 1's step fails while rank 0's never returns (as a rank waits
+    /// in a collective its partner left): the error is rank 1's own, within
+    /// [`ALIKE_WITHIN`], not a timeout of the whole call.
+    #[test]
+    fn a_rank_that_fails_alone_is_named_while_the_others_wait() {
+        struct Split;
+        impl RankOpener for Split {
+            fn with_rank(
+                &self,
+                rank: usize,
+                serve: &mut dyn FnMut(&mut dyn Backend),
+            ) -> Result<()> {
+                let model = Model::embedded();
+                let how = if rank == 0 { How::Stuck } else { How::Erring };
+                serve(&mut Broken {
+                    inner: CpuBackend::new(&model),
+                    how,
+                });
+                Ok(())
+            }
+        }
+        let mut ranks = Ranks::start(2, Split, TIMEOUT, Duration::from_secs(120)).unwrap();
+        ranks.prefill(&[1, 2]).unwrap();
+        let started = Instant::now();
+        let error = ranks.decode(7).unwrap_err().to_string();
+        assert!(started.elapsed() < ALIKE_WITHIN + Duration::from_secs(5));
+        assert!(
+            error.contains("rank 1, a decode step: step of 7 failed")
+                && error.contains("rank 0 did not answer"),
+            "{error}"
+        );
         std::mem::forget(ranks);
     }
 
