@@ -99,6 +99,22 @@ fn the_reference_split_in_ranks_prints_the_same_text_and_bad_splits_are_named() 
     );
 }
 
+/// Tensor-parallel modules sum over their ranks with collectives, which
+/// IREE's CPU devices do not have: preparing them for the CPU is a clear
+/// error (here, not in the IREE tests: those also run under emulation,
+/// where kiln's own binary is not started).
+#[cfg(feature = "xla-iree")]
+#[test]
+fn preparing_tensor_parallel_modules_for_the_cpu_is_a_clear_error() {
+    let out = kiln(&["prepare", "--backend", "iree-cpu", "--tensor-parallel", "2"]);
+    assert!(!out.status.success());
+    let stderr = stderr(&out);
+    assert!(
+        stderr.contains("collectives") && stderr.contains("iree-cuda"),
+        "{stderr}"
+    );
+}
+
 /// `--speculate` prints what plain greedy decoding prints and its
 /// acceptance statistics on stderr.
 #[test]

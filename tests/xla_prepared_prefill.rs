@@ -586,21 +586,6 @@ fn tensor_parallel_graphs_on_the_cpu_are_a_clear_error() {
     );
 }
 
-/// ... and so is preparing them for the CPU.
-#[test]
-fn preparing_tensor_parallel_modules_for_the_cpu_is_a_clear_error() {
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_kiln"))
-        .args(["prepare", "--backend", "iree-cpu", "--tensor-parallel", "2"])
-        .output()
-        .unwrap();
-    assert!(!out.status.success());
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(
-        stderr.contains("collectives") && stderr.contains("iree-cuda"),
-        "{stderr}"
-    );
-}
-
 #[test]
 fn a_prompt_longer_than_the_largest_bucket_is_a_clear_error() {
     let model = Model::embedded();
