@@ -87,16 +87,6 @@ fn the_reference_split_in_ranks_prints_the_same_text_and_bad_splits_are_named() 
         "{}",
         stderr(&q4)
     );
-    let server = Command::new(env!("CARGO_BIN_EXE_kiln-server"))
-        .args(["--backend", "cpu", "--tensor-parallel", "2", "--port", "0"])
-        .output()
-        .unwrap();
-    assert!(!server.status.success());
-    assert!(
-        stderr(&server).contains("kiln-server does not split a model over GPUs yet"),
-        "{}",
-        stderr(&server)
-    );
 }
 
 /// Tensor-parallel modules sum over their ranks with collectives, which

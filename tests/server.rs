@@ -243,6 +243,31 @@ async fn completions_equal_kiln_generate_streamed_or_not() {
     );
 }
 
+/// `--tensor-parallel`: the model split in ranks (here the reference's
+/// split on the CPU, which the GPU ranks are checked against) serves the
+/// same text as `kiln generate` on the whole model, streamed or not.
+#[tokio::test]
+async fn a_model_split_in_ranks_serves_what_the_whole_model_generates() {
+    let expected = kiln(&[
+        "generate",
+        "--backend",
+        "cpu",
+        "--max-tokens",
+        "24",
+        "Hello",
+    ]);
+    let server = Server::start(&["--backend", "cpu", "--tensor-parallel", "2"]);
+    server.wait_ready().await;
+    let body = json!({"model": "embedded", "prompt": "Hello", "max_tokens": 24, "temperature": 0});
+    let (status, r) = server.post("/v1/completions", &body).await;
+    assert_eq!(status, 200, "{r}");
+    assert_eq!(r["choices"][0]["text"], expected.as_str());
+    let mut streamed = body.clone();
+    streamed["stream"] = json!(true);
+    let (text, _) = streamed_text(&server.stream("/v1/completions", &streamed).await, false);
+    assert_eq!(text, expected);
+}
+
 #[tokio::test]
 async fn chat_equals_kiln_chat_streamed_or_not() {
     let server = Server::start(&[]);
@@ -725,6 +750,32 @@ fn bad_options_are_errors_that_name_them() {
         (
             &["--speculate", "self", "--draft-model", "embedded"][..],
             "--draft-model is for --speculate draft",
+        ),
+        (
+            &[
+                "--backend",
+                "cpu",
+                "--tensor-parallel",
+                "2",
+                "--batch-slots",
+                "4",
+            ][..],
+            "--tensor-parallel serves one request at a time and --batch-slots 4",
+        ),
+        (
+            &[
+                "--backend",
+                "cpu",
+                "--tensor-parallel",
+                "2",
+                "--speculate",
+                "self",
+            ][..],
+            "--speculate with --tensor-parallel is not built",
+        ),
+        (
+            &["--backend", "cpu", "--tensor-parallel", "3"][..],
+            "--tensor-parallel 3 does not split",
         ),
     ] {
         let out = Command::new(env!("CARGO_BIN_EXE_kiln-server"))

@@ -51,8 +51,9 @@ struct Args {
     #[arg(long, default_value_t = 300, value_parser = seconds(1, MAX_SECONDS))]
     request_timeout: u64,
     /// Sequence slots decoded together on the IREE backends (continuous
-    /// batching); 1 runs one request at a time. The CPU backend always runs
-    /// one at a time. Default: 8, or 1 with --speculate.
+    /// batching); 1 runs one request at a time. The CPU backends always run
+    /// one at a time. Default: 8, or 1 with --speculate or
+    /// --tensor-parallel.
     #[arg(long)]
     batch_slots: Option<usize>,
     #[command(flatten)]
@@ -133,6 +134,21 @@ async fn run(args: Args) -> Result<()> {
         (Some(slots), _) => slots,
         (None, Some(_)) => 1,
         (None, None) => 8,
+    };
+    let batch_slots = match args.model.options.tensor_parallel {
+        None => batch_slots,
+        // The ranks step one sequence: batched modules split over ranks
+        // are not built.
+        Some(_) if args.batch_slots.is_some_and(|slots| slots > 1) => bail!(
+            "--tensor-parallel serves one request at a time and --batch-slots {batch_slots}              asks for batching; drop --batch-slots (or set it to 1), or drop --tensor-parallel              to batch on one device"
+        ),
+        Some(_) if args.speculation.speculate.is_some() => bail!(
+            "--speculate with --tensor-parallel is not built: the ranks load one-token steps              only; drop one of them"
+        ),
+        Some(ranks) => {
+            eprintln!("--tensor-parallel {ranks}: requests are served one at a time");
+            1
+        }
     };
     let api_key = match (args.api_key.clone(), &args.api_key_file) {
         (Some(key), _) => Some(key),

@@ -54,7 +54,7 @@ impl Loaded {
 
     /// The decoder of `--backend`: speculative with `--speculate` (one
     /// request at a time), else IREE with `slots` > 1 batches and the rest
-    /// run one request at a time. Every module is loaded (or compiled) here,
+    /// (the ranks of `--tensor-parallel` too) run one request at a time. Every module is loaded (or compiled) here,
     /// before the server says it is ready.
     pub fn open_decoder(
         &self,
@@ -63,12 +63,6 @@ impl Loaded {
         slots: usize,
     ) -> Result<Decoder<'_>> {
         use crate::backends::open_loaded;
-        if args.options.tensor_parallel.is_some() {
-            anyhow::bail!(
-                "kiln-server does not split a model over GPUs yet: --tensor-parallel is for \
-                 kiln generate, chat and prefill (docs/tensor-parallel.md)"
-            );
-        }
         let model = &self.model;
         let backend_kind = args.choose(model)?;
         if let Some(kind) = speculation.speculate {
@@ -83,8 +77,11 @@ impl Loaded {
                 draft_tokens,
             })));
         }
+        // The ranks of --tensor-parallel step one sequence (the server
+        // gives them one slot).
         #[cfg(feature = "xla-iree")]
         if slots > 1
+            && args.options.tensor_parallel.is_none()
             && matches!(
                 backend_kind,
                 crate::backends::BackendKind::IreeCpu | crate::backends::BackendKind::IreeCuda
