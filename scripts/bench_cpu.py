@@ -19,7 +19,9 @@ Rows: kiln `cpu` (the f32 reference; one thread whatever the count, so it
 runs at the first count only; `--no-reference` leaves it out), kiln `cpu-q4`
 (`--threads N`) at each `--activations` (default: q8 and f32; `--no-q4`
 leaves them out), kiln `cpu-simd` with `--simd` (the file's own precision:
-an F16 or Q8_0 GGUF as llama.cpp converts the pinned file), kiln `iree-cpu` at each `--iree-precision` (none: no row;
+an F16 or Q8_0 GGUF, which `--convert f16|q8_0` has llama.cpp make from the
+pinned file; a row for each `--simd-activations`, which a Q8_0 file's blocks
+multiply), kiln `iree-cpu` at each `--iree-precision` (none: no row;
 `--threads N`: one runs every kernel on the calling thread, more run them
 on N IREE workers; modules compiled before timing by the untimed warm-up),
 llama.cpp on the file as
@@ -94,14 +96,43 @@ def rows(args) -> list:
             out.append(("kiln `cpu-q4`", f"q4 x {activations} activations, q8 output", threads,
                         lambda t=threads, a=activations: kiln(args, "cpu-q4", t, activations=a)))
         if args.simd:
-            out.append(("kiln `cpu-simd`", "as the file stores it", threads,
-                        lambda t=threads: kiln(args, "cpu-simd", t)))
+            for activations in args.simd_activations or [None]:
+                what = "as the file stores it"
+                if activations:
+                    what += f", {activations} activations"
+                out.append(("kiln `cpu-simd`", what, threads,
+                            lambda t=threads, a=activations: kiln(args, "cpu-simd", t,
+                                                                  activations=a)))
         for precision in args.iree_precision or []:
             out.append(("kiln `iree-cpu`", precision, threads,
                         lambda t=threads, p=precision: kiln(args, "iree-cpu", t, p)))
         out.append(("llama.cpp", "as the file stores it", threads,
                     lambda t=threads: llama_cpp(args, t)))
     return out
+
+
+# llama.cpp's file types (`enum llama_ftype`) that --convert writes.
+FTYPES = {"f32": 0, "f16": 1, "q8_0": 7, "bf16": 32}
+
+
+def convert(src: Path, kind: str, scratch: Path) -> Path:
+    """`src` as llama.cpp converts it to `kind` (requantizing a quantized
+    file), written into `scratch`; needs the llama-cpp-python venv."""
+    import ctypes
+
+    import llama_cpp
+
+    dst = scratch / f"{src.stem}-{kind}.gguf"
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = FTYPES[kind]
+    params.allow_requantize = True
+    params.nthread = os.cpu_count() or 1
+    if llama_cpp.llama_model_quantize(str(src).encode(), str(dst).encode(),
+                                      ctypes.byref(params)) != 0:
+        sys.exit(f"llama.cpp could not convert {src} to {kind}")
+    print(f"converted {src} to {kind}: {dst} ({dst.stat().st_size / 1e6:.1f} MB)",
+          file=sys.stderr)
+    return dst
 
 
 def start_busy(count: int) -> list:
@@ -134,6 +165,10 @@ def main() -> None:
     parser.add_argument("--kiln-bench", required=True)
     parser.add_argument("--model", required=True, help="what kiln-bench-decode --model takes")
     parser.add_argument("--gguf", required=True, help="the same model's GGUF file, for llama.cpp")
+    parser.add_argument("--convert", choices=sorted(FTYPES),
+                        help="run both engines on --gguf converted to this type by llama.cpp "
+                             "(llama_model_quantize, requantizing), written to a temporary file "
+                             "(--model is then ignored)")
     parser.add_argument("--threads", type=int, action="append")
     parser.add_argument("--iree-precision", action="append")
     parser.add_argument("--activations", action="append", choices=["q8", "f32"],
@@ -143,6 +178,9 @@ def main() -> None:
                         help="no cpu-q4 rows (for a file that is not 4-bit, which cpu-q4 would round)")
     parser.add_argument("--simd", action="store_true",
                         help="cpu-simd rows: every matrix at the file's own precision")
+    parser.add_argument("--simd-activations", action="append", choices=["q8", "f32"],
+                        help="cpu-simd's activations for a Q8_0 file's blocks, a row each "
+                             "(repeat for several; default: kiln's default, f32)")
     parser.add_argument("--prompt-tokens", type=int, default=128)
     parser.add_argument("--decode-tokens", type=int, default=64)
     parser.add_argument("--repeat", type=int, default=2)
@@ -156,11 +194,14 @@ def main() -> None:
     # SIGTERM ends the script through Python's exit path too, so that the
     # busy loops are killed as on Ctrl-C.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
-    loops = start_busy(args.busy)
-    try:
-        run_table(args)
-    finally:
-        stop_busy(loops)
+    with tempfile.TemporaryDirectory() as scratch:
+        if args.convert:
+            args.gguf = args.model = str(convert(Path(args.gguf), args.convert, Path(scratch)))
+        loops = start_busy(args.busy)
+        try:
+            run_table(args)
+        finally:
+            stop_busy(loops)
 
 
 def run_table(args) -> None:

@@ -1,5 +1,6 @@
 //! `kiln-bench-kernels`: cpu-q4's 4-bit block products (or, with
-//! `--weights q8`, cpu-simd's Q8_0 ones) alone, every kernel set this CPU
+//! `--weights q8`, cpu-simd's Q8_0 ones, with `--weights f16` its F16
+//! rows) alone, every kernel set this CPU
 //! runs side by side in one run (f32 activations and 8-bit ones), beside a
 //! plain read of the same bytes: what a product costs and how near it
 //! reads at the rate one core streams memory.
@@ -11,6 +12,8 @@
 //! kiln-bench-kernels --rows 3072 --cols 576 --inputs 8
 //! # its Q8_0 blocks in prefill, 128 rows (f32 rows also in tiles.rs's tiles):
 //! kiln-bench-kernels --weights q8 --rows 3072 --cols 576 --inputs 128
+//! # its F16 rows in decode, from memory (each one-input kernel this CPU runs):
+//! kiln-bench-kernels --weights f16 --rows 3072 --cols 576 --copies 60
 //! ```
 //!
 //! `--copies N` cycles through N copies of the matrix, so that with enough of
@@ -23,15 +26,16 @@ use std::time::Instant;
 use anyhow::{Result, bail};
 use clap::Parser;
 use kiln_core::weights::Matrix;
+use kiln_cpu::dense::{DecodeKernel, Dense};
 use kiln_cpu::inputs::Q8Inputs;
 use kiln_cpu::{BLOCK, Q4Blocks, Q8Blocks, integer, kernel, tiles};
 
 #[derive(Parser)]
 #[command(about = "cpu-q4's and cpu-simd's block products, every kernel set side by side")]
 struct Args {
-    /// The blocks: q4 (cpu-q4's layers, Q4_1) or q8 (a Q8_0 file's in
-    /// cpu-simd).
-    #[arg(long, value_parser = ["q4", "q8"], default_value = "q4")]
+    /// The blocks: q4 (cpu-q4's layers, Q4_1), q8 (a Q8_0 file's in
+    /// cpu-simd) or f16 (an F16 file's rows in cpu-simd).
+    #[arg(long, value_parser = ["q4", "q8", "f16"], default_value = "q4")]
     weights: String,
     /// Output rows of the product.
     #[arg(long, default_value_t = 3072)]
@@ -86,12 +90,36 @@ fn main() -> Result<()> {
             .collect::<Result<_, _>>()?,
         _ => Vec::new(),
     };
-    // Levels, scales and minimums (8-bit values and scales): what a
-    // product reads of the weights.
+    let dense_copies: Vec<Dense> = match args.weights.as_str() {
+        "f16" => {
+            // Each weight cut to f16's 11 significant bits (all of them
+            // normal f16s: none is below 0.001 in magnitude but 0), so the
+            // rows are kept at f16.
+            let halves = Matrix {
+                data: w
+                    .data
+                    .iter()
+                    .map(|&v| f32::from_bits(v.to_bits() & 0xffff_e000))
+                    .collect(),
+                ..w.clone()
+            };
+            let copies: Vec<Dense> = (0..args.copies).map(|_| Dense::stack(&[&halves])).collect();
+            if copies[0].precision() != "f16" {
+                bail!(
+                    "the weights were not kept at f16 but {}",
+                    copies[0].precision()
+                );
+            }
+            copies
+        }
+        _ => Vec::new(),
+    };
+    // Levels, scales and minimums (8-bit values and scales, 16-bit rows):
+    // what a product reads of the weights.
     let bytes = match (copies.first(), q8_copies.first()) {
         (Some(q4), _) => q4.levels.len() + 8 * q4.scales.len(),
         (_, Some(q8)) => q8.values.len() + 4 * q8.scales.len(),
-        _ => unreachable!("one kind of blocks"),
+        _ => 2 * args.rows * args.cols,
     };
     let plain: Vec<u64> = vec![1; bytes * args.copies / 8];
     let reps = args
@@ -126,6 +154,10 @@ fn main() -> Result<()> {
             black_box(part.iter().fold(0u64, |a, &v| a.wrapping_add(v)));
         }
         report("plain read", start.elapsed().as_secs_f64());
+        if !dense_copies.is_empty() {
+            dense_round(&args, &dense_copies, &x, &mut out, reps, &report);
+            continue;
+        }
         let q4 = !copies.is_empty();
         for set in kernel::available() {
             let start = Instant::now();
@@ -170,4 +202,34 @@ fn main() -> Result<()> {
         black_box(&out);
     }
     Ok(())
+}
+
+/// One round of `--weights f16`: each one-input kernel this CPU runs (with
+/// one input), or the tiles (several).
+fn dense_round(
+    args: &Args,
+    copies: &[Dense],
+    x: &[f32],
+    out: &mut [f32],
+    reps: usize,
+    report: &dyn Fn(&str, f64),
+) {
+    if args.inputs > 1 {
+        let start = Instant::now();
+        for r in 0..reps {
+            copies[r % copies.len()].rows(0, x, out);
+        }
+        return report("f16 rows, tiles", start.elapsed().as_secs_f64());
+    }
+    for &kernel in DecodeKernel::ALL.iter().filter(|k| k.available()) {
+        let start = Instant::now();
+        for r in 0..reps {
+            copies[r % copies.len()].one_input(kernel, 0, x, out);
+        }
+        report(
+            &format!("f16 rows, {kernel:?}"),
+            start.elapsed().as_secs_f64(),
+        );
+    }
+    black_box(&out);
 }

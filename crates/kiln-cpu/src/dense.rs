@@ -3,9 +3,9 @@
 //! model read from f16 or bf16 files comes back to its file's values, read
 //! at half the bytes), multiplied against f32 inputs with f32 sums.
 //!
-//! One input (decode) streams each row once, widened eight values at a time
-//! in registers where the CPU has AVX2, FMA and F16C (picked at run time),
-//! a chunk at a time into a buffer elsewhere. Several inputs (prefill) go to
+//! One input (decode) streams each row once, widened in registers where the
+//! CPU has AVX-512 (16 values at a time) or AVX2, FMA and F16C (8 at a
+//! time), picked at run time; a chunk at a time into a buffer elsewhere. Several inputs (prefill) go to
 //! [`tiles`], which widens a tile of rows once for all of them.
 
 use half::slice::HalfFloatSliceExt;
@@ -77,98 +77,248 @@ impl Dense {
                 }),
             };
         }
-        #[cfg(target_arch = "x86_64")]
-        if avx2_available() {
+        self.one_input(DecodeKernel::best(), first, x, out);
+    }
+
+    /// [`Dense::rows`] of one input (`x` is `[cols]`) through `kernel`,
+    /// which the CPU must run ([`DecodeKernel::available`]).
+    pub fn one_input(&self, kernel: DecodeKernel, first: usize, x: &[f32], out: &mut [f32]) {
+        assert!(kernel.available(), "{kernel:?} on a CPU without it");
+        match kernel {
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: the CPU has every feature `rows_avx512` is compiled for.
+            DecodeKernel::Avx512 => unsafe { rows_avx512(self, first, x, out) },
+            #[cfg(target_arch = "x86_64")]
             // SAFETY: the CPU has every feature `rows_avx2` is compiled for.
-            return unsafe { rows_avx2(self, first, x, out) };
+            DecodeKernel::Avx2 => unsafe { rows_avx2(self, first, x, out) },
+            DecodeKernel::Portable => rows_generic(self, first, x, out),
         }
-        rows_generic(self, first, x, out);
     }
 }
 
-#[cfg(target_arch = "x86_64")]
-fn avx2_available() -> bool {
-    use std::arch::is_x86_feature_detected as has;
-    static AVAILABLE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *AVAILABLE.get_or_init(|| has!("avx2") && has!("fma") && has!("f16c"))
+/// The kernels of a one-input (decode) product.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DecodeKernel {
+    /// 16 lanes.
+    #[cfg(target_arch = "x86_64")]
+    Avx512,
+    /// 8 lanes.
+    #[cfg(target_arch = "x86_64")]
+    Avx2,
+    /// Chunks widened into a buffer, then multiplied.
+    Portable,
 }
 
-/// [`rows_generic`] for AVX2, FMA and F16C: f16 and bf16 rows widened
-/// eight at a time in registers (`vcvtph2ps`, a 16-bit shift), f32 rows
-/// by the vectorized generic loop.
+impl DecodeKernel {
+    /// Every kernel, fastest first.
+    pub const ALL: &[DecodeKernel] = &[
+        #[cfg(target_arch = "x86_64")]
+        DecodeKernel::Avx512,
+        #[cfg(target_arch = "x86_64")]
+        DecodeKernel::Avx2,
+        DecodeKernel::Portable,
+    ];
+
+    /// Whether this CPU runs it (checked once per kernel).
+    pub fn available(self) -> bool {
+        #[cfg(target_arch = "x86_64")]
+        {
+            use std::arch::is_x86_feature_detected as has;
+            use std::sync::OnceLock;
+            static AVX512: OnceLock<bool> = OnceLock::new();
+            static AVX2: OnceLock<bool> = OnceLock::new();
+            let avx2 = || has!("avx2") && has!("fma") && has!("f16c");
+            match self {
+                DecodeKernel::Avx512 => *AVX512.get_or_init(|| avx2() && has!("avx512f")),
+                DecodeKernel::Avx2 => *AVX2.get_or_init(avx2),
+                DecodeKernel::Portable => true,
+            }
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        true
+    }
+
+    /// The fastest this CPU runs.
+    pub fn best() -> DecodeKernel {
+        *DecodeKernel::ALL
+            .iter()
+            .find(|k| k.available())
+            .expect("the portable kernel runs anywhere")
+    }
+}
+
+/// The one-input product over rows `w` (`[rows, cols]`) in one instruction
+/// set's registers of `$lanes` f32: `widen` turns the `$lanes` stored values
+/// at a pointer into f32 lanes, `$load`, `$fma` and `$add` are the set's,
+/// `$to_8` takes a register to 8 lanes (adding its halves). Row by row, so
+/// that the weights are read as one stream from start to end (four rows at
+/// a time, sharing each load of the input, read half as fast from memory:
+/// `kiln-bench-kernels --weights f16 --copies 60`), with four sums in
+/// flight; but four rows' sums are added across their lanes together, by
+/// three horizontal adds: one row's alone took as long as its products on
+/// SmolLM2's 576-wide rows. A tail of fewer than `$lanes` columns in scalar
+/// code.
+#[cfg(target_arch = "x86_64")]
+macro_rules! rows_kernel {
+    ($name:ident, $features:literal, $lanes:literal, $vector:ty,
+     $zero:expr, $load:expr, $fma:expr, $add:expr, $to_8:expr) => {
+        #[target_feature(enable = $features)]
+        unsafe fn $name<T: Copy + Into<f32>>(
+            cols: usize,
+            w: &[T],
+            first: usize,
+            x: &[f32],
+            out: &mut [f32],
+            widen: impl Fn(*const T) -> $vector,
+        ) {
+            use std::arch::x86_64::{
+                __m256, _mm_add_ps, _mm_storeu_ps, _mm256_castps256_ps128, _mm256_extractf128_ps,
+                _mm256_hadd_ps, _mm256_storeu_ps,
+            };
+            assert!(x.len() >= cols && w.len() >= (first + out.len()) * cols);
+            let whole = cols / $lanes * $lanes;
+            // One row's sum in 8 lanes.
+            let row_sum = |r: usize| -> __m256 {
+                let row = w[r * cols..].as_ptr();
+                let mut sums = [$zero; 4];
+                let mut c = 0;
+                while c + 4 * $lanes <= whole {
+                    for (u, sum) in sums.iter_mut().enumerate() {
+                        let at = c + $lanes * u;
+                        // SAFETY: `at + lanes <= cols`: within the row and
+                        // `x` (asserted above).
+                        let (weights, inputs) = unsafe { (row.add(at), $load(x.as_ptr().add(at))) };
+                        *sum = $fma(widen(weights), inputs, *sum);
+                    }
+                    c += 4 * $lanes;
+                }
+                while c < whole {
+                    // SAFETY: as above.
+                    let (weights, inputs) = unsafe { (row.add(c), $load(x.as_ptr().add(c))) };
+                    sums[0] = $fma(widen(weights), inputs, sums[0]);
+                    c += $lanes;
+                }
+                $to_8($add($add(sums[0], sums[1]), $add(sums[2], sums[3])))
+            };
+            let tail = |r: usize| -> f32 {
+                let row = &w[r * cols..][..cols];
+                (whole..cols).map(|c| row[c].into() * x[c]).sum()
+            };
+            let mut groups = out.chunks_exact_mut(4);
+            let mut r = first;
+            for group in &mut groups {
+                let [a, b, c, d] = std::array::from_fn(|k| row_sum(r + k));
+                // Within each 128-bit half: (a, b) pairs, (c, d) pairs,
+                // then the four rows' sums; the halves added.
+                let pairs = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
+                let sums = _mm_add_ps(
+                    _mm256_castps256_ps128(pairs),
+                    _mm256_extractf128_ps::<1>(pairs),
+                );
+                let mut lanes = [0.0f32; 4];
+                // SAFETY: `lanes` holds 4 f32.
+                unsafe { _mm_storeu_ps(lanes.as_mut_ptr(), sums) };
+                for (k, (out, lane)) in group.iter_mut().zip(lanes).enumerate() {
+                    *out = lane + tail(r + k);
+                }
+                r += 4;
+            }
+            for out in groups.into_remainder() {
+                let mut lanes = [0.0f32; 8];
+                // SAFETY: `lanes` holds 8 f32.
+                unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), row_sum(r)) };
+                *out = lanes.iter().sum::<f32>() + tail(r);
+                r += 1;
+            }
+        }
+    };
+}
+
+#[cfg(target_arch = "x86_64")]
+rows_kernel!(
+    avx512_rows,
+    "avx512f,avx2,fma,f16c",
+    16,
+    std::arch::x86_64::__m512,
+    std::arch::x86_64::_mm512_setzero_ps(),
+    std::arch::x86_64::_mm512_loadu_ps,
+    std::arch::x86_64::_mm512_fmadd_ps,
+    std::arch::x86_64::_mm512_add_ps,
+    |v| {
+        use std::arch::x86_64::*;
+        let high = _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(v)));
+        _mm256_add_ps(_mm512_castps512_ps256(v), high)
+    }
+);
+
+#[cfg(target_arch = "x86_64")]
+rows_kernel!(
+    avx2_rows,
+    "avx2,fma,f16c",
+    8,
+    std::arch::x86_64::__m256,
+    std::arch::x86_64::_mm256_setzero_ps(),
+    std::arch::x86_64::_mm256_loadu_ps,
+    std::arch::x86_64::_mm256_fmadd_ps,
+    std::arch::x86_64::_mm256_add_ps,
+    |v| v
+);
+
+/// [`rows_generic`] for AVX-512: 16 values a register (f16 by `vcvtph2ps`,
+/// bf16 by a 16-bit shift).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx2,fma,f16c")]
+unsafe fn rows_avx512(m: &Dense, first: usize, x: &[f32], out: &mut [f32]) {
+    use std::arch::x86_64::{
+        _mm256_loadu_si256, _mm512_castsi512_ps, _mm512_cvtepu16_epi32, _mm512_cvtph_ps,
+        _mm512_loadu_ps, _mm512_slli_epi32,
+    };
+    // SAFETY (the three calls): this function's features are `avx512_rows'`;
+    // each `widen` reads the 16 values of the row at its pointer.
+    match &m.data {
+        DenseData::F32(w) => unsafe {
+            avx512_rows(m.cols, w, first, x, out, |p: *const f32| _mm512_loadu_ps(p))
+        },
+        DenseData::F16(w) => unsafe {
+            avx512_rows(m.cols, w, first, x, out, |p: *const f16| {
+                _mm512_cvtph_ps(_mm256_loadu_si256(p.cast()))
+            })
+        },
+        DenseData::BF16(w) => unsafe {
+            avx512_rows(m.cols, w, first, x, out, |p: *const bf16| {
+                let wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(p.cast()));
+                _mm512_castsi512_ps(_mm512_slli_epi32::<16>(wide))
+            })
+        },
+    }
+}
+
+/// [`rows_generic`] for AVX2, FMA and F16C: 8 values a register (f16 by
+/// `vcvtph2ps`, bf16 by a 16-bit shift).
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn rows_avx2(m: &Dense, first: usize, x: &[f32], out: &mut [f32]) {
     use std::arch::x86_64::{
         _mm_loadu_si128, _mm256_castsi256_ps, _mm256_cvtepu16_epi32, _mm256_cvtph_ps,
-        _mm256_slli_epi32,
+        _mm256_loadu_ps, _mm256_slli_epi32,
     };
+    // SAFETY (the three calls): this function's features are `avx2_rows'`;
+    // each `widen` reads the 8 values of the row at its pointer.
     match &m.data {
-        DenseData::F32(_) => rows_generic(m, first, x, out),
-        // SAFETY (both calls): this function's features are `avx2_rows`'.
+        DenseData::F32(w) => unsafe {
+            avx2_rows(m.cols, w, first, x, out, |p: *const f32| _mm256_loadu_ps(p))
+        },
         DenseData::F16(w) => unsafe {
             avx2_rows(m.cols, w, first, x, out, |p: *const f16| {
-                // SAFETY: `p` points at 8 values of the row (`avx2_rows`).
                 _mm256_cvtph_ps(_mm_loadu_si128(p.cast()))
             })
         },
         DenseData::BF16(w) => unsafe {
             avx2_rows(m.cols, w, first, x, out, |p: *const bf16| {
-                // SAFETY: as above; a bf16 is the high half of its f32.
                 let wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(p.cast()));
                 _mm256_castsi256_ps(_mm256_slli_epi32::<16>(wide))
             })
         },
-    }
-}
-
-/// The product over 16-bit rows `w` (`[rows, cols]`), `widen` turning the
-/// 8 values at a pointer into f32 lanes, against one input; a tail of fewer
-/// than 8 columns in scalar code.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn avx2_rows<T: Copy + Into<f32>>(
-    cols: usize,
-    w: &[T],
-    first: usize,
-    x: &[f32],
-    out: &mut [f32],
-    widen: impl Fn(*const T) -> std::arch::x86_64::__m256,
-) {
-    use std::arch::x86_64::{
-        _mm256_add_ps, _mm256_fmadd_ps, _mm256_loadu_ps, _mm256_setzero_ps, _mm256_storeu_ps,
-    };
-    let whole = cols / 8 * 8;
-    for (r, out) in (first..).zip(out.iter_mut()) {
-        let row = &w[r * cols..][..cols];
-        // Four sums in flight instead of one, which would wait out each
-        // multiply-add's latency.
-        let mut sums = [_mm256_setzero_ps(); 4];
-        let mut c = 0;
-        while c + 32 <= whole {
-            for (u, sum) in sums.iter_mut().enumerate() {
-                let at = c + 8 * u;
-                // SAFETY: `x` holds `cols` inputs, past `at + 8`.
-                let inputs = unsafe { _mm256_loadu_ps(x[at..at + 8].as_ptr()) };
-                *sum = _mm256_fmadd_ps(widen(row[at..at + 8].as_ptr()), inputs, *sum);
-            }
-            c += 32;
-        }
-        while c < whole {
-            // SAFETY: as above.
-            let inputs = unsafe { _mm256_loadu_ps(x[c..c + 8].as_ptr()) };
-            sums[0] = _mm256_fmadd_ps(widen(row[c..c + 8].as_ptr()), inputs, sums[0]);
-            c += 8;
-        }
-        let sum = _mm256_add_ps(
-            _mm256_add_ps(sums[0], sums[1]),
-            _mm256_add_ps(sums[2], sums[3]),
-        );
-        let mut lanes = [0.0f32; 8];
-        // SAFETY: `lanes` holds 8 f32.
-        unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), sum) };
-        let tail: f32 = (whole..cols).map(|c| row[c].into() * x[c]).sum();
-        *out = lanes.iter().sum::<f32>() + tail;
     }
 }
 
@@ -290,13 +440,26 @@ mod tests {
                 prop_assert_eq!(kept, 0);
             }
             let exact = reference(&m, &x, n);
+            let scale = if kind == 1 { 1e6 } else { 1.0 };
+            let bound = scale * (1e-5 * (cols as f64).sqrt() * 4.0 + 1e-6);
             for first in 0..rows {
                 let mut out = vec![f32::NAN; (rows - first) * n];
                 dense.rows(first, &x, &mut out);
                 for (k, (&got, &want)) in out.iter().zip(&exact[first * n..]).enumerate() {
-                    let scale = if kind == 1 { 1e6 } else { 1.0 };
-                    let bound = scale * (1e-5 * (cols as f64).sqrt() * 4.0 + 1e-6);
                     prop_assert!((f64::from(got) - want).abs() <= bound, "{k}: {got} vs {want}");
+                }
+                // Each one-input kernel this CPU runs, not only the fastest.
+                let x = &x[..cols];
+                for &kernel in DecodeKernel::ALL.iter().filter(|k| k.available()) {
+                    let mut out = vec![f32::NAN; rows - first];
+                    dense.one_input(kernel, first, x, &mut out);
+                    for (k, &got) in out.iter().enumerate() {
+                        let want = exact[(first + k) * n];
+                        prop_assert!(
+                            (f64::from(got) - want).abs() <= bound,
+                            "{kernel:?}, row {}: {got} vs {want}", first + k
+                        );
+                    }
                 }
             }
         }
