@@ -3,9 +3,9 @@
 //! model read from f16 or bf16 files comes back to its file's values, read
 //! at half the bytes), multiplied against f32 inputs with f32 sums.
 //!
-//! One input (decode) streams each row once, widened in registers where the
-//! CPU has AVX-512 (16 values at a time) or AVX2, FMA and F16C (8 at a
-//! time), picked at run time; a chunk at a time into a buffer elsewhere. Several inputs (prefill) go to
+//! One input (decode) streams each row once, widened eight values at a time
+//! in registers where the CPU has AVX2, FMA and F16C (picked at run time),
+//! a chunk at a time into a buffer elsewhere. Several inputs (prefill) go to
 //! [`tiles`], which widens a tile of rows once for all of them.
 
 use half::slice::HalfFloatSliceExt;
@@ -86,9 +86,6 @@ impl Dense {
         assert!(kernel.available(), "{kernel:?} on a CPU without it");
         match kernel {
             #[cfg(target_arch = "x86_64")]
-            // SAFETY: the CPU has every feature `rows_avx512` is compiled for.
-            DecodeKernel::Avx512 => unsafe { rows_avx512(self, first, x, out) },
-            #[cfg(target_arch = "x86_64")]
             // SAFETY: the CPU has every feature `rows_avx2` is compiled for.
             DecodeKernel::Avx2 => unsafe { rows_avx2(self, first, x, out) },
             DecodeKernel::Portable => rows_generic(self, first, x, out),
@@ -99,9 +96,6 @@ impl Dense {
 /// The kernels of a one-input (decode) product.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum DecodeKernel {
-    /// 16 lanes.
-    #[cfg(target_arch = "x86_64")]
-    Avx512,
     /// 8 lanes.
     #[cfg(target_arch = "x86_64")]
     Avx2,
@@ -113,8 +107,6 @@ impl DecodeKernel {
     /// Every kernel, fastest first.
     pub const ALL: &[DecodeKernel] = &[
         #[cfg(target_arch = "x86_64")]
-        DecodeKernel::Avx512,
-        #[cfg(target_arch = "x86_64")]
         DecodeKernel::Avx2,
         DecodeKernel::Portable,
     ];
@@ -125,11 +117,9 @@ impl DecodeKernel {
         {
             use std::arch::is_x86_feature_detected as has;
             use std::sync::OnceLock;
-            static AVX512: OnceLock<bool> = OnceLock::new();
             static AVX2: OnceLock<bool> = OnceLock::new();
             let avx2 = || has!("avx2") && has!("fma") && has!("f16c");
             match self {
-                DecodeKernel::Avx512 => *AVX512.get_or_init(|| avx2() && has!("avx512f")),
                 DecodeKernel::Avx2 => *AVX2.get_or_init(avx2),
                 DecodeKernel::Portable => true,
             }
@@ -147,149 +137,93 @@ impl DecodeKernel {
     }
 }
 
-/// The one-input product over rows `w` (`[rows, cols]`) in one instruction
-/// set's registers of `$lanes` f32: `widen` turns the `$lanes` stored values
-/// at a pointer into f32 lanes, `$load`, `$fma` and `$add` are the set's,
-/// `$to_8` takes a register to 8 lanes (adding its halves). Row by row, so
+/// The product over rows `w` (`[rows, cols]`), `widen` turning the 8
+/// values at a pointer into f32 lanes, against one input. Row by row, so
 /// that the weights are read as one stream from start to end (four rows at
 /// a time, sharing each load of the input, read half as fast from memory:
 /// `kiln-bench-kernels --weights f16 --copies 60`), with four sums in
 /// flight; but four rows' sums are added across their lanes together, by
-/// three horizontal adds: one row's alone took as long as its products on
-/// SmolLM2's 576-wide rows. A tail of fewer than `$lanes` columns in scalar
-/// code.
+/// three horizontal adds: `perf` found as many samples in one row's own
+/// reduction as in its products on SmolLM2's 576-wide rows. A tail of fewer
+/// than 8 columns in scalar code.
+///
+/// 16-lane AVX-512 registers read the same rows faster from cache but
+/// slower from memory, where decoding reads them, on the Zen 4 this was
+/// measured on (`kiln-bench-kernels --weights f16 --copies 60` at 71289c7,
+/// which had both), so AVX2 serves both.
 #[cfg(target_arch = "x86_64")]
-macro_rules! rows_kernel {
-    ($name:ident, $features:literal, $lanes:literal, $vector:ty,
-     $zero:expr, $load:expr, $fma:expr, $add:expr, $to_8:expr) => {
-        #[target_feature(enable = $features)]
-        unsafe fn $name<T: Copy + Into<f32>>(
-            cols: usize,
-            w: &[T],
-            first: usize,
-            x: &[f32],
-            out: &mut [f32],
-            widen: impl Fn(*const T) -> $vector,
-        ) {
-            use std::arch::x86_64::{
-                __m256, _mm_add_ps, _mm_storeu_ps, _mm256_castps256_ps128, _mm256_extractf128_ps,
-                _mm256_hadd_ps, _mm256_storeu_ps,
-            };
-            assert!(x.len() >= cols && w.len() >= (first + out.len()) * cols);
-            let whole = cols / $lanes * $lanes;
-            // One row's sum in 8 lanes.
-            let row_sum = |r: usize| -> __m256 {
-                let row = w[r * cols..].as_ptr();
-                let mut sums = [$zero; 4];
-                let mut c = 0;
-                while c + 4 * $lanes <= whole {
-                    for (u, sum) in sums.iter_mut().enumerate() {
-                        let at = c + $lanes * u;
-                        // SAFETY: `at + lanes <= cols`: within the row and
-                        // `x` (asserted above).
-                        let (weights, inputs) = unsafe { (row.add(at), $load(x.as_ptr().add(at))) };
-                        *sum = $fma(widen(weights), inputs, *sum);
-                    }
-                    c += 4 * $lanes;
-                }
-                while c < whole {
-                    // SAFETY: as above.
-                    let (weights, inputs) = unsafe { (row.add(c), $load(x.as_ptr().add(c))) };
-                    sums[0] = $fma(widen(weights), inputs, sums[0]);
-                    c += $lanes;
-                }
-                $to_8($add($add(sums[0], sums[1]), $add(sums[2], sums[3])))
-            };
-            let tail = |r: usize| -> f32 {
-                let row = &w[r * cols..][..cols];
-                (whole..cols).map(|c| row[c].into() * x[c]).sum()
-            };
-            let mut groups = out.chunks_exact_mut(4);
-            let mut r = first;
-            for group in &mut groups {
-                let [a, b, c, d] = std::array::from_fn(|k| row_sum(r + k));
-                // Within each 128-bit half: (a, b) pairs, (c, d) pairs,
-                // then the four rows' sums; the halves added.
-                let pairs = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
-                let sums = _mm_add_ps(
-                    _mm256_castps256_ps128(pairs),
-                    _mm256_extractf128_ps::<1>(pairs),
-                );
-                let mut lanes = [0.0f32; 4];
-                // SAFETY: `lanes` holds 4 f32.
-                unsafe { _mm_storeu_ps(lanes.as_mut_ptr(), sums) };
-                for (k, (out, lane)) in group.iter_mut().zip(lanes).enumerate() {
-                    *out = lane + tail(r + k);
-                }
-                r += 4;
-            }
-            for out in groups.into_remainder() {
-                let mut lanes = [0.0f32; 8];
-                // SAFETY: `lanes` holds 8 f32.
-                unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), row_sum(r)) };
-                *out = lanes.iter().sum::<f32>() + tail(r);
-                r += 1;
-            }
-        }
-    };
-}
-
-#[cfg(target_arch = "x86_64")]
-rows_kernel!(
-    avx512_rows,
-    "avx512f,avx2,fma,f16c",
-    16,
-    std::arch::x86_64::__m512,
-    std::arch::x86_64::_mm512_setzero_ps(),
-    std::arch::x86_64::_mm512_loadu_ps,
-    std::arch::x86_64::_mm512_fmadd_ps,
-    std::arch::x86_64::_mm512_add_ps,
-    |v| {
-        use std::arch::x86_64::*;
-        let high = _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(v)));
-        _mm256_add_ps(_mm512_castps512_ps256(v), high)
-    }
-);
-
-#[cfg(target_arch = "x86_64")]
-rows_kernel!(
-    avx2_rows,
-    "avx2,fma,f16c",
-    8,
-    std::arch::x86_64::__m256,
-    std::arch::x86_64::_mm256_setzero_ps(),
-    std::arch::x86_64::_mm256_loadu_ps,
-    std::arch::x86_64::_mm256_fmadd_ps,
-    std::arch::x86_64::_mm256_add_ps,
-    |v| v
-);
-
-/// [`rows_generic`] for AVX-512: 16 values a register (f16 by `vcvtph2ps`,
-/// bf16 by a 16-bit shift).
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f,avx2,fma,f16c")]
-unsafe fn rows_avx512(m: &Dense, first: usize, x: &[f32], out: &mut [f32]) {
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn avx2_rows<T: Copy + Into<f32>>(
+    cols: usize,
+    w: &[T],
+    first: usize,
+    x: &[f32],
+    out: &mut [f32],
+    widen: impl Fn(*const T) -> std::arch::x86_64::__m256,
+) {
     use std::arch::x86_64::{
-        _mm256_loadu_si256, _mm512_castsi512_ps, _mm512_cvtepu16_epi32, _mm512_cvtph_ps,
-        _mm512_loadu_ps, _mm512_slli_epi32,
+        __m256, _mm_add_ps, _mm_storeu_ps, _mm256_add_ps, _mm256_castps256_ps128,
+        _mm256_extractf128_ps, _mm256_fmadd_ps, _mm256_hadd_ps, _mm256_loadu_ps, _mm256_setzero_ps,
+        _mm256_storeu_ps,
     };
-    // SAFETY (the three calls): this function's features are `avx512_rows'`;
-    // each `widen` reads the 16 values of the row at its pointer.
-    match &m.data {
-        DenseData::F32(w) => unsafe {
-            avx512_rows(m.cols, w, first, x, out, |p: *const f32| _mm512_loadu_ps(p))
-        },
-        DenseData::F16(w) => unsafe {
-            avx512_rows(m.cols, w, first, x, out, |p: *const f16| {
-                _mm512_cvtph_ps(_mm256_loadu_si256(p.cast()))
-            })
-        },
-        DenseData::BF16(w) => unsafe {
-            avx512_rows(m.cols, w, first, x, out, |p: *const bf16| {
-                let wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(p.cast()));
-                _mm512_castsi512_ps(_mm512_slli_epi32::<16>(wide))
-            })
-        },
+    assert!(x.len() >= cols && w.len() >= (first + out.len()) * cols);
+    let whole = cols / 8 * 8;
+    // One row's sum in 8 lanes.
+    let row_sum = |r: usize| -> __m256 {
+        let row = w[r * cols..].as_ptr();
+        let mut sums = [_mm256_setzero_ps(); 4];
+        let mut c = 0;
+        while c + 32 <= whole {
+            for (u, sum) in sums.iter_mut().enumerate() {
+                let at = c + 8 * u;
+                // SAFETY: `at + 8 <= cols`: within the row and `x`
+                // (asserted above).
+                let (weights, inputs) =
+                    unsafe { (row.add(at), _mm256_loadu_ps(x.as_ptr().add(at))) };
+                *sum = _mm256_fmadd_ps(widen(weights), inputs, *sum);
+            }
+            c += 32;
+        }
+        while c < whole {
+            // SAFETY: as above.
+            let (weights, inputs) = unsafe { (row.add(c), _mm256_loadu_ps(x.as_ptr().add(c))) };
+            sums[0] = _mm256_fmadd_ps(widen(weights), inputs, sums[0]);
+            c += 8;
+        }
+        _mm256_add_ps(
+            _mm256_add_ps(sums[0], sums[1]),
+            _mm256_add_ps(sums[2], sums[3]),
+        )
+    };
+    let tail = |r: usize| -> f32 {
+        let row = &w[r * cols..][..cols];
+        (whole..cols).map(|c| row[c].into() * x[c]).sum()
+    };
+    let mut groups = out.chunks_exact_mut(4);
+    let mut r = first;
+    for group in &mut groups {
+        let [a, b, c, d] = std::array::from_fn(|k| row_sum(r + k));
+        // Within each 128-bit half: (a, b) pairs, (c, d) pairs, then the
+        // four rows' sums; the halves added.
+        let pairs = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
+        let sums = _mm_add_ps(
+            _mm256_castps256_ps128(pairs),
+            _mm256_extractf128_ps::<1>(pairs),
+        );
+        let mut lanes = [0.0f32; 4];
+        // SAFETY: `lanes` holds 4 f32.
+        unsafe { _mm_storeu_ps(lanes.as_mut_ptr(), sums) };
+        for (k, (out, lane)) in group.iter_mut().zip(lanes).enumerate() {
+            *out = lane + tail(r + k);
+        }
+        r += 4;
+    }
+    for out in groups.into_remainder() {
+        let mut lanes = [0.0f32; 8];
+        // SAFETY: `lanes` holds 8 f32.
+        unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), row_sum(r)) };
+        *out = lanes.iter().sum::<f32>() + tail(r);
+        r += 1;
     }
 }
 
