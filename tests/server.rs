@@ -760,7 +760,7 @@ fn bad_options_are_errors_that_name_them() {
                 "--batch-slots",
                 "4",
             ][..],
-            "--tensor-parallel serves one request at a time and --batch-slots 4",
+            "--tensor-parallel serves one request at a time and --batch-slots 4 asks for batching",
         ),
         (
             &[
@@ -771,7 +771,7 @@ fn bad_options_are_errors_that_name_them() {
                 "--speculate",
                 "self",
             ][..],
-            "--speculate with --tensor-parallel is not built",
+            "--speculate with --tensor-parallel is not built: the ranks load one-token steps only",
         ),
         (
             &["--backend", "cpu", "--tensor-parallel", "3"][..],

@@ -140,10 +140,13 @@ async fn run(args: Args) -> Result<()> {
         // The ranks step one sequence: batched modules split over ranks
         // are not built.
         Some(_) if args.batch_slots.is_some_and(|slots| slots > 1) => bail!(
-            "--tensor-parallel serves one request at a time and --batch-slots {batch_slots}              asks for batching; drop --batch-slots (or set it to 1), or drop --tensor-parallel              to batch on one device"
+            "--tensor-parallel serves one request at a time and --batch-slots {batch_slots} \
+             asks for batching; drop --batch-slots (or set it to 1), or drop --tensor-parallel \
+             to batch on one device"
         ),
         Some(_) if args.speculation.speculate.is_some() => bail!(
-            "--speculate with --tensor-parallel is not built: the ranks load one-token steps              only; drop one of them"
+            "--speculate with --tensor-parallel is not built: the ranks load one-token steps \
+             only; drop one of them"
         ),
         Some(ranks) => {
             eprintln!("--tensor-parallel {ranks}: requests are served one at a time");

@@ -54,8 +54,9 @@ impl Loaded {
 
     /// The decoder of `--backend`: speculative with `--speculate` (one
     /// request at a time), else IREE with `slots` > 1 batches and the rest
-    /// (the ranks of `--tensor-parallel` too) run one request at a time. Every module is loaded (or compiled) here,
-    /// before the server says it is ready.
+    /// (the ranks of `--tensor-parallel` too) run one request at a time.
+    /// Every module is loaded (or compiled) here, before the server says it
+    /// is ready.
     pub fn open_decoder(
         &self,
         args: &ModelArgs,
