@@ -293,6 +293,27 @@ fn tensor_parallel<'m>(
     }
 }
 
+/// The model config whose modules `kiln prepare` (and `kiln-bench-decode
+/// --prepare`) compiles for `target` with `--tensor-parallel ranks`: a
+/// rank's slice, every rank's having the same shapes, with `graph` made a
+/// rank's; without it, the model's own.
+#[cfg(feature = "xla-iree")]
+pub fn prepared_config(
+    config: &kiln_core::ModelConfig,
+    target: kiln_xla::Target,
+    graph: &mut kiln_xla::GraphOptions,
+    ranks: Option<u16>,
+) -> Result<kiln_core::ModelConfig> {
+    let Some(ranks) = ranks else {
+        return Ok(config.clone());
+    };
+    graph.tensor_parallel = Some(ranks.into());
+    graph.check_for(target).map_err(anyhow::Error::msg)?;
+    let plan = kiln_core::tensor_parallel::ShardPlan::new(config, ranks.into())
+        .map_err(anyhow::Error::msg)?;
+    Ok(plan.rank_config(0))
+}
+
 /// How long the ranks may take to open (compiling the modules the cache
 /// lacks, loading every one, uploading the weights), and to answer a call.
 #[cfg(feature = "xla-iree")]

@@ -312,20 +312,12 @@ fn prepare(args: &ModelArgs, batch_slots: usize, draft_tokens: Option<usize>) ->
     let buckets = backends::buckets(&model, &args.options)?;
     let mut graph = backends::graph(target, &args.options, Some(model.weights.stored))?;
     backends::say_stored_precision(&args.options, model.weights.stored);
-    // A rank's modules (every rank's slice has the same shapes).
-    let config = match args.options.tensor_parallel {
-        Some(_) if target != kiln_xla::Target::Cuda => anyhow::bail!(
-            "--tensor-parallel: a rank's modules sum over the ranks with collectives, which \
-             IREE's CPU devices do not have; prepare them for iree-cuda"
-        ),
-        Some(ranks) => {
-            let plan = kiln_core::tensor_parallel::ShardPlan::new(&model.config, ranks.into())
-                .map_err(anyhow::Error::msg)?;
-            graph.tensor_parallel = Some(plan.ranks());
-            plan.rank_config(0)
-        }
-        None => model.config.clone(),
-    };
+    let config = backends::prepared_config(
+        &model.config,
+        target,
+        &mut graph,
+        args.options.tensor_parallel,
+    )?;
     let compiler = kiln_xla::Compiler::from_env()?;
     let cache = kiln_xla::ModuleCache::default_location()?;
     let started = Instant::now();

@@ -267,22 +267,8 @@ fn prepare(args: &Args) -> Result<()> {
             let buckets = Buckets::for_context(context);
             for options in args.variants(kind) {
                 let mut graph = backends::graph(target, &options, stored)?;
-                // A rank's modules: every rank's slice has the same shapes.
-                let config = match args.tensor_parallel {
-                    Some(_) if target != kiln_xla::Target::Cuda => anyhow::bail!(
-                        "--tensor-parallel: a rank's modules sum over the ranks with \
-                         collectives, which IREE's CPU devices do not have; prepare them for \
-                         iree-cuda"
-                    ),
-                    Some(ranks) => {
-                        let plan =
-                            kiln_core::tensor_parallel::ShardPlan::new(&config, ranks.into())
-                                .map_err(anyhow::Error::msg)?;
-                        graph.tensor_parallel = Some(plan.ranks());
-                        plan.rank_config(0)
-                    }
-                    None => config.clone(),
-                };
+                let config =
+                    backends::prepared_config(&config, target, &mut graph, args.tensor_parallel)?;
                 kiln_xla::check_steps_per_call(options.steps_per_call)?;
                 let kinds = prepared::module_kinds(&buckets, options.steps_per_call);
                 if let Some(dir) = &args.export {

@@ -425,15 +425,24 @@ mod tests {
         }
     }
 
-    /// Rank `bad` fails as `how` says; the others serve the whole model.
-    struct Failing {
-        bad: usize,
-        how: How,
+    /// Each rank fails as its entry says (`None`, or no entry: it serves
+    /// the whole model).
+    struct Failing(Vec<Option<How>>);
+
+    impl Failing {
+        /// Rank `bad` fails as `how` says; the others serve.
+        fn rank(bad: usize, how: How) -> Failing {
+            let mut hows = vec![None; bad + 1];
+            hows[bad] = Some(how);
+            Failing(hows)
+        }
     }
 
     #[derive(Clone, Copy)]
     enum How {
         AtOpening,
+        /// Its thread panics before it opens.
+        PanicAtOpening,
         /// Its decode steps return an error.
         Erring,
         /// Its decode steps never return.
@@ -478,17 +487,15 @@ mod tests {
     impl RankOpener for Failing {
         fn with_rank(&self, rank: usize, serve: &mut dyn FnMut(&mut dyn Backend)) -> Result<()> {
             let model = Model::embedded();
-            if rank != self.bad {
-                serve(&mut CpuBackend::new(&model));
-                return Ok(());
+            match self.0.get(rank).copied().flatten() {
+                None => serve(&mut CpuBackend::new(&model)),
+                Some(How::AtOpening) => return Err(Error::Backend("no such device".into())),
+                Some(How::PanicAtOpening) => panic!("no device for rank {rank}"),
+                Some(how) => serve(&mut Broken {
+                    inner: CpuBackend::new(&model),
+                    how,
+                }),
             }
-            if let How::AtOpening = self.how {
-                return Err(Error::Backend("no such device".into()));
-            }
-            serve(&mut Broken {
-                inner: CpuBackend::new(&model),
-                how: self.how,
-            });
             Ok(())
         }
     }
@@ -518,10 +525,7 @@ mod tests {
 
     #[test]
     fn a_rank_that_cannot_open_is_named() {
-        let bad = Failing {
-            bad: 1,
-            how: How::AtOpening,
-        };
+        let bad = Failing::rank(1, How::AtOpening);
         let error = Ranks::start(3, bad, TIMEOUT, TIMEOUT)
             .err()
             .unwrap()
@@ -534,16 +538,7 @@ mod tests {
 
     #[test]
     fn a_failing_rank_is_named_and_the_ranks_stop() {
-        let mut ranks = Ranks::start(
-            3,
-            Failing {
-                bad: 2,
-                how: How::Erring,
-            },
-            TIMEOUT,
-            TIMEOUT,
-        )
-        .unwrap();
+        let mut ranks = Ranks::start(3, Failing::rank(2, How::Erring), TIMEOUT, TIMEOUT).unwrap();
         ranks.prefill(&[1, 2]).unwrap();
         let error = ranks.decode(7).unwrap_err().to_string();
         assert!(
@@ -558,10 +553,7 @@ mod tests {
     fn a_rank_that_does_not_answer_is_named_within_the_timeout() {
         let mut ranks = Ranks::start(
             2,
-            Failing {
-                bad: 1,
-                how: How::Stuck,
-            },
+            Failing::rank(1, How::Stuck),
             TIMEOUT,
             Duration::from_millis(300),
         )
@@ -583,23 +575,8 @@ mod tests {
     /// [`ALIKE_WITHIN`], not a timeout of the whole call.
     #[test]
     fn a_rank_that_fails_alone_is_named_while_the_others_wait() {
-        struct Split;
-        impl RankOpener for Split {
-            fn with_rank(
-                &self,
-                rank: usize,
-                serve: &mut dyn FnMut(&mut dyn Backend),
-            ) -> Result<()> {
-                let model = Model::embedded();
-                let how = if rank == 0 { How::Stuck } else { How::Erring };
-                serve(&mut Broken {
-                    inner: CpuBackend::new(&model),
-                    how,
-                });
-                Ok(())
-            }
-        }
-        let mut ranks = Ranks::start(2, Split, TIMEOUT, Duration::from_secs(120)).unwrap();
+        let split = Failing(vec![Some(How::Stuck), Some(How::Erring)]);
+        let mut ranks = Ranks::start(2, split, TIMEOUT, Duration::from_secs(120)).unwrap();
         ranks.prefill(&[1, 2]).unwrap();
         let started = Instant::now();
         let error = ranks.decode(7).unwrap_err().to_string();
@@ -627,21 +604,8 @@ mod tests {
 
     #[test]
     fn a_rank_that_panics_is_named_at_once() {
-        struct Panicking;
-        impl RankOpener for Panicking {
-            fn with_rank(
-                &self,
-                rank: usize,
-                serve: &mut dyn FnMut(&mut dyn Backend),
-            ) -> Result<()> {
-                assert_ne!(rank, 1, "no device for rank 1");
-                let model = Model::embedded();
-                serve(&mut CpuBackend::new(&model));
-                Ok(())
-            }
-        }
         let started = Instant::now();
-        let error = Ranks::start(2, Panicking, TIMEOUT, TIMEOUT)
+        let error = Ranks::start(2, Failing::rank(1, How::PanicAtOpening), TIMEOUT, TIMEOUT)
             .err()
             .unwrap()
             .to_string();

@@ -291,17 +291,10 @@ impl<'m> IreeBackend<'m> {
         let device = Instance::new()
             .and_then(|i| i.device(device_uri))
             .map_err(to_core)?;
+        graph.check_for(target).map_err(kiln_core::Error::Invalid)?;
         let mut in_world = false;
         match graph.tensor_parallel {
             None => {}
-            Some(_) if target != Target::Cuda => {
-                return Err(kiln_core::Error::Invalid(
-                    "tensor-parallel graphs sum over their ranks with collectives, which IREE's \
-                     CPU devices do not have: run them on iree-cuda (NCCL), or check the split \
-                     on the CPU with the reference (CpuBackend::tensor_parallel)"
-                        .into(),
-                ));
-            }
             // A world of one: the graph's collectives through the device's
             // channel (NCCL on CUDA) with nobody else.
             Some(1) => {
@@ -316,7 +309,6 @@ impl<'m> IreeBackend<'m> {
                 .and_then(|t| device.upload(&t))
                 .map_err(to_core)
         };
-        graph.check().map_err(kiln_core::Error::Invalid)?;
         let rows = graph.output_rows(model.config.vocab_size);
         if model.weights.output().rows > rows {
             return Err(kiln_core::Error::Invalid(format!(

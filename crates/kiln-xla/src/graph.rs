@@ -463,6 +463,22 @@ impl GraphOptions {
         }
         Ok(())
     }
+
+    /// [`GraphOptions::check`], and an error for graphs `target` cannot run:
+    /// a tensor-parallel rank's sum over the ranks with collectives, which
+    /// only CUDA's devices have (NCCL).
+    pub fn check_for(&self, target: Target) -> Result<(), String> {
+        self.check()?;
+        if self.tensor_parallel.is_some() && target != Target::Cuda {
+            return Err(
+                "tensor-parallel graphs sum over their ranks with collectives, which \
+                        IREE's CPU devices do not have: run them on iree-cuda (NCCL), or check \
+                        the split on the CPU reference (kiln's --backend cpu)"
+                    .into(),
+            );
+        }
+        Ok(())
+    }
 }
 
 #[cfg(test)]
