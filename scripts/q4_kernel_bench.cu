@@ -8,10 +8,13 @@
 // a decode step reads each layer's weights once. Rows a warp follow
 // kernels.rs's rule (`q4_rows_per_warp`) unless a build names its own. The
 // outputs of the first copy are checked against the product in doubles of
-// the dequantized weights on a sample of rows.
+// the dequantized weights on a sample of rows. Each product runs with the
+// fusions a decode step gives it (kernels.rs): the RMSNorm before qkv,
+// gate-up and the head, the residual after o and down, and down's row read
+// as the MLP's SiLU(gate) · up.
 //
 //   nvcc -O2 -o q4_kernel_bench scripts/q4_kernel_bench.cu -lcuda
-//   ./q4_kernel_bench [--reps N] [--only tinyllama|8b] [--profile] NAME=PTX[,warps=8][,min_workgroups=256][,rows=R] ...
+//   ./q4_kernel_bench [--reps N] [--only tinyllama|8b] [--profile] NAME=PTX[,warps=8][,min_workgroups=256][,rows=R][,plain=1] ...
 //
 // --profile launches each product once (the checked launch), for Nsight
 // Compute: `ncu -k kiln_q4_row ./q4_kernel_bench --profile ...`.
@@ -31,25 +34,37 @@
 #include <string>
 #include <vector>
 
+// The kernel's flags (q4_row.cu) and a norm's eps.
+enum : unsigned { INPUT_SWIGLU = 1, OUTPUT_RESIDUAL = 2 };
+const float EPS = 1e-5f;
+
 struct Shape {
   const char* model;
   const char* name;
   int out, in, per_step;  // per_step: how many of it a decode step runs
+  bool norm;              // an RMSNorm before it
+  unsigned flags;
 };
 
 // The q4 products of a decode step: TinyLlama-1.1B (22 layers) and
 // Llama-3.1-8B (32 layers), q/k/v and gate/up each one product.
 static const Shape SHAPES[] = {
-    {"tinyllama", "qkv", 2560, 2048, 22},    {"tinyllama", "o", 2048, 2048, 22},
-    {"tinyllama", "gate-up", 11264, 2048, 22}, {"tinyllama", "down", 2048, 5632, 22},
-    {"tinyllama", "head", 32000, 2048, 1},   {"8b", "qkv", 6144, 4096, 32},
-    {"8b", "o", 4096, 4096, 32},             {"8b", "gate-up", 28672, 4096, 32},
-    {"8b", "down", 4096, 14336, 32},         {"8b", "head", 128256, 4096, 1},
+    {"tinyllama", "qkv", 2560, 2048, 22, true, 0},
+    {"tinyllama", "o", 2048, 2048, 22, false, OUTPUT_RESIDUAL},
+    {"tinyllama", "gate-up", 11264, 2048, 22, true, 0},
+    {"tinyllama", "down", 2048, 5632, 22, false, INPUT_SWIGLU | OUTPUT_RESIDUAL},
+    {"tinyllama", "head", 32000, 2048, 1, true, 0},
+    {"8b", "qkv", 6144, 4096, 32, true, 0},
+    {"8b", "o", 4096, 4096, 32, false, OUTPUT_RESIDUAL},
+    {"8b", "gate-up", 28672, 4096, 32, true, 0},
+    {"8b", "down", 4096, 14336, 32, false, INPUT_SWIGLU | OUTPUT_RESIDUAL},
+    {"8b", "head", 128256, 4096, 1, true, 0},
 };
 
 struct Build {
   std::string name, path;
   int warps = 8, min_workgroups = 256, rows = 0;
+  bool plain = false;  // without the fusions, to see what they cost
   CUmodule module = nullptr;
   CUfunction function = nullptr;
 };
@@ -80,6 +95,7 @@ static Build parse_build(const char* arg) {
     if (key == "warps") b.warps = value;
     else if (key == "min_workgroups") b.min_workgroups = value;
     else if (key == "rows") b.rows = value;
+    else if (key == "plain") b.plain = value != 0;
     else {
       std::fprintf(stderr, "unknown key %s\n", key.c_str());
       std::exit(2);
@@ -211,19 +227,39 @@ int main(int argc, char** argv) {
       fill_halves<<<1024, 256>>>((__half*)all[c].scales, n, 2, 1e-3f, 1e-2f);
       fill_halves<<<1024, 256>>>((__half*)all[c].offsets, n, 3, -4e-3f, 4e-3f);
     }
-    CUdeviceptr x, y;
-    check(cuMemAlloc(&x, s.in * 4), "cuMemAlloc");
+    // x is the gate and up halves where the row is SiLU(gate) · up.
+    int width = s.flags & INPUT_SWIGLU ? 2 * s.in : s.in;
+    CUdeviceptr x, y, norm, residual;
+    check(cuMemAlloc(&x, width * 4), "cuMemAlloc");
     check(cuMemAlloc(&y, s.out * 4), "cuMemAlloc");
-    fill_floats<<<64, 256>>>((float*)x, s.in, 4);
+    check(cuMemAlloc(&norm, s.in * 2), "cuMemAlloc");
+    check(cuMemAlloc(&residual, s.out * 4), "cuMemAlloc");
+    fill_floats<<<64, 256>>>((float*)x, width, 4);
+    fill_halves<<<64, 256>>>((__half*)norm, s.in, 5, 0.5f, 1.5f);
+    fill_floats<<<64, 256>>>((float*)residual, s.out, 6);
     check(cudaDeviceSynchronize(), "fill");
-    // The reference on sample rows of copy 0.
-    std::vector<float> hx(s.in);
-    cuMemcpyDtoH(hx.data(), x, s.in * 4);
+    // The reference on sample rows of copy 0, on the row the kernel takes:
+    // SiLU(gate) · up, times the norm's weight, the sums times 1 / rms and
+    // the residual added.
+    std::vector<float> raw(width), hres(s.out);
+    std::vector<__half> hnorm(s.in);
+    cuMemcpyDtoH(raw.data(), x, width * 4);
+    cuMemcpyDtoH(hnorm.data(), norm, s.in * 2);
+    cuMemcpyDtoH(hres.data(), residual, s.out * 4);
+    std::vector<double> hx(s.in), plain_x(raw.begin(), raw.begin() + s.in);
+    double squares = 0;
+    for (int i = 0; i < s.in; i++) {
+      double v = raw[i];
+      if (s.flags & INPUT_SWIGLU) v = v / (1 + std::exp(-v)) * raw[s.in + i];
+      squares += v * v;
+      hx[i] = s.norm ? v * (double)__half2float(hnorm[i]) : v;
+    }
+    double factor = s.norm ? 1 / std::sqrt(squares / s.in + EPS) : 1;
     std::vector<int> sample;
     for (int r = 0; r < s.out; r += std::max(1, s.out / 61)) sample.push_back(r);
     sample.push_back(s.out - 1);
-    std::vector<double> expected(sample.size());
-    double largest = 0;
+    std::vector<double> expected(sample.size()), expected_plain(sample.size());
+    double largest = 0, largest_plain = 0;
     for (size_t k = 0; k < sample.size(); k++) {
       size_t row = sample[k];
       std::vector<unsigned char> q(blocks * 16);
@@ -231,28 +267,37 @@ int main(int argc, char** argv) {
       cuMemcpyDtoH(q.data(), all[0].quants + row * blocks * 16, blocks * 16);
       cuMemcpyDtoH(sc.data(), all[0].scales + row * blocks * 2, blocks * 2);
       cuMemcpyDtoH(of.data(), all[0].offsets + row * blocks * 2, blocks * 2);
-      double sum = 0;
+      double sum = 0, plain = 0;
       for (size_t b = 0; b < blocks; b++)
         for (int i = 0; i < 32; i++) {
           int nibble = (q[b * 16 + i / 2] >> (4 * (i % 2))) & 15;
           int value = nibble >= 8 ? nibble - 16 : nibble;
           double w = value * (double)__half2float(sc[b]) + (double)__half2float(of[b]);
           sum += w * hx[b * 32 + i];
+          plain += w * plain_x[b * 32 + i];
         }
+      sum *= factor;
+      if (s.flags & OUTPUT_RESIDUAL) sum += hres[row];
       expected[k] = sum;
       largest = std::max(largest, std::fabs(sum));
+      expected_plain[k] = plain;
+      largest_plain = std::max(largest_plain, std::fabs(plain));
     }
     for (size_t bi = 0; bi < builds.size(); bi++) {
       Build& b = builds[bi];
-      // eps_bits 0: no norm (a build from before the kernel took it ignores it).
-      unsigned out = s.out, nblocks = blocks, rows = rows_per_warp(b, s.out), eps_bits = 0;
+      unsigned out = s.out, nblocks = blocks, rows = rows_per_warp(b, s.out);
+      unsigned flags = b.plain ? 0 : s.flags;
+      float eps = s.norm && !b.plain ? EPS : 0.0f;
+      unsigned eps_bits;
+      std::memcpy(&eps_bits, &eps, 4);
       unsigned workgroups = (s.out + rows * b.warps - 1) / (rows * b.warps);
       std::vector<std::vector<unsigned long long>> pointers(copies);
       std::vector<std::vector<void*>> params(copies);
       for (size_t c = 0; c < copies; c++) {
-        pointers[c] = {all[c].quants, all[c].scales, all[c].offsets, x, y};
+        pointers[c] = {all[c].quants, all[c].scales, all[c].offsets, x, norm, residual, y};
         params[c] = {&pointers[c][0], &pointers[c][1], &pointers[c][2], &pointers[c][3],
-                     &pointers[c][4], &out, &nblocks, &rows, &eps_bits};
+                     &pointers[c][4], &pointers[c][5], &pointers[c][6], &out, &nblocks,
+                     &rows, &eps_bits, &flags};
       }
       auto launch = [&](size_t c) {
         check(cuLaunchKernel(b.function, workgroups, 1, 1, b.warps * 32, 1, 1, 0, stream,
@@ -266,7 +311,8 @@ int main(int argc, char** argv) {
       cuMemcpyDtoH(got.data(), y, s.out * 4);
       double worst = 0;
       for (size_t k = 0; k < sample.size(); k++)
-        worst = std::max(worst, std::fabs(got[sample[k]] - expected[k]) / largest);
+        worst = b.plain ? std::max(worst, std::fabs(got[sample[k]] - expected_plain[k]) / largest_plain)
+                        : std::max(worst, std::fabs(got[sample[k]] - expected[k]) / largest);
       if (profile) {
         std::printf("| %s | %s | %d x %d | %.1f | %s | %u | | | | %.2e |\n", s.model, s.name, s.out,
                     s.in, bytes / 1e6, b.name.c_str(), rows, worst);
@@ -307,6 +353,8 @@ int main(int argc, char** argv) {
     }
     cuMemFree(x);
     cuMemFree(y);
+    cuMemFree(norm);
+    cuMemFree(residual);
   }
   std::printf("\nProducts of one decode step:\n");
   for (int model = 0; model < 2; model++) {

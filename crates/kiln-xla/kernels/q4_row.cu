@@ -40,7 +40,12 @@
 // (each a launch of a few µs, more than a small product's own time):
 // INPUT_SWIGLU reads x as an MLP's gate and up halves, twice the row's
 // width, and takes the row SiLU(gate) · up; OUTPUT_RESIDUAL adds the
-// residual row to the outputs.
+// residual row to the outputs; OUTPUT_SWIGLU takes the rows in pairs, an
+// MLP's gate row and its up row (the matrix stored so: kiln-xla's
+// `GraphOptions::pairs_mlp_rows`), and writes SiLU(gate) · up, one output
+// a pair, so that the down product after it reads the hidden row itself
+// instead of every workgroup of it combining both halves again (on an
+// H100 that cost Llama-3.1-8B's down product 22.7 µs against 17.7).
 
 typedef unsigned int u32;
 typedef unsigned short u16;
@@ -72,6 +77,7 @@ typedef unsigned short u16;
 // The flags (the last constant).
 #define INPUT_SWIGLU 1u
 #define OUTPUT_RESIDUAL 2u
+#define OUTPUT_SWIGLU 4u
 
 #ifndef KILN_HOST_CHECK
 // Without CUDA's headers, what they would define.
@@ -567,6 +573,27 @@ static __device__ __forceinline__ float output(float sum, float factor, const fl
     return residual ? residual[o] + y : y;
 }
 
+// A warp's ROWS outputs from `first` (whole sums in `sums`) into y: each
+// as `output` makes it, or with OUTPUT_SWIGLU each pair of rows (gate,
+// up; ROWS and `first` even) as SiLU(gate) · up at y[pair], the values
+// the down product would have combined from the pair's outputs.
+template <int ROWS>
+static __device__ __forceinline__ void write_outputs(const float sums[ROWS], float factor,
+                                                     const float *residual, u32 flags,
+                                                     u32 first, u32 outputs, float *y) {
+    if (flags & OUTPUT_SWIGLU) {
+#pragma unroll
+        for (int r = 0; r + 1 < ROWS; r += 2)
+            if (first + r + 1 < outputs)
+                y[(first + r) / 2] = silu(sums[r] * factor) * (sums[r + 1] * factor);
+        return;
+    }
+#pragma unroll
+    for (int r = 0; r < ROWS; r++)
+        if (first + r < outputs)
+            y[first + r] = output(sums[r], factor, residual, first + r);
+}
+
 #ifndef KILN_HOST_CHECK
 template <int ROWS>
 static __device__ __forceinline__ void q4_row(const u32 *quants, const u16 *scales,
@@ -605,9 +632,9 @@ static __device__ __forceinline__ void q4_row(const u32 *quants, const u16 *scal
 #pragma unroll
         for (int m = 16; m > 0; m >>= 1)
             acc[r] += __nvvm_shfl_sync_bfly_f32(0xffffffffu, acc[r], m, 31);
-        if (lane == 0 && first + r < outputs)
-            y[first + r] = output(acc[r], factor, residual, first + r);
     }
+    if (lane == 0)
+        write_outputs<ROWS>(acc, factor, residual, flags, first, outputs, y);
 }
 
 // The one entry point, rows a warp (1, 2 or 4) a constant: IREE gives all

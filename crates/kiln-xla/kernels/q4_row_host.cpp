@@ -7,7 +7,7 @@
 // block; 32 with Q8_ROW), scales and offsets (f16 bits), x (f32; twice the row with
 // INPUT_SWIGLU), with an eps the norm's weight (f16 bits, one an input) and
 // with OUTPUT_RESIDUAL the residual row (f32, one an output); writes the
-// outputs (f32) to stdout.
+// outputs (f32; with OUTPUT_SWIGLU one a pair of rows) to stdout.
 #define KILN_HOST_CHECK
 #include "q4_row.cu"
 
@@ -48,9 +48,7 @@ static void grid(const std::vector<u32> &quants, const std::vector<u16> &scales,
                 squares += lane_squares;
             }
             float factor = output_factor(squares, blocks, eps_bits);
-            for (int r = 0; r < ROWS; r++)
-                if (first + r < outputs)
-                    y[first + r] = output(sums[r], factor, residual, first + r);
+            write_outputs<ROWS>(sums, factor, residual, flags, first, outputs, y);
         }
     }
 }
@@ -89,7 +87,9 @@ int main() {
     if (flags & OUTPUT_RESIDUAL && !read(residual, outputs))
         return 2;
     const float *residual_row = flags & OUTPUT_RESIDUAL ? residual.data() : nullptr;
-    std::vector<float> y(outputs);
+    // With OUTPUT_SWIGLU, one output a pair of rows.
+    u32 written = flags & OUTPUT_SWIGLU ? outputs / 2 : outputs;
+    std::vector<float> y(written);
     const float *row = (const float *)x.data();
 #define GRID(ROWS)                                                                          \
     grid<ROWS>(quants, scales, offsets, row, weight, residual_row, y.data(), outputs, blocks, \
@@ -101,5 +101,5 @@ int main() {
     default: return 2;
     }
 #undef GRID
-    return std::fwrite(y.data(), 4, outputs, stdout) == outputs ? 0 : 1;
+    return std::fwrite(y.data(), 4, written, stdout) == written ? 0 : 1;
 }

@@ -49,6 +49,10 @@ fn weight_arguments<'w>(w: &'w Weights, graph: &GraphOptions) -> Vec<Cow<'w, [f3
         })
     };
     let stacked = |ms: &[&Matrix]| Cow::Owned(stack_rows(ms));
+    let gate_up = |gate: &Matrix, up: &Matrix| match graph.pairs_mlp_rows {
+        true => Cow::Owned(pair_rows(gate, up)),
+        false => stacked(&[gate, up]),
+    };
     let mut args = vec![Cow::Borrowed(w.embed.data.as_slice())];
     for l in &w.layers {
         args.extend([
@@ -59,7 +63,7 @@ fn weight_arguments<'w>(w: &'w Weights, graph: &GraphOptions) -> Vec<Cow<'w, [f3
         args.extend([
             matrix(&l.wo),
             Cow::Borrowed(l.mlp_norm.as_slice()),
-            after_norm(stacked(&[&l.w_gate, &l.w_up]), &l.mlp_norm),
+            after_norm(gate_up(&l.w_gate, &l.w_up), &l.mlp_norm),
             matrix(&l.w_down),
         ]);
     }
@@ -83,6 +87,23 @@ fn output_rows<'w>(w: &'w Weights, graph: &GraphOptions) -> Cow<'w, Matrix> {
         cols: output.cols,
         data,
     })
+}
+
+/// `a` and `b` (`[n, in]` each) as `[2n, in]` with their rows in pairs:
+/// row i of `a`, then row i of `b` ([`GraphOptions::pairs_mlp_rows`]).
+fn pair_rows(a: &Matrix, b: &Matrix) -> Matrix {
+    assert_eq!((a.rows, a.cols), (b.rows, b.cols), "pair_rows");
+    let data = a
+        .data
+        .chunks_exact(a.cols)
+        .zip(b.data.chunks_exact(b.cols))
+        .flat_map(|(ra, rb)| ra.iter().chain(rb).copied())
+        .collect();
+    Matrix {
+        rows: 2 * a.rows,
+        cols: a.cols,
+        data,
+    }
 }
 
 /// `[out, in]` `m` with input column i multiplied by `scale[i]`: `m ·

@@ -204,6 +204,10 @@ pub struct GraphOptions {
     pub append_kernel: bool,
     /// One-row q8 products are kiln's kernel (see [`q8_kernel_for`]).
     pub q8_kernel: bool,
+    /// Each layer's gate and up matrices are stored with their rows in
+    /// pairs (gate row i, then up row i) rather than one after the other
+    /// (see [`pairs_mlp_rows_for`]).
+    pub pairs_mlp_rows: bool,
     /// The graph is one rank's of a tensor-parallel world of this many
     /// ranks (`kiln_core::tensor_parallel`): its weights are the rank's
     /// slice, each layer's attention and MLP outputs are summed over the
@@ -312,6 +316,19 @@ pub fn append_kernel_for(target: Target) -> bool {
 /// 236.0, H100, 2026-12-07, docs/perf-notes.md).
 pub fn q8_kernel_for(target: Target) -> bool {
     matches!(target, Target::Cuda)
+}
+
+/// Whether `target` stores the MLP's gate and up rows in pairs at
+/// `precision`: where kiln's row kernel takes the one-row gate/up product
+/// (q4 and q8 on CUDA), a warp then holds both halves of its hidden values
+/// and writes `SiLU(gate) · up` itself, and the down product reads the
+/// hidden row as it is, where every one of its workgroups combined the two
+/// halves again (on an H100, 2026-12-07: Llama-3.1-8B's down product 22.7
+/// µs with that, 17.7 without, `scripts/q4_kernel_bench.cu`). Products of
+/// several rows take the pairs apart, so any graph computes right with
+/// either layout.
+pub fn pairs_mlp_rows_for(target: Target, precision: Precision) -> bool {
+    target == Target::Cuda && precision.is_blocked()
 }
 
 /// How a one-row q4 product is computed.
@@ -433,6 +450,7 @@ impl GraphOptions {
             decode_attention: decode_attention_for(target),
             append_kernel: append_kernel_for(target),
             q8_kernel: q8_kernel_for(target),
+            pairs_mlp_rows: pairs_mlp_rows_for(target, precision),
             tensor_parallel: None,
         }
     }

@@ -60,10 +60,15 @@ pub static OBJECTS: [&ExternObject; 5] =
 const Q4_ROW_WARPS: usize = 8;
 
 /// The fewest workgroups a [`Q4_ROW`] product is given before a warp takes
-/// more than one row: about two per SM of an H200 (132). Rows per warp
-/// share the warp's rounding of the row; workgroups keep the SMs' loads in
-/// flight.
-const Q4_ROW_MIN_WORKGROUPS: usize = 256;
+/// more than one row: somewhat more than one per SM of an H100 (132).
+/// Rows per warp share the workgroup's rounding of the row, which every
+/// workgroup pays; workgroups keep the SMs' loads in flight. On an H100
+/// (2026-12-07, `scripts/q4_kernel_bench.cu`, each product with its
+/// decode step's fusions) 160 chose the faster of 1, 2 and 4 rows for
+/// Llama-3.1-8B's qkv (4 rows, 192 workgroups: 9.1 µs against 10.1 at 2)
+/// and TinyLlama's (2 rows, 160 workgroups: 4.1 µs against 5.5 at 1), and
+/// kept the rest (256 chose 2 and 1 rows for those).
+const Q4_ROW_MIN_WORKGROUPS: usize = 160;
 
 /// Rows a warp takes in a product of `out` outputs: 4, 2 or 1, the most
 /// that still gives [`Q4_ROW_MIN_WORKGROUPS`].
@@ -93,12 +98,18 @@ pub struct RowFusion<'a> {
     pub swiglu: bool,
     /// `[out]` f32 added to the outputs (the residual stream).
     pub residual: Option<&'a Val>,
+    /// The matrix's rows are an MLP's gate and up rows in pairs (gate row
+    /// i, then up row i), and the product is `SiLU(gate) · up`, `[out /
+    /// 2]`: the hidden row the down product reads.
+    pub paired_swiglu: bool,
 }
 
-/// [`RowFusion::swiglu`] and [`RowFusion::residual`] as the kernel's last
-/// constant (`INPUT_SWIGLU`, `OUTPUT_RESIDUAL` in `q4_row.cu`).
+/// [`RowFusion::swiglu`], [`RowFusion::residual`] and
+/// [`RowFusion::paired_swiglu`] as the kernel's last constant
+/// (`INPUT_SWIGLU`, `OUTPUT_RESIDUAL`, `OUTPUT_SWIGLU` in `q4_row.cu`).
 const Q4_ROW_SWIGLU: u32 = 1;
 const Q4_ROW_RESIDUAL: u32 = 2;
+const Q4_ROW_PAIRED_SWIGLU: u32 = 4;
 
 /// One f32 row `x` `[in]` times q4 weights (`quants` `[out, in / BLOCK,
 /// BLOCK]` i4, `scales` and `offsets` `[out, in / BLOCK]` f16) with
@@ -110,8 +121,9 @@ const Q4_ROW_RESIDUAL: u32 = 2;
 /// sqrt(mean(x²) + eps)`. That spares the step the norm's reduction and
 /// scaling kernels, and the matrix keeps its blocks as given (no norm
 /// weight folded into them). Likewise it combines an MLP's halves as it
-/// reads them (`fusion.swiglu`) and adds the residual as it writes
-/// (`fusion.residual`).
+/// reads them (`fusion.swiglu`), adds the residual as it writes
+/// (`fusion.residual`), or takes an MLP's paired rows' outputs as
+/// `SiLU(gate) · up` (`fusion.paired_swiglu`).
 pub fn q4_row(
     f: &mut Function,
     quants: &Val,
@@ -167,6 +179,7 @@ fn block_row(
         norm,
         swiglu,
         residual,
+        paired_swiglu,
     } = fusion;
     let halves = if swiglu { 2 } else { 1 };
     assert_eq!(x.shape, [halves * blocks * BLOCK], "q4_row: row shape");
@@ -196,8 +209,19 @@ fn block_row(
         }
         None => (x, 0),
     };
-    let flags = residual_flag | if swiglu { Q4_ROW_SWIGLU } else { 0 };
-    let rows = q4_rows_per_warp(out);
+    assert!(
+        !paired_swiglu || (out.is_multiple_of(2) && residual_flag == 0),
+        "q4_row: {out} paired rows"
+    );
+    let flags = residual_flag
+        | if swiglu { Q4_ROW_SWIGLU } else { 0 }
+        | if paired_swiglu {
+            Q4_ROW_PAIRED_SWIGLU
+        } else {
+            0
+        };
+    // A warp holds both rows of each of its pairs.
+    let rows = q4_rows_per_warp(out).max(if paired_swiglu { 2 } else { 1 });
     f.dispatch_extern(
         &ExternDispatch {
             object,
@@ -208,7 +232,7 @@ fn block_row(
             constants: &[out as u32, blocks as u32, rows as u32, eps_bits, flags],
         },
         &[bytes, scales, offsets, x, weight, residual],
-        &[out],
+        &[if paired_swiglu { out / 2 } else { out }],
         Ty::F32,
     )
 }
@@ -512,18 +536,18 @@ mod tests {
         }
     }
 
-    /// The products of the shapes kiln serves get at least two workgroups
+    /// The products of the shapes kiln serves get more than one workgroup
     /// an SM where they have the rows for it, and the most rows a warp
-    /// that allows.
+    /// that allows (the choices measured fastest on an H100).
     #[test]
     fn q4_rows_per_warp_keep_the_gpu_busy() {
         // TinyLlama: qkv, o and down, then gate-up and the head.
-        assert_eq!(q4_rows_per_warp(2560), 1);
+        assert_eq!(q4_rows_per_warp(2560), 2);
         assert_eq!(q4_rows_per_warp(2048), 1);
         assert_eq!(q4_rows_per_warp(11264), 4);
         assert_eq!(q4_rows_per_warp(32000), 4);
-        // Llama-3.1-8B's qkv, and random-100m's gate-up (the GPU test's).
-        assert_eq!(q4_rows_per_warp(6144), 2);
+        // Llama-3.1-8B's qkv, then its o and down.
+        assert_eq!(q4_rows_per_warp(6144), 4);
         assert_eq!(q4_rows_per_warp(4096), 2);
         // Too few outputs for even one workgroup an SM.
         assert_eq!(q4_rows_per_warp(64), 1);
@@ -589,11 +613,12 @@ mod tests {
                 .map(|o| ((o * 37 % 11) as f32 - 5.0) * 0.5)
                 .collect();
             for (eps, swiglu) in [(None, false), (Some(1e-5f32), false), (None, true)] {
-                let run = |add: bool| {
+                let run_with = |add: bool, paired: bool| {
                     let mut input = Vec::new();
                     let eps_bits = eps.map_or(0, f32::to_bits);
-                    let flags =
-                        u32::from(swiglu) * Q4_ROW_SWIGLU + u32::from(add) * Q4_ROW_RESIDUAL;
+                    let flags = u32::from(swiglu) * Q4_ROW_SWIGLU
+                        + u32::from(add) * Q4_ROW_RESIDUAL
+                        + u32::from(paired) * Q4_ROW_PAIRED_SWIGLU;
                     for v in [
                         rows_per_warp,
                         outputs as u32,
@@ -622,10 +647,28 @@ mod tests {
                         }
                     }
                     let got = host.run(&input);
-                    assert_eq!(got.len(), outputs);
+                    assert_eq!(got.len(), if paired { outputs / 2 } else { outputs });
                     got
                 };
+                let run = |add: bool| run_with(add, false);
                 let got = run(false);
+                // An MLP's gate/up product with its rows in pairs (a warp
+                // holds both rows of a pair): each pair's output is
+                // SiLU(gate) · up of the two outputs the plain product
+                // gives, within SiLU's rounding.
+                if rows_per_warp % 2 == 0 && outputs % 2 == 0 && !swiglu {
+                    let paired = run_with(false, true);
+                    for (j, (h, pair)) in paired.iter().zip(got.chunks_exact(2)).enumerate() {
+                        let g = pair[0] as f64;
+                        let want = g / (1.0 + (-g).exp()) * pair[1] as f64;
+                        assert!(
+                            (*h as f64 - want).abs() <= 1e-6 * (1.0 + want.abs()),
+                            "pair {j}: {h} against SiLU({}) · {} = {want}",
+                            pair[0],
+                            pair[1]
+                        );
+                    }
+                }
                 // With the residual, each output is the residual plus the
                 // same output without it, rounded once: the sum the graph
                 // would have made.

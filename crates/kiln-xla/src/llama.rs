@@ -292,6 +292,8 @@ struct Dims {
     append_kernel: bool,
     /// See [`GraphOptions::q8_kernel`].
     q8_kernel: bool,
+    /// See [`GraphOptions::pairs_mlp_rows`].
+    paired_mlp: bool,
     /// See [`GraphOptions::tensor_parallel`].
     ranks: Option<usize>,
     /// The model's vocabulary (the logits after the gather).
@@ -315,6 +317,7 @@ fn dims(c: &ModelConfig, g: &GraphOptions) -> Dims {
         decode_attention: g.decode_attention,
         append_kernel: g.append_kernel,
         q8_kernel: g.q8_kernel,
+        paired_mlp: g.pairs_mlp_rows,
         ranks: g.tensor_parallel,
         vocab: c.vocab_size,
     }
@@ -376,6 +379,20 @@ fn rms_norm(f: &mut Function, dm: &Dims, x: &Val, weight: &Val, eps: f32) -> Nor
 /// into the matrix-vector kernel, where rounding the row to f16 first would
 /// be a kernel of its own.
 fn linear_normed(f: &mut Function, dm: &Dims, normed: &Normed, w: &Weight) -> Val {
+    linear_normed_fused(f, dm, normed, w, false)
+}
+
+/// [`linear_normed`], and where `paired_swiglu` (the rows of `w` an MLP's
+/// gate and up rows in pairs) kiln's kernel writes `SiLU(gate) · up`, `[1,
+/// out / 2]`, where it takes the product; elsewhere the product is
+/// returned as it is, `[n, out]`.
+fn linear_normed_fused(
+    f: &mut Function,
+    dm: &Dims,
+    normed: &Normed,
+    w: &Weight,
+    paired_swiglu: bool,
+) -> Val {
     let (x, inv_rms, eps, weight) = match normed {
         Normed::Rows(x) => return linear(f, dm, x, w),
         Normed::Folded {
@@ -393,6 +410,7 @@ fn linear_normed(f: &mut Function, dm: &Dims, normed: &Normed, w: &Weight) -> Va
     {
         let fusion = kernels::RowFusion {
             norm: Some(kernels::RowNorm { eps, weight }),
+            paired_swiglu,
             ..Default::default()
         };
         return kernel_row_product(f, x, w, fusion);
@@ -528,7 +546,7 @@ fn row_kernel_takes(dm: &Dims, x: &Val, w: &Weight) -> bool {
 /// with what `fusion` adds; its residual `[1, out]`): `[1, out]`.
 fn kernel_row_product(f: &mut Function, x: &Val, w: &Weight, fusion: kernels::RowFusion) -> Val {
     let (quants, scales, offsets) = w.blocks().expect("kiln's row kernels take blocked weights");
-    let out = quants.shape[0];
+    let out = quants.shape[0] / if fusion.paired_swiglu { 2 } else { 1 };
     let row = f.reshape(x, &[x.shape[1]]);
     let residual = fusion.residual.map(|r| f.reshape(r, &[out]));
     let fusion = kernels::RowFusion {
@@ -889,6 +907,10 @@ fn mlp_plus(
     [gate_up, down]: [&Weight; 2],
     residual: &Val,
 ) -> Val {
+    if dm.paired_mlp {
+        let hidden = paired_hidden(f, dm, x, gate_up);
+        return linear_plus(f, dm, &hidden, down, residual);
+    }
     let both = linear_normed(f, dm, x, gate_up);
     // kiln's q4 kernel reads the gate and up halves as SiLU(gate) · up and
     // adds the residual: the SiLU's kernel and the sum's are spared.
@@ -898,10 +920,39 @@ fn mlp_plus(
     let i = both.shape[1] / 2;
     let g = columns(f, &both, 0, i);
     let u = columns(f, &both, i, 2 * i);
-    let sig = f.unary("logistic", &g);
-    let silu = f.binary("multiply", &g, &sig);
-    let hidden = f.binary("multiply", &silu, &u);
+    let hidden = swiglu(f, &g, &u);
     linear_plus(f, dm, &hidden, down, residual)
+}
+
+/// The MLP's hidden rows `SiLU(gate) · up` of normed rows `x`, `gate_up`'s
+/// rows in pairs ([`GraphOptions::pairs_mlp_rows`]): one row by kiln's
+/// kernel, which writes them itself; several (prefill, batched steps) from
+/// the product's columns, taken apart.
+fn paired_hidden(f: &mut Function, dm: &Dims, x: &Normed, gate_up: &Weight) -> Val {
+    let product = linear_normed_fused(f, dm, x, gate_up, true);
+    let (n, width) = (product.shape[0], product.shape[1]);
+    // The kernel's hidden row is half as wide as the matrix has rows.
+    if gate_up
+        .blocks()
+        .is_some_and(|(quants, _, _)| quants.shape[0] == 2 * width)
+    {
+        return product;
+    }
+    let i = width / 2;
+    let pairs = f.reshape(&product, &[n, i, 2]);
+    let half = |f: &mut Function, k: usize| {
+        let column = f.slice(&pairs, &[0, 0, k], &[n, i, k + 1]);
+        f.reshape(&column, &[n, i])
+    };
+    let (g, u) = (half(f, 0), half(f, 1));
+    swiglu(f, &g, &u)
+}
+
+/// `SiLU(g) · u`.
+fn swiglu(f: &mut Function, g: &Val, u: &Val) -> Val {
+    let sig = f.unary("logistic", g);
+    let silu = f.binary("multiply", g, &sig);
+    f.binary("multiply", &silu, u)
 }
 
 /// Final norm and output projection of one row `[1, H]`; returns f32 `[V]`.
@@ -2185,12 +2236,13 @@ mod tests {
             assert_eq!(module.matches("kiln_q4_row: \"0x").count(), 1);
             assert!(!module.contains("linalg.generic"));
             // The kernel takes in each layer's SiLU and both residual sums:
-            // o's product adds the residual (flags 2), down's reads the
-            // MLP's halves and adds it too (flags 3).
+            // o's and down's products add the residual (flags 2), the
+            // gate/up product's paired rows come out as SiLU(gate) · up
+            // (flags 4), and no product reads the MLP's two halves (3).
             assert!(!module.contains("stablehlo.logistic"));
-            for flags in [2, 3] {
+            for (flags, count) in [(2, 2 * c.num_layers), (4, c.num_layers), (3, 0)] {
                 let constant = format!("c4 = arith.constant {flags} : i32");
-                assert_eq!(module.matches(&constant).count(), c.num_layers, "{flags}");
+                assert_eq!(module.matches(&constant).count(), count, "{flags}");
             }
             cuda.push(module);
         }
