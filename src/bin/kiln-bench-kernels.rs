@@ -28,6 +28,7 @@ use clap::Parser;
 use kiln_core::weights::Matrix;
 use kiln_cpu::dense::{DecodeKernel, Dense};
 use kiln_cpu::inputs::Q8Inputs;
+use kiln_cpu::pages::Pages;
 use kiln_cpu::{BLOCK, Q4Blocks, Q8Blocks, integer, kernel, tiles};
 
 #[derive(Parser)]
@@ -55,6 +56,10 @@ struct Args {
     /// Products a figure (default: about 2·10⁹ weight-input products' worth).
     #[arg(long)]
     products: Option<usize>,
+    /// The f16 rows and the plain read's buffer on the system's small
+    /// pages, as before cpu-simd asked for huge ones (kiln_cpu::pages).
+    #[arg(long)]
+    small_pages: bool,
 }
 
 fn main() -> Result<()> {
@@ -90,6 +95,11 @@ fn main() -> Result<()> {
             .collect::<Result<_, _>>()?,
         _ => Vec::new(),
     };
+    // As cpu-simd keeps a model's matrices: one after another on huge pages.
+    let mut pages = match args.small_pages {
+        true => Pages::on_small_pages(),
+        false => Pages::new(),
+    };
     let dense_copies: Vec<Dense> = match args.weights.as_str() {
         "f16" => {
             // Each weight cut to f16's 11 significant bits (all of them
@@ -103,7 +113,9 @@ fn main() -> Result<()> {
                     .collect(),
                 ..w.clone()
             };
-            let copies: Vec<Dense> = (0..args.copies).map(|_| Dense::stack(&[&halves])).collect();
+            let copies: Vec<Dense> = (0..args.copies)
+                .map(|_| Dense::stack_in(&mut pages, &[&halves]))
+                .collect();
             if copies[0].precision() != "f16" {
                 bail!(
                     "the weights were not kept at f16 but {}",
@@ -121,7 +133,8 @@ fn main() -> Result<()> {
         (_, Some(q8)) => q8.values.len() + 4 * q8.scales.len(),
         _ => 2 * args.rows * args.cols,
     };
-    let plain: Vec<u64> = vec![1; bytes * args.copies / 8];
+    let words = bytes * args.copies / 8;
+    let plain = pages.store(words, std::iter::repeat_n(1u64, words));
     let reps = args
         .products
         .unwrap_or((2_000_000_000 / (args.rows * args.cols * args.inputs)).max(3));

@@ -12,13 +12,15 @@ use half::slice::HalfFloatSliceExt;
 use half::{bf16, f16};
 use kiln_core::weights::Matrix;
 
+use crate::pages::{Pages, Stored};
 use crate::tiles;
 
-/// Stored values of a [`Dense`] matrix.
+/// Stored values of a [`Dense`] matrix (on huge pages where the system
+/// gives them: a decode step reads them all from memory).
 pub enum DenseData {
-    F32(Vec<f32>),
-    F16(Vec<f16>),
-    BF16(Vec<bf16>),
+    F32(Stored<f32>),
+    F16(Stored<f16>),
+    BF16(Stored<bf16>),
 }
 
 /// A `[rows, cols]` matrix at its stored precision.
@@ -35,16 +37,22 @@ impl Dense {
     /// `parts` (each `[rows_i, cols]`) stacked by rows, kept in f16 if every
     /// value is one, else bf16 if every value is one, else f32.
     pub fn stack(parts: &[&Matrix]) -> Dense {
+        Dense::stack_in(&mut Pages::new(), parts)
+    }
+
+    /// [`Dense::stack`] into `pages`, beside the model's other matrices.
+    pub fn stack_in(pages: &mut Pages, parts: &[&Matrix]) -> Dense {
         let cols = parts[0].cols;
         debug_assert!(parts.iter().all(|m| m.cols == cols));
-        let rows = parts.iter().map(|m| m.rows).sum();
+        let rows: usize = parts.iter().map(|m| m.rows).sum();
+        let len = rows * cols;
         let values = || parts.iter().flat_map(|m| m.data.iter().copied());
         let data = if values().all(|v| f16::from_f32(v).to_f32().to_bits() == v.to_bits()) {
-            DenseData::F16(values().map(f16::from_f32).collect())
+            DenseData::F16(pages.store(len, values().map(f16::from_f32)))
         } else if values().all(|v| bf16::from_f32(v).to_f32().to_bits() == v.to_bits()) {
-            DenseData::BF16(values().map(bf16::from_f32).collect())
+            DenseData::BF16(pages.store(len, values().map(bf16::from_f32)))
         } else {
-            DenseData::F32(values().collect())
+            DenseData::F32(pages.store(len, values()))
         };
         Dense { rows, cols, data }
     }

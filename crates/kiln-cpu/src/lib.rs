@@ -28,6 +28,7 @@ pub mod dense;
 pub mod inputs;
 pub mod integer;
 pub mod kernel;
+pub mod pages;
 pub mod team;
 #[cfg(test)]
 mod test_products;

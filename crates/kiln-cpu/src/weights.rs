@@ -12,6 +12,7 @@ use kiln_core::weights::{Matrix, Weights};
 use crate::blocks::{BLOCK, BlockError, Q4Blocks, Q8Blocks};
 use crate::dense::Dense;
 use crate::inputs::Q8Inputs;
+use crate::pages::Pages;
 use crate::team::{MAX_CHUNKS, Team};
 use crate::{Activations, Error, integer, kernel, tiles};
 
@@ -249,7 +250,7 @@ impl Q4Weights {
 /// blocks where they give the stored values back exactly (a Q8_0 file's),
 /// multiplied against `activations`, else as dense rows at the narrowest
 /// exact precision (against f32 activations).
-fn as_stored(parts: &[&Matrix], activations: Activations) -> Blocks {
+fn as_stored(pages: &mut Pages, parts: &[&Matrix], activations: Activations) -> Blocks {
     let joined = Matrix {
         rows: parts.iter().map(|m| m.rows).sum(),
         cols: parts[0].cols,
@@ -257,7 +258,7 @@ fn as_stored(parts: &[&Matrix], activations: Activations) -> Blocks {
     };
     match Q8Blocks::exact(&joined) {
         Some(q8) => Blocks::Q8(q8, activations),
-        None => Blocks::Dense(Dense::stack(parts)),
+        None => Blocks::Dense(Dense::stack_in(pages, parts)),
     }
 }
 
@@ -279,8 +280,10 @@ impl Q4Weights {
             threads,
             reason: e.to_string(),
         })?);
-        let product = |parts: &[&Matrix], activations| PooledProduct {
-            blocks: as_stored(parts, activations),
+        // Every dense matrix of the model on shared huge pages.
+        let mut pages = Pages::new();
+        let mut product = |parts: &[&Matrix], activations| PooledProduct {
+            blocks: as_stored(&mut pages, parts, activations),
             team: Arc::clone(&team),
         };
         let layers = w
