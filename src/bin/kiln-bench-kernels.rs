@@ -56,9 +56,8 @@ struct Args {
     /// Products a figure (default: about 2·10⁹ weight-input products' worth).
     #[arg(long)]
     products: Option<usize>,
-    /// The weights and the plain read's buffer on the system's small
-    /// pages, as before the CPU backends asked for huge ones
-    /// (kiln_cpu::pages).
+    /// The f16 rows and the plain read's buffer on the system's small
+    /// pages, as before cpu-simd asked for huge ones (kiln_cpu::pages).
     #[arg(long)]
     small_pages: bool,
 }
@@ -84,23 +83,22 @@ fn main() -> Result<()> {
         data: (0..args.rows * args.cols).map(|_| next()).collect(),
     };
     let x: Vec<f32> = (0..args.inputs * args.cols).map(|_| next()).collect();
-    // As the CPU backends keep a model's matrices: one after another on
-    // huge pages.
-    let mut pages = match args.small_pages {
-        true => Pages::on_small_pages(),
-        false => Pages::new(),
-    };
     let copies: Vec<Q4Blocks> = match args.weights.as_str() {
         "q4" => (0..args.copies)
-            .map(|_| Q4Blocks::quantize(&w).map(|m| m.into_pages(&mut pages)))
+            .map(|_| Q4Blocks::quantize(&w))
             .collect::<Result<_, _>>()?,
         _ => Vec::new(),
     };
     let q8_copies: Vec<Q8Blocks> = match args.weights.as_str() {
         "q8" => (0..args.copies)
-            .map(|_| Q8Blocks::quantize(&w).map(|m| m.into_pages(&mut pages)))
+            .map(|_| Q8Blocks::quantize(&w))
             .collect::<Result<_, _>>()?,
         _ => Vec::new(),
+    };
+    // As cpu-simd keeps a model's matrices: one after another on huge pages.
+    let mut pages = match args.small_pages {
+        true => Pages::on_small_pages(),
+        false => Pages::new(),
     };
     let dense_copies: Vec<Dense> = match args.weights.as_str() {
         "f16" => {

@@ -9,8 +9,6 @@ use kiln_core::weights::Matrix;
 /// Inputs per block.
 pub const BLOCK: usize = 32;
 
-use crate::pages::{Pages, Stored};
-
 /// Bytes of levels per block: two levels a byte.
 pub const BLOCK_BYTES: usize = BLOCK / 2;
 
@@ -22,10 +20,10 @@ pub struct Q4Blocks {
     /// [`BLOCK_BYTES`] a block, blocks row-major: byte `j` of a block holds
     /// level `j` in its low nibble and level `j + 16` in its high nibble
     /// (GGUF's Q4_0/Q4_1 order), so one shift splits a block in halves.
-    pub levels: Stored<u8>,
+    pub levels: Vec<u8>,
     /// One per block, row-major `[rows, cols / BLOCK]`.
-    pub scales: Stored<f32>,
-    pub mins: Stored<f32>,
+    pub scales: Vec<f32>,
+    pub mins: Vec<f32>,
 }
 
 /// Why a matrix cannot be stored in 4-bit blocks.
@@ -62,9 +60,13 @@ impl Q4Blocks {
         }
         let rows: usize = parts.iter().map(|m| m.rows).sum();
         let blocks = rows * cols / BLOCK;
-        let mut levels = Vec::with_capacity(blocks * BLOCK_BYTES);
-        let mut scales = Vec::with_capacity(blocks);
-        let mut mins = Vec::with_capacity(blocks);
+        let mut q = Q4Blocks {
+            rows,
+            cols,
+            levels: Vec::with_capacity(blocks * BLOCK_BYTES),
+            scales: Vec::with_capacity(blocks),
+            mins: Vec::with_capacity(blocks),
+        };
         for block in parts.iter().flat_map(|m| m.data.chunks_exact(BLOCK)) {
             let (min, max) = block
                 .iter()
@@ -77,31 +79,15 @@ impl Q4Blocks {
                 false => 0,
             };
             let (low, high) = block.split_at(BLOCK / 2);
-            levels.extend(
+            q.levels.extend(
                 low.iter()
                     .zip(high)
                     .map(|(&a, &b)| level(a) | (level(b) << 4)),
             );
-            scales.push(scale);
-            mins.push(min);
+            q.scales.push(scale);
+            q.mins.push(min);
         }
-        Ok(Q4Blocks {
-            rows,
-            cols,
-            levels: levels.into(),
-            scales: scales.into(),
-            mins: mins.into(),
-        })
-    }
-
-    /// These blocks in `pages`, beside the model's other matrices.
-    pub fn into_pages(self, pages: &mut Pages) -> Q4Blocks {
-        Q4Blocks {
-            levels: self.levels.into_pages(pages),
-            scales: self.scales.into_pages(pages),
-            mins: self.mins.into_pages(pages),
-            ..self
-        }
+        Ok(q)
     }
 
     /// Blocks per row.
@@ -132,9 +118,9 @@ pub struct Q8Blocks {
     pub rows: usize,
     pub cols: usize,
     /// [`BLOCK`] a block, blocks row-major.
-    pub values: Stored<i8>,
+    pub values: Vec<i8>,
     /// One per block, row-major `[rows, cols / BLOCK]`.
-    pub scales: Stored<f32>,
+    pub scales: Vec<f32>,
 }
 
 impl Q8Blocks {
@@ -147,32 +133,22 @@ impl Q8Blocks {
             return Err(BlockError::Width { cols: m.cols });
         }
         let blocks = m.rows * m.cols / BLOCK;
-        let mut values = Vec::with_capacity(m.rows * m.cols);
-        let mut scales = Vec::with_capacity(blocks);
+        let mut q = Q8Blocks {
+            rows: m.rows,
+            cols: m.cols,
+            values: Vec::with_capacity(m.rows * m.cols),
+            scales: Vec::with_capacity(blocks),
+        };
         for block in m.data.chunks_exact(BLOCK) {
             let largest = block.iter().fold(0.0f32, |a, w| a.max(w.abs()));
             let scale = largest / 127.0;
-            values.extend(block.iter().map(|&w| match scale > 0.0 {
+            q.values.extend(block.iter().map(|&w| match scale > 0.0 {
                 true => (w / scale).round().clamp(-127.0, 127.0) as i8,
                 false => 0,
             }));
-            scales.push(scale);
+            q.scales.push(scale);
         }
-        Ok(Q8Blocks {
-            rows: m.rows,
-            cols: m.cols,
-            values: values.into(),
-            scales: scales.into(),
-        })
-    }
-
-    /// These blocks in `pages`, beside the model's other matrices.
-    pub fn into_pages(self, pages: &mut Pages) -> Q8Blocks {
-        Q8Blocks {
-            values: self.values.into_pages(pages),
-            scales: self.scales.into_pages(pages),
-            ..self
-        }
+        Ok(q)
     }
 
     /// `m` in 8-bit blocks that give every value back bit for bit (whose
@@ -183,8 +159,12 @@ impl Q8Blocks {
         if m.cols == 0 || !m.cols.is_multiple_of(BLOCK) {
             return None;
         }
-        let mut values = Vec::with_capacity(m.rows * m.cols);
-        let mut scales = Vec::with_capacity(m.rows * m.cols / BLOCK);
+        let mut q = Q8Blocks {
+            rows: m.rows,
+            cols: m.cols,
+            values: Vec::with_capacity(m.rows * m.cols),
+            scales: Vec::with_capacity(m.rows * m.cols / BLOCK),
+        };
         for block in m.data.chunks_exact(BLOCK) {
             let largest = block.iter().fold(0.0f32, |a, w| a.max(w.abs()));
             let plain = largest / 127.0;
@@ -202,15 +182,10 @@ impl Q8Blocks {
                     .all(|(a, b)| a.to_bits() == b.to_bits())
                     .then_some((scale, values))
             })?;
-            scales.push(found.0);
-            values.extend(found.1);
+            q.scales.push(found.0);
+            q.values.extend(found.1);
         }
-        Some(Q8Blocks {
-            rows: m.rows,
-            cols: m.cols,
-            values: values.into(),
-            scales: scales.into(),
-        })
+        Some(q)
     }
 
     /// Blocks per row.
@@ -313,8 +288,8 @@ mod tests {
             Q4Blocks::quantize(&b).unwrap(),
         ];
         assert_eq!(
-            stacked.levels[..],
-            [&parts[0].levels[..], &parts[1].levels[..]].concat()[..]
+            stacked.levels,
+            [parts[0].levels.clone(), parts[1].levels.clone()].concat()
         );
         assert_eq!(
             Q4Blocks::stack(&[&a, &Matrix::from_fn(1, 64, |_| 0.0)]),

@@ -923,12 +923,11 @@ mod tests {
             seed in any::<u64>(),
         ) {
             let cols = blocks * BLOCK;
-            let m = edge_blocks(seed, height, cols);
+            let mut m = edge_blocks(seed, height, cols);
             let halves = |i: usize| if i % 3 == 1 { 0.5 } else { 1.0 };
-            let scales: Vec<f32> = m.scales.iter().enumerate()
-                .map(|(b, &s)| if s == 0.0 { 0.0 } else { halves(b) })
-                .collect();
-            let m = Q8Blocks { scales: scales.into(), ..m };
+            for (b, s) in m.scales.iter_mut().enumerate() {
+                *s = if *s == 0.0 { 0.0 } else { halves(b) };
+            }
             let x = edge_blocks(seed ^ 0x9e37_79b9, n, cols);
             let scales: Vec<f32> = x.scales.iter().enumerate()
                 .map(|(b, &d)| if d == 0.0 { 0.0 } else { halves(b + 1) })
@@ -936,7 +935,7 @@ mod tests {
             let sums = x.values.chunks_exact(BLOCK).zip(&scales)
                 .map(|(q, &d)| d * q.iter().map(|&v| f32::from(v)).sum::<f32>())
                 .collect();
-            let x = Q8Inputs { cols, values: x.values.to_vec(), scales, sums };
+            let x = Q8Inputs { cols, values: x.values, scales, sums };
             let mut want = vec![0.0f64; height * n];
             for (r, i) in (0..height).flat_map(|r| (0..n).map(move |i| (r, i))) {
                 let (q, d, _) = x.row(i);
@@ -971,29 +970,29 @@ mod tests {
             state ^= state << 17;
             state
         };
-        let mut values = Vec::with_capacity(rows * cols);
-        let mut scales = Vec::with_capacity(rows * cols / BLOCK);
+        let mut m = Q8Blocks {
+            rows,
+            cols,
+            values: Vec::with_capacity(rows * cols),
+            scales: Vec::with_capacity(rows * cols / BLOCK),
+        };
         for _ in 0..rows * cols / BLOCK {
             let kind = next() % 4;
-            scales.push(match kind {
+            m.scales.push(match kind {
                 0 => 0.0,
                 _ => 0.001 + (next() % 1000) as f32 * 2.9e-5,
             });
-            values.extend((0..BLOCK).map(|_| match (kind, next() % 4) {
-                (0, _) => 0,
-                (1, pick) => [-127, 127][pick as usize % 2],
-                (_, 0) => -127,
-                (_, 1) => 127,
-                (_, 2) => 0,
-                _ => ((next() % 255) as i32 - 127) as i8,
-            }));
+            m.values
+                .extend((0..BLOCK).map(|_| match (kind, next() % 4) {
+                    (0, _) => 0,
+                    (1, pick) => [-127, 127][pick as usize % 2],
+                    (_, 0) => -127,
+                    (_, 1) => 127,
+                    (_, 2) => 0,
+                    _ => ((next() % 255) as i32 - 127) as i8,
+                }));
         }
-        Q8Blocks {
-            rows,
-            cols,
-            values: values.into(),
-            scales: scales.into(),
-        }
+        m
     }
 
     /// A NaN or infinite activation makes its input row's products NaN

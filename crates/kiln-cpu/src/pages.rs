@@ -131,47 +131,7 @@ impl<T> Deref for Stored<T> {
     }
 }
 
-impl<'a, T> IntoIterator for &'a Stored<T> {
-    type Item = &'a T;
-    type IntoIter = std::slice::Iter<'a, T>;
-
-    fn into_iter(self) -> std::slice::Iter<'a, T> {
-        self.iter()
-    }
-}
-
-impl<T: Copy> From<Vec<T>> for Stored<T> {
-    fn from(values: Vec<T>) -> Stored<T> {
-        Stored::on_heap(values)
-    }
-}
-
-/// A copy on the heap.
-impl<T: Copy> Clone for Stored<T> {
-    fn clone(&self) -> Stored<T> {
-        Stored::on_heap(self.to_vec())
-    }
-}
-
-impl<T: std::fmt::Debug> std::fmt::Debug for Stored<T> {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        (**self).fmt(f)
-    }
-}
-
-/// Equal values, wherever they are stored.
-impl<T: PartialEq> PartialEq for Stored<T> {
-    fn eq(&self, other: &Stored<T>) -> bool {
-        **self == **other
-    }
-}
-
 impl<T: Copy> Stored<T> {
-    /// These values in `pages` (a copy).
-    pub fn into_pages(self, pages: &mut Pages) -> Stored<T> {
-        pages.store(self.len(), self.iter().copied())
-    }
-
     /// Values on the heap (small pages): for a matrix made alone.
     pub fn on_heap(values: Vec<T>) -> Stored<T> {
         Stored {

@@ -4,7 +4,6 @@
 //! logits: a Q4_1 GGUF keeps it at Q8_0, and so does kiln), and each
 //! product's output rows shared out over the backend's [`Team`].
 
-use std::cell::RefCell;
 use std::sync::Arc;
 
 use kiln_core::forward::{ForwardWeights, LayerView, Linear};
@@ -35,16 +34,6 @@ enum Blocks {
 }
 
 impl Blocks {
-    /// These blocks in `pages`, beside the model's other matrices (dense
-    /// rows are placed there as they are made).
-    fn into_pages(self, pages: &mut Pages) -> Blocks {
-        match self {
-            Blocks::Q4(m, activations) => Blocks::Q4(m.into_pages(pages), activations),
-            Blocks::Q8(m, activations) => Blocks::Q8(m.into_pages(pages), activations),
-            Blocks::Dense(m) => Blocks::Dense(m),
-        }
-    }
-
     /// `(rows, cols)`.
     fn shape(&self) -> (usize, usize) {
         match self {
@@ -215,15 +204,12 @@ impl Q4Weights {
             threads,
             reason: e.to_string(),
         })?);
-        // Every matrix of the model on shared huge pages.
-        let pages = RefCell::new(Pages::new());
         let pooled = |name: String, blocks: Result<Blocks, BlockError>| {
-            let blocks = blocks.map_err(|source| Error::Matrix {
-                matrix: name,
-                source,
-            })?;
             Ok(PooledProduct {
-                blocks: blocks.into_pages(&mut pages.borrow_mut()),
+                blocks: blocks.map_err(|source| Error::Matrix {
+                    matrix: name,
+                    source,
+                })?,
                 team: Arc::clone(&team),
             })
         };
@@ -271,7 +257,7 @@ fn as_stored(pages: &mut Pages, parts: &[&Matrix], activations: Activations) -> 
         data: parts.iter().flat_map(|m| m.data.iter().copied()).collect(),
     };
     match Q8Blocks::exact(&joined) {
-        Some(q8) => Blocks::Q8(q8.into_pages(pages), activations),
+        Some(q8) => Blocks::Q8(q8, activations),
         None => Blocks::Dense(Dense::stack_in(pages, parts)),
     }
 }
@@ -354,44 +340,5 @@ impl ForwardWeights for Q4Weights {
         work: &(dyn Fn(usize, &mut [f32]) + Sync),
     ) {
         self.output.team.for_each_chunk_mut(out, chunk_len, work);
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use kiln_core::Model;
-
-    impl Blocks {
-        fn in_pages(&self) -> bool {
-            match self {
-                Blocks::Q4(m, _) => m.levels.in_pages() && m.scales.in_pages() && m.mins.in_pages(),
-                Blocks::Q8(m, _) => m.values.in_pages() && m.scales.in_pages(),
-                Blocks::Dense(m) => match &m.data {
-                    crate::dense::DenseData::F32(v) => v.in_pages(),
-                    crate::dense::DenseData::F16(v) => v.in_pages(),
-                    crate::dense::DenseData::BF16(v) => v.in_pages(),
-                },
-            }
-        }
-    }
-
-    /// Every product's weights of both backends lie on the huge-page
-    /// regions (kiln_cpu::pages), not on the heap.
-    #[test]
-    fn every_matrix_is_on_huge_pages() {
-        let model = Model::embedded();
-        let weights = [
-            Q4Weights::new(&model.weights, 1, Activations::F32).unwrap(),
-            Q4Weights::at_stored_precision(&model.weights, 1, Activations::F32).unwrap(),
-        ];
-        for w in &weights {
-            for l in &w.layers {
-                for p in [&l.qkv, &l.wo, &l.gate_up, &l.w_down] {
-                    assert!(p.blocks.in_pages());
-                }
-            }
-            assert!(w.output.blocks.in_pages());
-        }
     }
 }
