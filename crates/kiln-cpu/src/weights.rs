@@ -342,3 +342,33 @@ impl ForwardWeights for Q4Weights {
         self.output.team.for_each_chunk_mut(out, chunk_len, work);
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::dense::DenseData;
+    use kiln_core::Model;
+
+    /// cpu-simd's dense matrices lie on the huge-page regions
+    /// (kiln_cpu::pages), not on the heap.
+    #[test]
+    fn dense_matrices_are_on_huge_pages() {
+        let model = Model::embedded();
+        let w = Q4Weights::at_stored_precision(&model.weights, 1, Activations::F32).unwrap();
+        let products = w
+            .layers
+            .iter()
+            .flat_map(|l| [&l.qkv, &l.wo, &l.gate_up, &l.w_down]);
+        for p in products.chain([&w.output]) {
+            let Blocks::Dense(m) = &p.blocks else {
+                panic!("the embedded model's matrices are not Q8_0 blocks");
+            };
+            let in_pages = match &m.data {
+                DenseData::F32(v) => v.in_pages(),
+                DenseData::F16(v) => v.in_pages(),
+                DenseData::BF16(v) => v.in_pages(),
+            };
+            assert!(in_pages);
+        }
+    }
+}
