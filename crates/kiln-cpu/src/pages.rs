@@ -8,7 +8,6 @@
 //! whole huge pages. Where the advice is refused (THP off, another OS) the
 //! same memory serves on small pages: it is advice, never a requirement.
 
-use std::marker::PhantomData;
 use std::ops::Deref;
 use std::sync::Arc;
 
@@ -105,13 +104,16 @@ impl Drop for Region {
 
 /// Read-only values in a [`Pages`] region (or, where no region could be
 /// mapped, on the heap): derefs to `[T]`.
-pub struct Stored<T> {
-    at: *const T,
-    len: usize,
-    /// Keeps the memory `at` points into; `None` for the heap's.
-    region: Option<Arc<Region>>,
-    heap: Vec<T>,
-    _values: PhantomData<T>,
+pub struct Stored<T>(Place<T>);
+
+enum Place<T> {
+    /// `len` values at `at`, inside `region`, which the slice keeps alive.
+    Pages {
+        at: *const T,
+        len: usize,
+        _region: Arc<Region>,
+    },
+    Heap(Vec<T>),
 }
 
 // SAFETY: read-only after it is made; `T` is plain data (`Copy`).
@@ -122,11 +124,11 @@ impl<T> Deref for Stored<T> {
     type Target = [T];
 
     fn deref(&self) -> &[T] {
-        match self.region {
+        match &self.0 {
             // SAFETY: `len` initialised values at `at` (written by
             // `Pages::store`), alive as long as the region is.
-            Some(_) => unsafe { std::slice::from_raw_parts(self.at, self.len) },
-            None => &self.heap,
+            Place::Pages { at, len, .. } => unsafe { std::slice::from_raw_parts(*at, *len) },
+            Place::Heap(values) => values,
         }
     }
 }
@@ -134,18 +136,12 @@ impl<T> Deref for Stored<T> {
 impl<T: Copy> Stored<T> {
     /// Values on the heap (small pages): for a matrix made alone.
     pub fn on_heap(values: Vec<T>) -> Stored<T> {
-        Stored {
-            at: values.as_ptr(),
-            len: values.len(),
-            region: None,
-            heap: values,
-            _values: PhantomData,
-        }
+        Stored(Place::Heap(values))
     }
 
     /// Whether the values lie in a region advised huge pages.
     pub fn in_pages(&self) -> bool {
-        self.region.is_some()
+        matches!(self.0, Place::Pages { .. })
     }
 }
 
@@ -185,20 +181,22 @@ impl Pages {
         // SAFETY: `bytes` at `offset` are this slice's alone (`place`
         // moved past them), inside the region, aligned for T.
         let at = unsafe { region.at.add(offset).cast::<T>() };
+        let mut values = values.into_iter();
         let mut written = 0;
-        for value in values.into_iter().take(len) {
+        for value in values.by_ref().take(len) {
             // SAFETY: written < len: inside the slice's bytes.
             unsafe { at.add(written).write(value) };
             written += 1;
         }
-        assert_eq!(written, len, "Pages::store: {len} values promised");
-        Stored {
+        assert!(
+            written == len && values.next().is_none(),
+            "Pages::store: {len} values promised"
+        );
+        Stored(Place::Pages {
             at,
             len,
-            region: Some(region),
-            heap: Vec::new(),
-            _values: PhantomData,
-        }
+            _region: region,
+        })
     }
 
     /// A region and an offset in it with `bytes` free: the current
