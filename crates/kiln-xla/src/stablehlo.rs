@@ -456,56 +456,54 @@ impl Function {
 
     /// The index of the largest element of a 1-D f32 tensor, as `[1]` i32:
     /// the first such index on ties (as the CPU's argmax), and -1 when the
-    /// maximum is NaN.
+    /// maximum is NaN. [`argmax_rows`] of one row.
     ///
-    /// Two stages of (value, index) reductions: rows of 256 first, then the
-    /// rows' winners. IREE's CUDA code runs a 1-D reduction of 32000 values
-    /// in one workgroup (0.92 ms on the H200, a third of a TinyLlama decode
-    /// step); 125 rows of 256 run in parallel. (A max reduction followed by a
-    /// separate index search was also miscompiled there: it returned -1 for
-    /// finite logits.)
+    /// [`argmax_rows`]: Function::argmax_rows
     pub fn argmax(&mut self, a: &Val) -> Val {
-        const ROW: usize = 256;
-        assert_eq!(a.ty, Ty::F32, "argmax takes f32 values");
-        let n = a.shape[0];
-        let rows = n.div_ceil(ROW);
-        // Padding is -inf at indices past the end: it never wins over a real
-        // element (ties go to the lower index).
-        let padded = self.pad_high(a, f64::NEG_INFINITY, &[rows * ROW - n]);
-        let values = self.reshape(&padded, &[rows, ROW]);
-        let index = self.iota(&[rows, ROW], 1);
-        let row_start = self.iota(&[rows, ROW], 0);
-        let width = self.constant_i32(ROW as i32, &[rows, ROW]);
-        let row_start = self.binary("multiply", &row_start, &width);
-        let index = self.binary("add", &row_start, &index);
-        let (row_max, row_at) = self.reduce_max_index(&values, &index, 1);
-        let (max, at) = self.reduce_max_index(&row_max, &row_at, 0);
-        // NaN won the reduction: say so with -1, which no vocabulary holds.
-        let is_nan = self.compare_float("NE", &max, &max);
-        let none = self.constant_i32(-1, &[]);
-        let chosen = self.select(&is_nan, &none, &at);
-        self.reshape(&chosen, &[1])
+        let row = self.reshape(a, &[1, a.shape[0]]);
+        self.argmax_rows(&row)
     }
 
-    /// [`argmax`] of each row of a `[B, N]` f32 tensor, as `[B]` i32: the
-    /// same two stages, batched, and the same ties and NaN rule.
+    /// The argmax of each row of a `[B, N]` f32 tensor, as `[B]` i32, with
+    /// [`argmax`]'s ties and NaN rule.
+    ///
+    /// (Value, index) reductions over groups of 32, repeated until one is
+    /// left: 128,256 logits take four (4,008, 126, 4 and 1 winners a row).
+    /// IREE's CUDA code gives a variadic reduction one thread an output that
+    /// loops over the whole group, so the group must be short and the
+    /// outputs many: two stages of 256-wide groups then the 501 winners took
+    /// 73 µs of an 8B decode step on an H100 (docs/perf-notes.md), one 1-D
+    /// reduction of 32,000 values 0.92 ms on an H200. (A max reduction
+    /// followed by a separate index search was miscompiled there: it
+    /// returned -1 for finite logits. A max of i64 keys packing value and
+    /// index does not compile for CUDA.)
     ///
     /// [`argmax`]: Function::argmax
     pub fn argmax_rows(&mut self, a: &Val) -> Val {
-        const ROW: usize = 256;
+        const GROUP: usize = 32;
         assert_eq!(a.ty, Ty::F32, "argmax takes f32 values");
-        let (batch, n) = (a.shape[0], a.shape[1]);
-        let rows = n.div_ceil(ROW);
-        let padded = self.pad_high(a, f64::NEG_INFINITY, &[0, rows * ROW - n]);
-        let shape = [batch, rows, ROW];
-        let values = self.reshape(&padded, &shape);
-        let index = self.iota(&shape, 2);
-        let row_start = self.iota(&shape, 1);
-        let width = self.constant_i32(ROW as i32, &shape);
-        let row_start = self.binary("multiply", &row_start, &width);
-        let index = self.binary("add", &row_start, &index);
-        let (row_max, row_at) = self.reduce_max_index(&values, &index, 2);
-        let (max, at) = self.reduce_max_index(&row_max, &row_at, 1);
+        let batch = a.shape[0];
+        let mut values = a.clone();
+        let mut index = self.iota(&a.shape, 1);
+        while values.shape[1] > 1 {
+            let len = values.shape[1];
+            let group = GROUP.min(len);
+            let groups = len.div_ceil(group);
+            let pad = groups * group - len;
+            if pad > 0 {
+                // -inf at indices past the end never wins over a real
+                // element (ties go to the lower index).
+                values = self.pad_high(&values, f64::NEG_INFINITY, &[0, pad]);
+                index = self.pad_high(&index, i32::MAX.into(), &[0, pad]);
+            }
+            let grouped = [batch, groups, group];
+            let grouped_values = self.reshape(&values, &grouped);
+            let grouped_index = self.reshape(&index, &grouped);
+            (values, index) = self.reduce_max_index(&grouped_values, &grouped_index, 2);
+        }
+        let max = self.reshape(&values, &[batch]);
+        let at = self.reshape(&index, &[batch]);
+        // NaN won the reduction: say so with -1, which no vocabulary holds.
         let is_nan = self.compare_float("NE", &max, &max);
         let none = self.constant_i32(-1, &[batch]);
         self.select(&is_nan, &none, &at)
@@ -1031,37 +1029,67 @@ mod tests {
     use crate::compiler::{Compiler, Target};
     use kiln_iree::{Instance, Tensor};
 
-    /// `argmax` on the CPU device: the first of tied maxima across the
-    /// stage-one rows, padding never chosen, NaN reported as -1.
-    #[test]
-    fn argmax_takes_the_first_maximum_and_reports_nan() {
-        let n = 300; // not a multiple of the 256-wide rows: padding is used
-        let mut f = Function::new("argmax");
-        let x = f.param(&[n], Ty::F32);
-        let at = f.argmax(&x);
-        let mlir = module(&[f.finish(&[&at])], &[]);
+    /// A CPU module of one function `name` over an f32 `[shape]` parameter
+    /// whose i32 result `body` makes.
+    fn i32_of_f32(
+        name: &str,
+        shape: &[usize],
+        body: impl FnOnce(&mut Function, &Val) -> Val,
+    ) -> Box<dyn Fn(Vec<f32>) -> Vec<i32>> {
+        let mut f = Function::new(name);
+        let x = f.param(shape, Ty::F32);
+        let out = body(&mut f, &x);
+        let mlir = module(&[f.finish(&[&out])], &[]);
         let compiler = Compiler::from_env().unwrap_or_else(|e| panic!("{e}"));
         let vmfb = compiler.compile(&mlir, Target::LlvmCpu, &[]).unwrap();
         let device = Instance::new().unwrap().device("local-task").unwrap();
         let module = device.load_module(&vmfb).unwrap();
-        let run = |values: Vec<f32>| -> i32 {
-            let input = Tensor::f32(&[n as i64], values).unwrap();
-            module.call("argmax", &[input]).unwrap()[0]
-                .as_i32()
-                .unwrap()[0]
-        };
+        let (name, dims) = (name.to_string(), shape.iter().map(|&d| d as i64).collect::<Vec<_>>());
+        Box::new(move |values| {
+            let input = Tensor::f32(&dims, values).unwrap();
+            module.call(&name, &[input]).unwrap()[0].as_i32().unwrap().to_vec()
+        })
+    }
+
+    /// `argmax` on the CPU device: the first of tied maxima across groups
+    /// and stages, padding never chosen, NaN reported as -1. 1,100 values
+    /// take three stages (35 groups of 32, the last padded; 2; 1).
+    #[test]
+    fn argmax_takes_the_first_maximum_and_reports_nan() {
+        let n = 1100;
+        let argmax = i32_of_f32("argmax", &[n], |f, x| f.argmax(x));
+        let run = |values: &[f32]| argmax(values.to_vec())[0];
         let mut values: Vec<f32> = (0..n).map(|i| (i as f32 * 0.37).sin()).collect();
-        values[280] = 5.0;
+        values[1090] = 5.0;
         values[17] = 5.0;
-        assert_eq!(run(values.clone()), 17, "ties go to the first index");
+        assert_eq!(run(&values), 17, "ties go to the first index");
         values[17] = 4.0;
-        assert_eq!(run(values.clone()), 280, "the maximum in the padded row");
+        assert_eq!(run(&values), 1090, "the maximum in the padded group");
+        values[40] = 5.0;
+        assert_eq!(run(&values), 40, "ties across later stages too");
+        values[n - 1] = 6.0;
+        assert_eq!(run(&values), n as i32 - 1, "the last value");
         assert_eq!(
-            run(vec![f32::NEG_INFINITY; n]),
+            run(&vec![f32::NEG_INFINITY; n]),
             0,
             "padding is never chosen"
         );
         values[100] = f32::NAN;
-        assert_eq!(run(values), -1, "NaN is reported");
+        assert_eq!(run(&values), -1, "NaN is reported");
+    }
+
+    /// `argmax_rows`: each row its own winner, a NaN in one row reported for
+    /// that row alone.
+    #[test]
+    fn argmax_rows_takes_each_rows_maximum() {
+        let (rows, n) = (3, 70);
+        let argmax = i32_of_f32("argmax_rows", &[rows, n], |f, x| f.argmax_rows(x));
+        let mut values: Vec<f32> = (0..rows * n).map(|i| (i as f32 * 0.11).cos()).collect();
+        values[5] = 9.0;
+        values[n + 69] = 9.0;
+        values[2 * n + 33] = 9.0;
+        assert_eq!(argmax(values.clone()), [5, 69, 33]);
+        values[n + 2] = f32::NAN;
+        assert_eq!(argmax(values), [5, -1, 33]);
     }
 }
