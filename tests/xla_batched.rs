@@ -489,9 +489,10 @@ fn steps_queued_ahead_are_used_or_dropped_as_the_caller_feeds() {
     assert!(!plain.queued_ahead(), "pipelining is off");
 }
 
-/// `kiln-bench-batch` steps every slot of each slot count and reports a
-/// step time and tokens/s per count; a backend without a batched step is
-/// refused by name.
+/// `kiln-bench-batch` steps every slot of each slot count (or the `--busy`
+/// lowest) and reports a step time and tokens/s per count; a backend
+/// without a batched step and more busy slots than slots are refused by
+/// name.
 #[test]
 fn the_batched_step_benchmark_runs_and_reports_each_slot_count() {
     let dir = tempfile::tempdir().unwrap();
@@ -517,8 +518,34 @@ fn the_batched_step_benchmark_runs_and_reports_each_slot_count() {
     assert_eq!(rows.len(), 2);
     for (row, slots) in rows.iter().zip([1, 4]) {
         assert_eq!(row["slots"], slots);
+        assert_eq!(row["busy"], slots, "every slot busy by default");
         assert!(row["tokens_per_s"].as_f64().unwrap() > 0.0, "{row}");
     }
+    // A lone request among four slots, and more busy slots than there are.
+    let lone = |busy: &str| {
+        std::process::Command::new(bench)
+            .args(["--backend", "iree-cpu", "--model", "embedded"])
+            .args(["--max-context", "64", "--slots", "4", "--steps", "4"])
+            .args(["--busy", busy, "--json"])
+            .arg(&json)
+            .output()
+            .unwrap()
+    };
+    let out = lone("1");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let rows: Vec<serde_json::Value> =
+        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    assert_eq!(
+        (&rows[0]["slots"], &rows[0]["busy"]),
+        (&4.into(), &1.into())
+    );
+    let out = lone("5");
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--busy 5 is more than the 4 slots"));
     let out = std::process::Command::new(bench)
         .args(["--backend", "cpu", "--model", "embedded"])
         .output()

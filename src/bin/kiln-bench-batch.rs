@@ -33,6 +33,11 @@ struct Args {
     /// slots busy.
     #[arg(long = "slots", default_values_t = [1, 8, 32])]
     slots: Vec<usize>,
+    /// Slots that hold a sequence, the lowest ones (default: all of them).
+    /// `--busy 1` is a lone request on a server with that many slots: it
+    /// should step as fast as one slot does.
+    #[arg(long)]
+    busy: Option<usize>,
     /// Prompt tokens of each sequence (prefilled once, before timing).
     #[arg(long, default_value_t = 16)]
     prompt_tokens: usize,
@@ -53,6 +58,8 @@ struct Args {
 #[derive(Serialize)]
 struct Row {
     slots: usize,
+    /// Slots holding a sequence.
+    busy: usize,
     /// Admitting every slot, from the first prefill to the last first token.
     admit_ms: f64,
     steps: usize,
@@ -69,8 +76,8 @@ fn run() -> Result<()> {
     if !matches!(args.backend, BackendKind::IreeCpu | BackendKind::IreeCuda) {
         bail!("the batched step is the IREE backends': use --backend iree-cpu or iree-cuda");
     }
-    if args.steps == 0 || args.prompt_tokens == 0 {
-        bail!("--steps and --prompt-tokens must be positive");
+    if args.steps == 0 || args.prompt_tokens == 0 || args.busy == Some(0) {
+        bail!("--steps, --prompt-tokens and --busy must be positive");
     }
     let needed = args.prompt_tokens + args.steps + 2;
     if needed > args.backend_options.max_context {
@@ -83,8 +90,8 @@ fn run() -> Result<()> {
     }
     let rows = measure(&args)?;
     println!(
-        "{:>6} {:>9} {:>7} {:>9} {:>12} {:>10}",
-        "slots", "admit ms", "steps", "step ms", "tokens/s", "x 1 slot"
+        "{:>6} {:>5} {:>9} {:>7} {:>9} {:>12} {:>10}",
+        "slots", "busy", "admit ms", "steps", "step ms", "tokens/s", "x 1 slot"
     );
     let one = rows.iter().find(|r| r.slots == 1).map(|r| r.tokens_per_s);
     for row in &rows {
@@ -92,8 +99,8 @@ fn run() -> Result<()> {
             format!("{:.2}", row.tokens_per_s / one)
         });
         println!(
-            "{:>6} {:>9.2} {:>7} {:>9.3} {:>12.1} {:>10}",
-            row.slots, row.admit_ms, row.steps, row.step_ms, row.tokens_per_s, gain
+            "{:>6} {:>5} {:>9.2} {:>7} {:>9.3} {:>12.1} {:>10}",
+            row.slots, row.busy, row.admit_ms, row.steps, row.step_ms, row.tokens_per_s, gain
         );
     }
     if let Some(path) = &args.json {
@@ -115,8 +122,12 @@ fn measure(args: &Args) -> Result<Vec<Row>> {
         let backend = kiln::backends::open_iree(&model, args.backend, &args.backend_options)?;
         let mut decoder = BatchedDecoder::new(backend, slots)?;
         decoder.prepare(|_, _| {})?;
+        let busy = args.busy.unwrap_or(slots);
+        if busy > slots {
+            bail!("--busy {busy} is more than the {slots} slots");
+        }
         // A different prompt per slot, so that the rows differ.
-        let prompts: Vec<Vec<u32>> = (0..slots as u32)
+        let prompts: Vec<Vec<u32>> = (0..busy as u32)
             .map(|slot| {
                 (0..args.prompt_tokens as u32)
                     .map(|i| (i * 7919 + 11 + 104_729 * slot) % v)
@@ -125,7 +136,7 @@ fn measure(args: &Args) -> Result<Vec<Row>> {
             .collect();
         let admitted = Instant::now();
         let logits: Vec<Vec<f32>> = match args.admit_alone {
-            true => (0..slots)
+            true => (0..busy)
                 .map(|slot| decoder.admit(slot, &prompts[slot], Choice::Greedy))
                 .collect::<kiln_core::Result<_>>()?,
             false => decoder
@@ -155,10 +166,11 @@ fn measure(args: &Args) -> Result<Vec<Row>> {
         let seconds = started.elapsed().as_secs_f64();
         rows.push(Row {
             slots,
+            busy,
             admit_ms,
             steps: args.steps,
             step_ms: seconds * 1e3 / args.steps as f64,
-            tokens_per_s: (slots * args.steps) as f64 / seconds,
+            tokens_per_s: (busy * args.steps) as f64 / seconds,
         });
     }
     Ok(rows)

@@ -1044,10 +1044,16 @@ mod tests {
         let vmfb = compiler.compile(&mlir, Target::LlvmCpu, &[]).unwrap();
         let device = Instance::new().unwrap().device("local-task").unwrap();
         let module = device.load_module(&vmfb).unwrap();
-        let (name, dims) = (name.to_string(), shape.iter().map(|&d| d as i64).collect::<Vec<_>>());
+        let (name, dims) = (
+            name.to_string(),
+            shape.iter().map(|&d| d as i64).collect::<Vec<_>>(),
+        );
         Box::new(move |values| {
             let input = Tensor::f32(&dims, values).unwrap();
-            module.call(&name, &[input]).unwrap()[0].as_i32().unwrap().to_vec()
+            module.call(&name, &[input]).unwrap()[0]
+                .as_i32()
+                .unwrap()
+                .to_vec()
         })
     }
 
