@@ -2465,4 +2465,56 @@ mod tests {
             }
         }
     }
+
+    /// Every module that updates the KV caches does so in the caller's
+    /// buffers: IREE's stream program (CUDA and CPU) holds no copy of a
+    /// whole cache. Without `iree.abi.consume` beside `iree.abi.output` a
+    /// step copied each cache in, worked on the copy and copied it back.
+    #[test]
+    fn caches_are_updated_in_place_without_copies() {
+        let compiler = match crate::compiler::Compiler::from_env() {
+            Ok(compiler) => compiler,
+            Err(e) => return println!("skipped: no IREE compiler ({e})"),
+        };
+        let mut c = config(4, 2);
+        c.num_layers = 2;
+        let context = 64;
+        for target in [Target::Cuda, Target::LlvmCpu] {
+            let g = graph(target);
+            // An f16 cache: layers × slots × kv × context × d values.
+            let cache_bytes =
+                |slots: usize| c.num_layers * slots * c.num_kv_heads * context * c.head_dim * 2;
+            let modules = [
+                ("decode", decode_module(&c, &g, context), cache_bytes(1)),
+                ("append", append_module(&c, &g, context, 4), cache_bytes(1)),
+                (
+                    "decode_batch",
+                    decode_batch_module(&c, &g, context, 1, 4),
+                    cache_bytes(4),
+                ),
+                (
+                    "prefill_batch",
+                    prefill_batch_module(&c, &g, context, 2, 16, 4),
+                    cache_bytes(4),
+                ),
+            ];
+            for (name, module, bytes) in modules {
+                assert!(module.contains("iree.abi.consume"), "{name}");
+                let stream = compiler
+                    .compile(&module, target, &["--compile-to=stream"])
+                    .unwrap();
+                let stream = String::from_utf8(stream).unwrap();
+                let size = format!("%c{bytes} ");
+                let copies = stream
+                    .lines()
+                    .filter(|l| l.contains("stream.cmd.copy") && l.contains(&size))
+                    .count();
+                assert_eq!(copies, 0, "{name} on {target:?} copies a whole cache");
+                assert!(
+                    stream.contains(&size),
+                    "{name}: no resource of {bytes} bytes"
+                );
+            }
+        }
+    }
 }
