@@ -79,6 +79,11 @@ fn run() -> Result<()> {
     if args.steps == 0 || args.prompt_tokens == 0 || args.busy == Some(0) {
         bail!("--steps, --prompt-tokens and --busy must be positive");
     }
+    if let Some(busy) = args.busy
+        && let Some(&slots) = args.slots.iter().find(|&&slots| busy > slots)
+    {
+        bail!("--busy {busy} is more than the {slots} slots");
+    }
     let needed = args.prompt_tokens + args.steps + 2;
     if needed > args.backend_options.max_context {
         bail!(
@@ -123,9 +128,6 @@ fn measure(args: &Args) -> Result<Vec<Row>> {
         let mut decoder = BatchedDecoder::new(backend, slots)?;
         decoder.prepare(|_, _| {})?;
         let busy = args.busy.unwrap_or(slots);
-        if busy > slots {
-            bail!("--busy {busy} is more than the {slots} slots");
-        }
         // A different prompt per slot, so that the rows differ.
         let prompts: Vec<Vec<u32>> = (0..busy as u32)
             .map(|slot| {

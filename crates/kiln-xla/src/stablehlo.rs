@@ -114,7 +114,7 @@ impl Function {
     /// (`iree.abi.consume`): without that IREE treats the argument as the
     /// caller's and works on a copy, then copies the result back, four
     /// copies of every cache a decode step (168 MB for the 8B at 640
-    /// positions, 184 MB for 32 slots of TinyLlama at 256).
+    /// positions, 369 MB for 32 slots of TinyLlama at 256).
     pub fn param_output(&mut self, shape: &[usize], ty: Ty, result: usize) -> Val {
         self.param_with(
             shape,
