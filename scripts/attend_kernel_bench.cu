@@ -1,5 +1,6 @@
 // kiln's decode attention kernels (crates/kiln-xla/kernels/attend_part.cu and
-// attend_merge.cu) timed alone on the attention of the decode steps kiln
+// attend_merge.cu; the first alone, in one pass, where there is one split)
+// timed alone on the attention of the decode steps kiln
 // ships shapes for: one build of their PTX, every layer of a step in a
 // captured graph over caches of every layer (past the L2 cache, as a step
 // reads them), at several positions. The splits follow kernels.rs's rule
@@ -38,12 +39,15 @@ static const Shape SHAPES[] = {
     {"8b", 32, 8, 4, 128, 8192},
 };
 
-// kernels.rs: TILE 128, 264 workgroups wanted, at most 64 splits.
+// kernels.rs: TILE 128, one pass (one split, no merge) up to 1,024
+// positions, else 264 workgroups wanted, at most 64 splits.
 static void splits_for(unsigned rows, unsigned kv, unsigned context, unsigned forced,
                        unsigned& chunk, unsigned& splits) {
   unsigned tiles = (context + 127) / 128;
   unsigned wanted = (264 + rows * kv - 1) / (rows * kv);
-  unsigned s = forced ? forced : std::max(1u, std::min(wanted, std::min(tiles, 64u)));
+  unsigned s = forced ? forced
+               : context <= 1024 ? 1u
+                                 : std::max(1u, std::min(wanted, std::min(tiles, 64u)));
   chunk = (tiles + s - 1) / s * 128;
   splits = (context + chunk - 1) / chunk;
 }
@@ -131,12 +135,15 @@ int main(int argc, char** argv) {
       check(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal), "capture");
       unsigned q_stride = heads * s.d;
       for (unsigned layer = 0; layer < s.layers; layer++) {
-        void* pa[] = {&dq, &dk, &dv, &dpos, &dpart, &layer, &slots, (void*)&s.kv,
+        float* part_out = splits == 1 ? dout : dpart;
+        void* pa[] = {&dq, &dk, &dv, &dpos, &part_out, &layer, &slots, (void*)&s.kv,
                       (void*)&s.context, &chunk, &splits, &q_stride, (void*)&s.d,
                       (void*)&s.group, &group_heads};
         check(cuLaunchKernel(part, rows * s.kv * (s.group / group_heads) * splits, 1, 1, 128, 1, 1,
                              0, stream, pa, nullptr),
               "part");
+        // One split is one pass: the part writes the output, no merge.
+        if (splits == 1) continue;
         void* ma[] = {&dpart, &dpos, &dout, (void*)&s.kv, (void*)&s.context, &chunk, &splits,
                       (void*)&s.d, (void*)&s.group};
         check(cuLaunchKernel(merge, rows * s.kv, 1, 1, 128, 1, 1, 0, stream, ma, nullptr),

@@ -1,6 +1,7 @@
 // attend_part.cu and attend_merge.cu on the host, for kiln-xla's tests
 // (`kernels::tests`): every workgroup of both grids the decode modules
-// launch, one after another, each with its 128 threads. Reads from stdin,
+// launch (the part's alone where one split makes it one pass), one after
+// another, each with its 128 threads. Reads from stdin,
 // as little-endian u32s, rows, slots, layers, KV heads, context, head
 // width, group, layer, positions a split, splits and the heads a
 // workgroup takes, then the positions
@@ -56,14 +57,17 @@ int main() {
     auto values = read<u16>(cache);
     // NaN where no split writes: the merge must not read it.
     std::vector<float> partials((size_t)rows * kv * splits * group * (d + 2), std::nanf(""));
-    std::vector<float> out((size_t)rows * kv * group * d);
+    // NaN too in the output, which one pass (one split) writes itself and
+    // must write whole.
+    std::vector<float> out((size_t)rows * kv * group * d, std::nanf(""));
+    float *part_out = splits == 1 ? out.data() : partials.data();
     for (u32 w = 0; w < rows * kv * (group / group_heads) * splits; w++)
         workgroup(w, [&] {
-            kiln_attend_part(q.data(), keys.data(), values.data(), positions.data(),
-                             partials.data(), layer, slots, kv, context, chunk, splits,
-                             kv * group * d, d, group, group_heads);
+            kiln_attend_part(q.data(), keys.data(), values.data(), positions.data(), part_out,
+                             layer, slots, kv, context, chunk, splits, kv * group * d, d, group,
+                             group_heads);
         });
-    for (u32 w = 0; w < rows * kv; w++)
+    for (u32 w = 0; splits > 1 && w < rows * kv; w++)
         workgroup(w, [&] {
             kiln_attend_merge(partials.data(), positions.data(), out.data(), kv, context, chunk,
                               splits, d, group);

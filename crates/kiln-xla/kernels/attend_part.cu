@@ -29,6 +29,12 @@
 // units), then G totals, f32, each workgroup writing its GW heads'.
 // Splits past the row's position write nothing
 // (the merge reads only the splits the position reaches).
+//
+// One split (`splits` = 1) is one pass: the workgroup walks all of the
+// row's tiles and writes the attention itself, f32 `[rows, kv · G · D]` as
+// the merge would (zeros for a row with no visible position), and no merge
+// runs. At short contexts that saves the merge's kernel, which costs more
+// than the few tiles a workgroup then walks one after the other.
 
 #include "device.h"
 
@@ -43,6 +49,8 @@
 SHARED __attribute__((aligned(16))) float shared_q[MAX_GROUP * 128];
 SHARED __attribute__((aligned(16))) float shared_p[MAX_GROUP * P_ROW];
 SHARED float shared_alpha[MAX_GROUP];
+// One pass: 1 / each head's total, for the output.
+SHARED float shared_inverse[MAX_GROUP];
 
 static __device__ __forceinline__ u32 p_index(u32 t) { return t + (t / 64) * 4; }
 
@@ -70,7 +78,7 @@ static __device__ __forceinline__ float dot8(float acc, const float *a, const fl
 template <int D>
 static __device__ __forceinline__ void attend_part(const u16 *q, const u16 *keys,
                                                    const u16 *values, const int *positions,
-                                                   float *partials, u32 layer, u32 slots,
+                                                   float *out, u32 layer, u32 slots,
                                                    u32 kv_heads, u32 context, u32 chunk,
                                                    u32 splits, u32 q_row_stride, u32 G,
                                                    u32 GW) {
@@ -96,8 +104,15 @@ static __device__ __forceinline__ void attend_part(const u16 *q, const u16 *keys
     int pos = positions[row];
     u32 n = pos < 0 ? 0 : ((u32)pos + 1 < context ? (u32)pos + 1 : context);
     u32 start = split * chunk;
-    if (start >= n)
+    u32 j = thread / HALVES, half = thread % HALVES;
+    // One pass writes its heads' columns of the row's output.
+    float *row_out = out + (u64)row * kv_heads * G * D + (head * G + g0) * D;
+    if (start >= n) {
+        if (splits == 1 && half == 0)
+            for (u32 g = 0; g < GW; g++)
+                row_out[g * D + j] = 0.0f;
         return;
+    }
     u32 end = start + chunk < n ? start + chunk : n;
 
     u64 cache = ((u64)(layer * slots + row) * kv_heads + head) * context * D;
@@ -111,7 +126,6 @@ static __device__ __forceinline__ void attend_part(const u16 *q, const u16 *keys
 
     // Heads warp, warp + 4: their running max (log2 units) and total.
     float m_run[2] = {NEG_INF, NEG_INF}, l_run[2] = {0.0f, 0.0f};
-    u32 j = thread / HALVES, half = thread % HALVES;
     float acc[MAX_GROUP];
 #pragma unroll
     for (int g = 0; g < MAX_GROUP; g++)
@@ -215,20 +229,36 @@ static __device__ __forceinline__ void attend_part(const u16 *q, const u16 *keys
         }
     }
 
-    float *out = partials + ((u64)(row * kv_heads + head) * splits + split) * (G * (D + 2));
 #pragma unroll
-    for (u32 g = 0; g < MAX_GROUP; g++) {
+    for (u32 g = 0; g < MAX_GROUP; g++)
         if (HALVES == 2)
             acc[g] += shuffle_xor(acc[g], 1);
-        if (g < GW && half == 0)
-            out[(g0 + g) * D + j] = acc[g];
+    if (splits == 1) {
+        // Each head's total is its warp's: shared with every column's thread.
+#pragma unroll
+        for (int i = 0; i < 2; i++) {
+            u32 g = warp + 4 * i;
+            if (g < GW && lane == 0)
+                shared_inverse[g] = l_run[i] > 0.0f ? 1.0f / l_run[i] : 0.0f;
+        }
+        workgroup_barrier();
+#pragma unroll
+        for (u32 g = 0; g < MAX_GROUP; g++)
+            if (g < GW && half == 0)
+                row_out[g * D + j] = acc[g] * shared_inverse[g];
+        return;
     }
+    float *partials = out + ((u64)(row * kv_heads + head) * splits + split) * (G * (D + 2));
+#pragma unroll
+    for (u32 g = 0; g < MAX_GROUP; g++)
+        if (g < GW && half == 0)
+            partials[(g0 + g) * D + j] = acc[g];
 #pragma unroll
     for (int i = 0; i < 2; i++) {
         u32 g = warp + 4 * i;
         if (g < GW && lane == 0) {
-            out[G * D + g0 + g] = m_run[i];
-            out[G * D + G + g0 + g] = l_run[i];
+            partials[G * D + g0 + g] = m_run[i];
+            partials[G * D + G + g0 + g] = l_run[i];
         }
     }
 }
@@ -237,13 +267,13 @@ static __device__ __forceinline__ void attend_part(const u16 *q, const u16 *keys
 // (64 or 128), the group's size (1 to 8) and the heads a workgroup takes
 // (a divisor of it) are constants.
 KERNEL(THREADS) void kiln_attend_part(
-    const u16 *q, const u16 *keys, const u16 *values, const int *positions, float *partials,
+    const u16 *q, const u16 *keys, const u16 *values, const int *positions, float *out,
     u32 layer, u32 slots, u32 kv_heads, u32 context, u32 chunk, u32 splits, u32 q_row_stride,
     u32 d, u32 group, u32 group_heads) {
     if (d == 128)
-        attend_part<128>(q, keys, values, positions, partials, layer, slots, kv_heads, context,
+        attend_part<128>(q, keys, values, positions, out, layer, slots, kv_heads, context,
                          chunk, splits, q_row_stride, group, group_heads);
     else
-        attend_part<64>(q, keys, values, positions, partials, layer, slots, kv_heads, context,
+        attend_part<64>(q, keys, values, positions, out, layer, slots, kv_heads, context,
                         chunk, splits, q_row_stride, group, group_heads);
 }

@@ -223,8 +223,9 @@ pub enum DecodeAttention {
     /// IREE's kernels: q·K, the masked softmax and p·V, over the whole
     /// context.
     Graph,
-    /// kiln's two kernels (`kernels/attend_part.cu`, `attend_merge.cu`):
-    /// split-K attention over the positions each row has, then the merge.
+    /// kiln's kernels (`kernels/attend_part.cu`, `attend_merge.cu`):
+    /// split-K attention over the positions each row has, then the merge;
+    /// up to 1,024 positions the first alone, in one pass.
     /// Where a model's heads or cache do not fit them
     /// ([`crate::kernels::decode_attention_fits`]), the step attends as
     /// [`DecodeAttention::Graph`] does.

@@ -282,12 +282,24 @@ pub fn decode_attention_fits(d: usize, group: usize, storage: Ty, context: usize
         && context.is_multiple_of(8)
 }
 
+/// The longest context [`decode_attention`] attends in one pass: one split,
+/// whose workgroups walk a row's tiles one after the other and write the
+/// output themselves, with no merge. The merge is a kernel of its own
+/// (about 3 µs a layer on an H100, launch included), more than a few
+/// tiles' walk costs; past this many positions the splits' parallel walk
+/// pays for it.
+const ATTEND_ONE_PASS_CONTEXT: usize = 1024;
+
 /// How [`decode_attention`] cuts each row's positions: the positions a
 /// split takes (a whole number of tiles) and the splits of the context.
-/// Splits enough for [`ATTEND_WORKGROUPS`] over all rows and KV heads, no
-/// more than the tiles of the context or [`ATTEND_MAX_SPLITS`].
+/// One split up to [`ATTEND_ONE_PASS_CONTEXT`] positions; beyond, splits
+/// enough for [`ATTEND_WORKGROUPS`] over all rows and KV heads, no more
+/// than the tiles of the context or [`ATTEND_MAX_SPLITS`].
 pub fn attention_splits(rows: usize, kv_heads: usize, context: usize) -> (usize, usize) {
     let tiles = context.div_ceil(ATTEND_TILE);
+    if context <= ATTEND_ONE_PASS_CONTEXT {
+        return (tiles * ATTEND_TILE, 1);
+    }
     let wanted = ATTEND_WORKGROUPS.div_ceil(rows * kv_heads);
     let splits = wanted.clamp(1, tiles.min(ATTEND_MAX_SPLITS));
     let chunk = tiles.div_ceil(splits) * ATTEND_TILE;
@@ -306,9 +318,10 @@ pub struct DecodeCaches<'a> {
 /// Attention of one query row per slot, f16 `q` `[rows, heads, d]` (row r
 /// is slot r), to slot r's keys and values at positions
 /// `0..=positions[r]` (`[rows]` i32, on the device) of `caches`' layer:
-/// f32 `[rows, heads · d]`, head h against KV head h / group. Two of kiln's
+/// f32 `[rows, heads · d]`, head h against KV head h / group. kiln's
 /// kernels: split-K attention over the positions each row has, and the
-/// splits' merge. IREE's path (q·K, the masked softmax and p·V over the
+/// splits' merge, or at short contexts the first alone in one pass
+/// ([`attention_splits`]). IREE's path (q·K, the masked softmax and p·V over the
 /// whole context) is what it replaces. Needs [`decode_attention_fits`].
 pub fn decode_attention(f: &mut Function, q: &Val, caches: &DecodeCaches, positions: &Val) -> Val {
     let (rows, heads, d) = (q.shape[0], q.shape[1], q.shape[2]);
@@ -343,7 +356,12 @@ pub fn decode_attention(f: &mut Function, q: &Val, caches: &DecodeCaches, positi
     let (chunk, splits) = attention_splits(rows, kv_heads, context);
     let group_heads = attention_group_heads(group, context);
     let q_row_stride = heads * d;
-    let partials = f.dispatch_extern(
+    // One split writes the output itself; more write partials to merge.
+    let part_out = match splits {
+        1 => vec![rows, heads * d],
+        _ => vec![rows * kv_heads * splits * group * (d + 2)],
+    };
+    let part = f.dispatch_extern(
         &ExternDispatch {
             object: &ATTEND_PART,
             entry: "kiln_attend_part",
@@ -363,9 +381,12 @@ pub fn decode_attention(f: &mut Function, q: &Val, caches: &DecodeCaches, positi
             ],
         },
         &[q, caches.keys, caches.values, positions],
-        &[rows * kv_heads * splits * group * (d + 2)],
+        &part_out,
         Ty::F32,
     );
+    if splits == 1 {
+        return part;
+    }
     f.dispatch_extern(
         &ExternDispatch {
             object: &ATTEND_MERGE,
@@ -381,7 +402,7 @@ pub fn decode_attention(f: &mut Function, q: &Val, caches: &DecodeCaches, positi
                 group as u32,
             ],
         },
-        &[&partials, positions],
+        &[&part, positions],
         &[rows, heads * d],
         Ty::F32,
     )
@@ -719,9 +740,10 @@ mod tests {
     /// (`attend_host.cpp`: every workgroup's 128 threads as threads, its
     /// barrier and the warps' shuffles as barriers) against attention in
     /// f64 over the same f16 values: one sequence's caches and slots'
-    /// caches, heads of 64 and 128, groups of 1, 3, 4 and 8, splits of one
-    /// tile and of several (the running max and total carried between
-    /// tiles), positions 0, within a tile, at a tile's end and at the
+    /// caches, heads of 64 and 128, groups of 1, 2, 3, 4 and 8, one pass
+    /// over up to eight tiles, splits of one tile and of several (the
+    /// running max and total carried between tiles), a row with no
+    /// position (-1: zeros), positions 0, within a tile, at a tile's end and at the
     /// context's last; the cache past each row's position holds NaN, which
     /// must not be read, as must not the partials of splits past it.
     #[test]
@@ -743,9 +765,13 @@ mod tests {
             &'static [i32],
         );
         let cases = [
+            // One pass (one split, no merge) up to 1,024 positions: a
+            // row's tiles walked by one workgroup, a row with no position.
             Case(1, 0, 2, 2, 640, 64, 8, 1, &[639]),
             Case(3, 4, 1, 2, 264, 128, 4, 0, &[0, 200, 127]),
+            Case(3, 3, 1, 2, 1024, 64, 2, 0, &[1023, -1, 128]),
             Case(2, 2, 2, 1, 2048, 64, 3, 1, &[1500, 255]),
+            Case(2, 2, 1, 1, 1152, 128, 1, 0, &[-1, 1151]),
             Case(32, 32, 1, 1, 2048, 64, 1, 0, &[2047; 32]),
             // Past 2,048 positions a workgroup takes the whole group.
             Case(1, 0, 1, 2, 2304, 128, 4, 0, &[2300]),
@@ -765,7 +791,7 @@ mod tests {
             let base = |r: usize, k: usize| ((layer * s + r) * kv + k) * context * d;
             for (r, &pos) in positions.iter().enumerate() {
                 for k in 0..kv {
-                    for t in pos as usize + 1..context {
+                    for t in (pos + 1) as usize..context {
                         for j in 0..d {
                             keys[base(r, k) + t * d + j] = half::f16::NAN;
                             values[base(r, k) + j * context + t] = half::f16::NAN;
@@ -803,7 +829,8 @@ mod tests {
                 for h in 0..heads {
                     let k = h / group;
                     let qh = &q[(r * heads + h) * d..][..d];
-                    let scores: Vec<f64> = (0..=pos as usize)
+                    // No visible position (-1): zeros.
+                    let scores: Vec<f64> = (0..(pos + 1) as usize)
                         .map(|t| {
                             let key = &keys[base(r, k) + t * d..][..d];
                             let dot: f64 = qh
@@ -818,12 +845,12 @@ mod tests {
                     let weights: Vec<f64> = scores.iter().map(|s| (s - top).exp()).collect();
                     let total: f64 = weights.iter().sum();
                     for j in 0..d {
-                        let want: f64 = weights
+                        let sum: f64 = weights
                             .iter()
                             .enumerate()
                             .map(|(t, w)| w * values[base(r, k) + j * context + t].to_f64())
-                            .sum::<f64>()
-                            / total;
+                            .sum();
+                        let want = if total > 0.0 { sum / total } else { 0.0 };
                         let error = (got[(r * heads + h) * d + j] as f64 - want).abs();
                         assert!(
                             error.is_finite(),
@@ -994,8 +1021,13 @@ mod tests {
                 }
             }
         }
-        // TinyLlama's decode step at 640 positions: 5 splits of 128.
-        assert_eq!(attention_splits(1, 4, 640), (128, 5));
+        // Up to 1,024 positions one pass over the whole context, whatever
+        // the rows: TinyLlama's decode step at 640 positions, 32 slots at 256.
+        assert_eq!(attention_splits(1, 4, 640), (640, 1));
+        assert_eq!(attention_splits(32, 4, 256), (256, 1));
+        assert_eq!(attention_splits(1, 8, 1024), (1024, 1));
+        // Past it, splits: 1,152 positions in 9 of one tile.
+        assert_eq!(attention_splits(1, 8, 1152), (128, 9));
         // Llama-3.1-8B's at 8,192: 33 splits of 256.
         assert_eq!(attention_splits(1, 8, 8192), (256, 32));
     }

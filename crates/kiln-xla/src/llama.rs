@@ -2059,8 +2059,9 @@ mod tests {
     }
 
     /// With `--decode-attention kernel`, CUDA's decode steps (one sequence,
-    /// a chain, the batched step) attend with kiln's two kernels, once each
-    /// a layer, where the heads are 64 or 128 wide with at most 8 to a KV
+    /// a chain, the batched step) attend with kiln's kernels, the first
+    /// alone (one pass) up to 1,024 positions and both beyond, once each a
+    /// layer, where the heads are 64 or 128 wide with at most 8 to a KV
     /// head and the cache f16; otherwise, and on the CPU, they attend
     /// through IREE, as by default below 1,024 positions. Prefill never
     /// uses them. The modules compile.
@@ -2079,18 +2080,21 @@ mod tests {
         let mut modules = Vec::new();
         for precision in [Precision::F16, Precision::Q4] {
             let g = options(Target::Cuda, precision);
-            for module in [
-                decode_module(&tiny, &g, 64),
-                decode_chain_module(&tiny, &g, 64, 2),
-                decode_batch_module(&tiny, &g, 64, 3, 4),
-            ] {
-                let chained = if module.contains("decode_chain") {
-                    2
-                } else {
-                    1
-                };
-                assert_eq!(count(&module), (layers * chained, layers * chained));
-                modules.push(module);
+            for (context, merged) in [(64, 0), (1152, 1)] {
+                for module in [
+                    decode_module(&tiny, &g, context),
+                    decode_chain_module(&tiny, &g, context, 2),
+                    decode_batch_module(&tiny, &g, context, 3, 4),
+                ] {
+                    let chained = if module.contains("decode_chain") {
+                        2
+                    } else {
+                        1
+                    };
+                    let n = layers * chained;
+                    assert_eq!(count(&module), (n, n * merged), "{context} positions");
+                    modules.push(module);
+                }
             }
             assert_eq!(count(&prefill_module(&tiny, &g, 16, 64)), (0, 0));
         }
@@ -2103,10 +2107,7 @@ mod tests {
             "CUDA's default"
         );
         assert_eq!(count(&decode_module(&tiny, &default, 1016)), (0, 0));
-        assert_eq!(
-            count(&decode_module(&tiny, &default, 1024)),
-            (layers, layers)
-        );
+        assert_eq!(count(&decode_module(&tiny, &default, 1024)), (layers, 0));
         let graph = GraphOptions {
             decode_attention: DecodeAttention::Graph,
             ..default
