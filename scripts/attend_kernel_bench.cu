@@ -39,15 +39,13 @@ static const Shape SHAPES[] = {
     {"8b", 32, 8, 4, 128, 8192},
 };
 
-// kernels.rs: TILE 128, one pass (one split, no merge) up to 1,024
-// positions, else 264 workgroups wanted, at most 64 splits.
+// kernels.rs: TILE 128, 264 workgroups wanted, at most 64 splits; one split
+// is one pass (no merge).
 static void splits_for(unsigned rows, unsigned kv, unsigned context, unsigned forced,
                        unsigned& chunk, unsigned& splits) {
   unsigned tiles = (context + 127) / 128;
   unsigned wanted = (264 + rows * kv - 1) / (rows * kv);
-  unsigned s = forced ? forced
-               : context <= 1024 ? 1u
-                                 : std::max(1u, std::min(wanted, std::min(tiles, 64u)));
+  unsigned s = forced ? forced : std::max(1u, std::min(wanted, std::min(tiles, 64u)));
   chunk = (tiles + s - 1) / s * 128;
   splits = (context + chunk - 1) / chunk;
 }

@@ -33,8 +33,8 @@
 // One split (`splits` = 1) is one pass: the workgroup walks all of the
 // row's tiles and writes the attention itself, f32 `[rows, kv · G · D]` as
 // the merge would (zeros for a row with no visible position), and no merge
-// runs. At short contexts that saves the merge's kernel, which costs more
-// than the few tiles a workgroup then walks one after the other.
+// runs: a context of one tile, or rows enough to fill the GPU
+// (kernels.rs, `attention_splits`).
 
 #include "device.h"
 

@@ -224,8 +224,8 @@ pub enum DecodeAttention {
     /// context.
     Graph,
     /// kiln's kernels (`kernels/attend_part.cu`, `attend_merge.cu`):
-    /// split-K attention over the positions each row has, then the merge;
-    /// up to 1,024 positions the first alone, in one pass.
+    /// split-K attention over the positions each row has, then the merge
+    /// (the first alone, in one pass, where there is one split).
     /// Where a model's heads or cache do not fit them
     /// ([`crate::kernels::decode_attention_fits`]), the step attends as
     /// [`DecodeAttention::Graph`] does.

@@ -282,24 +282,19 @@ pub fn decode_attention_fits(d: usize, group: usize, storage: Ty, context: usize
         && context.is_multiple_of(8)
 }
 
-/// The longest context [`decode_attention`] attends in one pass: one split,
-/// whose workgroups walk a row's tiles one after the other and write the
-/// output themselves, with no merge. The merge is a kernel of its own
-/// (about 3 µs a layer on an H100, launch included), more than a few
-/// tiles' walk costs; past this many positions the splits' parallel walk
-/// pays for it.
-const ATTEND_ONE_PASS_CONTEXT: usize = 1024;
-
 /// How [`decode_attention`] cuts each row's positions: the positions a
 /// split takes (a whole number of tiles) and the splits of the context.
-/// One split up to [`ATTEND_ONE_PASS_CONTEXT`] positions; beyond, splits
-/// enough for [`ATTEND_WORKGROUPS`] over all rows and KV heads, no more
-/// than the tiles of the context or [`ATTEND_MAX_SPLITS`].
+/// Splits enough for [`ATTEND_WORKGROUPS`] over all rows and KV heads, no
+/// more than the tiles of the context or [`ATTEND_MAX_SPLITS`]. One split
+/// (a context of one tile, or rows enough to fill the GPU) is one pass:
+/// the first kernel writes the output and no merge runs. Not more often:
+/// on an H100 (2026-12-07, `scripts/attend_kernel_bench.cu`) one pass over
+/// a whole 640-position context took 4.9 µs a TinyLlama layer at position
+/// 16 where five splits and their merge took 8.0, but 14.2 at position 272
+/// and 25.3 at 639 (11.6 and 11.3 split): about 4 µs a tile walked one
+/// after the other.
 pub fn attention_splits(rows: usize, kv_heads: usize, context: usize) -> (usize, usize) {
     let tiles = context.div_ceil(ATTEND_TILE);
-    if context <= ATTEND_ONE_PASS_CONTEXT {
-        return (tiles * ATTEND_TILE, 1);
-    }
     let wanted = ATTEND_WORKGROUPS.div_ceil(rows * kv_heads);
     let splits = wanted.clamp(1, tiles.min(ATTEND_MAX_SPLITS));
     let chunk = tiles.div_ceil(splits) * ATTEND_TILE;
@@ -741,7 +736,7 @@ mod tests {
     /// barrier and the warps' shuffles as barriers) against attention in
     /// f64 over the same f16 values: one sequence's caches and slots'
     /// caches, heads of 64 and 128, groups of 1, 2, 3, 4 and 8, one pass
-    /// over up to eight tiles, splits of one tile and of several (the
+    /// over one tile and over two, splits of one tile and of several (the
     /// running max and total carried between tiles), a row with no
     /// position (-1: zeros), positions 0, within a tile, at a tile's end and at the
     /// context's last; the cache past each row's position holds NaN, which
@@ -765,11 +760,26 @@ mod tests {
             &'static [i32],
         );
         let cases = [
-            // One pass (one split, no merge) up to 1,024 positions: a
-            // row's tiles walked by one workgroup, a row with no position.
             Case(1, 0, 2, 2, 640, 64, 8, 1, &[639]),
             Case(3, 4, 1, 2, 264, 128, 4, 0, &[0, 200, 127]),
-            Case(3, 3, 1, 2, 1024, 64, 2, 0, &[1023, -1, 128]),
+            // One pass (one split, no merge): a context of one tile, and
+            // rows enough that a workgroup walks two tiles; rows with no
+            // position.
+            Case(3, 3, 1, 2, 128, 64, 2, 0, &[127, -1, 5]),
+            Case(
+                33,
+                33,
+                1,
+                8,
+                256,
+                64,
+                1,
+                0,
+                &[
+                    255, -1, 128, 127, 0, 200, 255, 17, 255, 100, 255, 3, 255, 64, 255, 129, 255,
+                    31, 255, 250, 255, 1, 255, 190, 255, 77, 255, 160, 255, 2, 255, 222, 254,
+                ],
+            ),
             Case(2, 2, 2, 1, 2048, 64, 3, 1, &[1500, 255]),
             Case(2, 2, 1, 1, 1152, 128, 1, 0, &[-1, 1151]),
             Case(32, 32, 1, 1, 2048, 64, 1, 0, &[2047; 32]),
@@ -1021,13 +1031,11 @@ mod tests {
                 }
             }
         }
-        // Up to 1,024 positions one pass over the whole context, whatever
-        // the rows: TinyLlama's decode step at 640 positions, 32 slots at 256.
-        assert_eq!(attention_splits(1, 4, 640), (640, 1));
-        assert_eq!(attention_splits(32, 4, 256), (256, 1));
-        assert_eq!(attention_splits(1, 8, 1024), (1024, 1));
-        // Past it, splits: 1,152 positions in 9 of one tile.
-        assert_eq!(attention_splits(1, 8, 1152), (128, 9));
+        // TinyLlama's decode step at 640 positions: 5 splits of 128.
+        assert_eq!(attention_splits(1, 4, 640), (128, 5));
+        // One pass: a context of one tile, or 33 rows of 8 KV heads.
+        assert_eq!(attention_splits(1, 8, 128), (128, 1));
+        assert_eq!(attention_splits(33, 8, 256), (256, 1));
         // Llama-3.1-8B's at 8,192: 33 splits of 256.
         assert_eq!(attention_splits(1, 8, 8192), (256, 32));
     }
