@@ -291,7 +291,7 @@ pub fn decode_attention_fits(d: usize, group: usize, storage: Ty, context: usize
 /// on an H100 (2026-12-07, `scripts/attend_kernel_bench.cu`) one pass over
 /// a whole 640-position context took 4.9 µs a TinyLlama layer at position
 /// 16 where five splits and their merge took 8.0, but 14.2 at position 272
-/// and 25.3 at 639 (11.6 and 11.3 split): about 4 µs a tile walked one
+/// and 25.3 at 639 (11.6 and 11.3 split): about 5 µs a tile walked one
 /// after the other.
 pub fn attention_splits(rows: usize, kv_heads: usize, context: usize) -> (usize, usize) {
     let tiles = context.div_ceil(ATTEND_TILE);
