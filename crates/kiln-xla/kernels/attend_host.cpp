@@ -3,11 +3,11 @@
 // launch (the part's alone where one split makes it one pass), one after
 // another, each with its 128 threads. Reads from stdin,
 // as little-endian u32s, rows, slots, layers, KV heads, context, head
-// width, group, layer, positions a split, splits and the heads a
-// workgroup takes, then the positions
+// width, group, layer, positions a split, splits, the heads a workgroup
+// takes and whether the output is f16, then the positions
 // (i32 a row), q (f16, [rows, heads, d]), keys and values (f16, the
-// caches' layouts); writes the attention (f32, [rows, heads · d]) to
-// stdout.
+// caches' layouts); writes the attention (f32 or f16, [rows, heads · d])
+// to stdout.
 #define KILN_HOST_CHECK
 #include "attend_merge.cu"
 #include "attend_part.cu"
@@ -47,9 +47,10 @@ static void workgroup(u32 index, F body) {
 }
 
 int main() {
-    auto h = read<u32>(11);
+    auto h = read<u32>(12);
     u32 rows = h[0], slots = h[1], layers = h[2], kv = h[3], context = h[4], d = h[5],
-        group = h[6], layer = h[7], chunk = h[8], splits = h[9], group_heads = h[10];
+        group = h[6], layer = h[7], chunk = h[8], splits = h[9], group_heads = h[10],
+        out_half = h[11];
     size_t cache = (size_t)layers * slots * kv * context * d;
     auto positions = read<int>(rows);
     auto q = read<u16>((size_t)rows * kv * group * d);
@@ -57,21 +58,22 @@ int main() {
     auto values = read<u16>(cache);
     // NaN where no split writes: the merge must not read it.
     std::vector<float> partials((size_t)rows * kv * splits * group * (d + 2), std::nanf(""));
-    // NaN too in the output, which one pass (one split) writes itself and
-    // must write whole.
-    std::vector<float> out((size_t)rows * kv * group * d, std::nanf(""));
+    // NaN too in the output (all ones: NaN as f32 and as f16), which one
+    // pass (one split) writes itself and must write whole.
+    std::vector<float> out((size_t)rows * kv * group * d);
+    memset(out.data(), 0xff, out.size() * sizeof(float));
     float *part_out = splits == 1 ? out.data() : partials.data();
     for (u32 w = 0; w < rows * kv * (group / group_heads) * splits; w++)
         workgroup(w, [&] {
             kiln_attend_part(q.data(), keys.data(), values.data(), positions.data(), part_out,
                              layer, slots, kv, context, chunk, splits, kv * group * d, d, group,
-                             group_heads);
+                             group_heads, out_half);
         });
     for (u32 w = 0; splits > 1 && w < rows * kv; w++)
         workgroup(w, [&] {
             kiln_attend_merge(partials.data(), positions.data(), out.data(), kv, context, chunk,
-                              splits, d, group);
+                              splits, d, group, out_half);
         });
-    fwrite(out.data(), sizeof(float), out.size(), stdout);
+    fwrite(out.data(), out_half ? 2 : 4, out.size(), stdout);
     return 0;
 }

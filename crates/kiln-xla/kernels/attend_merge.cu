@@ -1,7 +1,7 @@
 // kiln's decode attention on NVIDIA GPUs, second of two kernels: the
 // partial sums `attend_part.cu` wrote for each split of a row's positions,
-// combined into the row's attention output, f32 `[rows, heads · D]` (head
-// h = kv head · G + g). A workgroup takes one (row, kv head): it weighs
+// combined into the row's attention output, `[rows, heads · D]` (head h =
+// kv head · G + g), f32 or, where `out_half`, f16. A workgroup takes one (row, kv head): it weighs
 // each split by 2^(its max − the overall max) over the overall total, and
 // sums the splits' columns with those weights. Only the splits the row's
 // position reaches are read; a row with no visible position gets zeros.
@@ -18,7 +18,7 @@ SHARED float shared_weight[MAX_SPLITS * MAX_GROUP];
 // Head width D and group size G are the kernel's constants.
 KERNEL(THREADS) void kiln_attend_merge(const float *partials, const int *positions, float *out,
                                        u32 kv_heads, u32 context, u32 chunk, u32 splits, u32 D,
-                                       u32 G) {
+                                       u32 G, u32 out_half) {
     u32 thread = thread_index();
     u32 lane = thread & 31, warp = thread >> 5;
     u32 row = workgroup_index() / kv_heads, head = workgroup_index() % kv_heads;
@@ -52,7 +52,7 @@ KERNEL(THREADS) void kiln_attend_merge(const float *partials, const int *positio
             shared_weight[(lane + 32 * i) * MAX_GROUP + g] = w[i] * inverse;
     }
     workgroup_barrier();
-    float *o = out + (u64)row * kv_heads * G * D + head * G * D;
+    u64 o = (u64)row * kv_heads * G * D + head * G * D;
     for (u32 i = thread; i < G * D; i += THREADS) {
         u32 g = i / D;
         // Four splits' loads in flight at a time.
@@ -65,6 +65,6 @@ KERNEL(THREADS) void kiln_attend_merge(const float *partials, const int *positio
         }
         for (; s < live; s++)
             sum[0] += shared_weight[s * MAX_GROUP + g] * first[s * stride + i];
-        o[i] = (sum[0] + sum[1]) + (sum[2] + sum[3]);
+        store_float_or_half(out, o + i, (sum[0] + sum[1]) + (sum[2] + sum[3]), out_half);
     }
 }

@@ -31,8 +31,9 @@
 // (the merge reads only the splits the position reaches).
 //
 // One split (`splits` = 1) is one pass: the workgroup walks all of the
-// row's tiles and writes the attention itself, f32 `[rows, kv · G · D]` as
-// the merge would (zeros for a row with no visible position), and no merge
+// row's tiles and writes the attention itself, `[rows, kv · G · D]` as the
+// merge would (f32, or f16 where `out_half`; zeros for a row with no
+// visible position), and no merge
 // runs: a context of one tile, or rows enough to fill the GPU
 // (kernels.rs, `attention_splits`).
 
@@ -81,7 +82,7 @@ static __device__ __forceinline__ void attend_part(const u16 *q, const u16 *keys
                                                    float *out, u32 layer, u32 slots,
                                                    u32 kv_heads, u32 context, u32 chunk,
                                                    u32 splits, u32 q_row_stride, u32 G,
-                                                   u32 GW) {
+                                                   u32 GW, u32 out_half) {
     constexpr u32 HALVES = THREADS / D;
     constexpr u32 PER_HALF = TILE / HALVES;
     u32 thread = thread_index();
@@ -106,11 +107,11 @@ static __device__ __forceinline__ void attend_part(const u16 *q, const u16 *keys
     u32 start = split * chunk;
     u32 j = thread / HALVES, half = thread % HALVES;
     // One pass writes its heads' columns of the row's output.
-    float *row_out = out + (u64)row * kv_heads * G * D + (head * G + g0) * D;
+    u64 row_out = (u64)row * kv_heads * G * D + (head * G + g0) * D;
     if (start >= n) {
         if (splits == 1 && half == 0)
             for (u32 g = 0; g < GW; g++)
-                row_out[g * D + j] = 0.0f;
+                store_float_or_half(out, row_out + g * D + j, 0.0f, out_half);
         return;
     }
     u32 end = start + chunk < n ? start + chunk : n;
@@ -245,7 +246,8 @@ static __device__ __forceinline__ void attend_part(const u16 *q, const u16 *keys
 #pragma unroll
         for (u32 g = 0; g < MAX_GROUP; g++)
             if (g < GW && half == 0)
-                row_out[g * D + j] = acc[g] * shared_inverse[g];
+                store_float_or_half(out, row_out + g * D + j, acc[g] * shared_inverse[g],
+                                    out_half);
         return;
     }
     float *partials = out + ((u64)(row * kv_heads + head) * splits + split) * (G * (D + 2));
@@ -264,16 +266,16 @@ static __device__ __forceinline__ void attend_part(const u16 *q, const u16 *keys
 }
 
 // The one entry point (IREE exports one entry an object); the head width
-// (64 or 128), the group's size (1 to 8) and the heads a workgroup takes
-// (a divisor of it) are constants.
+// (64 or 128), the group's size (1 to 8), the heads a workgroup takes (a
+// divisor of it) and whether one pass writes f16 are constants.
 KERNEL(THREADS) void kiln_attend_part(
     const u16 *q, const u16 *keys, const u16 *values, const int *positions, float *out,
     u32 layer, u32 slots, u32 kv_heads, u32 context, u32 chunk, u32 splits, u32 q_row_stride,
-    u32 d, u32 group, u32 group_heads) {
+    u32 d, u32 group, u32 group_heads, u32 out_half) {
     if (d == 128)
         attend_part<128>(q, keys, values, positions, out, layer, slots, kv_heads, context,
-                         chunk, splits, q_row_stride, group, group_heads);
+                         chunk, splits, q_row_stride, group, group_heads, out_half);
     else
         attend_part<64>(q, keys, values, positions, out, layer, slots, kv_heads, context,
-                        chunk, splits, q_row_stride, group, group_heads);
+                        chunk, splits, q_row_stride, group, group_heads, out_half);
 }

@@ -82,6 +82,15 @@ static __device__ __forceinline__ void halves_to_floats(u32 w, float &lo, float 
     hi = half_to_float(h);
 }
 
+// Element i of an output of f32 values, or of f16 ones where `half` (the
+// attention kernels write f16 where the product after them takes f16 rows).
+static __device__ __forceinline__ void store_float_or_half(float *out, u64 i, float v, u32 half) {
+    if (half)
+        ((u16 *)out)[i] = float_to_half(v);
+    else
+        out[i] = v;
+}
+
 // Eight f16 values, as loaded, as f32.
 static __device__ __forceinline__ void words_to_floats(const Words &w, float v[8]) {
 #pragma unroll

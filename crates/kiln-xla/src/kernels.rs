@@ -313,12 +313,25 @@ pub struct DecodeCaches<'a> {
 /// Attention of one query row per slot, f16 `q` `[rows, heads, d]` (row r
 /// is slot r), to slot r's keys and values at positions
 /// `0..=positions[r]` (`[rows]` i32, on the device) of `caches`' layer:
-/// f32 `[rows, heads · d]`, head h against KV head h / group. kiln's
+/// `[rows, heads · d]` of `out` (f32, or f16 for a product that takes f16
+/// rows: no kernel of its own then rounds them), head h against KV head h
+/// / group. kiln's
 /// kernels: split-K attention over the positions each row has, and the
 /// splits' merge, or at short contexts the first alone in one pass
 /// ([`attention_splits`]). IREE's path (q·K, the masked softmax and p·V over the
 /// whole context) is what it replaces. Needs [`decode_attention_fits`].
-pub fn decode_attention(f: &mut Function, q: &Val, caches: &DecodeCaches, positions: &Val) -> Val {
+pub fn decode_attention(
+    f: &mut Function,
+    q: &Val,
+    caches: &DecodeCaches,
+    positions: &Val,
+    out: Ty,
+) -> Val {
+    assert!(
+        matches!(out, Ty::F32 | Ty::F16),
+        "decode_attention: {out:?} out"
+    );
+    let out_half = u32::from(out == Ty::F16);
     let (rows, heads, d) = (q.shape[0], q.shape[1], q.shape[2]);
     let k = &caches.keys.shape;
     // With or without the slots dimension.
@@ -373,11 +386,12 @@ pub fn decode_attention(f: &mut Function, q: &Val, caches: &DecodeCaches, positi
                 d as u32,
                 group as u32,
                 group_heads as u32,
+                out_half,
             ],
         },
         &[q, caches.keys, caches.values, positions],
         &part_out,
-        Ty::F32,
+        if splits == 1 { out } else { Ty::F32 },
     );
     if splits == 1 {
         return part;
@@ -395,11 +409,12 @@ pub fn decode_attention(f: &mut Function, q: &Val, caches: &DecodeCaches, positi
                 splits as u32,
                 d as u32,
                 group as u32,
+                out_half,
             ],
         },
         &[&part, positions],
         &[rows, heads * d],
-        Ty::F32,
+        out,
     )
 }
 
@@ -747,7 +762,7 @@ mod tests {
         let mut random = uniform(0x2545_f491_4f6c_dd1d, 1.0);
         /// Rows; slots (0: one sequence's caches, without the dimension);
         /// layers, KV heads, context, head width, group, the layer
-        /// attended; each row's position.
+        /// attended; each row's position; the output's type.
         struct Case(
             usize,
             usize,
@@ -758,14 +773,16 @@ mod tests {
             usize,
             usize,
             &'static [i32],
+            Ty,
         );
         let cases = [
-            Case(1, 0, 2, 2, 640, 64, 8, 1, &[639]),
-            Case(3, 4, 1, 2, 264, 128, 4, 0, &[0, 200, 127]),
+            Case(1, 0, 2, 2, 640, 64, 8, 1, &[639], Ty::F32),
+            Case(3, 4, 1, 2, 264, 128, 4, 0, &[0, 200, 127], Ty::F32),
             // One pass (one split, no merge): a context of one tile, and
             // rows enough that a workgroup walks two tiles; rows with no
             // position.
-            Case(3, 3, 1, 2, 128, 64, 2, 0, &[127, -1, 5]),
+            Case(3, 3, 1, 2, 128, 64, 2, 0, &[127, -1, 5], Ty::F16),
+            Case(3, 3, 1, 2, 128, 128, 4, 0, &[127, 0, -1], Ty::F32),
             Case(
                 33,
                 33,
@@ -779,14 +796,15 @@ mod tests {
                     255, -1, 128, 127, 0, 200, 255, 17, 255, 100, 255, 3, 255, 64, 255, 129, 255,
                     31, 255, 250, 255, 1, 255, 190, 255, 77, 255, 160, 255, 2, 255, 222, 254,
                 ],
+                Ty::F16,
             ),
-            Case(2, 2, 2, 1, 2048, 64, 3, 1, &[1500, 255]),
-            Case(2, 2, 1, 1, 1152, 128, 1, 0, &[-1, 1151]),
-            Case(32, 32, 1, 1, 2048, 64, 1, 0, &[2047; 32]),
+            Case(2, 2, 2, 1, 2048, 64, 3, 1, &[1500, 255], Ty::F16),
+            Case(2, 2, 1, 1, 1152, 128, 1, 0, &[-1, 1151], Ty::F32),
+            Case(32, 32, 1, 1, 2048, 64, 1, 0, &[2047; 32], Ty::F32),
             // Past 2,048 positions a workgroup takes the whole group.
-            Case(1, 0, 1, 2, 2304, 128, 4, 0, &[2300]),
+            Case(1, 0, 1, 2, 2304, 128, 4, 0, &[2300], Ty::F16),
         ];
-        for Case(rows, slots, layers, kv, context, d, group, layer, positions) in cases {
+        for Case(rows, slots, layers, kv, context, d, group, layer, positions, out) in cases {
             let heads = kv * group;
             let s = slots.max(1);
             let (chunk, splits) = attention_splits(rows, kv, context);
@@ -823,6 +841,7 @@ mod tests {
                 chunk,
                 splits,
                 group_heads,
+                usize::from(out == Ty::F16),
             ] {
                 input.extend((v as u32).to_le_bytes());
             }
@@ -832,8 +851,17 @@ mod tests {
             for v in q.iter().chain(&keys).chain(&values) {
                 input.extend(v.to_bits().to_le_bytes());
             }
-            let got = host.run(&input);
+            let got: Vec<f32> = match out {
+                Ty::F16 => host
+                    .run_bytes(&input)
+                    .chunks_exact(2)
+                    .map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32())
+                    .collect(),
+                _ => host.run(&input),
+            };
             assert_eq!(got.len(), rows * heads * d);
+            // f16 output: within half a unit in the last place of f16 more.
+            let rounding = if out == Ty::F16 { 0.5f64.powi(11) } else { 0.0 };
             let mut worst = 0.0f64;
             for (r, &pos) in positions.iter().enumerate() {
                 for h in 0..heads {
@@ -867,12 +895,13 @@ mod tests {
                             "row {r} head {h} column {j}: {}",
                             got[(r * heads + h) * d + j]
                         );
-                        worst = worst.max(error);
+                        worst = worst.max(error - rounding * want.abs());
                     }
                 }
             }
             println!(
-                "{rows} rows, {kv}x{group} heads of {d}, {context} positions in {splits} splits of {chunk}: worst {worst:e}"
+                "{rows} rows, {kv}x{group} heads of {d}, {context} positions in {splits} splits of {chunk}, \
+                 {out:?} out: worst {worst:e} beyond the output's rounding"
             );
             assert!(worst < 1e-5, "worst error {worst:e}");
         }

@@ -814,6 +814,18 @@ fn uses_attention_kernels(dm: &Dims, context: usize) -> bool {
         && kernels::decode_attention_fits(dm.d, dm.heads / dm.kv_heads, dm.storage, context)
 }
 
+/// The element type the o projection of `rows` rows reads them at: f32
+/// where one row meets blocked weights (kiln's row kernels and IREE's
+/// one-row products take f32), else the storage's, which [`linear`] rounds
+/// them to. kiln's attention kernels write that, so that no kernel of its
+/// own rounds them.
+fn o_rows_ty(dm: &Dims, rows: usize, o: &Weight) -> Ty {
+    match o.blocks().is_some() && rows == 1 {
+        true => Ty::F32,
+        false => dm.storage,
+    }
+}
+
 /// The query rows each KV head's products compute for `n` rows of a group
 /// of `group` heads: the group padded with zero heads until `group × n`
 /// reaches `dm.attention_rows` ([`crate::graph::attention_rows_for`] says
@@ -1304,7 +1316,7 @@ fn decode_one(
                 values: &caches.v,
                 layer: l,
             };
-            kernels::decode_attention(f, &q, &layer, &positions)
+            kernels::decode_attention(f, &q, &layer, &positions, o_rows_ty(dm, 1, &w.o))
         } else {
             let keys = f.slice(&caches.k, &[l, 0, 0, 0], &[l + 1, kv, context, d]);
             let keys = f.reshape(&keys, &[kv, context, d]);
@@ -1417,7 +1429,8 @@ fn decode_batch(
                 values: &caches.v,
                 layer: l,
             };
-            kernels::decode_attention(&mut f, &q, &layer, &positions)
+            let out = o_rows_ty(&dm, rows, &w.o);
+            kernels::decode_attention(&mut f, &q, &layer, &positions, out)
         } else {
             let keys = f.slice(&caches.k, &[l, 0, 0, 0, 0], &[l + 1, rows, kv, context, d]);
             let keys = f.reshape(&keys, &[rows, kv, context, d]);
@@ -2093,6 +2106,19 @@ mod tests {
                     };
                     let n = layers * chained;
                     assert_eq!(count(&module), (n, n * merged), "{context} positions");
+                    // The attention in the type the o product takes its
+                    // rows at: f16 at f16 and for several rows, f32 where
+                    // one row meets q4 blocks.
+                    let batched = module.contains("decode_batch");
+                    let want = match precision == Precision::F16 || batched {
+                        true => "xf16>",
+                        false => "xf32>",
+                    };
+                    let last = if merged == 1 { merge } else { part };
+                    for (i, _) in module.match_indices(last) {
+                        let line = module[i..].lines().next().unwrap();
+                        assert!(line.ends_with(want), "{precision:?}: {line}");
+                    }
                     modules.push(module);
                 }
             }
