@@ -134,16 +134,18 @@ int main(int argc, char** argv) {
       unsigned q_stride = heads * s.d;
       for (unsigned layer = 0; layer < s.layers; layer++) {
         float* part_out = splits == 1 ? dout : dpart;
+        // f32 output, as checked below.
+        unsigned out_half = 0;
         void* pa[] = {&dq, &dk, &dv, &dpos, &part_out, &layer, &slots, (void*)&s.kv,
                       (void*)&s.context, &chunk, &splits, &q_stride, (void*)&s.d,
-                      (void*)&s.group, &group_heads};
+                      (void*)&s.group, &group_heads, &out_half};
         check(cuLaunchKernel(part, rows * s.kv * (s.group / group_heads) * splits, 1, 1, 128, 1, 1,
                              0, stream, pa, nullptr),
               "part");
         // One split is one pass: the part writes the output, no merge.
         if (splits == 1) continue;
         void* ma[] = {&dpart, &dpos, &dout, (void*)&s.kv, (void*)&s.context, &chunk, &splits,
-                      (void*)&s.d, (void*)&s.group};
+                      (void*)&s.d, (void*)&s.group, &out_half};
         check(cuLaunchKernel(merge, rows * s.kv, 1, 1, 128, 1, 1, 0, stream, ma, nullptr),
               "merge");
       }

@@ -1,9 +1,9 @@
 // kiln's decode attention on NVIDIA GPUs, second of two kernels: the
 // partial sums `attend_part.cu` wrote for each split of a row's positions,
 // combined into the row's attention output, `[rows, heads · D]` (head h =
-// kv head · G + g), f32 or, where `out_half`, f16. A workgroup takes one (row, kv head): it weighs
-// each split by 2^(its max − the overall max) over the overall total, and
-// sums the splits' columns with those weights. Only the splits the row's
+// kv head · G + g), f32 or, where `out_half`, f16. A workgroup takes one
+// (row, kv head): it weighs each split by 2^(its max − the overall max)
+// over the overall total, and sums the splits' columns with those weights. Only the splits the row's
 // position reaches are read; a row with no visible position gets zeros.
 
 #include "device.h"

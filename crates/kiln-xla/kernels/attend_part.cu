@@ -33,9 +33,8 @@
 // One split (`splits` = 1) is one pass: the workgroup walks all of the
 // row's tiles and writes the attention itself, `[rows, kv · G · D]` as the
 // merge would (f32, or f16 where `out_half`; zeros for a row with no
-// visible position), and no merge
-// runs: a context of one tile, or rows enough to fill the GPU
-// (kernels.rs, `attention_splits`).
+// visible position), and no merge runs: a context of one tile, or rows
+// enough to fill the GPU (kernels.rs, `attention_splits`).
 
 #include "device.h"
 

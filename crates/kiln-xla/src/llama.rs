@@ -428,7 +428,7 @@ fn linear_normed_fused(
     };
     if dm.rows_in_f32 && dm.layout == WeightLayout::OutIn {
         let out = match w {
-            _ if w.blocks().is_some() && x.shape[0] == 1 => blocked_one_row(f, dm, x, w),
+            _ if one_row_over_blocks(w, x.shape[0]) => blocked_one_row(f, dm, x, w),
             _ => {
                 let wide = dense_weight(f, dm, w);
                 let wide = f.convert(&wide, Ty::F32);
@@ -451,7 +451,7 @@ fn linear_normed_fused(
 /// precision and the product accumulates in f32. One row against q4
 /// weights stays in f32 (see [`q4_row_product`]).
 fn linear(f: &mut Function, dm: &Dims, x: &Val, w: &Weight) -> Val {
-    if w.blocks().is_some() && x.shape[0] == 1 {
+    if one_row_over_blocks(w, x.shape[0]) {
         return blocked_one_row(f, dm, x, w);
     }
     let w = dense_weight(f, dm, w);
@@ -814,13 +814,18 @@ fn uses_attention_kernels(dm: &Dims, context: usize) -> bool {
         && kernels::decode_attention_fits(dm.d, dm.heads / dm.kv_heads, dm.storage, context)
 }
 
-/// The element type the o projection of `rows` rows reads them at: f32
-/// where one row meets blocked weights (kiln's row kernels and IREE's
-/// one-row products take f32), else the storage's, which [`linear`] rounds
-/// them to. kiln's attention kernels write that, so that no kernel of its
-/// own rounds them.
+/// Whether `rows` rows meet `w` as one row against blocked weights: kiln's
+/// row kernels and IREE's one-row products, which take the row in f32;
+/// otherwise [`linear`] rounds the rows to the storage precision.
+fn one_row_over_blocks(w: &Weight, rows: usize) -> bool {
+    w.blocks().is_some() && rows == 1
+}
+
+/// The element type the o projection of `rows` rows reads them at (see
+/// [`one_row_over_blocks`]). kiln's attention kernels write that, so that
+/// no kernel of its own rounds them.
 fn o_rows_ty(dm: &Dims, rows: usize, o: &Weight) -> Ty {
-    match o.blocks().is_some() && rows == 1 {
+    match one_row_over_blocks(o, rows) {
         true => Ty::F32,
         false => dm.storage,
     }
@@ -2074,8 +2079,8 @@ mod tests {
     /// With `--decode-attention kernel`, CUDA's decode steps (one sequence,
     /// a chain, the batched step) attend with kiln's kernels, once each a
     /// layer (the first alone, in one pass, where a context of one tile
-    /// leaves one split), where the heads are 64 or 128 wide with at most 8 to a KV
-    /// head and the cache f16; otherwise, and on the CPU, they attend
+    /// leaves one split), where the heads are 64 or 128 wide with at most 8
+    /// to a KV head and the cache f16; otherwise, and on the CPU, they attend
     /// through IREE, as by default below 1,024 positions. Prefill never
     /// uses them. The modules compile.
     #[test]
