@@ -6,16 +6,27 @@ attention. The reference kiln-bench-decode is compared with; prints one JSON
 object per measurement.
 
     python3 scripts/bench_transformers.py --model /tmp/tinyllama --dtype float16 --prompt 128 512
+
+With --random-weights the folder needs only its config.json: the weights are
+drawn on the GPU (for speed alone, where writing a model's safetensors would
+take longer than the measurement, e.g. Llama-3.1-8B's shape).
 """
 import argparse
 import json
 import time
 
 import torch
-from transformers import LlamaForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM
 
 
-def load(model_dir, dtype):
+def load(model_dir, dtype, random_weights=False):
+    if random_weights:
+        config = LlamaConfig.from_pretrained(model_dir, attn_implementation="eager")
+        torch.set_default_dtype(getattr(torch, dtype))
+        with torch.device("cuda"):
+            model = LlamaForCausalLM(config)
+        torch.set_default_dtype(torch.float32)
+        return model.eval()
     model = LlamaForCausalLM.from_pretrained(
         model_dir, dtype=getattr(torch, dtype), attn_implementation="eager"
     )
@@ -64,9 +75,11 @@ def main():
     parser.add_argument("--prompt", type=int, nargs="+", default=[128, 512])
     parser.add_argument("--decode", type=int, default=64)
     parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--random-weights", action="store_true",
+                        help="draw the weights on the GPU; the folder needs only config.json")
     args = parser.parse_args()
     for dtype in args.dtype:
-        model = load(args.model, dtype)
+        model = load(args.model, dtype, args.random_weights)
         for row in measure(model, dtype, args.prompt, args.decode, args.repeat):
             print(json.dumps(row))
         del model

@@ -69,29 +69,47 @@ pub enum ModuleKind {
 /// `decode_greedy`).
 const ASYNC_EXTERNAL: &str = "--iree-execution-model=async-external";
 
-/// Split-K for the batched step's products of several rows on CUDA: each
-/// product's inputs in four parts, each a kernel's worth of workgroups, the
-/// parts' sums added by a small reduction. IREE tiles a 32-row product in
-/// 32×32 output tiles, so a product of 2,048 outputs had 64 workgroups for
-/// 132 SMs, each reading its slice of the weights alone: 0.3 TB/s for the
-/// down projection (Nsight Compute over `kiln-bench-batch`, docs/server.md).
+/// Split-K on CUDA for products of several rows: each product's inputs in
+/// four parts, each a kernel's worth of workgroups, the parts' sums added by
+/// a small reduction. IREE tiles such products in 32×32 (32 rows) or 64×64
+/// (64 rows and more) output tiles, so a product of 2,048 outputs had 64
+/// workgroups for 132 SMs, each reading its slice of the weights alone: 0.3
+/// TB/s for the batched step's down projection (Nsight Compute over
+/// `kiln-bench-batch`, docs/server.md), and the 8B's 128-token prefill took
+/// 28.5 ms where split-K gives 24.2 (docs/perf-notes.md).
 const SPLIT_K: &str = "--iree-dispatch-creation-split-matmul-reduction=4";
 
+/// The most rows a product splits its inputs for: beyond them its output
+/// tiles alone fill the GPU (docs/perf-notes.md, prefill by the rows).
+pub const SPLIT_K_MAX_ROWS: usize = 256;
+
 impl ModuleKind {
+    /// The rows each of the module's matrix products multiplies.
+    pub fn product_rows(self) -> usize {
+        match self {
+            ModuleKind::Prefill(seq) => seq,
+            ModuleKind::Decode | ModuleKind::DecodeChain(_) | ModuleKind::AdmitSlot { .. } => 1,
+            ModuleKind::DecodeBatch { rows, .. } | ModuleKind::Append(rows) => rows,
+            ModuleKind::PrefillBatch { rows, seq, .. } => rows * seq,
+        }
+    }
+
     /// The iree-compile flags this kind adds to `target`'s.
     pub fn compile_flags(self, target: Target) -> &'static [&'static str] {
-        match (self, target) {
-            (ModuleKind::DecodeBatch { rows, .. }, Target::Cuda) if rows > 1 => {
-                &[ASYNC_EXTERNAL, SPLIT_K]
-            }
-            (
-                ModuleKind::Decode
+        let asynchronous = matches!(
+            self,
+            ModuleKind::Decode
                 | ModuleKind::DecodeChain(_)
                 | ModuleKind::DecodeBatch { .. }
-                | ModuleKind::PrefillBatch { .. },
-                _,
-            ) => &[ASYNC_EXTERNAL],
-            _ => &[],
+                | ModuleKind::PrefillBatch { .. }
+        );
+        let rows = self.product_rows();
+        let split = target == Target::Cuda && rows > 1 && rows <= SPLIT_K_MAX_ROWS;
+        match (asynchronous, split) {
+            (true, true) => &[ASYNC_EXTERNAL, SPLIT_K],
+            (true, false) => &[ASYNC_EXTERNAL],
+            (false, true) => &[SPLIT_K],
+            (false, false) => &[],
         }
     }
 }
@@ -204,6 +222,48 @@ pub fn batch_module_kinds(buckets: &Buckets, slots: usize) -> Vec<ModuleKind> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn cuda_products_of_a_few_rows_split_their_inputs() {
+        let splits = |kind: ModuleKind, target| kind.compile_flags(target).contains(&SPLIT_K);
+        for kind in [
+            ModuleKind::Prefill(16),
+            ModuleKind::Prefill(128),
+            ModuleKind::Prefill(SPLIT_K_MAX_ROWS),
+            ModuleKind::Append(8),
+            ModuleKind::DecodeBatch { rows: 4, slots: 8 },
+            ModuleKind::PrefillBatch {
+                rows: 4,
+                seq: 64,
+                slots: 8,
+            },
+        ] {
+            assert!(splits(kind, Target::Cuda), "{kind:?}");
+            assert!(!splits(kind, Target::LlvmCpu), "{kind:?} on the CPU");
+        }
+        for kind in [
+            ModuleKind::Decode,
+            ModuleKind::DecodeChain(3),
+            ModuleKind::DecodeBatch { rows: 1, slots: 8 },
+            ModuleKind::AdmitSlot { slots: 8 },
+            ModuleKind::Prefill(2 * SPLIT_K_MAX_ROWS),
+            ModuleKind::PrefillBatch {
+                rows: 8,
+                seq: 64,
+                slots: 8,
+            },
+        ] {
+            assert!(!splits(kind, Target::Cuda), "{kind:?}");
+        }
+        // The asynchronous kinds keep their execution model beside the split.
+        let batch = ModuleKind::DecodeBatch { rows: 4, slots: 8 }.compile_flags(Target::Cuda);
+        assert!(batch.contains(&ASYNC_EXTERNAL));
+        assert!(
+            !ModuleKind::Prefill(128)
+                .compile_flags(Target::Cuda)
+                .contains(&ASYNC_EXTERNAL)
+        );
+    }
 
     #[test]
     fn batch_sizes_start_at_one_and_end_at_the_slot_count() {
