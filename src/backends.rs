@@ -200,8 +200,9 @@ pub struct BackendOptions {
     /// products over the whole context), `kernel` (kiln's split-K kernels,
     /// kernels/attend_part.cu, which read only the positions a sequence
     /// has; heads 64 or 128 wide, up to 8 a KV head, f16 or q4), or `auto`
-    /// (the default: the kernels from a context of 1,024 positions, the
-    /// graph below, the faster of the two as measured, docs/perf-notes.md).
+    /// (the default: the kernels from a context of 1,024 positions, and
+    /// below it for one-row steps over q4 or q8 blocks, the graph otherwise:
+    /// the faster of the two in each case as measured, docs/perf-notes.md).
     #[arg(long, value_name = "FORM")]
     pub decode_attention: Option<String>,
     /// An IREE runtime flag for the device's driver, as IREE's own tools

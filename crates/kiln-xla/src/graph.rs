@@ -231,9 +231,10 @@ pub enum DecodeAttention {
     /// [`DecodeAttention::Graph`] does.
     Kernel,
     /// [`DecodeAttention::Kernel`] where the caches hold at least
-    /// [`KERNEL_ATTENTION_MIN_CONTEXT`] positions, [`DecodeAttention::Graph`]
-    /// below: the graph's cost grows with the context whatever the
-    /// position, the kernels' with the position.
+    /// [`KERNEL_ATTENTION_MIN_CONTEXT`] positions or the step's one row
+    /// meets 4- or 8-bit blocks, [`DecodeAttention::Graph`] otherwise: the
+    /// graph's cost grows with the context whatever the position, the
+    /// kernels' with the position.
     Auto,
 }
 
@@ -244,6 +245,10 @@ pub enum DecodeAttention {
 /// the kernels at 2,048 (f16 546.8 against 413.8, q4 738.2 against 477.9);
 /// the graph's step grew 0.58 µs a position of context and the kernels'
 /// hardly, which puts the two level at about 710 (q4) to 1,000 (f16).
+/// Below it the kernels still win where one row meets blocked weights:
+/// since the kernels' single pass (764f845) q4 at 640 positions decoded at
+/// 962.9 against the graph's 921.1, and at 972.7 against 793.0 with
+/// 283d787 (two calls on H100s), the 8B Q4_0 file at 306.0 against 299.7.
 pub const KERNEL_ATTENTION_MIN_CONTEXT: usize = 1024;
 
 impl DecodeAttention {
@@ -262,12 +267,14 @@ impl DecodeAttention {
     }
 
     /// Whether a decode step over caches of `context` positions attends
-    /// through kiln's kernels (where its shapes fit them).
-    pub fn kernels_at(self, context: usize) -> bool {
+    /// through kiln's kernels (where its shapes fit them);
+    /// `one_row_over_blocks` says whether the step's o product takes one row
+    /// against 4- or 8-bit blocks.
+    pub fn kernels_at(self, context: usize, one_row_over_blocks: bool) -> bool {
         match self {
             DecodeAttention::Graph => false,
             DecodeAttention::Kernel => true,
-            DecodeAttention::Auto => context >= KERNEL_ATTENTION_MIN_CONTEXT,
+            DecodeAttention::Auto => context >= KERNEL_ATTENTION_MIN_CONTEXT || one_row_over_blocks,
         }
     }
 }

@@ -806,11 +806,12 @@ fn attention(f: &mut Function, dm: &Dims, q: &Val, k: &Val, v_t: &Val, visible: 
     f.reshape(&out, &[n, dm.heads * dm.d])
 }
 
-/// Whether a decode step over caches of `context` positions attends with
-/// kiln's kernels (as [`DecodeAttention::kernels_at`] says, where its shapes
-/// fit them).
-fn uses_attention_kernels(dm: &Dims, context: usize) -> bool {
-    dm.decode_attention.kernels_at(context)
+/// Whether a decode step of `rows` rows over caches of `context` positions
+/// attends with kiln's kernels (as [`DecodeAttention::kernels_at`] says for
+/// the o product `o`, where its shapes fit them).
+fn uses_attention_kernels(dm: &Dims, context: usize, rows: usize, o: &Weight) -> bool {
+    dm.decode_attention
+        .kernels_at(context, one_row_over_blocks(o, rows))
         && kernels::decode_attention_fits(dm.d, dm.heads / dm.kv_heads, dm.storage, context)
 }
 
@@ -1315,7 +1316,7 @@ fn decode_one(
     for (l, w) in p.layers.iter().enumerate() {
         let normed = rms_norm(f, dm, &x, &w.attn_norm, c.rms_norm_eps);
         let q = append.qkv(f, dm, &normed, (w, l), [&mut caches.k, &mut caches.v]);
-        let attended = if uses_attention_kernels(dm, context) {
+        let attended = if uses_attention_kernels(dm, context, 1, &w.o) {
             let layer = kernels::DecodeCaches {
                 keys: &caches.k,
                 values: &caches.v,
@@ -1428,7 +1429,7 @@ fn decode_batch(
     for (l, w) in p.layers.iter().enumerate() {
         let normed = rms_norm(&mut f, &dm, &x, &w.attn_norm, c.rms_norm_eps);
         let q = append.qkv(&mut f, &dm, &normed, (w, l), [&mut caches.k, &mut caches.v]);
-        let attended = if uses_attention_kernels(&dm, context) {
+        let attended = if uses_attention_kernels(&dm, context, rows, &w.o) {
             let layer = kernels::DecodeCaches {
                 keys: &caches.k,
                 values: &caches.v,
@@ -2129,8 +2130,8 @@ mod tests {
             }
             assert_eq!(count(&prefill_module(&tiny, &g, 16, 64)), (0, 0));
         }
-        // CUDA's default: the kernels from 1,024 positions, the graph below;
-        // the graph when asked, at any context.
+        // CUDA's default at f16: the kernels from 1,024 positions, the graph
+        // below; the graph when asked, at any context.
         let default = GraphOptions::for_target(Target::Cuda, Some(Precision::F16), None);
         assert_eq!(
             default.decode_attention,
@@ -2147,6 +2148,21 @@ mod tests {
             ..default
         };
         assert_eq!(count(&decode_module(&tiny, &graph, 1024)), (0, 0));
+        // Below 1,024 positions the default takes the kernels where one row
+        // meets 4-bit blocks (the step and its chains), not for several rows.
+        let q4 = GraphOptions::for_target(Target::Cuda, Some(Precision::Q4), None);
+        assert_eq!(q4.decode_attention, DecodeAttention::Auto, "q4's default");
+        assert_eq!(count(&decode_module(&tiny, &q4, 64)), (layers, 0));
+        assert_eq!(
+            count(&decode_chain_module(&tiny, &q4, 64, 2)),
+            (2 * layers, 0)
+        );
+        assert_eq!(count(&decode_batch_module(&tiny, &q4, 64, 3, 4)), (0, 0));
+        let q4_graph = GraphOptions {
+            decode_attention: DecodeAttention::Graph,
+            ..q4
+        };
+        assert_eq!(count(&decode_module(&tiny, &q4_graph, 64)), (0, 0));
         // bf16 and f32 caches, heads of 16, a group of 9, a context that is
         // not a whole number of 16-byte value rows: IREE's attention.
         for precision in [Precision::Bf16, Precision::F32] {
