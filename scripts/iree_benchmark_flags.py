@@ -9,10 +9,17 @@ own benchmark tool can time the module without kiln around it.
     iree-benchmark-module --flagfile=decode.flags --module=DIR/...-decode.vmfb
 
 Integer arguments get `--int` (token ids and positions), float ones
-`--float` (not zero: zero data can run faster than real data).
+`--float` (not zero: zero data can run faster than real data). IREE cannot
+splat sub-byte types (q4's `xi4` weights), so those are read from a file of
+raw bytes, `--sub-byte-dir` (default /tmp) holding one per argument; the
+command that writes it (random bytes, the argument's size) goes to stderr.
+(On 2026-12-07 the 8B's q4 prefill ran out of its time limit reading one of
+3.75 GB, so IREE's tools have yet to be seen taking such a file.)
 """
 import argparse
+import os
 import re
+import sys
 
 
 def main():
@@ -22,6 +29,7 @@ def main():
     p.add_argument("--device", default="cuda")
     p.add_argument("--int", default="7")
     p.add_argument("--float", default="0.01")
+    p.add_argument("--sub-byte-dir", default="/tmp")
     args = p.parse_args()
     text = open(args.mlir).read()
     m = re.search(r"func\.func @" + re.escape(args.function) + r"\((.*?)\)\s*->", text, re.S)
@@ -29,9 +37,19 @@ def main():
         raise SystemExit(f"no function {args.function} in {args.mlir}")
     print(f"--device={args.device}")
     print(f"--function={args.function}")
-    for ty in re.findall(r"tensor<([^>]*)>", m.group(1)):
+    for n, ty in enumerate(re.findall(r"tensor<([^>]*)>", m.group(1))):
         *dims, element = ty.split("x")
-        value = args.int if element.startswith("i") else args.float
+        bits = int(element[1:]) if element[0] in "iuf" and element[1:].isdigit() else 8
+        if bits < 8:
+            count = 1
+            for d in dims:
+                count *= int(d)
+            size = count * bits // 8
+            path = os.path.join(args.sub_byte_dir, f"iree-input{n}-{size}.bin")
+            print(f"head -c {size} /dev/urandom > {path}", file=sys.stderr)
+            value = "@" + path
+        else:
+            value = args.int if element.startswith("i") else args.float
         print(f"--input={'x'.join(dims + [element])}={value}")
 
 
