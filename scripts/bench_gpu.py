@@ -13,6 +13,11 @@ written by kiln-bench-decode as f16 safetensors.
    bandwidth bound (weight bytes per step over the copy bandwidth), and
    kiln's ratio to transformers at the same precision.
 
+With --random-weights each engine draws its own random weights of that
+shape instead (kiln from the preset, transformers on the GPU from the
+preset's config.json alone): for shapes whose folder takes longer to write
+and read than to measure, such as Llama-3.1-8B's 16 GB.
+
 Modules must be in KILN_CACHE_DIR already (`kiln-bench-decode --prepare`
 where the compiler is). Example, on the GPU machine:
 
@@ -98,18 +103,22 @@ def main():
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--max-context", type=int, default=640)
     parser.add_argument("--json", help="also write every row here")
+    parser.add_argument("--random-weights", action="store_true",
+                        help="each engine draws its own weights of the preset's shape "
+                             "(no f16 folder is written)")
     args = parser.parse_args()
     args.model_dir = args.model_dir or f"/tmp/kiln-{args.preset}"
 
     bandwidth = copy_bandwidth()
     print(f"copy bandwidth: {bandwidth / 1e12:.2f} TB/s", flush=True)
     if not os.path.exists(os.path.join(args.model_dir, "config.json")):
-        subprocess.run([args.kiln_bench, "--model", args.preset,
-                        "--write-model", args.model_dir], check=True)
+        write = "--write-config" if args.random_weights else "--write-model"
+        subprocess.run([args.kiln_bench, "--model", args.preset, write, args.model_dir],
+                       check=True)
 
     rows = []
     for dtype in args.hf_dtype:
-        model = bench_transformers.load(args.model_dir, dtype)
+        model = bench_transformers.load(args.model_dir, dtype, args.random_weights)
         weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         embed = model.model.embed_tokens.weight
         step_bytes = weight_bytes - embed.numel() * embed.element_size()
@@ -120,7 +129,7 @@ def main():
             print(json.dumps(row), flush=True)
         del model
         torch.cuda.empty_cache()
-    for row in run_kiln(args, args.model_dir):
+    for row in run_kiln(args, args.preset if args.random_weights else args.model_dir):
         row["engine"] = "kiln-" + row["backend"]
         row["precision"] = HF_DTYPE.get(row["precision"], row["precision"])
         rows.append(row)

@@ -12,7 +12,9 @@
 #           concurrency 1, 8 and 32, 64-token answers, then 192-token ones
 #           at 1 and 32 (scripts/server_concurrency.sh)
 #   8b      batch-1 decode of Llama-3.1-8B's shape at f16 and q4 beside
-#           transformers (400 s, most of it writing the 16 GB folder)
+#           transformers, each engine drawing its own random weights
+#           (`bench_gpu.py --random-weights`: until 2026-12-07 both read a
+#           16 GB f16 folder written first, 400 s of the part)
 #   llamacpp  llama.cpp's CUDA build (scripts/llama_cpp_cuda.sh, built or
 #           reused) runs `llama-bench -ngl 99 -p 128 -n 128 -r 3` on the
 #           pinned SmolLM2 (Q4_1, $KILN_CACHE_DIR/models) and on 8B-shaped
@@ -106,7 +108,7 @@ for p in $parts; do
         part "batch-1 decode, Llama-3.1-8B's shape"
         python3 "$here/bench_gpu.py" --kiln-bench "$BIN/kiln-bench-decode" --preset llama-3.1-8b \
             --precision f16 q4 --q4-rows configured kernel --hf-dtype float16 --prompt 128 \
-            --decode 64 --repeat 2 || fail 8b
+            --decode 64 --repeat 2 --random-weights || fail 8b
         ;;
     llamacpp)
         part "llama.cpp's CUDA build: llama-bench, SmolLM2 Q4_1 and Llama-3.1-8B's shape Q4_0"

@@ -104,8 +104,13 @@ struct Args {
     export: Option<PathBuf>,
     /// Write the (single) model as a Hugging Face folder with f16 weights to
     /// this directory, then stop.
-    #[arg(long)]
+    #[arg(long, conflicts_with = "write_config")]
     write_model: Option<PathBuf>,
+    /// Write only the (single) model's `config.json` to this directory, then
+    /// stop: for `scripts/bench_transformers.py --random-weights`, which draws
+    /// weights of that shape on the GPU.
+    #[arg(long)]
+    write_config: Option<PathBuf>,
     /// Also write the results as JSON to this file.
     #[arg(long)]
     json: Option<PathBuf>,
@@ -244,6 +249,17 @@ fn write_model(args: &Args, dir: &Path) -> Result<()> {
         model.parameter_count(),
         dir.display()
     );
+    Ok(())
+}
+
+fn write_config(args: &Args, dir: &Path) -> Result<()> {
+    let [spec] = args.model.as_slice() else {
+        bail!("--write-config writes one model's: pass exactly one --model");
+    };
+    let (config, _) = kiln::bench::header(spec)?;
+    kiln_core::save::save_config(dir, &config)
+        .with_context(|| format!("writing {spec}'s config.json to {}", dir.display()))?;
+    println!("wrote {spec}'s config.json to {}", dir.display());
     Ok(())
 }
 
@@ -488,6 +504,9 @@ fn run() -> Result<()> {
     let args = Args::parse();
     if let Some(dir) = &args.write_model {
         return write_model(&args, dir);
+    }
+    if let Some(dir) = &args.write_config {
+        return write_config(&args, dir);
     }
     if args.prepare {
         return prepare(&args);

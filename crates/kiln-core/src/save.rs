@@ -95,6 +95,19 @@ pub fn save_f16(dir: &Path, config: &ModelConfig, weights: &Weights) -> Result<(
         })
     })?;
 
+    save_config(dir, config)
+}
+
+/// Writes `config.json` alone into `dir`, creating it: enough for another
+/// engine to draw random weights of the same shape where writing them would
+/// take longer than measuring (`scripts/bench_transformers.py
+/// --random-weights`).
+pub fn save_config(dir: &Path, config: &ModelConfig) -> Result<()> {
+    let io = |path: &Path| {
+        let path = path.to_path_buf();
+        move |error| Error::Io { path, error }
+    };
+    std::fs::create_dir_all(dir).map_err(io(dir))?;
     let config_path = dir.join("config.json");
     let text = serde_json::to_string_pretty(&config_json(config))
         .map_err(|e| Error::Invalid(format!("serializing config.json: {e}")))?;
@@ -168,6 +181,21 @@ fn write_atomically(path: &Path, write: impl FnOnce(&Path) -> Result<()>) -> Res
 mod tests {
     use super::*;
     use crate::model::{Model, random_weights};
+
+    #[test]
+    fn a_saved_config_alone_reads_back_equal() {
+        let (config, _) = crate::model::preset("llama-3.1-8b").unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let folder = dir.path().join("8b");
+        save_config(&folder, &config).unwrap();
+        let text = std::fs::read_to_string(folder.join("config.json")).unwrap();
+        assert_eq!(ModelConfig::from_json(&text).unwrap(), config);
+        let names: Vec<_> = std::fs::read_dir(&folder)
+            .unwrap()
+            .map(|e| e.unwrap().file_name())
+            .collect();
+        assert_eq!(names, ["config.json"], "no weights, no partial file");
+    }
 
     #[test]
     fn a_saved_model_loads_back_as_its_f16_rounding() {
