@@ -79,8 +79,10 @@ const ASYNC_EXTERNAL: &str = "--iree-execution-model=async-external";
 /// 28.5 ms where split-K gives 24.2 (docs/perf-notes.md).
 const SPLIT_K: &str = "--iree-dispatch-creation-split-matmul-reduction=4";
 
-/// The most rows a product splits its inputs for: beyond them its output
-/// tiles alone fill the GPU (docs/perf-notes.md, prefill by the rows).
+/// The most rows a product splits its inputs for. Measured at 128 rows
+/// (docs/perf-notes.md, "Split-K for prefill"); at 256 the 64×64 tiles of a
+/// 4,096-output product are still 256 workgroups, two an SM, and from 512
+/// rows the tiles alone fill the GPU (reckoned, not measured).
 pub const SPLIT_K_MAX_ROWS: usize = 256;
 
 impl ModuleKind {
