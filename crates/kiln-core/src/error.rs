@@ -10,6 +10,12 @@ pub enum Error {
         error: std::io::Error,
     },
 
+    #[error("cannot write {path}: {error} (name a folder you can write to, on a disk with room)")]
+    WriteFile {
+        path: PathBuf,
+        error: std::io::Error,
+    },
+
     #[error(
         "{path} is {kind}; kiln reads model files only from regular files (or symlinks to them)"
     )]

@@ -75,7 +75,7 @@ fn config_json(config: &ModelConfig) -> serde_json::Value {
 pub fn save_f16(dir: &Path, config: &ModelConfig, weights: &Weights) -> Result<()> {
     let io = |path: &Path| {
         let path = path.to_path_buf();
-        move |error| Error::Io { path, error }
+        move |error| Error::WriteFile { path, error }
     };
     std::fs::create_dir_all(dir).map_err(io(dir))?;
 
@@ -105,7 +105,7 @@ pub fn save_f16(dir: &Path, config: &ModelConfig, weights: &Weights) -> Result<(
 pub fn save_config(dir: &Path, config: &ModelConfig) -> Result<()> {
     let io = |path: &Path| {
         let path = path.to_path_buf();
-        move |error| Error::Io { path, error }
+        move |error| Error::WriteFile { path, error }
     };
     std::fs::create_dir_all(dir).map_err(io(dir))?;
     let config_path = dir.join("config.json");
@@ -166,7 +166,7 @@ fn write_atomically(path: &Path, write: impl FnOnce(&Path) -> Result<()>) -> Res
     let mut partial = PathBuf::from(path);
     partial.as_mut_os_string().push(".partial");
     let result = write(&partial).and_then(|()| {
-        std::fs::rename(&partial, path).map_err(|error| Error::Io {
+        std::fs::rename(&partial, path).map_err(|error| Error::WriteFile {
             path: path.to_path_buf(),
             error,
         })
@@ -195,6 +195,14 @@ mod tests {
             .map(|e| e.unwrap().file_name())
             .collect();
         assert_eq!(names, ["config.json"], "no weights, no partial file");
+        // A folder that cannot be made is named as a write, not a read.
+        let file = dir.path().join("a-file");
+        std::fs::write(&file, b"").unwrap();
+        let error = save_config(&file.join("8b"), &config)
+            .unwrap_err()
+            .to_string();
+        assert!(error.starts_with("cannot write"), "{error}");
+        assert!(error.contains("a-file"), "{error}");
     }
 
     #[test]
