@@ -258,7 +258,7 @@ pub fn successor_model(
     crate::save::save_f16(dir, &config, &weights)?;
     let path = dir.join("tokenizer.json");
     std::fs::write(&path, tokenizer_json.to_string())
-        .map_err(|error| crate::Error::Io { path, error })
+        .map_err(|error| crate::Error::WriteFile { path, error })
 }
 
 /// The ChatML specials of [`chatml_model`]'s vocabulary, ids 0, 1, 2.
@@ -285,7 +285,7 @@ pub fn chatml_model(dir: &Path, chat_template: Option<&str>) -> Result<()> {
                             "chat_template": template});
         let path = dir.join("tokenizer_config.json");
         std::fs::write(&path, config.to_string())
-            .map_err(|error| crate::Error::Io { path, error })?;
+            .map_err(|error| crate::Error::WriteFile { path, error })?;
     }
     Ok(())
 }
