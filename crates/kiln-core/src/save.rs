@@ -73,11 +73,7 @@ fn config_json(config: &ModelConfig) -> serde_json::Value {
 /// into `dir`, creating it. Each file is written beside its final name and
 /// renamed into place, so an interrupted write leaves no partial file.
 pub fn save_f16(dir: &Path, config: &ModelConfig, weights: &Weights) -> Result<()> {
-    let io = |path: &Path| {
-        let path = path.to_path_buf();
-        move |error| Error::WriteFile { path, error }
-    };
-    std::fs::create_dir_all(dir).map_err(io(dir))?;
+    std::fs::create_dir_all(dir).map_err(write_error(dir))?;
 
     let tensors = named_f16_tensors(config, weights);
     let views = tensors
@@ -103,16 +99,12 @@ pub fn save_f16(dir: &Path, config: &ModelConfig, weights: &Weights) -> Result<(
 /// take longer than measuring (`scripts/bench_transformers.py
 /// --random-weights`).
 pub fn save_config(dir: &Path, config: &ModelConfig) -> Result<()> {
-    let io = |path: &Path| {
-        let path = path.to_path_buf();
-        move |error| Error::WriteFile { path, error }
-    };
-    std::fs::create_dir_all(dir).map_err(io(dir))?;
+    std::fs::create_dir_all(dir).map_err(write_error(dir))?;
     let config_path = dir.join("config.json");
     let text = serde_json::to_string_pretty(&config_json(config))
         .map_err(|e| Error::Invalid(format!("serializing config.json: {e}")))?;
     write_atomically(&config_path, |partial| {
-        std::fs::write(partial, text).map_err(io(partial))
+        std::fs::write(partial, text).map_err(write_error(partial))
     })
 }
 
@@ -160,17 +152,19 @@ fn f16_bytes(values: &[f32]) -> Vec<u8> {
         .collect()
 }
 
+/// The error of a failed write of `path`.
+fn write_error(path: &Path) -> impl FnOnce(std::io::Error) -> Error {
+    let path = path.to_path_buf();
+    move |error| Error::WriteFile { path, error }
+}
+
 /// Runs `write` on `<path>.partial`, then renames it to `path`; removes the
 /// partial file if writing fails.
 fn write_atomically(path: &Path, write: impl FnOnce(&Path) -> Result<()>) -> Result<()> {
     let mut partial = PathBuf::from(path);
     partial.as_mut_os_string().push(".partial");
-    let result = write(&partial).and_then(|()| {
-        std::fs::rename(&partial, path).map_err(|error| Error::WriteFile {
-            path: path.to_path_buf(),
-            error,
-        })
-    });
+    let result =
+        write(&partial).and_then(|()| std::fs::rename(&partial, path).map_err(write_error(path)));
     if result.is_err() {
         let _ = std::fs::remove_file(&partial);
     }

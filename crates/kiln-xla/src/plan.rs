@@ -87,7 +87,7 @@ pub const SPLIT_K_MAX_ROWS: usize = 256;
 
 impl ModuleKind {
     /// The rows each of the module's matrix products multiplies.
-    pub fn product_rows(self) -> usize {
+    fn product_rows(self) -> usize {
         match self {
             ModuleKind::Prefill(seq) => seq,
             ModuleKind::Decode | ModuleKind::DecodeChain(_) | ModuleKind::AdmitSlot { .. } => 1,
