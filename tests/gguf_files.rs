@@ -68,11 +68,16 @@ fn byte_char(b: u8) -> char {
 
 /// The `llama.*` keys of the one-layer model.
 fn llama_header(w: &mut Writer) {
+    llama_header_sized(w, HIDDEN, FFN);
+}
+
+/// The `llama.*` keys of a one-layer model `hidden` wide.
+fn llama_header_sized(w: &mut Writer, hidden: u64, ffn: u64) {
     w.kv("general.architecture", V::Str("llama"))
         .kv("llama.block_count", V::U32(1))
         .kv("llama.context_length", V::U32(64))
-        .kv("llama.embedding_length", V::U32(HIDDEN as u32))
-        .kv("llama.feed_forward_length", V::U32(FFN as u32))
+        .kv("llama.embedding_length", V::U32(hidden as u32))
+        .kv("llama.feed_forward_length", V::U32(ffn as u32))
         .kv("llama.attention.head_count", V::U32(2))
         .kv("llama.attention.head_count_kv", V::U32(1))
         .kv("llama.attention.layer_norm_rms_epsilon", V::F32(1e-5))
@@ -112,6 +117,18 @@ fn tiny_llama(edit: impl FnOnce(&mut Writer)) -> Writer {
 /// [`tiny_llama`] with the pre-tokenizer `pre` and, after its tokens and
 /// merge, each of `merges` with the token it makes.
 fn tiny_llama_splitting(pre: &str, merges: &[&str], edit: impl FnOnce(&mut Writer)) -> Writer {
+    tiny_llama_shaped(pre, merges, edit, (HIDDEN, FFN), llama_tensors)
+}
+
+/// [`tiny_llama_splitting`] `shape` (hidden, feed-forward) wide, its tensors
+/// written by `tensors` for the vocabulary's size.
+fn tiny_llama_shaped(
+    pre: &str,
+    merges: &[&str],
+    edit: impl FnOnce(&mut Writer),
+    shape: (u64, u64),
+    tensors: impl FnOnce(&mut Writer, u64),
+) -> Writer {
     let mut w = Writer::default();
     let mut tokens: Vec<String> = (0..=255u8).map(|b| byte_char(b).to_string()).collect();
     tokens.push("<|im_end|>".into());
@@ -120,7 +137,7 @@ fn tiny_llama_splitting(pre: &str, merges: &[&str], edit: impl FnOnce(&mut Write
     let vocab = tokens.len() as u64;
     let mut types = vec![1; tokens.len()];
     types[256] = 3;
-    llama_header(&mut w);
+    llama_header_sized(&mut w, shape.0, shape.1);
     w.kv("tokenizer.ggml.model", V::Str("gpt2"))
         .kv("tokenizer.ggml.pre", V::Str(pre))
         .kv("tokenizer.ggml.eos_token_id", V::U32(256))
@@ -137,7 +154,7 @@ fn tiny_llama_splitting(pre: &str, merges: &[&str], edit: impl FnOnce(&mut Write
         let all = ["a b"].iter().chain(merges).map(|m| m.to_string());
         w.kv("tokenizer.ggml.merges", V::Strs(all.collect()));
     }
-    llama_tensors(&mut w, vocab);
+    tensors(&mut w, vocab);
     w
 }
 
@@ -502,6 +519,100 @@ fn a_qwen2_file_missing_a_bias_names_it() {
     assert_rejected(&bytes, "tensor blk.1.attn_k.bias is missing");
 }
 
+/// A one-layer Llama 32 wide whose every matrix is Q8_0, as llama.cpp's
+/// `llama-quantize ... Q8_0` writes one, over [`tiny_llama`]'s vocabulary.
+fn q8_0_llama() -> Writer {
+    let (h, ffn) = (32u64, 64u64);
+    tiny_llama_shaped(
+        "smollm",
+        &[],
+        |_| {},
+        (h, ffn),
+        |w, vocab| q8_0_tensors(w, h, ffn, vocab),
+    )
+}
+
+fn q8_0_tensors(w: &mut Writer, h: u64, ffn: u64, vocab: u64) {
+    let ramp = |n: u64| {
+        (0..n)
+            .map(|i| ((i * 37 % 19) as f32 - 9.0) * 0.02)
+            .collect::<Vec<_>>()
+    };
+    let (q, kv) = (h, h / 2);
+    w.tensor_q8_0("token_embd.weight", &[h, vocab], &ramp(h * vocab));
+    w.tensor("blk.0.attn_norm.weight", &[h], &[1.0; 32]);
+    for (name, rows, cols) in [
+        ("attn_q", q, h),
+        ("attn_k", kv, h),
+        ("attn_v", kv, h),
+        ("attn_output", h, q),
+        ("ffn_gate", ffn, h),
+        ("ffn_up", ffn, h),
+        ("ffn_down", h, ffn),
+    ] {
+        w.tensor_q8_0(
+            &format!("blk.0.{name}.weight"),
+            &[cols, rows],
+            &ramp(rows * cols),
+        );
+    }
+    w.tensor("blk.0.ffn_norm.weight", &[h], &[1.0; 32]);
+    w.tensor("output_norm.weight", &[h], &[1.0; 32]);
+}
+
+/// A Q8_0 file's matrices stay the file's blocks in memory (an 8B model's
+/// 8.5 GB, where f32 would be 32 GB), the q and k rows unpermuted as whole
+/// rows of blocks, and widen to the values the file's dequantized tensors
+/// give.
+#[test]
+fn a_q8_0_files_matrices_are_held_as_its_blocks() {
+    use kiln_core::weights::{Matrix, Values};
+    let dir = tempfile::tempdir().unwrap();
+    let path = write(dir.path(), "q8_0.gguf", &q8_0_llama().bytes());
+    let model = Model::load(&path).unwrap();
+    assert_eq!(model.config.hidden_size, 32);
+    let file = GgufFile::open(&path).unwrap();
+    let layer = &model.weights.layers[0];
+    let mut file_bytes = 0;
+    for (m, name) in [&model.weights.embed]
+        .into_iter()
+        .chain(layer.matrices())
+        .zip([
+            "token_embd",
+            "blk.0.attn_q",
+            "blk.0.attn_k",
+            "blk.0.attn_v",
+            "blk.0.attn_output",
+            "blk.0.ffn_gate",
+            "blk.0.ffn_up",
+            "blk.0.ffn_down",
+        ])
+    {
+        let info = file.tensor(&format!("{name}.weight")).unwrap();
+        assert!(
+            matches!(m.values(), Values::Blocks { ty, .. } if ty.name() == "Q8_0"),
+            "{name} is held as {}",
+            m.values().stored()
+        );
+        file_bytes += info.size;
+        let mut want = Matrix::new(m.rows, m.cols, file.tensor_f32(info).unwrap());
+        let heads = match name {
+            "blk.0.attn_q" => 2,
+            "blk.0.attn_k" => 1,
+            _ => 0,
+        };
+        if heads > 0 {
+            want = kiln_core::gguf::unpermute_rows(&want, heads);
+        }
+        assert_eq!(m.f32(), want.f32(), "{name}");
+    }
+    assert_eq!(model.weights.matrix_bytes(), file_bytes);
+    let ids = model.tokenizer.encode("ab").unwrap();
+    let logits =
+        kiln_core::Backend::prefill(&mut kiln_core::CpuBackend::new(&model), &ids).unwrap();
+    assert!(logits.iter().all(|v| v.is_finite()));
+}
+
 /// A Q8_0 tensor as llama.cpp writes it, read by kiln's GGUF loader and
 /// stored for the IREE backends' q8 (`kiln_xla::q8`): every block's scale
 /// and values are the file's, bit for bit, so `--precision q8` (a Q8_0
@@ -521,12 +632,17 @@ fn a_q8_0_files_blocks_reach_the_device_as_written() {
     let file = GgufFile::open(&path).unwrap();
     let info = file.tensor("m").unwrap();
     assert_eq!(info.ty.name(), "Q8_0");
-    let m = kiln_core::weights::Matrix {
-        rows: rows as usize,
-        cols: cols as usize,
-        data: file.tensor_f32(info).unwrap(),
-    };
-    let q = kiln_xla::q8::Q8Matrix::quantize(&m).unwrap();
+    // As the GGUF loader holds it: the file's bytes.
+    let m = kiln_core::weights::Matrix::stored(
+        rows as usize,
+        cols as usize,
+        kiln_core::weights::Values::Blocks {
+            ty: info.ty,
+            bytes: file.tensor_bytes(info).to_vec(),
+        },
+    )
+    .unwrap();
+    let q = kiln_xla::q8::Q8Matrix::from_matrix(&m).unwrap();
     for (b, (d, levels)) in written.iter().enumerate() {
         assert_eq!(q.scales[b].to_bits(), d.to_bits(), "block {b}'s scale");
         assert_eq!(&q.quants[32 * b..][..32], levels, "block {b}'s values");

@@ -405,7 +405,7 @@ fn tiny_model() -> Model {
     // Sharper logits than ±1/sqrt(16) weights give, so that drafts are
     // neither almost always nor almost never accepted.
     if let Some(head) = model.weights.lm_head.as_mut() {
-        head.data.iter_mut().for_each(|w| *w *= 6.0);
+        head.f32_mut().iter_mut().for_each(|w| *w *= 6.0);
     }
     model
 }

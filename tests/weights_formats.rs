@@ -78,19 +78,22 @@ fn folder(
 
 fn max_diff(a: &Model, b: &Model) -> f32 {
     let pairs = [
-        (&a.weights.embed.data, &b.weights.embed.data),
-        (&a.weights.final_norm, &b.weights.final_norm),
+        (a.weights.embed.f32(), b.weights.embed.f32()),
+        (
+            a.weights.final_norm[..].into(),
+            b.weights.final_norm[..].into(),
+        ),
     ];
     let mut worst = 0.0f32;
     for (x, y) in pairs {
-        worst = worst.max(kiln_core::testing::max_abs_diff(x, y));
+        worst = worst.max(kiln_core::testing::max_abs_diff(&x, &y));
     }
     for (la, lb) in a.weights.layers.iter().zip(&b.weights.layers) {
         for (x, y) in [
-            (&la.wq.data, &lb.wq.data),
-            (&la.w_down.data, &lb.w_down.data),
+            (la.wq.f32(), lb.wq.f32()),
+            (la.w_down.f32(), lb.w_down.f32()),
         ] {
-            worst = worst.max(kiln_core::testing::max_abs_diff(x, y));
+            worst = worst.max(kiln_core::testing::max_abs_diff(&x, &y));
         }
     }
     worst

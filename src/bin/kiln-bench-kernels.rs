@@ -77,11 +77,11 @@ fn main() -> Result<()> {
         state ^= state << 17;
         (state % 2001) as f32 / 1000.0 - 1.0
     };
-    let w = Matrix {
-        rows: args.rows,
-        cols: args.cols,
-        data: (0..args.rows * args.cols).map(|_| next()).collect(),
-    };
+    let w = Matrix::new(
+        args.rows,
+        args.cols,
+        (0..args.rows * args.cols).map(|_| next()).collect(),
+    );
     let x: Vec<f32> = (0..args.inputs * args.cols).map(|_| next()).collect();
     let copies: Vec<Q4Blocks> = match args.weights.as_str() {
         "q4" => (0..args.copies)
@@ -105,14 +105,14 @@ fn main() -> Result<()> {
             // Each weight cut to f16's 11 significant bits (all of them
             // normal f16s: none is below 0.001 in magnitude but 0), so the
             // rows are kept at f16.
-            let halves = Matrix {
-                data: w
-                    .data
+            let halves = Matrix::new(
+                w.rows,
+                w.cols,
+                w.f32()
                     .iter()
                     .map(|&v| f32::from_bits(v.to_bits() & 0xffff_e000))
                     .collect(),
-                ..w.clone()
-            };
+            );
             let copies: Vec<Dense> = (0..args.copies)
                 .map(|_| Dense::stack_in(&mut pages, &[&halves]))
                 .collect();

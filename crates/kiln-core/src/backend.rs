@@ -117,7 +117,13 @@ struct Rank<'m> {
 impl<'m> CpuBackend<'m> {
     /// The f32 reference over the model's own weights.
     pub fn new(model: &'m Model) -> CpuBackend<'m> {
-        CpuBackend::with_weights(model, Box::new(&model.weights), "cpu")
+        // A model stored narrower (a GGUF's blocks, f16 safetensors) is
+        // widened once here, not every product.
+        let weights: Box<dyn ForwardWeights + 'm> = match model.weights.is_f32() {
+            true => Box::new(&model.weights),
+            false => Box::new(model.weights.widened()),
+        };
+        CpuBackend::with_weights(model, weights, "cpu")
     }
 
     /// The forward pass over `weights` (which must be `model`'s, in another

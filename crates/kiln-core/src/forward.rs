@@ -57,10 +57,13 @@ pub trait Linear: Sync {
 }
 
 impl Linear for Matrix {
+    /// In f32: a matrix stored narrower is widened for the call (the
+    /// reference widens its model once, [`crate::CpuBackend::new`]).
     fn apply(&self, x: &[f32], rows: usize) -> Vec<f32> {
         debug_assert_eq!(x.len(), rows * self.cols);
+        let w = self.f32();
         x.chunks_exact(self.cols)
-            .flat_map(|row| matvec(self, row))
+            .flat_map(|row| matvec(&w, self.cols, row))
             .collect()
     }
 }
@@ -174,11 +177,11 @@ impl<T: ForwardWeights + ?Sized> ForwardWeights for &T {
     }
 }
 
-/// `y = W x` for a `[out, in]` matrix.
-fn matvec(w: &Matrix, x: &[f32]) -> Vec<f32> {
-    debug_assert_eq!(x.len(), w.cols);
-    (0..w.rows)
-        .map(|r| w.row(r).iter().zip(x).map(|(a, b)| a * b).sum())
+/// `y = W x` for a row-major `[out, in]` matrix of `cols` inputs.
+fn matvec(w: &[f32], cols: usize, x: &[f32]) -> Vec<f32> {
+    debug_assert_eq!(x.len(), cols);
+    w.chunks_exact(cols)
+        .map(|row| row.iter().zip(x).map(|(a, b)| a * b).sum())
         .collect()
 }
 
@@ -298,7 +301,7 @@ fn silu(x: f32) -> f32 {
 pub fn embed(weights: &Weights, tokens: &[u32]) -> Vec<f32> {
     tokens
         .iter()
-        .flat_map(|&t| weights.embed.row(t as usize).iter().copied())
+        .flat_map(|&t| weights.embed.row(t as usize).into_owned())
         .collect()
 }
 

@@ -163,13 +163,13 @@ impl Model {
             .map(|l| {
                 l.attn_norm.len()
                     + l.mlp_norm.len()
-                    + l.matrices().iter().map(|m| m.data.len()).sum::<usize>()
+                    + l.matrices().iter().map(|m| m.rows * m.cols).sum::<usize>()
             })
             .sum();
-        w.embed.data.len()
+        w.embed.rows * w.embed.cols
             + layers
             + w.final_norm.len()
-            + w.lm_head.as_ref().map_or(0, |m| m.data.len())
+            + w.lm_head.as_ref().map_or(0, |m| m.rows * m.cols)
     }
 
     /// A model from `dir`, or the embedded one when `dir` is `None`.
@@ -239,13 +239,13 @@ pub fn random_weights(config: &ModelConfig, seed: u64) -> Weights {
     let mut rng = ChaCha8Rng::seed_from_u64(seed);
     let mut matrix = |rows: usize, cols: usize| {
         let bound = 1.0 / (cols as f32).sqrt();
-        Matrix {
+        Matrix::new(
             rows,
             cols,
-            data: (0..rows * cols)
+            (0..rows * cols)
                 .map(|_| rng.random_range(-bound..bound))
                 .collect(),
-        }
+        )
     };
     let (h, i) = (config.hidden_size, config.intermediate_size);
     let q = config.num_heads * config.head_dim;

@@ -111,7 +111,7 @@ pub fn save_config(dir: &Path, config: &ModelConfig) -> Result<()> {
 /// Hugging Face names, shapes and f16 bytes of every weight.
 fn named_f16_tensors(config: &ModelConfig, w: &Weights) -> Vec<(String, Vec<usize>, Vec<u8>)> {
     let vector = |name: String, v: &[f32]| (name, vec![v.len()], f16_bytes(v));
-    let matrix = |name: String, m: &Matrix| (name, vec![m.rows, m.cols], f16_bytes(&m.data));
+    let matrix = |name: String, m: &Matrix| (name, vec![m.rows, m.cols], f16_bytes(&m.f32()));
     let mut out = vec![matrix("model.embed_tokens.weight".into(), &w.embed)];
     for (l, layer) in w.layers.iter().enumerate() {
         let p = format!("model.layers.{l}");
@@ -223,14 +223,14 @@ mod tests {
         let loaded = crate::weights::load_dir(dir.path(), &config).unwrap();
         let round =
             |v: &[f32]| -> Vec<f32> { v.iter().map(|&x| f16::from_f32(x).to_f32()).collect() };
-        assert_eq!(loaded.embed.data, round(&weights.embed.data));
+        assert_eq!(loaded.embed.f32(), round(&weights.embed.f32()));
         assert_eq!(
-            loaded.layers[1].w_down.data,
-            round(&weights.layers[1].w_down.data)
+            loaded.layers[1].w_down.f32(),
+            round(&weights.layers[1].w_down.f32())
         );
         assert_eq!(
-            loaded.lm_head.unwrap().data,
-            round(&weights.lm_head.unwrap().data)
+            loaded.lm_head.unwrap().f32(),
+            round(&weights.lm_head.unwrap().f32())
         );
         let leftovers: Vec<_> = std::fs::read_dir(dir.path())
             .unwrap()

@@ -172,25 +172,22 @@ fn share(total: usize, ranks: usize, r: usize) -> Range<usize> {
     r * each..(r + 1) * each
 }
 
-/// The rows `range` of `m`.
+/// The rows `range` of `m`, as stored.
 fn rows(m: &Matrix, range: Range<usize>) -> Matrix {
-    Matrix {
-        rows: range.len(),
-        cols: m.cols,
-        data: m.data[range.start * m.cols..range.end * m.cols].to_vec(),
-    }
+    m.reorder_rows(range)
 }
 
 /// The columns `range` of `m`.
 fn columns(m: &Matrix, range: Range<usize>) -> Matrix {
     let cols = range.len();
-    Matrix {
-        rows: m.rows,
+    let data = m.f32();
+    Matrix::new(
+        m.rows,
         cols,
-        data: (0..m.rows)
-            .flat_map(|r| m.row(r)[range.clone()].iter().copied())
+        data.chunks_exact(m.cols)
+            .flat_map(|row| row[range.clone()].iter().copied())
             .collect(),
-    }
+    )
 }
 
 #[cfg(test)]

@@ -225,16 +225,12 @@ pub fn successor_model(
         bos_token_id: None,
         eos_token_ids,
     };
-    let zeros = |rows, cols| Matrix {
-        rows,
-        cols,
-        data: vec![0.0; rows * cols],
-    };
+    let zeros = |rows, cols| Matrix::new(rows, cols, vec![0.0; rows * cols]);
     let mut embed = zeros(vocab, hidden);
     let mut lm_head = zeros(vocab, hidden);
     for (t, &n) in next.iter().enumerate() {
-        embed.data[t * hidden + t] = 1.0;
-        lm_head.data[n as usize * hidden + t] = 1.0;
+        embed.f32_mut()[t * hidden + t] = 1.0;
+        lm_head.f32_mut()[n as usize * hidden + t] = 1.0;
     }
     let layer = LayerWeights {
         attn_norm: vec![1.0; hidden],
@@ -288,6 +284,63 @@ pub fn chatml_model(dir: &Path, chat_template: Option<&str>) -> Result<()> {
             .map_err(|error| crate::Error::WriteFile { path, error })?;
     }
     Ok(())
+}
+
+/// `m` as a GGUF file stores it at `ty` (Q4_0 or Q8_0, written as
+/// llama.cpp's reference quantizer writes them, or F16): what the GGUF
+/// loader gives a backend from such a file.
+pub fn as_stored(m: &Matrix, ty: crate::gguf::GgmlType) -> Matrix {
+    use crate::gguf::GgmlType;
+    use crate::weights::Values;
+    use half::f16;
+    let data = m.f32();
+    let values = match ty {
+        GgmlType::F16 => Values::F16(data.iter().map(|&v| f16::from_f32(v)).collect()),
+        GgmlType::Q4_0 => {
+            let mut bytes = Vec::with_capacity(data.len() / 32 * 18);
+            for block in data.chunks_exact(32) {
+                // The value of largest magnitude, sign and all, is level −8.
+                let max = block.iter().fold(0.0f32, |a, &v| match v.abs() > a.abs() {
+                    true => v,
+                    false => a,
+                });
+                let d = max / -8.0;
+                let inverse = if d != 0.0 { 1.0 / d } else { 0.0 };
+                let level = |v: f32| ((v * inverse + 8.5) as u8).min(15);
+                bytes.extend(f16::from_f32(d).to_le_bytes());
+                bytes.extend((0..16).map(|j| level(block[j]) | (level(block[j + 16]) << 4)));
+            }
+            Values::Blocks { ty, bytes }
+        }
+        GgmlType::Q8_0 => {
+            let mut bytes = Vec::with_capacity(data.len() / 32 * 34);
+            for block in data.chunks_exact(32) {
+                let d = block.iter().fold(0.0f32, |a, v| a.max(v.abs())) / 127.0;
+                let inverse = if d > 0.0 { 1.0 / d } else { 0.0 };
+                bytes.extend(f16::from_f32(d).to_le_bytes());
+                bytes.extend(block.iter().map(|v| (v * inverse).round() as i8 as u8));
+            }
+            Values::Blocks { ty, bytes }
+        }
+        other => panic!("as_stored writes Q4_0, Q8_0 and F16, not {}", other.name()),
+    };
+    Matrix::stored(m.rows, m.cols, values).expect("whole blocks")
+}
+
+/// `w` with every matrix (the embedding and output projection too) stored
+/// at `ty`, as [`as_stored`] writes it.
+pub fn stored_weights(w: &Weights, ty: crate::gguf::GgmlType) -> Weights {
+    let mut out = w.clone();
+    out.embed = as_stored(&w.embed, ty);
+    for m in out.layers.iter_mut().flat_map(|l| l.matrices_mut()) {
+        *m = as_stored(m, ty);
+    }
+    out.lm_head = w.lm_head.as_ref().map(|m| as_stored(m, ty));
+    out.stored = crate::weights::Stored::Blocks(ty.name());
+    if ty == crate::gguf::GgmlType::F16 {
+        out.stored = crate::weights::Stored::F16;
+    }
+    out
 }
 
 #[cfg(test)]

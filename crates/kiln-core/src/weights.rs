@@ -1,7 +1,9 @@
 //! Model weights: Hugging Face Llama safetensors (f32, f16 or bf16; one file
-//! or shards), held as f32.
+//! or shards), each matrix held at the precision its file stores it in.
 
+use std::borrow::Cow;
 use std::collections::HashMap;
+use std::ops::Range;
 use std::path::{Path, PathBuf};
 
 use half::{bf16, f16};
@@ -10,34 +12,262 @@ use safetensors::{Dtype, SafeTensors};
 
 use crate::config::ModelConfig;
 use crate::error::{Error, Result};
+use crate::gguf::GgmlType;
 
-/// A row-major matrix, `[rows, cols]` (a Linear layer's `[out, in]`).
+/// A row-major matrix, `[rows, cols]` (a Linear layer's `[out, in]`), its
+/// values as the model file stores them: an 8B model's Q4_0 matrices are
+/// 4.5 GB as blocks and 32 GB as f32, so a backend that keeps the file's
+/// precision must get the file's own values, and one that computes in f32
+/// widens one matrix at a time ([`Matrix::f32`]).
 #[derive(Clone, Debug, PartialEq)]
 pub struct Matrix {
     pub rows: usize,
     pub cols: usize,
-    pub data: Vec<f32>,
+    values: Values,
+}
+
+/// A matrix's values at the precision they were stored in.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Values {
+    F32(Vec<f32>),
+    F16(Vec<f16>),
+    Bf16(Vec<bf16>),
+    /// GGUF blocks of one ggml type, each row a whole number of blocks, as
+    /// the file lays them out.
+    Blocks {
+        ty: GgmlType,
+        bytes: Vec<u8>,
+    },
+}
+
+impl Values {
+    /// Values held, or `None` where the bytes of blocks are not whole blocks.
+    fn len(&self) -> Option<usize> {
+        Some(match self {
+            Values::F32(v) => v.len(),
+            Values::F16(v) => v.len(),
+            Values::Bf16(v) => v.len(),
+            Values::Blocks { ty, bytes } => {
+                let (block, block_bytes) = ty.block();
+                if !bytes.len().is_multiple_of(block_bytes) {
+                    return None;
+                }
+                bytes.len() / block_bytes * block
+            }
+        })
+    }
+
+    /// How the values are stored, as [`Weights::stored`] names it.
+    pub fn stored(&self) -> Stored {
+        match self {
+            Values::F32(_) => Stored::F32,
+            Values::F16(_) => Stored::F16,
+            Values::Bf16(_) => Stored::BF16,
+            Values::Blocks { ty, .. } => Stored::Blocks(ty.name()),
+        }
+    }
+}
+
+/// Each part's values of one kind, as `get` takes them out.
+fn slices_of<'a, T>(parts: &[&'a Matrix], get: impl Fn(&'a Values) -> &'a Vec<T>) -> Vec<&'a [T]> {
+    parts.iter().map(|m| get(&m.values).as_slice()).collect()
 }
 
 impl Matrix {
-    /// `rows × cols` with element `i` (row-major) `value(i)`.
-    pub fn from_fn(rows: usize, cols: usize, value: impl Fn(usize) -> f32) -> Matrix {
+    /// `rows × cols` f32 values, row-major.
+    pub fn new(rows: usize, cols: usize, data: Vec<f32>) -> Matrix {
+        assert_eq!(data.len(), rows * cols, "a {rows}x{cols} matrix");
         Matrix {
             rows,
             cols,
-            data: (0..rows * cols).map(value).collect(),
+            values: Values::F32(data),
         }
     }
 
-    pub fn row(&self, i: usize) -> &[f32] {
-        &self.data[i * self.cols..(i + 1) * self.cols]
+    /// `rows × cols` values as stored, checked to be that many (blocks: each
+    /// row whole blocks).
+    pub fn stored(rows: usize, cols: usize, values: Values) -> std::result::Result<Matrix, String> {
+        if let Values::Blocks { ty, .. } = &values {
+            let block = ty.block().0;
+            if !cols.is_multiple_of(block) {
+                return Err(format!(
+                    "rows of {cols} values are not whole {} blocks of {block}",
+                    ty.name()
+                ));
+            }
+        }
+        match values.len() {
+            Some(n) if n == rows * cols => Ok(Matrix { rows, cols, values }),
+            _ => Err(format!(
+                "{} values do not make a {rows}x{cols} matrix",
+                values.stored()
+            )),
+        }
     }
 
-    /// The data of the transpose, `[cols, rows]` row-major.
+    /// `rows × cols` with element `i` (row-major) `value(i)`.
+    pub fn from_fn(rows: usize, cols: usize, value: impl Fn(usize) -> f32) -> Matrix {
+        Matrix::new(rows, cols, (0..rows * cols).map(value).collect())
+    }
+
+    /// The values as stored.
+    pub fn values(&self) -> &Values {
+        &self.values
+    }
+
+    /// Whether the values are f32 already ([`Matrix::f32`] borrows them).
+    pub fn is_f32(&self) -> bool {
+        matches!(self.values, Values::F32(_))
+    }
+
+    /// Every value in f32, row-major: borrowed where they are stored so,
+    /// else widened (blocks dequantized) into a new vector.
+    pub fn f32(&self) -> Cow<'_, [f32]> {
+        match &self.values {
+            Values::F32(v) => Cow::Borrowed(v),
+            _ => Cow::Owned(self.rows_f32(0..self.rows)),
+        }
+    }
+
+    /// The values of `rows` in f32, row-major.
+    pub fn rows_f32(&self, rows: Range<usize>) -> Vec<f32> {
+        let (start, end) = (rows.start * self.cols, rows.end * self.cols);
+        match &self.values {
+            Values::F32(v) => v[start..end].to_vec(),
+            Values::F16(v) => v[start..end].iter().map(|x| x.to_f32()).collect(),
+            Values::Bf16(v) => v[start..end].iter().map(|x| x.to_f32()).collect(),
+            Values::Blocks { ty, bytes } => {
+                let (block, block_bytes) = ty.block();
+                let span = &bytes[start / block * block_bytes..end / block * block_bytes];
+                crate::gguf::dequantize(*ty, span, end - start)
+                    .expect("Matrix::stored checked the blocks' size")
+            }
+        }
+    }
+
+    /// The values, widened to f32 in place first where they are not, to
+    /// change.
+    pub fn f32_mut(&mut self) -> &mut Vec<f32> {
+        if !self.is_f32() {
+            self.values = Values::F32(self.f32().into_owned());
+        }
+        match &mut self.values {
+            Values::F32(v) => v,
+            _ => unreachable!("widened above"),
+        }
+    }
+
+    /// The values in f32, row-major.
+    pub fn into_f32(self) -> Vec<f32> {
+        match self.values {
+            Values::F32(v) => v,
+            _ => self.f32().into_owned(),
+        }
+    }
+
+    /// This matrix with its values in f32.
+    pub fn widened(&self) -> Matrix {
+        Matrix::new(self.rows, self.cols, self.f32().into_owned())
+    }
+
+    /// Row `i` in f32.
+    pub fn row(&self, i: usize) -> Cow<'_, [f32]> {
+        match &self.values {
+            Values::F32(v) => Cow::Borrowed(&v[i * self.cols..(i + 1) * self.cols]),
+            _ => Cow::Owned(self.rows_f32(i..i + 1)),
+        }
+    }
+
+    /// This matrix's rows in the order `order` gives (row `k` of the result
+    /// is row `order[k]` of this one), at the precision they are stored in.
+    pub fn reorder_rows(&self, order: impl Iterator<Item = usize>) -> Matrix {
+        Matrix::join_rows(&[self], order.map(|r| (0, r)))
+    }
+
+    /// Rows of several matrices of one width as one matrix: row `k` of the
+    /// result is row `r` of `parts[p]` for the `k`-th `(p, r)` of `order`.
+    /// The values stay as stored where every part stores them alike (the
+    /// same type, or blocks of one type); else all are widened to f32.
+    pub fn join_rows(parts: &[&Matrix], order: impl Iterator<Item = (usize, usize)>) -> Matrix {
+        fn pick<'a, T: Copy + 'a>(
+            parts: &[&'a [T]],
+            width: usize,
+            order: impl Iterator<Item = (usize, usize)>,
+        ) -> Vec<T> {
+            order
+                .flat_map(|(p, r)| parts[p][r * width..(r + 1) * width].iter().copied())
+                .collect()
+        }
+        let cols = parts[0].cols;
+        assert!(parts.iter().all(|m| m.cols == cols), "join_rows: one width");
+        let order: Vec<(usize, usize)> = order.collect();
+        let rows = order.len();
+        let order = order.into_iter();
+        let alike = parts.iter().all(|m| match (&m.values, &parts[0].values) {
+            (Values::Blocks { ty: a, .. }, Values::Blocks { ty: b, .. }) => a == b,
+            (a, b) => std::mem::discriminant(a) == std::mem::discriminant(b),
+        });
+        let values = match &parts[0].values {
+            _ if !alike => {
+                let widened: Vec<_> = parts.iter().map(|m| m.f32()).collect();
+                let slices: Vec<&[f32]> = widened.iter().map(|w| &w[..]).collect();
+                Values::F32(pick(&slices, cols, order))
+            }
+            Values::F32(_) => Values::F32(pick(
+                &slices_of(parts, |v| match v {
+                    Values::F32(v) => v,
+                    _ => unreachable!("alike"),
+                }),
+                cols,
+                order,
+            )),
+            Values::F16(_) => Values::F16(pick(
+                &slices_of(parts, |v| match v {
+                    Values::F16(v) => v,
+                    _ => unreachable!("alike"),
+                }),
+                cols,
+                order,
+            )),
+            Values::Bf16(_) => Values::Bf16(pick(
+                &slices_of(parts, |v| match v {
+                    Values::Bf16(v) => v,
+                    _ => unreachable!("alike"),
+                }),
+                cols,
+                order,
+            )),
+            Values::Blocks { ty, .. } => {
+                let (block, block_bytes) = ty.block();
+                let bytes = slices_of(parts, |v| match v {
+                    Values::Blocks { bytes, .. } => bytes,
+                    _ => unreachable!("alike"),
+                });
+                Values::Blocks {
+                    ty: *ty,
+                    bytes: pick(&bytes, cols / block * block_bytes, order),
+                }
+            }
+        };
+        Matrix { rows, cols, values }
+    }
+
+    /// Bytes of its values in memory.
+    pub fn bytes(&self) -> usize {
+        match &self.values {
+            Values::F32(v) => 4 * v.len(),
+            Values::F16(v) => 2 * v.len(),
+            Values::Bf16(v) => 2 * v.len(),
+            Values::Blocks { bytes, .. } => bytes.len(),
+        }
+    }
+
+    /// The data of the transpose, `[cols, rows]` row-major, in f32.
     pub fn transposed(&self) -> Vec<f32> {
-        let mut out = vec![0.0; self.data.len()];
-        for r in 0..self.rows {
-            for (c, value) in self.row(r).iter().enumerate() {
+        let data = self.f32();
+        let mut out = vec![0.0; data.len()];
+        for (r, row) in data.chunks_exact(self.cols.max(1)).enumerate() {
+            for (c, value) in row.iter().enumerate() {
                 out[c * self.rows + r] = *value;
             }
         }
@@ -146,6 +376,40 @@ impl Weights {
         self.lm_head.as_ref().unwrap_or(&self.embed)
     }
 
+    /// Every matrix: the embedding, each layer's seven, the untied output
+    /// projection.
+    pub fn all_matrices(&self) -> impl Iterator<Item = &Matrix> {
+        std::iter::once(&self.embed)
+            .chain(self.layers.iter().flat_map(|l| l.matrices()))
+            .chain(self.lm_head.as_ref())
+    }
+
+    /// Whether every matrix holds f32 values.
+    pub fn is_f32(&self) -> bool {
+        self.all_matrices().all(Matrix::is_f32)
+    }
+
+    /// These weights with every matrix in f32 (what the reference computes
+    /// with).
+    pub fn widened(&self) -> Weights {
+        let mut layers = self.layers.clone();
+        for m in layers.iter_mut().flat_map(|l| l.matrices_mut()) {
+            m.f32_mut();
+        }
+        Weights {
+            embed: self.embed.widened(),
+            layers,
+            final_norm: self.final_norm.clone(),
+            lm_head: self.lm_head.as_ref().map(Matrix::widened),
+            stored: self.stored,
+        }
+    }
+
+    /// Bytes the matrices hold in memory.
+    pub fn matrix_bytes(&self) -> usize {
+        self.all_matrices().map(Matrix::bytes).sum()
+    }
+
     /// These weights with every product's matrix (each layer's seven and
     /// the output projection, untied) replaced by `f` of it; the embedding
     /// and norms as they are.
@@ -215,6 +479,17 @@ impl<'a> TensorTable<'a> {
 
     /// Decodes tensor `name`, which must have `shape`, to f32.
     fn take(&mut self, name: &str, shape: &[usize]) -> Result<Vec<f32>> {
+        let values = self.take_values(name, shape)?;
+        Ok(match values {
+            Values::F32(v) => v,
+            Values::F16(v) => v.iter().map(|x| x.to_f32()).collect(),
+            Values::Bf16(v) => v.iter().map(|x| x.to_f32()).collect(),
+            Values::Blocks { .. } => unreachable!("safetensors holds no blocks"),
+        })
+    }
+
+    /// Tensor `name`, which must have `shape`, at its stored precision.
+    fn take_values(&mut self, name: &str, shape: &[usize]) -> Result<Values> {
         let Some(file) = self.index.remove(name) else {
             return Err(Error::Weights {
                 path: self.origin.clone(),
@@ -236,40 +511,48 @@ impl<'a> TensorTable<'a> {
             )));
         }
         let data = view.data();
-        self.last_dtype = match view.dtype() {
-            Dtype::F16 => Stored::F16,
-            Dtype::BF16 => Stored::BF16,
-            _ => Stored::F32,
-        };
-        let values: Vec<f32> = match view.dtype() {
-            Dtype::F32 => data
-                .chunks_exact(4)
-                .map(|c| f32::from_le_bytes(c.try_into().expect("4 bytes")))
-                .collect(),
-            Dtype::F16 => data
-                .chunks_exact(2)
-                .map(|c| f16::from_le_bytes(c.try_into().expect("2 bytes")).to_f32())
-                .collect(),
-            Dtype::BF16 => data
-                .chunks_exact(2)
-                .map(|c| bf16::from_le_bytes(c.try_into().expect("2 bytes")).to_f32())
-                .collect(),
+        let values = match view.dtype() {
+            Dtype::F32 => Values::F32(
+                data.chunks_exact(4)
+                    .map(|c| f32::from_le_bytes(c.try_into().expect("4 bytes")))
+                    .collect(),
+            ),
+            Dtype::F16 => Values::F16(
+                data.chunks_exact(2)
+                    .map(|c| f16::from_le_bytes(c.try_into().expect("2 bytes")))
+                    .collect(),
+            ),
+            Dtype::BF16 => Values::Bf16(
+                data.chunks_exact(2)
+                    .map(|c| bf16::from_le_bytes(c.try_into().expect("2 bytes")))
+                    .collect(),
+            ),
             other => {
                 return Err(bad(format!(
                     "tensor {name} is {other:?}; kiln reads f32, f16 and bf16"
                 )));
             }
         };
-        check_finite(name, &values).map_err(bad)?;
+        self.last_dtype = values.stored();
+        let finite = match &values {
+            Values::F32(v) => check_finite(name, v.iter().copied()),
+            Values::F16(v) => check_finite(name, v.iter().map(|x| x.to_f32())),
+            Values::Bf16(v) => check_finite(name, v.iter().map(|x| x.to_f32())),
+            Values::Blocks { .. } => Ok(()),
+        };
+        finite.map_err(bad)?;
         Ok(values)
     }
 
     fn matrix(&mut self, name: &str, rows: usize, cols: usize) -> Result<Matrix> {
-        let data = self.take(name, &[rows, cols])?;
+        let values = self.take_values(name, &[rows, cols])?;
         if name.starts_with("model.layers.") {
             self.matrix_dtypes.push(self.last_dtype);
         }
-        Ok(Matrix { rows, cols, data })
+        Matrix::stored(rows, cols, values).map_err(|message| Error::Weights {
+            path: self.origin.clone(),
+            message: format!("tensor {name}: {message}"),
+        })
     }
 
     /// Drops a tensor the model does not use, if present.
@@ -280,12 +563,14 @@ impl<'a> TensorTable<'a> {
 
 /// An error naming the first NaN or infinity of tensor `name`: such a
 /// weight makes every logit NaN, which greedy decoding would read as token 0.
-pub fn check_finite(name: &str, values: &[f32]) -> std::result::Result<(), String> {
-    match values.iter().position(|v| !v.is_finite()) {
+pub fn check_finite(
+    name: &str,
+    values: impl IntoIterator<Item = f32>,
+) -> std::result::Result<(), String> {
+    match values.into_iter().enumerate().find(|(_, v)| !v.is_finite()) {
         None => Ok(()),
-        Some(i) => Err(format!(
-            "tensor {name} holds {} at index {i}; the checkpoint is corrupt",
-            values[i]
+        Some((i, v)) => Err(format!(
+            "tensor {name} holds {v} at index {i}; the checkpoint is corrupt"
         )),
     }
 }

@@ -67,7 +67,8 @@ impl Q4Blocks {
             scales: Vec::with_capacity(blocks),
             mins: Vec::with_capacity(blocks),
         };
-        for block in parts.iter().flat_map(|m| m.data.chunks_exact(BLOCK)) {
+        let widened: Vec<_> = parts.iter().map(|m| m.f32()).collect();
+        for block in widened.iter().flat_map(|m| m.chunks_exact(BLOCK)) {
             let (min, max) = block
                 .iter()
                 .fold((f32::INFINITY, f32::NEG_INFINITY), |(lo, hi), &w| {
@@ -104,11 +105,7 @@ impl Q4Blocks {
             data.extend(bytes.iter().map(|&q| value(q & 0x0f)));
             data.extend(bytes.iter().map(|&q| value(q >> 4)));
         }
-        Matrix {
-            rows: self.rows,
-            cols: self.cols,
-            data,
-        }
+        Matrix::new(self.rows, self.cols, data)
     }
 }
 
@@ -139,7 +136,7 @@ impl Q8Blocks {
             values: Vec::with_capacity(m.rows * m.cols),
             scales: Vec::with_capacity(blocks),
         };
-        for block in m.data.chunks_exact(BLOCK) {
+        for block in m.f32().chunks_exact(BLOCK) {
             let largest = block.iter().fold(0.0f32, |a, w| a.max(w.abs()));
             let scale = largest / 127.0;
             q.values.extend(block.iter().map(|&w| match scale > 0.0 {
@@ -165,7 +162,7 @@ impl Q8Blocks {
             values: Vec::with_capacity(m.rows * m.cols),
             scales: Vec::with_capacity(m.rows * m.cols / BLOCK),
         };
-        for block in m.data.chunks_exact(BLOCK) {
+        for block in m.f32().chunks_exact(BLOCK) {
             let largest = block.iter().fold(0.0f32, |a, w| a.max(w.abs()));
             let plain = largest / 127.0;
             let candidates = [half::f16::from_f32(plain).to_f32(), plain];
@@ -214,11 +211,7 @@ impl Q8Blocks {
             .zip(&self.scales)
             .flat_map(|(block, &scale)| block.iter().map(move |&q| f32::from(q) * scale))
             .collect();
-        Matrix {
-            rows: self.rows,
-            cols: self.cols,
-            data,
-        }
+        Matrix::new(self.rows, self.cols, data)
     }
 }
 
@@ -239,7 +232,7 @@ mod tests {
                 q.widen(r, c, &mut values);
                 assert_eq!(
                     values,
-                    back.data[r * m.cols + c..][..len],
+                    back.f32()[r * m.cols + c..][..len],
                     "row {r} from {c}"
                 );
             }
@@ -252,9 +245,9 @@ mod tests {
         fn each_weight_is_within_half_a_step(
             data in proptest::collection::vec(-4.0f32..4.0, 3 * 64),
         ) {
-            let m = Matrix { rows: 3, cols: 64, data };
+            let m = Matrix::new(3, 64, data);
             let back = Q4Blocks::quantize(&m).unwrap().dequantize();
-            for (block, (want, got)) in m.data.chunks(BLOCK).zip(back.data.chunks(BLOCK)).enumerate() {
+            for (block, (want, got)) in m.f32().chunks(BLOCK).zip(back.f32().chunks(BLOCK)).enumerate() {
                 let (lo, hi) = want.iter().fold((f32::MAX, f32::MIN), |(l, h), &w| (l.min(w), h.max(w)));
                 let half_step = (hi - lo) / 30.0;
                 for (w, g) in want.iter().zip(got) {
@@ -272,7 +265,7 @@ mod tests {
         let (d, m) = (0.0123f32, -0.07f32);
         let m = Matrix::from_fn(2, 64, |i| f32::from(((i * 7) % 16) as u8) * d + m);
         let back = Q4Blocks::quantize(&m).unwrap().dequantize();
-        for (w, g) in m.data.iter().zip(&back.data) {
+        for (w, g) in m.f32().iter().zip(back.f32().iter()) {
             assert!((w - g).abs() <= 1e-6, "{w} came back as {g}");
         }
     }
@@ -303,9 +296,9 @@ mod tests {
         let m = Matrix::from_fn(2, 64, |i| ((i * 37) % 101) as f32 / 50.0 - 1.0);
         let back = Q8Blocks::quantize(&m).unwrap().dequantize();
         for (block, (want, got)) in m
-            .data
+            .f32()
             .chunks(BLOCK)
-            .zip(back.data.chunks(BLOCK))
+            .zip(back.f32().chunks(BLOCK))
             .enumerate()
         {
             let half_step = want.iter().fold(0.0f32, |a, w| a.max(w.abs())) / 254.0;
@@ -319,7 +312,7 @@ mod tests {
         let d = 0.0031f32;
         let q8_0 = Matrix::from_fn(1, 32, |i| (i as f32 * 8.0 - 127.0).clamp(-127.0, 127.0) * d);
         let back = Q8Blocks::quantize(&q8_0).unwrap().dequantize();
-        assert!(kiln_core::testing::max_abs_diff(&q8_0.data, &back.data) <= 1e-6);
+        assert!(kiln_core::testing::max_abs_diff(&q8_0.f32(), &back.f32()) <= 1e-6);
         assert_eq!(
             Q8Blocks::quantize(&Matrix::from_fn(1, 40, |_| 1.0)),
             Err(BlockError::Width { cols: 40 })

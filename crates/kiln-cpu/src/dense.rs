@@ -46,7 +46,8 @@ impl Dense {
         debug_assert!(parts.iter().all(|m| m.cols == cols));
         let rows: usize = parts.iter().map(|m| m.rows).sum();
         let len = rows * cols;
-        let values = || parts.iter().flat_map(|m| m.data.iter().copied());
+        let widened: Vec<_> = parts.iter().map(|m| m.f32()).collect();
+        let values = || widened.iter().flat_map(|m| m.iter().copied());
         let data = if values().all(|v| f16::from_f32(v).to_f32().to_bits() == v.to_bits()) {
             DenseData::F16(pages.store(len, values().map(f16::from_f32)))
         } else if values().all(|v| bf16::from_f32(v).to_f32().to_bits() == v.to_bits()) {
@@ -324,7 +325,7 @@ mod tests {
         for r in 0..m.rows {
             for i in 0..n {
                 out[r * n + i] = (0..m.cols)
-                    .map(|c| f64::from(m.data[r * m.cols + c]) * f64::from(x[i * m.cols + c]))
+                    .map(|c| f64::from(m.f32()[r * m.cols + c]) * f64::from(x[i * m.cols + c]))
                     .sum();
             }
         }

@@ -860,7 +860,7 @@ mod tests {
                 "output {k}: {g} against {} of the rounded inputs",
                 of_rounded[k]
             );
-            let bound = q.rounding_bound(i, w.row(r)) + f32_sums;
+            let bound = q.rounding_bound(i, &w.row(r)) + f32_sums;
             assert!(
                 (g - exact[k]).abs() <= bound,
                 "output {k}: {g} against {} exactly, bound {bound}",
@@ -1003,7 +1003,7 @@ mod tests {
     fn non_finite_activations_give_nan_products() {
         let (cols, n) = (3 * BLOCK, 3);
         let (mut w, x) = random_product(11, 9, cols, n);
-        w.data[..cols].fill(0.0);
+        w.f32_mut()[..cols].fill(0.0);
         let q4 = Q4Blocks::quantize(&w).unwrap();
         let q8 = Q8Blocks::quantize(&w).unwrap();
         for bad in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {

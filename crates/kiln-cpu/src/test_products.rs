@@ -14,14 +14,7 @@ pub fn random_product(seed: u64, height: usize, cols: usize, n: usize) -> (Matri
     };
     let data = (0..height * cols).map(|_| next()).collect();
     let x = (0..n * cols).map(|_| next() * 3.0).collect();
-    (
-        Matrix {
-            rows: height,
-            cols,
-            data,
-        },
-        x,
-    )
+    (Matrix::new(height, cols, data), x)
 }
 
 /// `Σ w·x` of each output row and input row, in f64, `[rows, n]`.

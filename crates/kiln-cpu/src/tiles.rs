@@ -314,7 +314,7 @@ mod tests {
             seed in any::<u64>(),
         ) {
             let (w, x) = crate::test_products::random_product(seed, first + rows, cols, n);
-            let w = w.data;
+            let w = w.f32();
             let widen = |r: usize, c: usize, values: &mut [f32]| {
                 values.copy_from_slice(&w[r * cols + c..][..values.len()]);
             };

@@ -251,11 +251,11 @@ impl Q4Weights {
 /// multiplied against `activations`, else as dense rows at the narrowest
 /// exact precision (against f32 activations).
 fn as_stored(pages: &mut Pages, parts: &[&Matrix], activations: Activations) -> Blocks {
-    let joined = Matrix {
-        rows: parts.iter().map(|m| m.rows).sum(),
-        cols: parts[0].cols,
-        data: parts.iter().flat_map(|m| m.data.iter().copied()).collect(),
-    };
+    let joined = Matrix::new(
+        parts.iter().map(|m| m.rows).sum(),
+        parts[0].cols,
+        parts.iter().flat_map(|m| m.f32().into_owned()).collect(),
+    );
     match Q8Blocks::exact(&joined) {
         Some(q8) => Blocks::Q8(q8, activations),
         None => Blocks::Dense(Dense::stack_in(pages, parts)),

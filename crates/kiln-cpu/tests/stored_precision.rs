@@ -27,17 +27,14 @@ fn snapped(mut model: Model, snap: impl Fn(&Matrix) -> Matrix) -> Model {
 }
 
 fn each_value(m: &Matrix, f: impl Fn(f32) -> f32) -> Matrix {
-    Matrix {
-        data: m.data.iter().map(|&v| f(v)).collect(),
-        ..m.clone()
-    }
+    Matrix::new(m.rows, m.cols, m.f32().iter().map(|&v| f(v)).collect())
 }
 
 /// A Q8_0 block's values as a GGUF file gives them: an f16 scale (the
 /// block's largest magnitude over 127) times integers.
 fn q8_0(m: &Matrix) -> Matrix {
-    let mut data = Vec::with_capacity(m.data.len());
-    for block in m.data.chunks_exact(32) {
+    let mut data = Vec::with_capacity(m.f32().len());
+    for block in m.f32().chunks_exact(32) {
         let largest = block.iter().fold(0.0f32, |a, v| a.max(v.abs()));
         let d = f16::from_f32(largest / 127.0).to_f32();
         data.extend(block.iter().map(|&v| match d > 0.0 {
@@ -45,7 +42,7 @@ fn q8_0(m: &Matrix) -> Matrix {
             false => 0.0,
         }));
     }
-    Matrix { data, ..m.clone() }
+    Matrix::new(m.rows, m.cols, data)
 }
 
 /// Sixteen prompt tokens and twelve greedy steps: logits within `bound` of

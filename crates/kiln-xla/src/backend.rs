@@ -4,192 +4,19 @@
 //! the chosen token, and feeds the device's own token and position tensors
 //! to the next step, so a step uploads nothing.
 
-use std::borrow::Cow;
 use std::collections::BTreeMap;
 
 use half::{bf16, f16};
-use kiln_core::weights::{Matrix, Weights};
 use kiln_core::{Backend, Model};
 use kiln_iree::{
     Device, DeviceTensor, Fence, Instance, Module, PendingRead, Reader, Tensor, World,
 };
 
 use crate::compiler::{Compiler, Target};
-use crate::graph::{GraphOptions, Precision, WeightLayout};
+use crate::graph::{GraphOptions, Precision};
 use crate::module_cache::{ModuleCache, Origin};
 use crate::plan::{self, APPEND_ROWS, Buckets, ModuleKind};
 use crate::prepared;
-use crate::q4::Q4Matrix;
-use crate::q8::Q8Matrix;
-
-/// The weight arguments, in [`crate::llama::weight_shapes`] order, at the graph's
-/// layout (precision is applied on upload). kiln-core holds matrices `[out,
-/// in]`; q/k/v and gate/up are stacked along the output dimension.
-fn weight_arguments<'w>(w: &'w Weights, graph: &GraphOptions) -> Vec<Cow<'w, [f32]>> {
-    let bytes = graph.precision.storage_bytes();
-    let layout = |m: Cow<'w, Matrix>| match graph.layout {
-        WeightLayout::InOut => Cow::Owned(pad_rows(
-            m.transposed(),
-            m.rows,
-            crate::graph::padded_row(m.rows, bytes),
-        )),
-        WeightLayout::OutIn => match m {
-            Cow::Borrowed(m) => Cow::Borrowed(m.data.as_slice()),
-            Cow::Owned(m) => Cow::Owned(m.data),
-        },
-    };
-    let matrix = |m: &'w Matrix| layout(Cow::Borrowed(m));
-    // A matrix after an RMSNorm, with the norm's weight folded into its
-    // input columns when the graph folds norm weights.
-    let after_norm = |m: Cow<'w, Matrix>, norm: &[f32]| {
-        layout(if graph.folds_norm_weights() {
-            Cow::Owned(scale_columns(m.into_owned(), norm))
-        } else {
-            m
-        })
-    };
-    let stacked = |ms: &[&Matrix]| Cow::Owned(stack_rows(ms));
-    let gate_up = |gate: &Matrix, up: &Matrix| match graph.pairs_mlp_rows {
-        true => Cow::Owned(pair_rows(gate, up)),
-        false => stacked(&[gate, up]),
-    };
-    let mut args = vec![Cow::Borrowed(w.embed.data.as_slice())];
-    for l in &w.layers {
-        args.extend([
-            Cow::Borrowed(l.attn_norm.as_slice()),
-            after_norm(stacked(&[&l.wq, &l.wk, &l.wv]), &l.attn_norm),
-        ]);
-        args.extend(l.qkv_bias.as_deref().map(Cow::Borrowed));
-        args.extend([
-            matrix(&l.wo),
-            Cow::Borrowed(l.mlp_norm.as_slice()),
-            after_norm(gate_up(&l.w_gate, &l.w_up), &l.mlp_norm),
-            matrix(&l.w_down),
-        ]);
-    }
-    args.push(Cow::Borrowed(w.final_norm.as_slice()));
-    args.push(after_norm(output_rows(w, graph), &w.final_norm));
-    args
-}
-
-/// The output projection with the rows the graph holds: a tensor-parallel
-/// rank's share of the vocabulary, the last rank's padded with zero rows
-/// to the others' count (their logits are dropped after the gather).
-fn output_rows<'w>(w: &'w Weights, graph: &GraphOptions) -> Cow<'w, Matrix> {
-    let (output, rows) = (w.output(), graph.output_rows(w.embed.rows));
-    if output.rows >= rows {
-        return Cow::Borrowed(output);
-    }
-    let mut data = output.data.clone();
-    data.resize(rows * output.cols, 0.0);
-    Cow::Owned(Matrix {
-        rows,
-        cols: output.cols,
-        data,
-    })
-}
-
-/// `a` and `b` (`[n, in]` each) as `[2n, in]` with their rows in pairs:
-/// row i of `a`, then row i of `b` ([`GraphOptions::pairs_mlp_rows`]).
-fn pair_rows(a: &Matrix, b: &Matrix) -> Matrix {
-    assert_eq!((a.rows, a.cols), (b.rows, b.cols), "pair_rows");
-    let data = a
-        .data
-        .chunks_exact(a.cols)
-        .zip(b.data.chunks_exact(b.cols))
-        .flat_map(|(ra, rb)| ra.iter().chain(rb).copied())
-        .collect();
-    Matrix {
-        rows: 2 * a.rows,
-        cols: a.cols,
-        data,
-    }
-}
-
-/// `[out, in]` `m` with input column i multiplied by `scale[i]`: `m ·
-/// diag(scale)`, an RMSNorm weight folded into the product after it.
-fn scale_columns(mut m: Matrix, scale: &[f32]) -> Matrix {
-    debug_assert_eq!(m.cols, scale.len());
-    for row in m.data.chunks_exact_mut(m.cols) {
-        for (w, s) in row.iter_mut().zip(scale) {
-            *w *= s;
-        }
-    }
-    m
-}
-
-/// Row-major rows of `width` elements, each followed by zeros up to
-/// `padded` (see [`crate::graph::padded_row`]).
-fn pad_rows(data: Vec<f32>, width: usize, padded: usize) -> Vec<f32> {
-    if padded == width {
-        return data;
-    }
-    let mut out = Vec::with_capacity(data.len() / width * padded);
-    for row in data.chunks_exact(width) {
-        out.extend_from_slice(row);
-        out.resize(out.len() + padded - width, 0.0);
-    }
-    out
-}
-
-/// `[out, in]` matrices of one input width stacked into one.
-fn stack_rows(ms: &[&Matrix]) -> Matrix {
-    Matrix {
-        rows: ms.iter().map(|m| m.rows).sum(),
-        cols: ms[0].cols,
-        data: ms.iter().flat_map(|m| m.data.iter().copied()).collect(),
-    }
-}
-
-/// The weight buffers the modules take (see `weight_params` in
-/// [`crate::llama`]): every weight argument concatenated in order and
-/// rounded to the graph's precision; at q4 and q8, that buffer in f16 with
-/// each quantized matrix's block scales (and q4's offsets) in its place,
-/// and a second buffer of the matrices' values (packed 4-bit, or 8-bit).
-fn packed_weights(model: &Model, graph: &GraphOptions) -> kiln_core::Result<Vec<Tensor>> {
-    let parts = weight_arguments(&model.weights, graph);
-    if !graph.precision.is_blocked() {
-        let total: usize = parts.iter().map(|p| p.len()).sum();
-        let values = parts.iter().flat_map(|p| p.iter().copied());
-        return Ok(vec![
-            stored(graph.precision, &[total as i64], values).map_err(to_core)?,
-        ]);
-    }
-    let invalid = |e: &dyn std::fmt::Display| {
-        kiln_core::Error::Invalid(format!("{} weights: {e}", graph.precision))
-    };
-    let shapes = crate::llama::weight_shapes(&model.config, graph);
-    let (mut dense, mut q4, mut q8) = (Vec::new(), Vec::new(), Vec::new());
-    for (i, (part, shape)) in parts.iter().zip(&shapes).enumerate() {
-        let shape = &crate::llama::stored_shape(i, shape, graph);
-        if !crate::llama::is_quantized(i, shape) {
-            dense.extend(part.iter().copied().map(f16::from_f32));
-            continue;
-        }
-        let m = Matrix {
-            rows: shape[0],
-            cols: shape[1],
-            data: part.to_vec(),
-        };
-        if graph.precision == Precision::Q4 {
-            let q = Q4Matrix::quantize(&m).map_err(|e| invalid(&e))?;
-            dense.extend(q.scales.iter().chain(&q.offsets));
-            q4.extend(q.quants);
-        } else {
-            let q = Q8Matrix::quantize(&m).map_err(|e| invalid(&e))?;
-            dense.extend(q.scales);
-            q8.extend(q.quants);
-        }
-    }
-    let values = match graph.precision {
-        Precision::Q4 => Tensor::i4_packed(&[2 * q4.len() as i64], q4),
-        _ => Tensor::i8(&[q8.len() as i64], q8),
-    };
-    Ok(vec![
-        Tensor::f16(&[dense.len() as i64], dense).map_err(to_core)?,
-        values.map_err(to_core)?,
-    ])
-}
 
 /// `values` as a tensor of `shape` at `precision`'s storage type.
 fn stored(
@@ -338,7 +165,7 @@ impl<'m> IreeBackend<'m> {
                 model.weights.output().rows
             )));
         }
-        let weights = packed_weights(model, &graph)?
+        let weights = crate::pack::packed_weights(model, &graph)?
             .into_iter()
             .map(|t| device.upload(&t).map_err(to_core))
             .collect::<kiln_core::Result<Vec<_>>>()?;

@@ -11,6 +11,7 @@ mod host_cpu;
 mod kernels;
 pub mod llama;
 mod module_cache;
+mod pack;
 mod plan;
 pub mod prepared;
 pub mod q4;

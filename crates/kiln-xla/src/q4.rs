@@ -9,10 +9,14 @@
 //! `crate::llama`), so a decode step reads the packed bytes, not f16.
 
 use half::f16;
+use kiln_core::gguf::GgmlType;
 use kiln_core::weights::{Matrix, Weights};
 
 /// Inputs per block: one scale and one offset each.
 pub const BLOCK: usize = 32;
+
+/// Bytes of a GGUF Q4_0 block: an f16 scale and 32 4-bit values.
+const Q4_0_BYTES: usize = 18;
 
 /// A matrix in 4-bit blocks, as the device takes it.
 #[derive(Clone, Debug, PartialEq)]
@@ -40,6 +44,42 @@ pub enum Q4Error {
 }
 
 impl Q4Matrix {
+    /// `m` in 4-bit blocks: a GGUF Q4_0 file's blocks as they are (`q = u −
+    /// 8`, the file's scale, no offset), any other values through
+    /// [`Q4Matrix::quantize`].
+    pub fn from_matrix(m: &Matrix) -> Result<Q4Matrix, Q4Error> {
+        let Some(bytes) = crate::pack::blocks_of(m, GgmlType::Q4_0) else {
+            return Q4Matrix::quantize(m);
+        };
+        let blocks = bytes.len() / Q4_0_BYTES;
+        let mut q = Q4Matrix {
+            rows: m.rows,
+            cols: m.cols,
+            quants: Vec::with_capacity(blocks * BLOCK / 2),
+            scales: Vec::with_capacity(blocks),
+            offsets: vec![f16::ZERO; blocks],
+        };
+        for block in bytes.chunks_exact(Q4_0_BYTES) {
+            let scale = f16::from_le_bytes([block[0], block[1]]);
+            if !scale.is_finite() {
+                let s = scale.to_f32();
+                return Err(Q4Error::Range { min: s, max: s });
+            }
+            // The file's element j is the low nibble of byte j, element
+            // j + 16 its high nibble, each u with w = d · (u − 8); kiln's
+            // element 2k is the low nibble of byte k, as u − 8 in two's
+            // complement, which is u xor 8.
+            let u = |j: usize| match j < 16 {
+                true => block[2 + j] & 0x0f,
+                false => block[2 + j - 16] >> 4,
+            };
+            q.quants
+                .extend((0..BLOCK / 2).map(|k| (u(2 * k) ^ 8) | ((u(2 * k + 1) ^ 8) << 4)));
+            q.scales.push(scale);
+        }
+        Ok(q)
+    }
+
     /// Quantizes `m` block by block. A block whose weights are already
     /// `scale · q`, an f16 scale and `q` in −8..=7 (a GGUF Q4_0 block,
     /// dequantized), is stored as exactly that: the file's own blocks, no
@@ -59,7 +99,7 @@ impl Q4Matrix {
             scales: Vec::with_capacity(blocks),
             offsets: Vec::with_capacity(blocks),
         };
-        for block in m.data.chunks_exact(BLOCK) {
+        for block in m.f32().chunks_exact(BLOCK) {
             // min and max pass over NaN: without this, a NaN weight would
             // become a level in range.
             if let Some(&w) = block.iter().find(|w| !w.is_finite()) {
@@ -115,11 +155,7 @@ impl Q4Matrix {
                 q * self.scales[block].to_f32() + self.offsets[block].to_f32()
             })
             .collect();
-        Matrix {
-            rows: self.rows,
-            cols: self.cols,
-            data,
-        }
+        Matrix::new(self.rows, self.cols, data)
     }
 }
 
@@ -174,13 +210,13 @@ pub(crate) mod row_check {
     /// among them).
     pub fn case(rows: usize, blocks: usize) -> (Q4Matrix, Vec<f32>) {
         let cols = blocks * BLOCK;
-        let m = Matrix {
+        let m = Matrix::new(
             rows,
             cols,
-            data: (0..rows * cols)
+            (0..rows * cols)
                 .map(|i| ((i * 7919 % 1000) as f32 / 500.0 - 1.0) * 0.05)
                 .collect(),
-        };
+        );
         let x = (0..cols)
             .map(|i| match i / BLOCK % 3 {
                 0 => ((i * 31 % 17) as f32 - 8.0) * 1e-4,
@@ -204,7 +240,7 @@ pub(crate) mod row_check {
             .map(|b| b.iter().fold(0.0f64, |a, v| a.max(v.abs() as f64)))
             .collect();
         let mut worst = 0.0f64;
-        for (n, (weights, &value)) in w.data.chunks(w.cols).zip(got).enumerate() {
+        for (n, (weights, &value)) in w.f32().chunks(w.cols).zip(got).enumerate() {
             let exact: f64 = weights
                 .iter()
                 .zip(x)
@@ -238,10 +274,8 @@ mod tests {
     /// Each block of `m` beside what `q`, its quantization, gives back.
     fn round_trip_blocks(m: &Matrix, q: &Q4Matrix) -> Vec<(usize, Vec<f32>, Vec<f32>)> {
         let back = q.dequantize();
-        let blocks = m
-            .data
-            .chunks_exact(BLOCK)
-            .zip(back.data.chunks_exact(BLOCK));
+        let (m, back) = (m.f32(), back.f32());
+        let blocks = m.chunks_exact(BLOCK).zip(back.chunks_exact(BLOCK));
         blocks
             .enumerate()
             .map(|(b, (orig, deq))| (b, orig.to_vec(), deq.to_vec()))

@@ -8,10 +8,14 @@
 //! `crate::llama`), so a decode step reads the 8-bit values, not f16.
 
 use half::f16;
+use kiln_core::gguf::GgmlType;
 use kiln_core::weights::{Matrix, Weights};
 
 /// Inputs per block, as in Q8_0.
 pub const BLOCK: usize = 32;
+
+/// Bytes of a GGUF Q8_0 block: an f16 scale and 32 signed bytes.
+const Q8_0_BYTES: usize = 34;
 
 /// The largest level: Q8_0's quantizer maps a block's largest magnitude to
 /// ±127 (−128 is left unused, so that the levels are symmetric).
@@ -41,6 +45,32 @@ pub enum Q8Error {
 }
 
 impl Q8Matrix {
+    /// `m` in 8-bit blocks: a GGUF Q8_0 file's blocks as they are, any
+    /// other values through [`Q8Matrix::quantize`].
+    pub fn from_matrix(m: &Matrix) -> Result<Q8Matrix, Q8Error> {
+        let Some(bytes) = crate::pack::blocks_of(m, GgmlType::Q8_0) else {
+            return Q8Matrix::quantize(m);
+        };
+        let blocks = bytes.len() / Q8_0_BYTES;
+        let mut q = Q8Matrix {
+            rows: m.rows,
+            cols: m.cols,
+            quants: Vec::with_capacity(blocks * BLOCK),
+            scales: Vec::with_capacity(blocks),
+        };
+        for block in bytes.chunks_exact(Q8_0_BYTES) {
+            let scale = f16::from_le_bytes([block[0], block[1]]);
+            if !scale.is_finite() {
+                return Err(Q8Error::Range {
+                    weight: scale.to_f32(),
+                });
+            }
+            q.quants.extend(block[2..].iter().map(|&b| b as i8));
+            q.scales.push(scale);
+        }
+        Ok(q)
+    }
+
     /// Quantizes `m` block by block. A block whose weights are already
     /// `scale · q`, an f16 scale and `q` in −128..=127 with the largest
     /// magnitude at 127 or 128 steps (a GGUF Q8_0 block, dequantized), is
@@ -58,7 +88,7 @@ impl Q8Matrix {
             quants: Vec::with_capacity(m.rows * m.cols),
             scales: Vec::with_capacity(m.rows * m.cols / BLOCK),
         };
-        for block in m.data.chunks_exact(BLOCK) {
+        for block in m.f32().chunks_exact(BLOCK) {
             if let Some(&weight) = block.iter().find(|w| !w.is_finite()) {
                 return Err(Q8Error::Range { weight });
             }
@@ -95,11 +125,7 @@ impl Q8Matrix {
             .zip(&self.scales)
             .flat_map(|(block, scale)| block.iter().map(move |&q| f32::from(q) * scale.to_f32()))
             .collect();
-        Matrix {
-            rows: self.rows,
-            cols: self.cols,
-            data,
-        }
+        Matrix::new(self.rows, self.cols, data)
     }
 }
 
@@ -141,7 +167,7 @@ mod tests {
         let original = Matrix::from_fn(4, 96, |i| ((i * 7919 % 1000) as f32 / 300.0 - 1.6) * 0.03);
         let mut file_values = Vec::new();
         let mut file_blocks = Vec::new();
-        for block in original.data.chunks_exact(BLOCK) {
+        for block in original.f32().chunks_exact(BLOCK) {
             let largest = block.iter().fold(0.0f32, |a, w| a.max(w.abs()));
             let d = largest / 127.0;
             let levels: Vec<i8> = block.iter().map(|&w| (w / d).round() as i8).collect();
@@ -149,10 +175,7 @@ mod tests {
             file_values.extend(levels.iter().map(|&q| f32::from(q) * stored.to_f32()));
             file_blocks.push((stored, levels));
         }
-        let file = Matrix {
-            data: file_values,
-            ..original
-        };
+        let file = Matrix::new(original.rows, original.cols, file_values);
         let q = Q8Matrix::quantize(&file).unwrap();
         for (b, (scale, levels)) in file_blocks.iter().enumerate() {
             assert_eq!(q.scales[b], *scale, "block {b}'s scale");
@@ -182,9 +205,9 @@ mod tests {
         let q = Q8Matrix::quantize(&m).unwrap();
         let back = q.dequantize();
         for (b, (orig, deq)) in m
-            .data
+            .f32()
             .chunks_exact(BLOCK)
-            .zip(back.data.chunks_exact(BLOCK))
+            .zip(back.f32().chunks_exact(BLOCK))
             .enumerate()
         {
             let step = q.scales[b].to_f32();

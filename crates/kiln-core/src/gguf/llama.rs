@@ -1,15 +1,17 @@
 //! A GGUF `llama` or `qwen2` model: `<architecture>.*` metadata to
-//! [`ModelConfig`], tensors to [`Weights`] (dequantized to f32), and the
-//! tokenizer from the metadata.
+//! [`ModelConfig`], tensors to [`Weights`] (each matrix as the file stores
+//! it, norms in f32), and the tokenizer from the metadata.
 
 use std::path::Path;
+
+use half::{bf16, f16};
 
 use super::{GgmlType, GgufFile, TensorInfo, tokenizer_from_gguf};
 use crate::config::{Family, ModelConfig, RopeScaling};
 use crate::error::Result;
 use crate::model::Model;
 use crate::tokenizer::Tokenizer;
-use crate::weights::{LayerWeights, Matrix, Stored, Weights};
+use crate::weights::{LayerWeights, Matrix, Stored, Values, Weights};
 
 /// Loads a GGUF Llama (or Mistral) or Qwen2 model: configuration, weights
 /// and tokenizer.
@@ -182,8 +184,9 @@ pub fn model_config(file: &GgufFile) -> Result<ModelConfig> {
     Ok(config)
 }
 
-/// A tensor of the expected GGUF dims (fastest first), dequantized.
-fn take(file: &GgufFile, name: &str, dims: &[usize]) -> Result<Vec<f32>> {
+/// Tensor `name`'s info, checked to have the expected GGUF dims (fastest
+/// first).
+fn info<'f>(file: &'f GgufFile, name: &str, dims: &[usize]) -> Result<&'f TensorInfo> {
     let info: &TensorInfo = file
         .tensor(name)
         .ok_or_else(|| file.error(format!("tensor {name} is missing")))?;
@@ -193,36 +196,54 @@ fn take(file: &GgufFile, name: &str, dims: &[usize]) -> Result<Vec<f32>> {
             info.dims
         )));
     }
-    file.tensor_f32(info)
+    Ok(info)
 }
 
-/// A `[rows, cols]` matrix: GGUF dims `[cols, rows]`.
+/// A tensor of the expected GGUF dims, dequantized.
+fn take(file: &GgufFile, name: &str, dims: &[usize]) -> Result<Vec<f32>> {
+    file.tensor_f32(info(file, name, dims)?)
+}
+
+/// A `[rows, cols]` matrix (GGUF dims `[cols, rows]`) with the values the
+/// file stores: f32, f16 and bf16 as such, blocks as their bytes.
 fn matrix(file: &GgufFile, name: &str, rows: usize, cols: usize) -> Result<Matrix> {
-    Ok(Matrix {
-        rows,
-        cols,
-        data: take(file, name, &[cols, rows])?,
-    })
+    let info = info(file, name, &[cols, rows])?;
+    let bytes = file.tensor_bytes(info);
+    let values = match info.ty {
+        GgmlType::F32 => Values::F32(file.tensor_f32(info)?),
+        GgmlType::F16 => Values::F16(
+            bytes
+                .chunks_exact(2)
+                .map(|b| f16::from_le_bytes([b[0], b[1]]))
+                .collect(),
+        ),
+        GgmlType::BF16 => Values::Bf16(
+            bytes
+                .chunks_exact(2)
+                .map(|b| bf16::from_le_bytes([b[0], b[1]]))
+                .collect(),
+        ),
+        ty => Values::Blocks {
+            ty,
+            bytes: bytes.to_vec(),
+        },
+    };
+    Matrix::stored(rows, cols, values)
+        .map_err(|message| file.error(format!("tensor {name}: {message}")))
 }
 
 /// Undoes the row permutation llama.cpp's converter applies to q and k
 /// projections, so that RoPE pairs `(i, i + head_dim/2)` as Hugging Face
 /// does: within each head, GGUF row `2i + j` is Hugging Face row
-/// `j * head_dim/2 + i`.
-pub fn unpermute_rows(m: &mut Matrix, heads: usize) {
+/// `j * head_dim/2 + i`. Whole rows move, so the values stay as stored.
+pub fn unpermute_rows(m: &Matrix, heads: usize) -> Matrix {
     let head_dim = m.rows / heads;
     let half = head_dim / 2;
-    let mut out = vec![0f32; m.data.len()];
-    for h in 0..heads {
-        for i in 0..half {
-            for j in 0..2 {
-                let from = (h * head_dim + 2 * i + j) * m.cols;
-                let to = (h * head_dim + j * half + i) * m.cols;
-                out[to..to + m.cols].copy_from_slice(&m.data[from..from + m.cols]);
-            }
-        }
-    }
-    m.data = out;
+    m.reorder_rows((0..m.rows).map(|row| {
+        let (h, r) = (row / head_dim, row % head_dim);
+        let (j, i) = (r / half, r % half);
+        h * head_dim + 2 * i + j
+    }))
 }
 
 /// How a file of `layers` layers stores its layers' matrices (read from
@@ -264,8 +285,8 @@ fn weights(file: &GgufFile, c: &ModelConfig) -> Result<Weights> {
         // Qwen2's it stores as Hugging Face does (llama.cpp rotates those
         // in the half-split "neox" order).
         if c.family == Family::Llama {
-            unpermute_rows(&mut wq, c.num_heads);
-            unpermute_rows(&mut wk, c.num_kv_heads);
+            wq = unpermute_rows(&wq, c.num_heads);
+            wk = unpermute_rows(&wk, c.num_kv_heads);
         }
         let qkv_bias = match c.qkv_bias {
             true => Some(
@@ -322,12 +343,7 @@ mod tests {
                 }
             }
         }
-        let mut m = Matrix {
-            rows: heads * head_dim,
-            cols,
-            data: gguf,
-        };
-        unpermute_rows(&mut m, heads);
-        assert_eq!(m.data, hf);
+        let m = Matrix::new(heads * head_dim, cols, gguf);
+        assert_eq!(unpermute_rows(&m, heads).f32(), hf);
     }
 }

@@ -17,7 +17,7 @@ use std::path::{Path, PathBuf};
 use crate::error::{Error, Result};
 
 pub use dequant::{GgmlType, dequantize};
-pub use llama::{load_model, model_config, stored_kind};
+pub use llama::{load_model, model_config, stored_kind, unpermute_rows};
 pub use tokenizer::tokenizer_from_gguf;
 
 /// A metadata value, as GGUF types it.
