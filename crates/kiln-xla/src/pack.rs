@@ -22,7 +22,72 @@ use crate::q8::Q8Matrix;
 enum Part<'w> {
     /// A norm's weight or a bias.
     Vector(&'w [f32]),
-    Matrix(Cow<'w, Matrix>),
+    Matrix(Rows<'w>),
+}
+
+/// A matrix argument's rows, read from the model's matrices where they are:
+/// q/k/v stacked and gate/up paired are not first copied into one matrix
+/// (for an 8B model that was 9 GB of short-lived copies, most of the time
+/// spent packing its Q4_0 file).
+struct Rows<'w> {
+    parts: Vec<Cow<'w, Matrix>>,
+    /// Row k of the argument is row `order[k].1` of `parts[order[k].0]`.
+    order: Vec<(usize, usize)>,
+}
+
+impl<'w> Rows<'w> {
+    fn one(m: Cow<'w, Matrix>) -> Rows<'w> {
+        let order = (0..m.rows).map(|r| (0, r)).collect();
+        Rows {
+            parts: vec![m],
+            order,
+        }
+    }
+
+    /// `[out, in]` matrices of one input width stacked into one.
+    fn stacked(ms: &[&'w Matrix]) -> Rows<'w> {
+        let order = (ms.iter().enumerate())
+            .flat_map(|(p, m)| (0..m.rows).map(move |r| (p, r)))
+            .collect();
+        Rows {
+            parts: ms.iter().map(|&m| Cow::Borrowed(m)).collect(),
+            order,
+        }
+    }
+
+    /// `a` and `b` (`[n, in]` each) as `[2n, in]` with their rows in pairs:
+    /// row i of `a`, then row i of `b` ([`GraphOptions::pairs_mlp_rows`]).
+    fn paired(a: &'w Matrix, b: &'w Matrix) -> Rows<'w> {
+        assert_eq!((a.rows, a.cols), (b.rows, b.cols), "paired rows");
+        Rows {
+            parts: vec![Cow::Borrowed(a), Cow::Borrowed(b)],
+            order: (0..a.rows).flat_map(|r| [(0, r), (1, r)]).collect(),
+        }
+    }
+
+    fn cols(&self) -> usize {
+        self.parts[0].cols
+    }
+
+    /// The rows as one matrix.
+    fn join(&self) -> Matrix {
+        let parts: Vec<&Matrix> = self.parts.iter().map(|m| &**m).collect();
+        Matrix::join_rows(&parts, self.order.iter().copied())
+    }
+
+    /// Each row's bytes, where every part holds GGUF blocks of `ty`.
+    fn blocks(&self, ty: GgmlType) -> Option<Vec<&[u8]>> {
+        let parts = (self.parts.iter())
+            .map(|m| blocks_of(m, ty))
+            .collect::<Option<Vec<_>>>()?;
+        let (block, block_bytes) = ty.block();
+        let width = self.cols() / block * block_bytes;
+        Some(
+            (self.order.iter())
+                .map(|&(p, r)| &parts[p][r * width..(r + 1) * width])
+                .collect(),
+        )
+    }
 }
 
 /// The weight arguments in [`crate::llama::weight_shapes`] order, each made
@@ -34,34 +99,36 @@ fn weight_parts<'w>(
 ) -> impl Iterator<Item = Part<'w>> + 'w {
     // A matrix after an RMSNorm, with the norm's weight folded into its
     // input columns when the graph folds norm weights.
-    let after_norm = move |m: Cow<'w, Matrix>, norm: &[f32]| match graph.folds_norm_weights() {
-        true => Part::Matrix(Cow::Owned(scale_columns(&m, norm))),
-        false => Part::Matrix(m),
+    let after_norm = move |rows: Rows<'w>, norm: &[f32]| match graph.folds_norm_weights() {
+        true => Part::Matrix(Rows::one(Cow::Owned(scale_columns(&rows.join(), norm)))),
+        false => Part::Matrix(rows),
     };
     let layers = w.layers.iter().flat_map(move |l| {
         let qkv = std::iter::once_with(move || {
-            let parts = [&l.wq, &l.wk, &l.wv];
-            after_norm(Cow::Owned(stack_rows(&parts)), &l.attn_norm)
+            after_norm(Rows::stacked(&[&l.wq, &l.wk, &l.wv]), &l.attn_norm)
         });
         let gate_up = std::iter::once_with(move || {
-            let joined = match graph.pairs_mlp_rows {
-                true => pair_rows(&l.w_gate, &l.w_up),
-                false => stack_rows(&[&l.w_gate, &l.w_up]),
+            let rows = match graph.pairs_mlp_rows {
+                true => Rows::paired(&l.w_gate, &l.w_up),
+                false => Rows::stacked(&[&l.w_gate, &l.w_up]),
             };
-            after_norm(Cow::Owned(joined), &l.mlp_norm)
+            after_norm(rows, &l.mlp_norm)
         });
         std::iter::once(Part::Vector(&l.attn_norm))
             .chain(qkv)
             .chain(l.qkv_bias.as_deref().map(Part::Vector))
             .chain([
-                Part::Matrix(Cow::Borrowed(&l.wo)),
+                Part::Matrix(Rows::one(Cow::Borrowed(&l.wo))),
                 Part::Vector(&l.mlp_norm),
             ])
             .chain(gate_up)
-            .chain(std::iter::once(Part::Matrix(Cow::Borrowed(&l.w_down))))
+            .chain(std::iter::once_with(|| {
+                Part::Matrix(Rows::one(Cow::Borrowed(&l.w_down)))
+            }))
     });
-    let output = std::iter::once_with(move || after_norm(output_rows(w, graph), &w.final_norm));
-    std::iter::once(Part::Matrix(Cow::Borrowed(&w.embed)))
+    let output =
+        std::iter::once_with(move || after_norm(Rows::one(output_rows(w, graph)), &w.final_norm));
+    std::iter::once(Part::Matrix(Rows::one(Cow::Borrowed(&w.embed))))
         .chain(layers)
         .chain(std::iter::once(Part::Vector(&w.final_norm)))
         .chain(output)
@@ -78,22 +145,6 @@ fn output_rows<'w>(w: &'w Weights, graph: &GraphOptions) -> Cow<'w, Matrix> {
     let mut data = output.f32().into_owned();
     data.resize(rows * output.cols, 0.0);
     Cow::Owned(Matrix::new(rows, output.cols, data))
-}
-
-/// `a` and `b` (`[n, in]` each) as `[2n, in]` with their rows in pairs:
-/// row i of `a`, then row i of `b` ([`GraphOptions::pairs_mlp_rows`]).
-fn pair_rows(a: &Matrix, b: &Matrix) -> Matrix {
-    assert_eq!((a.rows, a.cols), (b.rows, b.cols), "pair_rows");
-    Matrix::join_rows(&[a, b], (0..a.rows).flat_map(|r| [(0, r), (1, r)]))
-}
-
-/// `[out, in]` matrices of one input width stacked into one.
-fn stack_rows(ms: &[&Matrix]) -> Matrix {
-    let order = ms
-        .iter()
-        .enumerate()
-        .flat_map(|(p, m)| (0..m.rows).map(move |r| (p, r)));
-    Matrix::join_rows(ms, order)
 }
 
 /// `[out, in]` `m` with input column i multiplied by `scale[i]`: `m ·
@@ -155,20 +206,19 @@ impl Dense {
         }
     }
 
-    /// `m`'s values at `[out, in]`, from its own where they need no
+    /// The rows' values at `[out, in]`, from their own where they need no
     /// widening.
-    fn extend_matrix(&mut self, m: &Matrix) {
-        match (m.values(), &mut *self) {
-            (Values::F16(v), _) => self.extend_f16(v),
-            (Values::Bf16(v), Dense::Bf16(out)) => out.extend_from_slice(v),
-            _ => self.extend_f32(&m.f32()),
-        }
-    }
-
-    fn extend_f16_values(&mut self, values: impl IntoIterator<Item = f16>) {
-        match self {
-            Dense::F16(v) => v.extend(values),
-            _ => unreachable!("blocks' scales go to an f16 buffer"),
+    fn extend_rows(&mut self, rows: &Rows) {
+        let cols = rows.cols();
+        for &(p, r) in &rows.order {
+            let m = &rows.parts[p];
+            let at = r * cols..(r + 1) * cols;
+            match (m.values(), &mut *self) {
+                (Values::F32(v), _) => self.extend_f32(&v[at]),
+                (Values::F16(v), _) => self.extend_f16(&v[at]),
+                (Values::Bf16(v), Dense::Bf16(out)) => out.extend_from_slice(&v[at]),
+                _ => self.extend_f32(&m.rows_f32(r..r + 1)),
+            }
         }
     }
 
@@ -223,37 +273,73 @@ pub(crate) fn packed_weights(
             false => s.iter().product(),
         })
         .sum();
+    let quantized_len: usize = (stored.iter().enumerate())
+        .filter(|&(i, _)| quantized(i))
+        .map(|(_, s)| s.iter().product::<usize>())
+        .sum();
+    // Each buffer at its full size from the start: grown as it filled, an
+    // 8B model's spent most of its packing in copies and page faults.
     let mut dense = Dense::with_capacity(graph.precision, dense_len);
-    let (mut q4, mut q8) = (Vec::new(), Vec::new());
+    let (mut q4, mut q8) = match graph.precision {
+        Precision::Q4 => (Vec::with_capacity(quantized_len / 2), Vec::new()),
+        Precision::Q8 => (Vec::new(), Vec::with_capacity(quantized_len)),
+        _ => (Vec::new(), Vec::new()),
+    };
     for (i, part) in weight_parts(&model.weights, graph).enumerate() {
-        let m = match part {
+        let rows = match part {
             Part::Vector(v) => {
                 dense.extend_f32(v);
                 continue;
             }
-            Part::Matrix(m) => m,
+            Part::Matrix(rows) => rows,
         };
         // `[in, out]` matrices (all but the embedding) transposed, their
         // rows padded.
-        let m = match (i > 0, graph.layout) {
+        let rows = match (i > 0, graph.layout) {
             (true, WeightLayout::InOut) => {
+                let m = rows.join();
                 let data = pad_rows(m.transposed(), m.rows, stored[i][1]);
-                Cow::Owned(Matrix::new(stored[i][0], stored[i][1], data))
+                Rows::one(Cow::Owned(Matrix::new(stored[i][0], stored[i][1], data)))
             }
-            _ => m,
+            _ => rows,
         };
         if !quantized(i) {
-            dense.extend_matrix(&m);
+            dense.extend_rows(&rows);
             continue;
         }
-        if graph.precision == Precision::Q4 {
-            let q = Q4Matrix::from_matrix(&m).map_err(|e| invalid(&e))?;
-            dense.extend_f16_values(q.scales.iter().chain(&q.offsets).copied());
-            q4.extend(q.quants);
-        } else {
-            let q = Q8Matrix::from_matrix(&m).map_err(|e| invalid(&e))?;
-            dense.extend_f16_values(q.scales);
-            q8.extend(q.quants);
+        let Dense::F16(scales) = &mut dense else {
+            unreachable!("blocks' scales go to an f16 buffer")
+        };
+        match (
+            graph.precision,
+            rows.blocks(GgmlType::Q4_0),
+            rows.blocks(GgmlType::Q8_0),
+        ) {
+            // A file's blocks of the graph's kind, row by row into the
+            // buffers.
+            (Precision::Q4, Some(blocks), _) => {
+                let before = scales.len();
+                for row in blocks {
+                    crate::q4::append_q4_0(row, &mut q4, scales).map_err(|e| invalid(&e))?;
+                }
+                let offsets = scales.len() - before;
+                scales.extend(std::iter::repeat_n(f16::ZERO, offsets));
+            }
+            (Precision::Q8, _, Some(blocks)) => {
+                for row in blocks {
+                    crate::q8::append_q8_0(row, &mut q8, scales).map_err(|e| invalid(&e))?;
+                }
+            }
+            (Precision::Q4, ..) => {
+                let q = Q4Matrix::from_matrix(&rows.join()).map_err(|e| invalid(&e))?;
+                scales.extend(q.scales.iter().chain(&q.offsets));
+                q4.extend(q.quants);
+            }
+            _ => {
+                let q = Q8Matrix::from_matrix(&rows.join()).map_err(|e| invalid(&e))?;
+                scales.extend(q.scales);
+                q8.extend(q.quants);
+            }
         }
     }
     let mut tensors = vec![dense.into_tensor().map_err(to_core)?];

@@ -31,6 +31,33 @@ pub struct Q4Matrix {
     pub offsets: Vec<f16>,
 }
 
+/// GGUF Q4_0 blocks (`bytes`, whole blocks) as kiln's: their values
+/// appended to `quants`, their scales to `scales`; their offsets are 0.
+pub fn append_q4_0(
+    bytes: &[u8],
+    quants: &mut Vec<u8>,
+    scales: &mut Vec<f16>,
+) -> Result<(), Q4Error> {
+    for block in bytes.chunks_exact(Q4_0_BYTES) {
+        let scale = f16::from_le_bytes([block[0], block[1]]);
+        if !scale.is_finite() {
+            let s = scale.to_f32();
+            return Err(Q4Error::Range { min: s, max: s });
+        }
+        // The file's element j is the low nibble of byte j, element j + 16
+        // its high nibble, each u with w = d · (u − 8); kiln's element 2k
+        // is the low nibble of byte k, as u − 8 in two's complement, which
+        // is u xor 8.
+        // Byte k < 8 of kiln's takes the low nibbles of the file's bytes 2k
+        // and 2k + 1, byte 8 + k their high nibbles.
+        let pairs = || block[2..18].chunks_exact(2);
+        quants.extend(pairs().map(|p| ((p[0] & 0x0f) | (p[1] << 4)) ^ 0x88));
+        quants.extend(pairs().map(|p| ((p[0] >> 4) | (p[1] & 0xf0)) ^ 0x88));
+        scales.push(scale);
+    }
+    Ok(())
+}
+
 /// Why a matrix cannot be stored in 4 bits.
 #[derive(Debug, thiserror::Error, PartialEq)]
 pub enum Q4Error {
@@ -59,24 +86,7 @@ impl Q4Matrix {
             scales: Vec::with_capacity(blocks),
             offsets: vec![f16::ZERO; blocks],
         };
-        for block in bytes.chunks_exact(Q4_0_BYTES) {
-            let scale = f16::from_le_bytes([block[0], block[1]]);
-            if !scale.is_finite() {
-                let s = scale.to_f32();
-                return Err(Q4Error::Range { min: s, max: s });
-            }
-            // The file's element j is the low nibble of byte j, element
-            // j + 16 its high nibble, each u with w = d · (u − 8); kiln's
-            // element 2k is the low nibble of byte k, as u − 8 in two's
-            // complement, which is u xor 8.
-            let u = |j: usize| match j < 16 {
-                true => block[2 + j] & 0x0f,
-                false => block[2 + j - 16] >> 4,
-            };
-            q.quants
-                .extend((0..BLOCK / 2).map(|k| (u(2 * k) ^ 8) | ((u(2 * k + 1) ^ 8) << 4)));
-            q.scales.push(scale);
-        }
+        append_q4_0(bytes, &mut q.quants, &mut q.scales)?;
         Ok(q)
     }
 

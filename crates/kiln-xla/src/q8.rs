@@ -32,6 +32,26 @@ pub struct Q8Matrix {
     pub scales: Vec<f16>,
 }
 
+/// GGUF Q8_0 blocks (`bytes`, whole blocks) as kiln's: their values
+/// appended to `quants`, their scales to `scales`.
+pub fn append_q8_0(
+    bytes: &[u8],
+    quants: &mut Vec<i8>,
+    scales: &mut Vec<f16>,
+) -> Result<(), Q8Error> {
+    for block in bytes.chunks_exact(Q8_0_BYTES) {
+        let scale = f16::from_le_bytes([block[0], block[1]]);
+        if !scale.is_finite() {
+            return Err(Q8Error::Range {
+                weight: scale.to_f32(),
+            });
+        }
+        quants.extend(block[2..].iter().map(|&b| b as i8));
+        scales.push(scale);
+    }
+    Ok(())
+}
+
 /// Why a matrix cannot be stored in 8 bits.
 #[derive(Debug, thiserror::Error, PartialEq)]
 pub enum Q8Error {
@@ -58,16 +78,7 @@ impl Q8Matrix {
             quants: Vec::with_capacity(blocks * BLOCK),
             scales: Vec::with_capacity(blocks),
         };
-        for block in bytes.chunks_exact(Q8_0_BYTES) {
-            let scale = f16::from_le_bytes([block[0], block[1]]);
-            if !scale.is_finite() {
-                return Err(Q8Error::Range {
-                    weight: scale.to_f32(),
-                });
-            }
-            q.quants.extend(block[2..].iter().map(|&b| b as i8));
-            q.scales.push(scale);
-        }
+        append_q8_0(bytes, &mut q.quants, &mut q.scales)?;
         Ok(q)
     }
 
