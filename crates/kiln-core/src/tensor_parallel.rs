@@ -177,17 +177,9 @@ fn rows(m: &Matrix, range: Range<usize>) -> Matrix {
     m.reorder_rows(range)
 }
 
-/// The columns `range` of `m`.
+/// The columns `range` of `m`, as stored where they can be cut so.
 fn columns(m: &Matrix, range: Range<usize>) -> Matrix {
-    let cols = range.len();
-    let data = m.f32();
-    Matrix::new(
-        m.rows,
-        cols,
-        data.chunks_exact(m.cols)
-            .flat_map(|row| row[range.clone()].iter().copied())
-            .collect(),
-    )
+    m.columns(range)
 }
 
 #[cfg(test)]

@@ -252,6 +252,39 @@ impl Matrix {
         Matrix { rows, cols, values }
     }
 
+    /// The columns `range` of every row, as stored where whole blocks (or
+    /// rows of f32, f16, bf16) can be cut there; else widened to f32.
+    pub fn columns(&self, range: Range<usize>) -> Matrix {
+        fn cut<T: Copy>(v: &[T], cols: usize, at: &Range<usize>) -> Vec<T> {
+            v.chunks_exact(cols.max(1))
+                .flat_map(|row| row[at.clone()].iter().copied())
+                .collect()
+        }
+        let (cols, width) = (self.cols, range.len());
+        let values = match &self.values {
+            Values::F32(v) => Values::F32(cut(v, cols, &range)),
+            Values::F16(v) => Values::F16(cut(v, cols, &range)),
+            Values::Bf16(v) => Values::Bf16(cut(v, cols, &range)),
+            Values::Blocks { ty, bytes }
+                if range.start.is_multiple_of(ty.block().0)
+                    && width.is_multiple_of(ty.block().0) =>
+            {
+                let (block, block_bytes) = ty.block();
+                let at = range.start / block * block_bytes..range.end / block * block_bytes;
+                Values::Blocks {
+                    ty: *ty,
+                    bytes: cut(bytes, cols / block * block_bytes, &at),
+                }
+            }
+            Values::Blocks { .. } => Values::F32(cut(&self.f32(), cols, &range)),
+        };
+        Matrix {
+            rows: self.rows,
+            cols: width,
+            values,
+        }
+    }
+
     /// Bytes of its values in memory.
     pub fn bytes(&self) -> usize {
         match &self.values {
@@ -675,4 +708,69 @@ fn from_table(mut t: TensorTable, c: &ModelConfig) -> Result<Weights> {
         lm_head,
         stored: Stored::of_all(t.matrix_dtypes),
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::testing::as_stored;
+
+    fn ramp(rows: usize, cols: usize, step: f32) -> Matrix {
+        Matrix::from_fn(rows, cols, |i| ((i * 37 % 23) as f32 - 11.0) * step)
+    }
+
+    /// A matrix's rows joined, reordered or cut into columns keep the values
+    /// as stored and give what the same cut of its f32 values gives.
+    #[test]
+    fn cuts_of_stored_values_stay_stored_and_widen_alike() {
+        for ty in [GgmlType::Q4_0, GgmlType::Q8_0, GgmlType::F16] {
+            let (a, b) = (
+                as_stored(&ramp(3, 96, 0.01), ty),
+                as_stored(&ramp(2, 96, 0.03), ty),
+            );
+            let (wa, wb) = (a.widened(), b.widened());
+            let order = [(1, 0), (0, 2), (1, 1), (0, 0)];
+            let joined = Matrix::join_rows(&[&a, &b], order.into_iter());
+            assert_eq!(joined.values().stored(), a.values().stored(), "{ty:?}");
+            assert_eq!(
+                joined.f32(),
+                Matrix::join_rows(&[&wa, &wb], order.into_iter()).f32(),
+                "{ty:?}"
+            );
+            assert_eq!((joined.rows, joined.cols), (4, 96));
+            assert_eq!(joined.row(1), wa.row(2), "{ty:?}");
+            let cut = a.columns(32..96);
+            assert_eq!(cut.values().stored(), a.values().stored(), "{ty:?}");
+            assert_eq!(cut.f32(), wa.columns(32..96).f32(), "{ty:?}");
+            // Columns inside a block are widened.
+            let inside = a.columns(8..40);
+            assert_eq!(inside.f32(), wa.columns(8..40).f32(), "{ty:?}");
+            assert_eq!(inside.is_f32(), ty != GgmlType::F16, "{ty:?}");
+        }
+        // Parts stored alike no more are widened together.
+        let (a, b) = (
+            as_stored(&ramp(1, 64, 0.01), GgmlType::Q4_0),
+            ramp(1, 64, 0.02),
+        );
+        let joined = Matrix::join_rows(&[&a, &b], [(0, 0), (1, 0)].into_iter());
+        assert!(joined.is_f32());
+        assert_eq!(joined.row(0), a.f32());
+        assert_eq!(joined.row(1), b.f32());
+    }
+
+    #[test]
+    fn values_that_do_not_fill_the_shape_are_refused() {
+        let blocks = as_stored(&ramp(2, 64, 0.01), GgmlType::Q8_0)
+            .values()
+            .clone();
+        assert!(Matrix::stored(2, 64, blocks.clone()).is_ok());
+        assert!(Matrix::stored(3, 64, blocks.clone()).is_err());
+        // The same 128 values as 4 rows of one block, but not as rows of 16.
+        assert!(Matrix::stored(4, 32, blocks.clone()).is_ok());
+        assert!(
+            Matrix::stored(8, 16, blocks)
+                .unwrap_err()
+                .contains("whole Q8_0 blocks")
+        );
+    }
 }
