@@ -522,17 +522,22 @@ fn a_qwen2_file_missing_a_bias_names_it() {
 /// A one-layer Llama 32 wide whose every matrix is Q8_0, as llama.cpp's
 /// `llama-quantize ... Q8_0` writes one, over [`tiny_llama`]'s vocabulary.
 fn q8_0_llama() -> Writer {
+    q8_0_llama_with_norm(1.0)
+}
+
+/// [`q8_0_llama`] whose first norm weight is `first`.
+fn q8_0_llama_with_norm(first: f32) -> Writer {
     let (h, ffn) = (32u64, 64u64);
     tiny_llama_shaped(
         "smollm",
         &[],
         |_| {},
         (h, ffn),
-        |w, vocab| q8_0_tensors(w, h, ffn, vocab),
+        |w, vocab| q8_0_tensors(w, h, ffn, vocab, first),
     )
 }
 
-fn q8_0_tensors(w: &mut Writer, h: u64, ffn: u64, vocab: u64) {
+fn q8_0_tensors(w: &mut Writer, h: u64, ffn: u64, vocab: u64, first_norm: f32) {
     let ramp = |n: u64| {
         (0..n)
             .map(|i| ((i * 37 % 19) as f32 - 9.0) * 0.02)
@@ -540,7 +545,9 @@ fn q8_0_tensors(w: &mut Writer, h: u64, ffn: u64, vocab: u64) {
     };
     let (q, kv) = (h, h / 2);
     w.tensor_q8_0("token_embd.weight", &[h, vocab], &ramp(h * vocab));
-    w.tensor("blk.0.attn_norm.weight", &[h], &[1.0; 32]);
+    let mut norm = [1.0; 32];
+    norm[0] = first_norm;
+    w.tensor("blk.0.attn_norm.weight", &[h], &norm);
     for (name, rows, cols) in [
         ("attn_q", q, h),
         ("attn_k", kv, h),
@@ -611,6 +618,27 @@ fn a_q8_0_files_matrices_are_held_as_its_blocks() {
     let logits =
         kiln_core::Backend::prefill(&mut kiln_core::CpuBackend::new(&model), &ids).unwrap();
     assert!(logits.iter().all(|v| v.is_finite()));
+}
+
+/// A NaN or infinite weight makes every logit NaN, which greedy decoding
+/// would read as token 0: a GGUF file that holds one is refused, naming the
+/// tensor, as a safetensors checkpoint is.
+#[test]
+fn a_gguf_files_non_finite_weights_are_named() {
+    for bad in [f32::NAN, f32::INFINITY] {
+        let message = Model::load(&write(
+            tempfile::tempdir().unwrap().path(),
+            "bad.gguf",
+            &q8_0_llama_with_norm(bad).bytes(),
+        ))
+        .err()
+        .map(|e| e.to_string());
+        let message = message.expect("a file with a non-finite weight loads");
+        assert!(
+            message.contains("tensor blk.0.attn_norm.weight holds") && message.contains("corrupt"),
+            "{message}"
+        );
+    }
 }
 
 /// A Q8_0 tensor as llama.cpp writes it, read by kiln's GGUF loader and

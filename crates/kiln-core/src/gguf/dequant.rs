@@ -79,6 +79,39 @@ impl GgmlType {
     }
 }
 
+impl GgmlType {
+    /// Where each block keeps its f16 scales (and minimums): every other
+    /// field of a block is an integer, so a block's values are all finite
+    /// exactly when these are.
+    pub fn scale_fields(self) -> &'static [usize] {
+        match self {
+            GgmlType::F32 | GgmlType::F16 | GgmlType::BF16 => &[],
+            GgmlType::Q4_0 | GgmlType::Q5_0 | GgmlType::Q8_0 => &[0],
+            GgmlType::Q4_1 | GgmlType::Q5_1 | GgmlType::Q4K | GgmlType::Q5K => &[0, 2],
+            GgmlType::Q6K => &[208],
+        }
+    }
+}
+
+/// The first block of `ty` in `bytes` (whole blocks) whose scale or minimum
+/// is not finite, with that value.
+pub fn non_finite_block(ty: GgmlType, bytes: &[u8]) -> Option<(usize, f32)> {
+    let fields = ty.scale_fields();
+    if fields.is_empty() {
+        return None;
+    }
+    bytes
+        .chunks_exact(ty.block().1)
+        .enumerate()
+        .find_map(|(b, block)| {
+            fields
+                .iter()
+                .map(|&at| half(&block[at..at + 2]))
+                .find(|v| !v.is_finite())
+                .map(|v| (b, v))
+        })
+}
+
 fn half(bytes: &[u8]) -> f32 {
     f16::from_le_bytes([bytes[0], bytes[1]]).to_f32()
 }
@@ -253,5 +286,43 @@ mod tests {
         block[3] = 4;
         let x = dequantize(GgmlType::Q8_0, &block, 32).unwrap();
         assert_eq!(&x[..3], &[-0.5, 2.0, 0.0]);
+    }
+
+    /// A block's values are finite exactly when its scale fields are: the
+    /// check finds the block whose dequantized values are not.
+    #[test]
+    fn the_block_with_a_non_finite_scale_is_found() {
+        let types = [
+            GgmlType::Q4_0,
+            GgmlType::Q4_1,
+            GgmlType::Q5_0,
+            GgmlType::Q5_1,
+            GgmlType::Q8_0,
+            GgmlType::Q4K,
+            GgmlType::Q5K,
+            GgmlType::Q6K,
+        ];
+        for ty in types {
+            let (block, bytes_a_block) = ty.block();
+            // Bytes of 0x11 dequantize to finite values (scales of f16 0x1111).
+            let mut bytes = vec![0x11u8; 3 * bytes_a_block];
+            assert_eq!(non_finite_block(ty, &bytes), None, "{ty:?}");
+            for &at in ty.scale_fields() {
+                let mut bad = bytes.clone();
+                bad[bytes_a_block + at..][..2].copy_from_slice(&f16::INFINITY.to_le_bytes());
+                assert_eq!(
+                    non_finite_block(ty, &bad),
+                    Some((1, f32::INFINITY)),
+                    "{ty:?}"
+                );
+                let values = dequantize(ty, &bad, 3 * block).unwrap();
+                assert!(values[..block].iter().all(|v| v.is_finite()), "{ty:?}");
+                assert!(
+                    values[block..2 * block].iter().any(|v| !v.is_finite()),
+                    "{ty:?}"
+                );
+            }
+            bytes.truncate(bytes_a_block);
+        }
     }
 }

@@ -199,9 +199,11 @@ fn info<'f>(file: &'f GgufFile, name: &str, dims: &[usize]) -> Result<&'f Tensor
     Ok(info)
 }
 
-/// A tensor of the expected GGUF dims, dequantized.
+/// A tensor of the expected GGUF dims, dequantized, its values finite.
 fn take(file: &GgufFile, name: &str, dims: &[usize]) -> Result<Vec<f32>> {
-    file.tensor_f32(info(file, name, dims)?)
+    let values = file.tensor_f32(info(file, name, dims)?)?;
+    crate::weights::check_finite(name, values.iter().copied()).map_err(|m| file.error(m))?;
+    Ok(values)
 }
 
 /// A `[rows, cols]` matrix (GGUF dims `[cols, rows]`) with the values the
@@ -228,6 +230,20 @@ fn matrix(file: &GgufFile, name: &str, rows: usize, cols: usize) -> Result<Matri
             bytes: bytes.to_vec(),
         },
     };
+    // As for safetensors (`weights::check_finite`): a NaN or infinite weight
+    // makes every logit NaN, which greedy decoding would read as token 0.
+    let corrupt =
+        |what: String| file.error(format!("tensor {name} holds {what}; the file is corrupt"));
+    match &values {
+        Values::F32(v) => crate::weights::check_finite(name, v.iter().copied()),
+        Values::F16(v) => crate::weights::check_finite(name, v.iter().map(|x| x.to_f32())),
+        Values::Bf16(v) => crate::weights::check_finite(name, v.iter().map(|x| x.to_f32())),
+        Values::Blocks { ty, bytes } => match super::dequant::non_finite_block(*ty, bytes) {
+            Some((block, v)) => return Err(corrupt(format!("a scale of {v} in block {block}"))),
+            None => Ok(()),
+        },
+    }
+    .map_err(|message| file.error(message))?;
     Matrix::stored(rows, cols, values)
         .map_err(|message| file.error(format!("tensor {name}: {message}")))
 }
