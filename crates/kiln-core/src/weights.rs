@@ -68,9 +68,15 @@ impl Values {
     }
 }
 
-/// Each part's values of one kind, as `get` takes them out.
-fn slices_of<'a, T>(parts: &[&'a Matrix], get: impl Fn(&'a Values) -> &'a Vec<T>) -> Vec<&'a [T]> {
-    parts.iter().map(|m| get(&m.values).as_slice()).collect()
+/// Each part's values, where `get` takes them out of every part.
+fn every<'a, T: 'a>(
+    parts: &[&'a Matrix],
+    get: impl Fn(&'a Values) -> Option<&'a Vec<T>>,
+) -> Option<Vec<&'a [T]>> {
+    parts
+        .iter()
+        .map(|m| get(&m.values).map(Vec::as_slice))
+        .collect()
 }
 
 impl Matrix {
@@ -113,6 +119,14 @@ impl Matrix {
     /// The values as stored.
     pub fn values(&self) -> &Values {
         &self.values
+    }
+
+    /// The block type and bytes, where the values are GGUF blocks.
+    pub fn blocks(&self) -> Option<(GgmlType, &[u8])> {
+        match &self.values {
+            Values::Blocks { ty, bytes } => Some((*ty, bytes)),
+            _ => None,
+        }
     }
 
     /// Whether the values are f32 already ([`Matrix::f32`] borrows them).
@@ -203,51 +217,38 @@ impl Matrix {
         let order: Vec<(usize, usize)> = order.collect();
         let rows = order.len();
         let order = order.into_iter();
-        let alike = parts.iter().all(|m| match (&m.values, &parts[0].values) {
-            (Values::Blocks { ty: a, .. }, Values::Blocks { ty: b, .. }) => a == b,
-            (a, b) => std::mem::discriminant(a) == std::mem::discriminant(b),
-        });
-        let values = match &parts[0].values {
-            _ if !alike => {
-                let widened: Vec<_> = parts.iter().map(|m| m.f32()).collect();
-                let slices: Vec<&[f32]> = widened.iter().map(|w| &w[..]).collect();
-                Values::F32(pick(&slices, cols, order))
+        let width = |ty: GgmlType| cols / ty.block().0 * ty.block().1;
+        let values = if let Some(v) = every(parts, |v| match v {
+            Values::F32(v) => Some(v),
+            _ => None,
+        }) {
+            Values::F32(pick(&v, cols, order))
+        } else if let Some(v) = every(parts, |v| match v {
+            Values::F16(v) => Some(v),
+            _ => None,
+        }) {
+            Values::F16(pick(&v, cols, order))
+        } else if let Some(v) = every(parts, |v| match v {
+            Values::Bf16(v) => Some(v),
+            _ => None,
+        }) {
+            Values::Bf16(pick(&v, cols, order))
+        } else if let Some((ty, v)) = parts[0].blocks().and_then(|(ty, _)| {
+            every(parts, |v| match v {
+                Values::Blocks { ty: t, bytes } if *t == ty => Some(bytes),
+                _ => None,
+            })
+            .map(|v| (ty, v))
+        }) {
+            Values::Blocks {
+                ty,
+                bytes: pick(&v, width(ty), order),
             }
-            Values::F32(_) => Values::F32(pick(
-                &slices_of(parts, |v| match v {
-                    Values::F32(v) => v,
-                    _ => unreachable!("alike"),
-                }),
-                cols,
-                order,
-            )),
-            Values::F16(_) => Values::F16(pick(
-                &slices_of(parts, |v| match v {
-                    Values::F16(v) => v,
-                    _ => unreachable!("alike"),
-                }),
-                cols,
-                order,
-            )),
-            Values::Bf16(_) => Values::Bf16(pick(
-                &slices_of(parts, |v| match v {
-                    Values::Bf16(v) => v,
-                    _ => unreachable!("alike"),
-                }),
-                cols,
-                order,
-            )),
-            Values::Blocks { ty, .. } => {
-                let (block, block_bytes) = ty.block();
-                let bytes = slices_of(parts, |v| match v {
-                    Values::Blocks { bytes, .. } => bytes,
-                    _ => unreachable!("alike"),
-                });
-                Values::Blocks {
-                    ty: *ty,
-                    bytes: pick(&bytes, cols / block * block_bytes, order),
-                }
-            }
+        } else {
+            // Stored unlike: all widened.
+            let widened: Vec<_> = parts.iter().map(|m| m.f32()).collect();
+            let slices: Vec<&[f32]> = widened.iter().map(|w| &w[..]).collect();
+            Values::F32(pick(&slices, cols, order))
         };
         Matrix { rows, cols, values }
     }

@@ -357,12 +357,9 @@ fn to_core(error: impl std::fmt::Display) -> kiln_core::Error {
     kiln_core::Error::Backend(error.to_string())
 }
 
-/// Whether `m` holds GGUF blocks of `ty`.
+/// `m`'s bytes, where it holds GGUF blocks of `ty`.
 pub(crate) fn blocks_of(m: &Matrix, ty: GgmlType) -> Option<&[u8]> {
-    match m.values() {
-        Values::Blocks { ty: t, bytes } if *t == ty => Some(bytes),
-        _ => None,
-    }
+    m.blocks().filter(|&(t, _)| t == ty).map(|(_, bytes)| bytes)
 }
 
 #[cfg(test)]
