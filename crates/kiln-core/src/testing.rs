@@ -286,7 +286,7 @@ pub fn chatml_model(dir: &Path, chat_template: Option<&str>) -> Result<()> {
     Ok(())
 }
 
-/// `m` as a GGUF file stores it at `ty` (Q4_0 or Q8_0, written as
+/// `m` as a GGUF file stores it at `ty` (Q4_0, Q4_1 or Q8_0, written as
 /// llama.cpp's reference quantizer writes them, or F16): what the GGUF
 /// loader gives a backend from such a file.
 pub fn as_stored(m: &Matrix, ty: crate::gguf::GgmlType) -> Matrix {
@@ -312,6 +312,22 @@ pub fn as_stored(m: &Matrix, ty: crate::gguf::GgmlType) -> Matrix {
             }
             Values::Blocks { ty, bytes }
         }
+        GgmlType::Q4_1 => {
+            let mut bytes = Vec::with_capacity(data.len() / 32 * 20);
+            for block in data.chunks_exact(32) {
+                let (min, max) = (block.iter())
+                    .fold((f32::INFINITY, f32::NEG_INFINITY), |(lo, hi), &v| {
+                        (lo.min(v), hi.max(v))
+                    });
+                let d = (max - min) / 15.0;
+                let inverse = if d != 0.0 { 1.0 / d } else { 0.0 };
+                let level = |v: f32| (((v - min) * inverse + 0.5) as u8).min(15);
+                bytes.extend(f16::from_f32(d).to_le_bytes());
+                bytes.extend(f16::from_f32(min).to_le_bytes());
+                bytes.extend((0..16).map(|j| level(block[j]) | (level(block[j + 16]) << 4)));
+            }
+            Values::Blocks { ty, bytes }
+        }
         GgmlType::Q8_0 => {
             let mut bytes = Vec::with_capacity(data.len() / 32 * 34);
             for block in data.chunks_exact(32) {
@@ -322,7 +338,10 @@ pub fn as_stored(m: &Matrix, ty: crate::gguf::GgmlType) -> Matrix {
             }
             Values::Blocks { ty, bytes }
         }
-        other => panic!("as_stored writes Q4_0, Q8_0 and F16, not {}", other.name()),
+        other => panic!(
+            "as_stored writes Q4_0, Q4_1, Q8_0 and F16, not {}",
+            other.name()
+        ),
     };
     Matrix::stored(m.rows, m.cols, values).expect("whole blocks")
 }

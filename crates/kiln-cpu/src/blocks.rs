@@ -4,6 +4,8 @@
 //! 8-bit `q` with an f32 `scale`, `w = q · scale` (GGUF's Q8_0), for the
 //! output projection, whose error goes straight into the logits.
 
+use half::f16;
+use kiln_core::gguf::GgmlType;
 use kiln_core::weights::Matrix;
 
 /// Inputs per block.
@@ -26,6 +28,12 @@ pub struct Q4Blocks {
     pub mins: Vec<f32>,
 }
 
+/// `m`'s blocks where they are a GGUF file's Q4_0 or Q4_1 ones.
+fn file_blocks(m: &Matrix) -> Option<(GgmlType, &[u8])> {
+    m.blocks()
+        .filter(|(ty, _)| matches!(ty, GgmlType::Q4_0 | GgmlType::Q4_1))
+}
+
 /// Why a matrix cannot be stored in 4-bit blocks.
 #[derive(Debug, thiserror::Error, PartialEq)]
 pub enum BlockError {
@@ -39,11 +47,10 @@ pub enum BlockError {
 }
 
 impl Q4Blocks {
-    /// Quantizes `m`: each block's smallest and largest weight are its
-    /// ends, `scale = (max − min) / 15`, and a weight's level is the nearest,
-    /// so it moves by at most half a step. A block of `d·u + m` values that
-    /// uses levels 0 and 15 (every block of a Q4_1 file whose range is not
-    /// a single value) comes back up to the rounding of `scale`.
+    /// Quantizes `m`: a GGUF file's Q4_0 or Q4_1 blocks are taken as they
+    /// are (its values exactly); any other block's smallest and largest
+    /// weight are its ends, `scale = (max − min) / 15`, and a weight's level
+    /// is the nearest, so it moves by at most half a step.
     pub fn quantize(m: &Matrix) -> Result<Q4Blocks, BlockError> {
         Q4Blocks::stack(&[m])
     }
@@ -67,6 +74,16 @@ impl Q4Blocks {
             scales: Vec::with_capacity(blocks),
             mins: Vec::with_capacity(blocks),
         };
+        if let Some(files) = parts
+            .iter()
+            .map(|m| file_blocks(m))
+            .collect::<Option<Vec<_>>>()
+        {
+            for (ty, bytes) in files {
+                q.extend_from_file(ty, bytes);
+            }
+            return Ok(q);
+        }
         let widened: Vec<_> = parts.iter().map(|m| m.f32()).collect();
         for block in widened.iter().flat_map(|m| m.chunks_exact(BLOCK)) {
             let (min, max) = block
@@ -89,6 +106,24 @@ impl Q4Blocks {
             q.mins.push(min);
         }
         Ok(q)
+    }
+
+    /// A GGUF Q4_0 or Q4_1 file's blocks as they are: the same levels in
+    /// the same order, `scale = d`, `min = −8d` (Q4_0) or `m` (Q4_1), which
+    /// give the file's values exactly (`u·d − 8d` is `d·(u − 8)`: every term
+    /// is an f16 times a small integer, exact in f32).
+    fn extend_from_file(&mut self, ty: GgmlType, bytes: &[u8]) {
+        let half = |b: &[u8]| f16::from_le_bytes([b[0], b[1]]).to_f32();
+        for block in bytes.chunks_exact(ty.block().1) {
+            let d = half(&block[0..2]);
+            let (min, levels) = match ty {
+                GgmlType::Q4_0 => (-8.0 * d, &block[2..18]),
+                _ => (half(&block[2..4]), &block[4..20]),
+            };
+            self.levels.extend_from_slice(levels);
+            self.scales.push(d);
+            self.mins.push(min);
+        }
     }
 
     /// Blocks per row.
@@ -219,6 +254,32 @@ impl Q8Blocks {
 mod tests {
     use super::*;
     use proptest::prelude::*;
+
+    /// A file's Q4_0 and Q4_1 blocks are kept as written: the file's
+    /// values exactly, stacked as one product.
+    #[test]
+    fn a_files_4_bit_blocks_are_its_values() {
+        use kiln_core::gguf::GgmlType;
+        let ramp =
+            // −11 to 5 steps: a Q4_0 block's levels end well short of 15.
+            |rows, step| Matrix::from_fn(rows, 64, move |i| ((i * 37 % 17) as f32 - 11.0) * step);
+        for ty in [GgmlType::Q4_0, GgmlType::Q4_1] {
+            let (a, b) = (ramp(3, 0.01), ramp(2, 0.07));
+            let (a, b) = (
+                kiln_core::testing::as_stored(&a, ty),
+                kiln_core::testing::as_stored(&b, ty),
+            );
+            let q = Q4Blocks::stack(&[&a, &b]).unwrap();
+            let want: Vec<f32> = [a.f32(), b.f32()].concat();
+            assert_eq!(q.dequantize().f32(), want, "{ty:?}");
+            // Rounding the widened values again by their ends moves a Q4_0
+            // file's (its levels are d·(u − 8), not spread over the range).
+            if ty == GgmlType::Q4_0 {
+                let again = Q4Blocks::stack(&[&a.widened(), &b.widened()]).unwrap();
+                assert_ne!(again.dequantize().f32(), want);
+            }
+        }
+    }
 
     /// Widening any whole blocks of a row gives the dequantized values.
     #[test]
