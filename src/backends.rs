@@ -62,13 +62,13 @@ fn auto(model: &Model, options: &BackendOptions) -> (BackendKind, String) {
     }
     let no_gpu = gpu.err().unwrap_or_default();
     match model.weights.stored {
-        // cpu-q4's layer blocks are Q4_1's: such a file's come back exactly.
-        Stored::Blocks("Q4_1") => {
+        // cpu-q4 takes a Q4_0 or Q4_1 file's blocks as they are.
+        Stored::Blocks(ty @ ("Q4_0" | "Q4_1")) => {
             let threads = options.threads.map_or_else(default_threads, usize::from);
             (
                 BackendKind::CpuQ4,
                 format!(
-                    "{no_gpu}the model's matrices are Q4_1 blocks, which cpu-q4 keeps as stored; \
+                    "{no_gpu}the model's matrices are {ty} blocks, which cpu-q4 keeps as stored; \
                      {threads} threads"
                 ),
             )
@@ -122,7 +122,7 @@ pub enum BackendKind {
     /// The pure-Rust CPU reference: f32, one thread.
     Cpu,
     /// The CPU reference's forward pass over matrices in 4-bit blocks (a
-    /// Q4_1 GGUF's as stored, others quantized on load), SIMD block
+    /// Q4_0 or Q4_1 GGUF's as stored, others quantized on load), SIMD block
     /// products on `--threads` threads: kiln's fastest CPU decode.
     CpuQ4,
     /// The CPU reference's forward pass over SIMD products on `--threads`
@@ -817,6 +817,38 @@ mod tests {
                 Some(Stored::Blocks("Q8_0")),
             );
             assert_eq!(f16, Precision::F16);
+        }
+    }
+}
+
+/// Without a GPU, `auto` keeps a file's 4-bit blocks on `cpu-q4` and every
+/// other precision on `cpu-simd`.
+#[cfg(all(test, not(feature = "cuda")))]
+mod auto_tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        options: BackendOptions,
+    }
+
+    #[test]
+    fn a_files_4_bit_blocks_go_to_cpu_q4_and_the_rest_to_cpu_simd() {
+        let options = Cli::try_parse_from(["kiln"]).unwrap().options;
+        let mut model = Model::embedded();
+        for (stored, want) in [
+            (Stored::Blocks("Q4_0"), BackendKind::CpuQ4),
+            (Stored::Blocks("Q4_1"), BackendKind::CpuQ4),
+            (Stored::Blocks("Q8_0"), BackendKind::CpuSimd),
+            (Stored::Blocks("Q4_K"), BackendKind::CpuSimd),
+            (Stored::F16, BackendKind::CpuSimd),
+        ] {
+            model.weights.stored = stored;
+            let (kind, why) = auto(&model, &options);
+            assert_eq!(kind, want, "{stored:?}: {why}");
+            assert!(why.contains("keeps as stored"), "{why}");
         }
     }
 }
