@@ -4,6 +4,7 @@
 use std::path::Path;
 
 use anyhow::Result;
+use kiln_core::gguf::GgmlType;
 use kiln_core::tokenizer::ByteTokenizer;
 use kiln_core::weights::Stored;
 use kiln_core::{Model, ModelConfig, Tokenizer};
@@ -59,26 +60,12 @@ fn q8_0_preset(spec: &str) -> Option<(ModelConfig, u64)> {
     kiln_core::model::preset(spec.strip_suffix("-q8_0")?)
 }
 
-/// `model` with every matrix (the embedding too) rounded to 8-bit blocks,
-/// the values a Q8_0 file of it would give (up to the scale's f16
-/// rounding): what `cpu-simd` keeps as Q8_0 blocks, for measuring that path
-/// where no Q8_0 file is at hand. Named as stored in Q8_0.
+/// `model` with every matrix (the embedding too) as a Q8_0 file of it would
+/// store it (llama.cpp's quantizer): what `cpu-simd` and IREE's q8 keep as
+/// Q8_0 blocks, for measuring those paths where no Q8_0 file is at hand.
 pub fn q8_0(mut model: Model) -> Result<Model> {
-    let round = |m: &mut kiln_core::weights::Matrix| -> Result<()> {
-        *m = kiln_cpu::Q8Blocks::quantize(m)?.dequantize();
-        Ok(())
-    };
-    let w = &mut model.weights;
-    for l in &mut w.layers {
-        for m in l.matrices_mut() {
-            round(m)?;
-        }
-    }
-    round(&mut w.embed)?;
-    if let Some(head) = &mut w.lm_head {
-        round(head)?;
-    }
-    w.stored = Stored::Blocks("Q8_0");
+    model.weights = kiln_core::gguf::quantize_weights(&model.weights, GgmlType::Q8_0)
+        .map_err(|e| anyhow::anyhow!("{}: {e}", model.name))?;
     Ok(model)
 }
 

@@ -714,7 +714,10 @@ fn from_table(mut t: TensorTable, c: &ModelConfig) -> Result<Weights> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::testing::as_stored;
+
+    fn as_stored(m: &Matrix, ty: GgmlType) -> Matrix {
+        crate::gguf::quantize(m, ty).unwrap()
+    }
 
     fn ramp(rows: usize, cols: usize, step: f32) -> Matrix {
         Matrix::from_fn(rows, cols, |i| ((i * 37 % 23) as f32 - 11.0) * step)

@@ -266,8 +266,8 @@ mod tests {
         for ty in [GgmlType::Q4_0, GgmlType::Q4_1] {
             let (a, b) = (ramp(3, 0.01), ramp(2, 0.07));
             let (a, b) = (
-                kiln_core::testing::as_stored(&a, ty),
-                kiln_core::testing::as_stored(&b, ty),
+                kiln_core::gguf::quantize(&a, ty).unwrap(),
+                kiln_core::gguf::quantize(&b, ty).unwrap(),
             );
             let q = Q4Blocks::stack(&[&a, &b]).unwrap();
             let want: Vec<f32> = [a.f32(), b.f32()].concat();

@@ -366,7 +366,6 @@ pub(crate) fn blocks_of(m: &Matrix, ty: GgmlType) -> Option<&[u8]> {
 mod tests {
     use super::*;
     use crate::compiler::Target;
-    use kiln_core::testing::stored_weights;
 
     /// The embedded model with `weights`.
     fn model(weights: Weights) -> Model {
@@ -388,7 +387,7 @@ mod tests {
                     (i % 13) as f32 * 0.01 - 0.06
                 }));
             }
-            let stored = model(stored_weights(&random, ty));
+            let stored = model(kiln_core::gguf::quantize_weights(&random, ty).unwrap());
             let widened = model(stored.weights.widened());
             assert!(!stored.weights.is_f32() && widened.weights.is_f32());
             assert!(2 * stored.weights.matrix_bytes() <= widened.weights.matrix_bytes());
@@ -440,7 +439,7 @@ mod tests {
     #[test]
     fn q4_0_blocks_are_kept_as_written() {
         let m = Matrix::from_fn(6, 96, |i| ((i * 7919 % 1000) as f32 / 500.0 - 1.0) * 0.03);
-        let stored = kiln_core::testing::as_stored(&m, GgmlType::Q4_0);
+        let stored = kiln_core::gguf::quantize(&m, GgmlType::Q4_0).unwrap();
         let q = Q4Matrix::from_matrix(&stored).unwrap();
         assert!(q.offsets.iter().all(|o| *o == f16::ZERO));
         // The file's values exactly (a zero level's −0 reads +0).
@@ -463,7 +462,7 @@ mod tests {
     fn a_non_finite_scale_is_refused() {
         let m = Matrix::from_fn(1, 32, |i| i as f32);
         for ty in [GgmlType::Q4_0, GgmlType::Q8_0] {
-            let stored = kiln_core::testing::as_stored(&m, ty);
+            let stored = kiln_core::gguf::quantize(&m, ty).unwrap();
             let Values::Blocks { mut bytes, .. } = stored.values().clone() else {
                 unreachable!()
             };

@@ -7,6 +7,7 @@
 
 mod dequant;
 mod llama;
+mod quantize;
 mod reader;
 pub use reader::MAX_METADATA_ITEMS;
 mod tokenizer;
@@ -18,6 +19,7 @@ use crate::error::{Error, Result};
 
 pub use dequant::{GgmlType, dequantize};
 pub use llama::{load_model, model_config, stored_kind, unpermute_rows};
+pub use quantize::{quantize, quantize_weights};
 pub use tokenizer::tokenizer_from_gguf;
 
 /// A metadata value, as GGUF types it.
