@@ -57,6 +57,37 @@ impl Values {
         })
     }
 
+    /// Every value in f32.
+    pub fn into_f32(self) -> Vec<f32> {
+        match self {
+            Values::F32(v) => v,
+            Values::F16(v) => v.iter().map(|x| x.to_f32()).collect(),
+            Values::Bf16(v) => v.iter().map(|x| x.to_f32()).collect(),
+            Values::Blocks { ty, bytes } => {
+                let n = bytes.len() / ty.block().1 * ty.block().0;
+                crate::gguf::dequantize(ty, &bytes, n).expect("whole blocks")
+            }
+        }
+    }
+
+    /// An error naming the first NaN or infinity of tensor `name` (of
+    /// blocks, the first non-finite scale: their other fields are
+    /// integers): such a weight makes every logit NaN, which greedy
+    /// decoding would read as token 0.
+    pub fn check_finite(&self, name: &str) -> std::result::Result<(), String> {
+        match self {
+            Values::F32(v) => check_finite(name, v.iter().copied()),
+            Values::F16(v) => check_finite(name, v.iter().map(|x| x.to_f32())),
+            Values::Bf16(v) => check_finite(name, v.iter().map(|x| x.to_f32())),
+            Values::Blocks { ty, bytes } => match crate::gguf::non_finite_block(*ty, bytes) {
+                Some((block, v)) => Err(format!(
+                    "tensor {name} holds a scale of {v} in block {block}; the file is corrupt"
+                )),
+                None => Ok(()),
+            },
+        }
+    }
+
     /// How the values are stored, as [`Weights::stored`] names it.
     pub fn stored(&self) -> Stored {
         match self {
@@ -173,10 +204,7 @@ impl Matrix {
 
     /// The values in f32, row-major.
     pub fn into_f32(self) -> Vec<f32> {
-        match self.values {
-            Values::F32(v) => v,
-            _ => self.f32().into_owned(),
-        }
+        self.values.into_f32()
     }
 
     /// This matrix with its values in f32.
@@ -513,13 +541,7 @@ impl<'a> TensorTable<'a> {
 
     /// Decodes tensor `name`, which must have `shape`, to f32.
     fn take(&mut self, name: &str, shape: &[usize]) -> Result<Vec<f32>> {
-        let values = self.take_values(name, shape)?;
-        Ok(match values {
-            Values::F32(v) => v,
-            Values::F16(v) => v.iter().map(|x| x.to_f32()).collect(),
-            Values::Bf16(v) => v.iter().map(|x| x.to_f32()).collect(),
-            Values::Blocks { .. } => unreachable!("safetensors holds no blocks"),
-        })
+        Ok(self.take_values(name, shape)?.into_f32())
     }
 
     /// Tensor `name`, which must have `shape`, at its stored precision.
@@ -568,13 +590,7 @@ impl<'a> TensorTable<'a> {
             }
         };
         self.last_dtype = values.stored();
-        let finite = match &values {
-            Values::F32(v) => check_finite(name, v.iter().copied()),
-            Values::F16(v) => check_finite(name, v.iter().map(|x| x.to_f32())),
-            Values::Bf16(v) => check_finite(name, v.iter().map(|x| x.to_f32())),
-            Values::Blocks { .. } => Ok(()),
-        };
-        finite.map_err(bad)?;
+        values.check_finite(name).map_err(bad)?;
         Ok(values)
     }
 

@@ -358,7 +358,7 @@ fn to_core(error: impl std::fmt::Display) -> kiln_core::Error {
 }
 
 /// `m`'s bytes, where it holds GGUF blocks of `ty`.
-pub(crate) fn blocks_of(m: &Matrix, ty: GgmlType) -> Option<&[u8]> {
+fn blocks_of(m: &Matrix, ty: GgmlType) -> Option<&[u8]> {
     m.blocks().filter(|&(t, _)| t == ty).map(|(_, bytes)| bytes)
 }
 

@@ -75,7 +75,7 @@ impl Q4Matrix {
     /// 8`, the file's scale, no offset), any other values through
     /// [`Q4Matrix::quantize`].
     pub fn from_matrix(m: &Matrix) -> Result<Q4Matrix, Q4Error> {
-        let Some(bytes) = crate::pack::blocks_of(m, GgmlType::Q4_0) else {
+        let Some((GgmlType::Q4_0, bytes)) = m.blocks() else {
             return Q4Matrix::quantize(m);
         };
         let blocks = bytes.len() / Q4_0_BYTES;

@@ -68,7 +68,7 @@ impl Q8Matrix {
     /// `m` in 8-bit blocks: a GGUF Q8_0 file's blocks as they are, any
     /// other values through [`Q8Matrix::quantize`].
     pub fn from_matrix(m: &Matrix) -> Result<Q8Matrix, Q8Error> {
-        let Some(bytes) = crate::pack::blocks_of(m, GgmlType::Q8_0) else {
+        let Some((GgmlType::Q8_0, bytes)) = m.blocks() else {
             return Q8Matrix::quantize(m);
         };
         let blocks = bytes.len() / Q8_0_BYTES;

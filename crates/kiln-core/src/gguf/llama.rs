@@ -232,18 +232,9 @@ fn matrix(file: &GgufFile, name: &str, rows: usize, cols: usize) -> Result<Matri
     };
     // As for safetensors (`weights::check_finite`): a NaN or infinite weight
     // makes every logit NaN, which greedy decoding would read as token 0.
-    let corrupt =
-        |what: String| file.error(format!("tensor {name} holds {what}; the file is corrupt"));
-    match &values {
-        Values::F32(v) => crate::weights::check_finite(name, v.iter().copied()),
-        Values::F16(v) => crate::weights::check_finite(name, v.iter().map(|x| x.to_f32())),
-        Values::Bf16(v) => crate::weights::check_finite(name, v.iter().map(|x| x.to_f32())),
-        Values::Blocks { ty, bytes } => match super::dequant::non_finite_block(*ty, bytes) {
-            Some((block, v)) => return Err(corrupt(format!("a scale of {v} in block {block}"))),
-            None => Ok(()),
-        },
-    }
-    .map_err(|message| file.error(message))?;
+    values
+        .check_finite(name)
+        .map_err(|message| file.error(message))?;
     Matrix::stored(rows, cols, values)
         .map_err(|message| file.error(format!("tensor {name}: {message}")))
 }

@@ -17,7 +17,7 @@ use std::path::{Path, PathBuf};
 
 use crate::error::{Error, Result};
 
-pub use dequant::{GgmlType, dequantize};
+pub use dequant::{GgmlType, dequantize, non_finite_block};
 pub use llama::{load_model, model_config, stored_kind, unpermute_rows};
 pub use quantize::{quantize, quantize_weights};
 pub use tokenizer::tokenizer_from_gguf;
